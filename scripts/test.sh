@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# kvtier's whole test run: lint, types, the fast suite, then the slow suite.
+# Creates .venv, installs kvtier with every extra, and starts nothing by hand:
+# the tests start (and stop) the servers they need on loopback.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet -e '.[test]'
+
+ruff check src tests
+mypy
+pytest -q -m "not slow"

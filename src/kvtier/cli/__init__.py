@@ -1,0 +1,26 @@
+"""The ``kvtier`` command."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from kvtier import __version__
+from kvtier.cli.check import check
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvtier")
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """kvtier: tiered KV-cache offloading for LLM inference engines."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+cli.add_command(check)
+
+
+def main() -> None:
+    cli()

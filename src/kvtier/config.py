@@ -1,0 +1,256 @@
+"""One configuration document, validated completely before anything starts.
+
+A document is a dict, or a JSON or YAML file. :func:`load_config` checks every
+key, resolves every tier, policy and spec class (out-of-tree ones included:
+each declares typed options) and reports *all* problems at once, each with
+its path (``secondary_tiers[1].root_dri``) and the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.policies.base import CachePolicy
+from kvtier.policies.factory import policy_registry
+from kvtier.tiers.base import SecondaryTier, TierOptions
+from kvtier.tiers.factory import tier_registry
+
+Problems = list[tuple[str, str]]
+
+
+class BackpressureConfig(BaseModel):
+    """When a secondary tier falls behind, new stores to it are dropped (and
+    counted) until it catches up; loads always go on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    max_inflight_stores: int = Field(default=16, ge=1)
+    """Store jobs a tier may have in flight before further stores are dropped."""
+
+    high_latency_s: float = Field(default=2.0, gt=0)
+    """Average seconds per stored chunk above which a tier counts as pressured."""
+
+    low_latency_s: float = Field(default=0.5, gt=0)
+    """Average seconds per stored chunk below which a pressured tier recovers."""
+
+    smoothing: float = Field(default=0.2, gt=0, le=1)
+    """Weight of the newest job in the moving average of store latency."""
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One validated ``secondary_tiers`` entry."""
+
+    tier_type: str
+    module_path: str | None
+    tier_class: type[SecondaryTier]
+    options: TierOptions
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry as a factory takes it (options in their validated form)."""
+        entry: dict[str, Any] = {
+            "type": self.tier_type,
+            **self.options.model_dump(exclude_unset=True),
+        }
+        if self.module_path is not None:
+            entry["module_path"] = self.module_path
+        return entry
+
+
+class KVTierConfig(BaseModel):
+    """The whole kvtier configuration. Build it with :func:`load_config`."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, arbitrary_types_allowed=True, use_attribute_docstrings=True
+    )
+
+    chunk_tokens: int = Field(default=256, gt=0)
+    """Tokens per chunk: the unit of storage, lookup and transfer."""
+
+    cpu_bytes_to_use: ByteSize = Field(default=ByteSize(1 << 30), gt=0)
+    """Size of the CPU primary tier (e.g. ``8GiB``); rounded down to whole chunks."""
+
+    eviction_policy: str = "lru"
+    """Cache policy of the primary tier: ``lru``, ``arc``, ``s3fifo`` or an out-of-tree name."""
+
+    cache_policy_module_path: str | None = None
+    """Module to import an out-of-tree ``eviction_policy`` class from (trusted input)."""
+
+    spec_name: str = "tiering"
+    """Offloading spec that wires the tiers together."""
+
+    spec_module_path: str | None = None
+    """Module to import an out-of-tree ``spec_name`` class from (trusted input)."""
+
+    shared_memory_name: str | None = None
+    """Put the primary tier in ``/dev/shm/NAME`` so another process can map its slots."""
+
+    secondary_tiers: tuple[TierConfig, ...] = ()
+    """Tiers behind the primary one, looked up in this order."""
+
+    backpressure: BackpressureConfig = BackpressureConfig()
+    """Per-tier store backpressure."""
+
+    def policy_class(self) -> type[CachePolicy]:
+        return policy_registry.resolve(self.eviction_policy, self.cache_policy_module_path)
+
+
+def load_config(
+    source: KVTierConfig | Mapping[str, Any] | str | Path | None = None,
+) -> KVTierConfig:
+    """Validate a configuration given as a dict, a JSON/YAML path, or ``None`` for defaults."""
+    if isinstance(source, KVTierConfig):
+        return source
+    label = None
+    if source is None:
+        document: Any = {}
+    elif isinstance(source, (str, Path)):
+        label = str(source)
+        document = _read_document(Path(source))
+    else:
+        document = source
+    if not isinstance(document, Mapping):
+        raise ConfigError([("", f"expected a mapping, got {type(document).__name__}")], label)
+
+    problems: Problems = []
+    document = dict(document)
+    raw_tiers = document.pop("secondary_tiers", [])
+    tiers: list[TierConfig] = []
+    if not isinstance(raw_tiers, list):
+        problems.append(("secondary_tiers", f"expected a list, got {type(raw_tiers).__name__}"))
+    else:
+        for index, raw in enumerate(raw_tiers):
+            tier = _validate_tier(raw, f"secondary_tiers[{index}]", problems)
+            if tier is not None:
+                tiers.append(tier)
+    try:
+        config = KVTierConfig.model_validate({**document, "secondary_tiers": tuple(tiers)})
+    except ValidationError as exc:
+        problems.extend(_problems_from(exc, KVTierConfig, ""))
+    else:
+        _check_resolves(
+            lambda: policy_registry.resolve(
+                config.eviction_policy, config.cache_policy_module_path, entry="eviction_policy"
+            ),
+            "eviction_policy",
+            problems,
+        )
+        from kvtier.specs.factory import spec_registry  # specs import config
+
+        _check_resolves(
+            lambda: spec_registry.resolve(
+                config.spec_name, config.spec_module_path, entry="spec_name"
+            ),
+            "spec_name",
+            problems,
+        )
+    if problems:
+        raise ConfigError(problems, label)
+    return config
+
+
+def _read_document(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([("", f"cannot read config file: {exc}")], str(path)) from exc
+    try:
+        if path.suffix == ".json":
+            return json.loads(text)
+        return yaml.safe_load(text) or {}
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            [("", f"not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}")], str(path)
+        ) from exc
+
+
+def _validate_tier(raw: Any, path: str, problems: Problems) -> TierConfig | None:
+    if not isinstance(raw, Mapping):
+        problems.append((path, f"expected a mapping with 'type', got {type(raw).__name__}"))
+        return None
+    options = dict(raw)
+    tier_type = options.pop("type", None)
+    module_path = options.pop("module_path", None)
+    if not isinstance(tier_type, str) or not tier_type:
+        problems.append((f"{path}.type", "required: the tier's registered name or class name"))
+        return None
+    if module_path is not None and not isinstance(module_path, str):
+        problems.append((f"{path}.module_path", "expected a module name string"))
+        return None
+    try:
+        cls = tier_registry.resolve(tier_type, module_path, entry=path)
+    except (KVTierError, TypeError) as exc:
+        problems.append((f"{path}.type", str(exc).removeprefix(f"{path}: ")))
+        return None
+    try:
+        validated = cls.Options.model_validate(options)
+    except ValidationError as exc:
+        problems.extend(_problems_from(exc, cls.Options, path, extra_keys=("type", "module_path")))
+        return None
+    return TierConfig(tier_type, module_path, cls, validated)
+
+
+def _check_resolves(resolve: Any, path: str, problems: Problems) -> None:
+    try:
+        resolve()
+    except (KVTierError, TypeError) as exc:
+        problems.append((path, str(exc).removeprefix(f"{path}: ")))
+
+
+def validate_options(model: type[BaseModel], raw: Mapping[str, Any], path: str) -> BaseModel:
+    """Validate ``raw`` against ``model``, raising :class:`ConfigError` with paths."""
+    try:
+        return model.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise ConfigError(_problems_from(exc, model, path)) from None
+
+
+def _problems_from(
+    exc: ValidationError, model: type[BaseModel], prefix: str, extra_keys: Iterable[str] = ()
+) -> Problems:
+    problems: Problems = []
+    for error in exc.errors():
+        loc = error["loc"]
+        path = _join(prefix, loc)
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            valid = _field_names(model, loc[:-1]) + list(extra_keys if len(loc) == 1 else ())
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+            message = "unknown key" + (f"; did you mean {close[0]!r}?" if close else "")
+            message += f" Valid keys: {', '.join(sorted(valid))}."
+        elif "input" in error and error["type"] not in ("missing",):
+            message += f" (got {error['input']!r})"
+        problems.append((path, message))
+    return problems
+
+
+def _join(prefix: str, loc: tuple[int | str, ...]) -> str:
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _field_names(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        current = annotation
+    return list(getattr(current, "model_fields", {}))

@@ -1,0 +1,64 @@
+"""One error hierarchy for kvtier.
+
+Every class also inherits the builtin a caller would naturally catch, so
+``except ValueError`` keeps working for code that does not know kvtier.
+"""
+
+from __future__ import annotations
+
+
+class KVTierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+
+class ConfigError(KVTierError, ValueError):
+    """A configuration document is invalid.
+
+    ``problems`` lists ``(path, message)`` pairs, one per invalid entry, where
+    ``path`` reads like ``secondary_tiers[1].root_dir``.
+    """
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"invalid kvtier configuration{where}:"]
+        lines += [f"  {path or '<root>'}: {message}" for path, message in problems]
+        super().__init__("\n".join(lines))
+
+
+class PluginLoadError(KVTierError, ImportError):
+    """A tier, policy or spec named in configuration could not be loaded."""
+
+    def __init__(self, message: str, *, entry: str, module: str | None, name: str):
+        self.entry = entry
+        self.module = module
+        self.name = name
+        super().__init__(message)
+
+
+class UntrustedModuleError(PluginLoadError):
+    """``module_path`` names a module outside ``KVTIER_ALLOWED_MODULES``."""
+
+
+class MissingDependencyError(KVTierError, ImportError):
+    """An optional dependency of a built-in backend is not installed."""
+
+    def __init__(self, package: str, extra: str):
+        self.package = package
+        self.extra = extra
+        super().__init__(
+            f"{package!r} is not installed; install it with: pip install 'kvtier[{extra}]'"
+        )
+
+
+class CorruptChunkError(KVTierError, ValueError):
+    """Stored chunk bytes failed an integrity check and must not be served."""
+
+
+class LayoutMismatchError(KVTierError, ValueError):
+    """Two parts of kvtier disagree on the KV layout they were built for."""
+
+
+class UnknownPluginError(KVTierError, ValueError):
+    """A tier, policy or spec name is neither registered nor given a module path."""

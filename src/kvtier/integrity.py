@@ -1,0 +1,101 @@
+"""The header every stored chunk carries outside the primary tier.
+
+Each tier that keeps chunk bytes somewhere else (a file, a Redis value, an
+object, a peer's reply) frames them with this header, so one check decides
+whether bytes may enter a primary slot: right magic and version, right
+namespace, right key, full length, matching checksum. Anything else is a
+:class:`~kvtier.errors.CorruptChunkError`, never data.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.errors import CorruptChunkError
+from kvtier.layout import FORMAT_VERSION, KEY_BYTES
+
+MAGIC = b"KVTC"
+# magic, format version, flags, payload length, xxh3-128 checksum, namespace, key
+_HEADER = struct.Struct(f"<4sHHQ16s{KEY_BYTES}s{KEY_BYTES}s")
+#: Header length in bytes; padded so the payload after it stays 8-byte aligned.
+HEADER_BYTES = (_HEADER.size + 7) // 8 * 8
+_PADDING = b"\0" * (HEADER_BYTES - _HEADER.size)
+
+
+def checksum(payload: bytes | memoryview) -> bytes:
+    """A fast 128-bit non-cryptographic checksum of ``payload``."""
+    return xxhash.xxh3_128_digest(payload)
+
+
+def pack_header(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
+    """The header for ``payload`` stored under ``key`` in ``namespace``."""
+    return (
+        _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(payload), checksum(payload), namespace, key)
+        + _PADDING
+    )
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """A parsed header; :meth:`verify` checks a payload against it."""
+
+    version: int
+    payload_bytes: int
+    digest: bytes
+    namespace: bytes
+    key: bytes
+
+    def verify(self, payload: bytes | memoryview) -> None:
+        """Raise :class:`CorruptChunkError` unless ``payload`` is the stored one."""
+        if len(payload) != self.payload_bytes:
+            raise CorruptChunkError(
+                f"chunk payload is {len(payload)} bytes, header says {self.payload_bytes}"
+            )
+        if checksum(payload) != self.digest:
+            raise CorruptChunkError("chunk checksum mismatch")
+
+
+def unpack_header(
+    raw: bytes | memoryview, *, namespace: bytes, key: bytes, payload_bytes: int
+) -> ChunkHeader:
+    """Parse and check a header against what the reader expects to find.
+
+    ``payload_bytes`` is the slot size: a chunk of any other size is foreign.
+    """
+    if len(raw) < HEADER_BYTES:
+        raise CorruptChunkError(f"chunk header truncated to {len(raw)} bytes")
+    magic, version, _flags, length, digest, stored_ns, stored_key = _HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise CorruptChunkError("not a kvtier chunk (bad magic)")
+    if version != FORMAT_VERSION:
+        raise CorruptChunkError(f"chunk format version {version}, expected {FORMAT_VERSION}")
+    if stored_ns != namespace:
+        raise CorruptChunkError("chunk belongs to another namespace")
+    if stored_key != key:
+        raise CorruptChunkError("chunk stored under another key")
+    if length != payload_bytes:
+        raise CorruptChunkError(f"chunk holds {length} bytes, a slot holds {payload_bytes}")
+    return ChunkHeader(version, length, digest, stored_ns, stored_key)
+
+
+def frame(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
+    """Header and payload as one bytes object (for stores that take a value)."""
+    return pack_header(namespace, key, payload) + bytes(payload)
+
+
+def unframe_into(
+    value: bytes | memoryview, out: memoryview, *, namespace: bytes, key: bytes
+) -> None:
+    """Verify a framed value and copy its payload into ``out`` (a primary slot).
+
+    The payload is verified *before* the copy, so a corrupt value never
+    touches the slot.
+    """
+    view = memoryview(value)
+    header = unpack_header(view, namespace=namespace, key=key, payload_bytes=len(out))
+    payload = view[HEADER_BYTES:]
+    header.verify(payload)
+    out[:] = payload

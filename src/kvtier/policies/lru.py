@@ -1,0 +1,61 @@
+"""Least recently used."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from kvtier.keys import ChunkKey
+from kvtier.policies.base import CachePolicy
+
+
+class LRUCachePolicy(CachePolicy):
+    """Evicts the idle key whose last access is oldest."""
+
+    def __init__(self, capacity: int, **kwargs: Any) -> None:
+        super().__init__(capacity, **kwargs)
+        # Oldest first; values unused.
+        self._order: OrderedDict[ChunkKey, None] = OrderedDict()
+
+    def get(self, key: ChunkKey) -> bool:
+        if key not in self._order:
+            return False
+        self._order.move_to_end(key)
+        return True
+
+    def insert(self, key: ChunkKey) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def remove(self, key: ChunkKey) -> None:
+        self._order.pop(key, None)
+
+    def touch(self, keys: Iterable[ChunkKey]) -> None:
+        for key in keys:
+            if key in self._order:
+                self._order.move_to_end(key)
+
+    def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
+        if n <= 0:
+            return []
+        victims: list[ChunkKey] = []
+        for key in self._order:
+            if key not in protected:
+                victims.append(key)
+                if len(victims) == n:
+                    break
+        if len(victims) < n:
+            return None
+        for key in victims:
+            del self._order[key]
+        return victims
+
+    def clear(self) -> None:
+        self._order.clear()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order

@@ -1,0 +1,90 @@
+"""The primary tier's memory: one page-aligned buffer of fixed-size slots."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+
+import numpy as np
+
+_SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+def _shm_path(name: str) -> str:
+    if not _NAME.match(name) or name.startswith("."):
+        raise ValueError(f"shared memory name {name!r}: use 1-200 letters, digits, '_', '-' or '.'")
+    return os.path.join(_SHM_DIR, name)
+
+
+class SlotBuffer:
+    """``num_slots × slot_bytes`` bytes, private or in named shared memory.
+
+    ``mmap`` hands out whole pages, so the buffer and every slot whose size is
+    a multiple of the page size are page-aligned, as direct I/O requires.
+    A named buffer lives in ``/dev/shm/NAME`` so an engine worker in another
+    process can map the same slots with :meth:`attach`.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        *,
+        shared_name: str | None = None,
+        _attach: bool = False,
+    ) -> None:
+        if num_slots <= 0 or slot_bytes <= 0:
+            raise ValueError(
+                f"need positive num_slots and slot_bytes, got {num_slots}, {slot_bytes}"
+            )
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.shared_name = shared_name
+        self._owner = shared_name is not None and not _attach
+        size = num_slots * slot_bytes
+        if shared_name is None:
+            self._mmap = mmap.mmap(-1, size)
+        else:
+            path = _shm_path(shared_name)
+            flags = os.O_RDWR if _attach else os.O_RDWR | os.O_CREAT | os.O_EXCL
+            fd = os.open(path, flags, 0o600)
+            try:
+                if _attach:
+                    if os.fstat(fd).st_size != size:
+                        raise ValueError(
+                            f"shared memory {shared_name!r} holds {os.fstat(fd).st_size} bytes, "
+                            f"expected {num_slots} slots × {slot_bytes} bytes"
+                        )
+                else:
+                    os.ftruncate(fd, size)
+                self._mmap = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_slots, slot_bytes)
+        #: The contract handed to secondary tiers: shape ``(num_slots, slot_bytes)``.
+        self.view = memoryview(self._mmap).cast("B", (num_slots, slot_bytes))
+
+    @classmethod
+    def attach(cls, shared_name: str, num_slots: int, slot_bytes: int) -> SlotBuffer:
+        """Map a named buffer another process created."""
+        return cls(num_slots, slot_bytes, shared_name=shared_name, _attach=True)
+
+    def slot(self, index: int) -> np.ndarray:
+        """Slot ``index`` as a writable ``uint8`` array (no copy)."""
+        return self.array[index]
+
+    def close(self) -> None:
+        """Unmap; the creator of a named buffer also removes its name."""
+        self.view.release()
+        del self.array
+        # A caller may still hold a view into the slots; the mapping then
+        # lives on until that view is dropped, which is safe.
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+        if self._owner and self.shared_name is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_shm_path(self.shared_name))
+            self._owner = False

@@ -1,0 +1,165 @@
+"""The primary tier: which key lives in which slot, and who is using it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+
+from kvtier.keys import ChunkKey
+from kvtier.policies.base import CachePolicy
+from kvtier.primary.buffer import SlotBuffer
+
+#: Reference count of a slot whose bytes are being written.
+WRITING = -1
+
+
+class PrimaryTier:
+    """Slots of a :class:`SlotBuffer`, reference-counted, evicted by a policy.
+
+    A slot's count is ``-1`` while a write into it is in flight, ``0`` while
+    idle (and evictable), ``n > 0`` while pinned by ``n`` readers: an engine
+    load, a cascade to a secondary tier, a peer sending it. Only idle chunks
+    are known to the cache policy, so it can never pick a busy victim.
+    All methods are thread-safe.
+    """
+
+    def __init__(self, buffer: SlotBuffer, policy: CachePolicy) -> None:
+        self.buffer = buffer
+        self.policy = policy
+        self._lock = threading.Lock()
+        self._slot_of: dict[ChunkKey, int] = {}
+        self._refs: dict[ChunkKey, int] = {}
+        # Pop from the end: low slot numbers are handed out first.
+        self._free: list[int] = list(range(buffer.num_slots - 1, -1, -1))
+        self.evictions = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.buffer.num_slots
+
+    @property
+    def view(self) -> memoryview:
+        """The ``(num_slots, slot_bytes)`` view handed to secondary tiers."""
+        return self.buffer.view
+
+    def __len__(self) -> int:
+        """Slots holding a chunk or a write in flight."""
+        return len(self._slot_of)
+
+    def is_ready(self, key: ChunkKey) -> bool:
+        """Resident with its bytes complete."""
+        refs = self._refs.get(key)
+        return refs is not None and refs >= 0
+
+    def is_writing(self, key: ChunkKey) -> bool:
+        return self._refs.get(key) == WRITING
+
+    def refcount(self, key: ChunkKey) -> int | None:
+        return self._refs.get(key)
+
+    def slot_of(self, key: ChunkKey) -> int | None:
+        return self._slot_of.get(key)
+
+    def prepare_store(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, int] | None:
+        """Reserve a slot for every key not yet resident, evicting idle chunks.
+
+        Atomic: returns ``{key: slot}`` for the new keys (marked writing), or
+        ``None`` with nothing changed when not enough idle chunks can go.
+        """
+        with self._lock:
+            new = list(dict.fromkeys(k for k in keys if k not in self._slot_of))
+            shortfall = len(new) - len(self._free)
+            if shortfall > 0:
+                # Chunks of this very request stay: evicting them would break its prefix.
+                protected = {k for k, r in self._refs.items() if r != 0} | set(keys)
+                victims = self.policy.evict(shortfall, protected)
+                if victims is None:
+                    return None
+                for victim in victims:
+                    self._free.append(self._slot_of.pop(victim))
+                    del self._refs[victim]
+                self.evictions += len(victims)
+            reserved = {}
+            for key in new:
+                slot = self._free.pop()
+                self._slot_of[key] = slot
+                self._refs[key] = WRITING
+                reserved[key] = slot
+            return reserved
+
+    def complete_store(self, keys: Iterable[ChunkKey], success: bool = True) -> None:
+        """End writes: on success the chunks become idle and evictable, else freed."""
+        with self._lock:
+            for key in keys:
+                if self._refs.get(key) != WRITING:
+                    continue
+                if success:
+                    self._refs[key] = 0
+                    self.policy.insert(key)
+                else:
+                    del self._refs[key]
+                    self._free.append(self._slot_of.pop(key))
+
+    def prepare_load(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """Pin ready chunks for reading and return their slots, in order.
+
+        Atomic: raises ``KeyError`` naming the first key that is not ready,
+        pinning nothing.
+        """
+        with self._lock:
+            for key in keys:
+                refs = self._refs.get(key)
+                if refs is None or refs < 0:
+                    raise KeyError(f"chunk {key.hex()[:16]} is not ready in the primary tier")
+            for key in keys:
+                self._refs[key] += 1
+            self.policy.touch(keys)
+            return [self._slot_of[key] for key in keys]
+
+    def complete_load(self, keys: Iterable[ChunkKey]) -> None:
+        """Unpin chunks pinned by :meth:`prepare_load`."""
+        with self._lock:
+            for key in keys:
+                refs = self._refs.get(key)
+                if refs is None or refs <= 0:
+                    raise ValueError(f"chunk {key.hex()[:16]} is not pinned")
+                self._refs[key] = refs - 1
+
+    def touch(self, keys: Iterable[ChunkKey]) -> None:
+        with self._lock:
+            self.policy.touch(keys)
+
+    def remove_idle(self, keys: Iterable[ChunkKey]) -> int:
+        """Drop idle chunks (e.g. found stale); busy ones stay. Returns how many."""
+        removed = 0
+        with self._lock:
+            for key in keys:
+                if self._refs.get(key) == 0:
+                    del self._refs[key]
+                    self._free.append(self._slot_of.pop(key))
+                    self.policy.remove(key)
+                    removed += 1
+        return removed
+
+    def clear(self) -> None:
+        """Forget every chunk. Call only when nothing is pinned or writing."""
+        with self._lock:
+            busy = [k for k, r in self._refs.items() if r != 0]
+            if busy:
+                raise RuntimeError(f"cannot clear the primary tier: {len(busy)} slots busy")
+            self._slot_of.clear()
+            self._refs.clear()
+            self._free = list(range(self.num_slots - 1, -1, -1))
+            self.policy.clear()
+
+    def busy_counts(self) -> Mapping[str, int]:
+        """Slots by state, for metrics."""
+        with self._lock:
+            writing = sum(1 for r in self._refs.values() if r < 0)
+            pinned = sum(1 for r in self._refs.values() if r > 0)
+            return {
+                "free": len(self._free),
+                "idle": len(self._refs) - writing - pinned,
+                "pinned": pinned,
+                "writing": writing,
+            }

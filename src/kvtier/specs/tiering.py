@@ -1,0 +1,56 @@
+"""``tiering``: the built-in spec — a CPU primary tier and the configured secondary tiers."""
+
+from __future__ import annotations
+
+import logging
+
+from kvtier.errors import ConfigError
+from kvtier.manager import TieringManager
+from kvtier.primary import PrimaryTier, SlotBuffer
+from kvtier.specs.base import OffloadingSpec
+from kvtier.tiers.base import SecondaryTier
+from kvtier.tiers.factory import SecondaryTierFactory
+
+logger = logging.getLogger(__name__)
+
+
+class TieringSpec(OffloadingSpec):
+    """Builds the tiers in configuration order; a tier that fails to start
+    stops the startup and releases the tiers already built."""
+
+    def build_manager(self) -> TieringManager:
+        slot_bytes = self.layout.slot_bytes
+        num_slots = int(self.config.cpu_bytes_to_use) // slot_bytes
+        if num_slots < 1:
+            raise ConfigError(
+                [
+                    (
+                        "cpu_bytes_to_use",
+                        f"{int(self.config.cpu_bytes_to_use)} bytes cannot hold "
+                        f"one {slot_bytes}-byte chunk of this layout",
+                    )
+                ]
+            )
+        buffer = SlotBuffer(num_slots, slot_bytes, shared_name=self.config.shared_memory_name)
+        policy = self.config.policy_class()(num_slots)
+        tiers: list[SecondaryTier] = []
+        try:
+            for index, tier_config in enumerate(self.config.secondary_tiers):
+                tiers.append(
+                    SecondaryTierFactory.create_secondary_tier(
+                        tier_config.as_dict(), buffer.view, self, entry=f"secondary_tiers[{index}]"
+                    )
+                )
+        except BaseException:
+            for tier in tiers:
+                tier.shutdown()
+            buffer.close()
+            raise
+        logger.info(
+            "kvtier: %d primary slots of %d bytes, policy %s, tiers %s",
+            num_slots,
+            slot_bytes,
+            self.config.eviction_policy,
+            [t.tier_type for t in tiers],
+        )
+        return TieringManager(PrimaryTier(buffer, policy), tiers, self.config.backpressure)

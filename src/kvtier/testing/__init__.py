@@ -1,0 +1,25 @@
+"""Contract test-suites that ship with kvtier, for its own tiers and yours.
+
+Test an out-of-tree tier with one line::
+
+    from kvtier.testing import TierContractTests
+
+    class TestAcmeTier(TierContractTests):
+        tier_config = {"type": "AcmeTier", "module_path": "acme_kv.tiers", "bucket": "kv"}
+
+and a cache policy likewise with :class:`PolicyContractTests`. Requires pytest.
+"""
+
+from kvtier.testing.faults import FaultyTier
+from kvtier.testing.policy_suite import PolicyContractTests
+from kvtier.testing.registry import restore_registries
+from kvtier.testing.tier_suite import TierContractTests, TierHarness, small_layout
+
+__all__ = [
+    "FaultyTier",
+    "PolicyContractTests",
+    "TierContractTests",
+    "TierHarness",
+    "restore_registries",
+    "small_layout",
+]

@@ -1,0 +1,180 @@
+"""The secondary tier contract, as tests any tier can inherit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+from kvtier.config import load_config
+from kvtier.keys import ChunkKey, chunk_keys
+from kvtier.layout import KVLayout
+from kvtier.primary import SlotBuffer
+from kvtier.specs.tiering import TieringSpec
+from kvtier.tiers.base import JobResult, Lookup, SecondaryTier, TransferJob
+from kvtier.tiers.drive import resolve_lookup, run_job
+from kvtier.tiers.factory import SecondaryTierFactory
+
+
+def small_layout(
+    chunk_tokens: int = 16,
+    model_id: str = "kvtier-test",
+    head_dim: int = 64,
+    dtype: str = "float16",
+) -> KVLayout:
+    """A tiny real layout: 2 layers, 2 KV heads (8 KiB chunks by default)."""
+    return KVLayout(
+        model_id=model_id,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        dtype=dtype,
+        chunk_tokens=chunk_tokens,
+    )
+
+
+class TierHarness:
+    """A tier over its own primary buffer, with helpers to move random chunks."""
+
+    def __init__(self, tier_config: dict[str, Any], layout: KVLayout, num_slots: int = 32):
+        config = load_config(
+            {
+                "chunk_tokens": layout.chunk_tokens,
+                "cpu_bytes_to_use": num_slots * layout.slot_bytes,
+                "secondary_tiers": [tier_config],
+            }
+        )
+        self.layout = layout
+        self.buffer = SlotBuffer(num_slots, layout.slot_bytes)
+        self.spec = TieringSpec(config, layout)
+        self.tier: SecondaryTier = SecondaryTierFactory.create_secondary_tier(
+            config.secondary_tiers[0].as_dict(), self.buffer.view, self.spec
+        )
+        self.rng = np.random.default_rng(1234)
+
+    def keys(self, n: int) -> list[ChunkKey]:
+        tokens = self.rng.integers(0, 2**31, n * self.layout.chunk_tokens)
+        return chunk_keys(self.layout.namespace, tokens, self.layout.chunk_tokens)
+
+    def fill(self, slots: range | list[int]) -> np.ndarray:
+        """Random bytes into ``slots``; returns a copy of what was written."""
+        data = self.rng.integers(0, 256, (len(slots), self.layout.slot_bytes), dtype=np.uint8)
+        self.buffer.array[list(slots)] = data
+        return data
+
+    def store(self, keys: list[ChunkKey], slots: list[int]) -> JobResult:
+        return run_job(self.tier, TransferJob(tuple(keys), tuple(slots)), loading=False)
+
+    def load(self, keys: list[ChunkKey], slots: list[int]) -> JobResult:
+        return run_job(self.tier, TransferJob(tuple(keys), tuple(slots)), loading=True)
+
+    def lookup(self, key: ChunkKey) -> Lookup:
+        return resolve_lookup(self.tier, key)
+
+    def close(self) -> None:
+        self.tier.shutdown()
+        self.buffer.close()
+
+
+class TierContractTests:
+    """Inherit and set :attr:`tier_config` (and optionally override fixtures)."""
+
+    #: The ``secondary_tiers`` entry that builds the tier under test.
+    tier_config: ClassVar[dict[str, Any]] = {}
+    #: Whether stored chunks are still there after the tier restarts.
+    persistent: ClassVar[bool] = False
+
+    def make_config(self) -> dict[str, Any]:
+        """The tier entry; override to use fixtures (``tmp_path``, a server URL)."""
+        return dict(self.tier_config)
+
+    @pytest.fixture
+    def harness(self) -> Iterator[TierHarness]:
+        harness = TierHarness(self.make_config(), small_layout())
+        yield harness
+        harness.close()
+
+    def test_store_lookup_load_is_byte_exact(self, harness: TierHarness) -> None:
+        keys = harness.keys(4)
+        data = harness.fill(range(4))
+        stored = harness.store(keys, [0, 1, 2, 3])
+        assert stored.success and stored.succeeded == frozenset(keys)
+        harness.tier.drain()
+        assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 4
+        harness.buffer.array[4:8] = 0
+        loaded = harness.load(keys, [4, 5, 6, 7])
+        assert loaded.success and loaded.succeeded == frozenset(keys)
+        assert loaded.nbytes == 4 * harness.layout.slot_bytes
+        np.testing.assert_array_equal(harness.buffer.array[4:8], data)
+
+    def test_unknown_key_is_a_miss(self, harness: TierHarness) -> None:
+        assert harness.lookup(harness.keys(1)[0]) is Lookup.MISS
+
+    def test_partial_load_reports_the_keys_that_made_it(self, harness: TierHarness) -> None:
+        present, absent = harness.keys(2)
+        harness.fill([0])
+        assert harness.store([present], [0]).success
+        harness.tier.drain()
+        result = harness.load([present, absent], [1, 2])
+        assert not result.success
+        assert result.succeeded == frozenset([present])
+        np.testing.assert_array_equal(harness.buffer.array[1], harness.buffer.array[0])
+
+    def test_storing_a_held_chunk_again_succeeds(self, harness: TierHarness) -> None:
+        keys = harness.keys(2)
+        harness.fill([0, 1])
+        assert harness.store(keys, [0, 1]).success
+        harness.tier.drain()
+        again = harness.store(keys, [0, 1])
+        assert again.success and again.succeeded == frozenset(keys)
+
+    def test_each_result_is_reported_once(self, harness: TierHarness) -> None:
+        keys = harness.keys(1)
+        harness.fill([0])
+        harness.store(keys, [0])
+        harness.tier.drain()
+        assert harness.tier.get_finished_jobs() == []
+
+    def test_slots_are_not_touched_after_drain(self, harness: TierHarness) -> None:
+        keys = harness.keys(8)
+        harness.fill(range(8))
+        harness.tier.submit_store(TransferJob(tuple(keys), tuple(range(8))))
+        harness.tier.drain()
+        results = harness.tier.get_finished_jobs()
+        assert len(results) == 1 and results[0].success
+        # Stored copies must be independent of the slots they came from.
+        expected = harness.buffer.array[:8].copy()
+        harness.buffer.array[:8] = 0
+        assert harness.load(keys, list(range(8, 16))).success
+        np.testing.assert_array_equal(harness.buffer.array[8:16], expected)
+
+    def test_rejects_unknown_options(self) -> None:
+        from kvtier.errors import ConfigError
+
+        config = {**self.make_config(), "no_such_option_xyz": 1}
+        with pytest.raises(ConfigError, match="no_such_option_xyz"):
+            load_config({"secondary_tiers": [config]})
+
+    def test_shutdown_is_idempotent(self) -> None:
+        harness = TierHarness(self.make_config(), small_layout())
+        harness.tier.shutdown()
+        harness.tier.shutdown()
+        harness.buffer.close()
+
+    def test_restart_keeps_chunks_when_persistent(self) -> None:
+        if not self.persistent:
+            pytest.skip(f"{type(self).__name__}: tier is not persistent")
+        first = TierHarness(self.make_config(), small_layout())
+        keys = first.keys(2)
+        data = first.fill([0, 1])
+        assert first.store(keys, [0, 1]).success
+        first.close()
+        second = TierHarness(self.make_config(), small_layout())
+        try:
+            assert [second.lookup(k) for k in keys] == [Lookup.HIT] * 2
+            assert second.load(keys, [2, 3]).success
+            np.testing.assert_array_equal(second.buffer.array[2:4], data)
+        finally:
+            second.close()

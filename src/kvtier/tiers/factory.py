@@ -1,0 +1,56 @@
+"""``SecondaryTierFactory``: ``type`` + ``module_path``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvtier.plugins import PluginRegistry
+from kvtier.tiers.base import SecondaryTier
+
+if TYPE_CHECKING:
+    from kvtier.specs.base import OffloadingSpec
+
+tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
+    kind="secondary tier",
+    base=SecondaryTier,
+    name_key="type",
+    module_key="module_path",
+    entry_point_group="kvtier.tiers",
+)
+for _name, _module, _cls in [
+    ("example", "kvtier.tiers.example", "ExampleTier"),
+    ("memory", "kvtier.tiers.memory", "MemoryTier"),
+]:
+    tier_registry.register(_name, _module, _cls)
+
+
+def register_tier(tier_type: str, module_path: str, class_name: str) -> None:
+    """Register a secondary tier under ``tier_type`` (``ValueError`` if taken)."""
+    tier_registry.register(tier_type, module_path, class_name)
+
+
+class SecondaryTierFactory:
+    """Resolves and builds the secondary tiers named in configuration."""
+
+    @staticmethod
+    def get_tier_class(tier_config: Mapping[str, Any], *, entry: str = "") -> type[SecondaryTier]:
+        tier_type = tier_config.get("type")
+        if not isinstance(tier_type, str) or not tier_type:
+            raise ValueError(f"{entry or 'secondary tier'}: configuration must include 'type'")
+        return tier_registry.resolve(tier_type, tier_config.get("module_path"), entry=entry)
+
+    @staticmethod
+    def create_secondary_tier(
+        tier_config: Mapping[str, Any],
+        primary_kv_view: memoryview,
+        spec: OffloadingSpec,
+        *,
+        entry: str = "",
+    ) -> SecondaryTier:
+        cls = SecondaryTierFactory.get_tier_class(tier_config, entry=entry)
+        options = dict(tier_config)
+        tier_type = options.pop("type")
+        # A loading hint only: it never reaches the constructor.
+        options.pop("module_path", None)
+        return cls(spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **options)

@@ -1,0 +1,276 @@
+"""A base for tiers whose backend calls block: it runs them on worker threads.
+
+Subclasses write plain blocking code (``_contains``, ``_store_chunk``,
+``_load_chunk``...) and get the whole non-blocking contract for free: batched
+existence checks that answer PENDING until they resolve, store and load jobs
+split into backend batches, loads served before stores, per-job results with
+partial success, corrupt chunks discarded and counted, clean drain.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from kvtier.errors import CorruptChunkError
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import (
+    JobResult,
+    Lookup,
+    LookupContext,
+    SecondaryTier,
+    TierOptions,
+    TransferJob,
+)
+
+logger = logging.getLogger(__name__)
+
+# Queue priorities: cheaper and more latency-critical work first.
+_CHECK, _LOAD, _STORE = 0, 1, 2
+
+
+class ThreadedTierOptions(TierOptions):
+    io_threads: int = Field(default=4, ge=1, le=256)
+    """Worker threads doing the tier's blocking I/O."""
+
+
+@dataclass
+class _JobState:
+    job: TransferJob
+    loading: bool
+    remaining: int
+    started: float
+    succeeded: set[ChunkKey] = field(default_factory=set)
+    nbytes: int = 0
+
+
+class ThreadedTier(SecondaryTier):
+    """Implements the tier contract on a priority queue of worker threads."""
+
+    Options: ClassVar[type[TierOptions]] = ThreadedTierOptions
+    #: Keys handed to one ``_store_batch``/``_load_batch`` call.
+    io_batch: ClassVar[int] = 1
+    #: Keys handed to one ``_contains`` call.
+    check_batch: ClassVar[int] = 256
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
+            queue.PriorityQueue()
+        )
+        self._sequence = itertools.count()
+        self._jobs: dict[int, _JobState] = {}
+        self._finished: list[JobResult] = []
+        self._to_check: list[ChunkKey] = []
+        self._checking: set[ChunkKey] = set()
+        self._checked: dict[ChunkKey, bool] = {}
+        self._closed = False
+        threads = getattr(self.options, "io_threads", 4)
+        self._workers = [
+            threading.Thread(target=self._work, name=f"kvtier-{self.tier_type}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    # Backend hooks: blocking, called on worker threads -------------------
+
+    @abstractmethod
+    def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether the backend holds each key."""
+
+    @abstractmethod
+    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
+        """Persist one chunk; raise on failure."""
+
+    @abstractmethod
+    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
+        """Fill ``out`` with the chunk's verified bytes; raise on failure.
+
+        Raise :class:`CorruptChunkError` for bytes that fail verification:
+        the base then discards the chunk and counts it. Write into ``out``
+        only bytes that passed verification.
+        """
+
+    def _discard(self, key: ChunkKey) -> None:
+        """Delete a chunk found corrupt. Default: nothing to delete."""
+
+    def _known(self, key: ChunkKey) -> bool | None:
+        """Answer a lookup without I/O when a local index can, else ``None``."""
+        return None
+
+    def _store_batch(self, keys: Sequence[ChunkKey], payloads: Sequence[memoryview]) -> list[bool]:
+        """Store several chunks; override to pipeline. Default: one at a time."""
+        return [self._attempt(self._store_chunk, k, p) for k, p in zip(keys, payloads, strict=True)]
+
+    def _load_batch(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
+        """Load several chunks; override to pipeline. Default: one at a time."""
+        return [self._attempt(self._load_chunk, k, o) for k, o in zip(keys, outs, strict=True)]
+
+    def _close(self) -> None:
+        """Release connections and files after the workers stopped."""
+
+    # The contract ---------------------------------------------------------
+
+    def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
+        known = self._known(key)
+        if known is not None:
+            return Lookup.HIT if known else Lookup.MISS
+        with self._lock:
+            # Results are consumed once: a shared backend may change under us.
+            found = self._checked.pop(key, None)
+            if found is not None:
+                return Lookup.HIT if found else Lookup.MISS
+            if key not in self._checking:
+                self._checking.add(key)
+                self._to_check.append(key)
+        return Lookup.PENDING
+
+    def on_step_end(self) -> None:
+        with self._lock:
+            batch, self._to_check = self._to_check, []
+        for start in range(0, len(batch), self.check_batch):
+            self._enqueue(_CHECK, self._run_check(batch[start : start + self.check_batch]))
+
+    def submit_store(self, job: TransferJob) -> None:
+        self._submit(job, loading=False)
+
+    def submit_load(self, job: TransferJob) -> None:
+        self._submit(job, loading=True)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def drain(self, timeout: float | None = None) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: not self._jobs, timeout=timeout)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self.drain()
+        self._closed = True
+        for _ in self._workers:
+            self._queue.put((_STORE + 1, next(self._sequence), None))
+        for worker in self._workers:
+            worker.join()
+        self._close()
+
+    # Machinery --------------------------------------------------------------
+
+    def _enqueue(self, priority: int, task: Callable[[], None]) -> None:
+        if self._closed:
+            raise RuntimeError(f"tier {self.tier_type!r} is shut down")
+        self._queue.put((priority, next(self._sequence), task))
+
+    def _work(self) -> None:
+        while True:
+            _, _, task = self._queue.get()
+            if task is None:
+                return
+            try:
+                task()
+            except Exception:  # a worker must survive any backend surprise
+                logger.exception("tier %s: unexpected error in worker", self.tier_type)
+
+    def _attempt(
+        self, operation: Callable[[ChunkKey, memoryview], None], key: ChunkKey, view: memoryview
+    ) -> bool:
+        try:
+            operation(key, view)
+            return True
+        except CorruptChunkError as exc:
+            logger.warning(
+                "tier %s: discarding corrupt chunk %s: %s", self.tier_type, key.hex()[:16], exc
+            )
+            self.count(corrupt_chunks=1)
+            try:
+                self._discard(key)
+            except Exception:
+                logger.exception("tier %s: could not discard corrupt chunk", self.tier_type)
+            return False
+        except Exception as exc:
+            logger.debug("tier %s: chunk %s failed: %r", self.tier_type, key.hex()[:16], exc)
+            return False
+
+    def _run_check(self, keys: list[ChunkKey]) -> Callable[[], None]:
+        def check() -> None:
+            try:
+                found = self._contains(keys)
+            except Exception as exc:
+                logger.warning("tier %s: existence check failed: %r", self.tier_type, exc)
+                found = [False] * len(keys)
+            with self._lock:
+                for key, present in zip(keys, found, strict=True):
+                    self._checking.discard(key)
+                    self._checked[key] = present
+
+        return check
+
+    def _submit(self, job: TransferJob, *, loading: bool) -> None:
+        state = _JobState(job, loading, remaining=0, started=time.perf_counter())
+        pending: list[tuple[ChunkKey, int]] = []
+        for key, slot in zip(job.keys, job.slots, strict=True):
+            if not loading and self._known(key):
+                state.succeeded.add(key)  # already held: nothing to write
+            else:
+                pending.append((key, slot))
+        batches = [pending[i : i + self.io_batch] for i in range(0, len(pending), self.io_batch)]
+        with self._lock:
+            state.remaining = len(batches)
+            self._jobs[job.job_id] = state
+            if not batches:
+                self._finish(state)
+                return
+        for batch in batches:
+            self._enqueue(_LOAD if loading else _STORE, self._run_batch(state, batch))
+
+    def _run_batch(self, state: _JobState, batch: list[tuple[ChunkKey, int]]) -> Callable[[], None]:
+        def run() -> None:
+            keys = [key for key, _ in batch]
+            views = [self.slot(slot) for _, slot in batch]
+            try:
+                if state.loading:
+                    ok = self._load_batch(keys, views)
+                else:
+                    ok = self._store_batch(keys, views)
+            except Exception as exc:
+                logger.warning("tier %s: batch failed: %r", self.tier_type, exc)
+                ok = [False] * len(keys)
+            with self._lock:
+                for key, good in zip(keys, ok, strict=True):
+                    if good:
+                        state.succeeded.add(key)
+                        state.nbytes += self.slot_bytes
+                state.remaining -= 1
+                if state.remaining == 0:
+                    self._finish(state)
+
+        return run
+
+    def _finish(self, state: _JobState) -> None:
+        """Record a finished job; the caller holds the lock."""
+        del self._jobs[state.job.job_id]
+        self._finished.append(
+            JobResult(
+                job_id=state.job.job_id,
+                success=len(state.succeeded) == len(state.job.keys),
+                succeeded=frozenset(state.succeeded),
+                nbytes=state.nbytes,
+                seconds=time.perf_counter() - state.started,
+            )
+        )
+        self._idle.notify_all()
