@@ -65,6 +65,8 @@ class TieringManager:
         # Promotions that failed, per request, so a request never retries a bad chunk.
         self._failed: dict[str | None, set[tuple[int, ChunkKey]]] = defaultdict(set)
         self._closed = False
+        for tier in self.tiers:
+            self._call(tier, "on_attach", primary)
 
     # Scheduler side -------------------------------------------------------
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from kvtier.keys import ChunkKey
 
 if TYPE_CHECKING:
+    from kvtier.primary import PrimaryTier
     from kvtier.specs.base import OffloadingSpec
 
 
@@ -191,6 +192,13 @@ class SecondaryTier(ABC):
         """Drain, then release workers and connections. Idempotent."""
 
     # Optional hooks -----------------------------------------------------
+
+    def on_attach(self, primary: PrimaryTier) -> None:
+        """Called once by the manager with its primary tier.
+
+        For tiers that serve the node's own chunks to others (``p2p``): pin a
+        ready chunk with ``primary.prepare_load``, read it, ``complete_load``.
+        """
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         """The engine used these chunks: a hint for the tier's own eviction."""
