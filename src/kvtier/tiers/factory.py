@@ -21,6 +21,7 @@ tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
 for _name, _module, _cls in [
     ("example", "kvtier.tiers.example", "ExampleTier"),
     ("memory", "kvtier.tiers.memory", "MemoryTier"),
+    ("fs", "kvtier.tiers.fs", "FilesystemTier"),
 ]:
     tier_registry.register(_name, _module, _cls)
 
