@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -234,7 +235,12 @@ def test_restart_reindexes_in_lru_order_and_enforces_a_smaller_bound(root: Path)
     first.fill(range(6))
     for i, key in enumerate(keys):
         assert first.store([key], [i]).success
-    # Read the oldest: it becomes the most recently used on disk too.
+    # Age the files an hour, oldest first, then read the oldest: a read of a
+    # file not used for a while stamps it, so it is the newest after a restart.
+    now = time.time()
+    for i, key in enumerate(keys):
+        stamp = now - 3600 + i
+        os.utime(_chunk_path(root, layout.namespace, key), (stamp, stamp))
     assert first.load([keys[0]], [6]).success
     first.close()
     second = TierHarness(

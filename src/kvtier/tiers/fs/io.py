@@ -15,6 +15,7 @@ import errno
 import mmap
 import os
 import threading
+import time
 
 from kvtier import integrity
 from kvtier.errors import CorruptChunkError
@@ -142,8 +143,7 @@ def read_chunk(path: str, out: memoryview, namespace: bytes, key: bytes, *, dire
             if got <= 0:
                 break
             done += got
-        with contextlib.suppress(OSError):
-            os.utime(fd)  # reads count as use, across restarts too
+        _mark_used(fd)
     finally:
         os.close(fd)
     if done < total:
@@ -155,6 +155,17 @@ def read_chunk(path: str, out: memoryview, namespace: bytes, key: bytes, *, dire
         payload_bytes=len(out),
     )
     parsed.verify(out)
+
+
+#: A read refreshes a chunk file's mtime (its use time after a restart) when it
+#: is older than this: once a minute keeps inode writes out of a hot read path.
+USE_STAMP_S = 60.0
+
+
+def _mark_used(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        if time.time() - os.fstat(fd).st_mtime > USE_STAMP_S:
+            os.utime(fd)
 
 
 def verify_file(path: str, namespace: bytes, key: bytes) -> int:

@@ -57,7 +57,7 @@ class FilesystemTierOptions(ThreadedTierOptions):
     least recently used chunks (loads count as use) are deleted to make room.
     Unset: no bound, and stores fail cleanly when the disk is full."""
 
-    io_threads: int = Field(default=16, ge=1, le=256)
+    io_threads: int = Field(default=32, ge=1, le=256)
     """Worker threads doing file I/O; loads are served before stores."""
 
     direct_io: Literal["auto", "on", "off"] = "auto"
