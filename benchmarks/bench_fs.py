@@ -44,6 +44,7 @@ from kvtier.primary import SlotBuffer
 from kvtier.specs.tiering import TieringSpec
 from kvtier.tiers.base import SecondaryTier, TransferJob
 from kvtier.tiers.factory import SecondaryTierFactory
+from kvtier.tiers.fs import FilesystemTier
 
 CHUNK_TOKENS = 256
 
@@ -181,7 +182,9 @@ def kvtier_round(
 ) -> dict[str, Any]:
     tier = build_tier(work, root, options)
     try:
-        tier.wait_index(30)  # type: ignore[attr-defined]
+        if not isinstance(tier, FilesystemTier):
+            raise TypeError(f"expected the fs tier, got {type(tier).__name__}")
+        tier.wait_index(30)
         keys = [os.urandom(32) for _ in range(work.slots)]
         store_s = run_jobs(tier, keys, job_chunks, loading=False)
         cold = drop_caches(root)

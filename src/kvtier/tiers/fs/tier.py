@@ -55,10 +55,15 @@ class FilesystemTierOptions(ThreadedTierOptions):
     max_bytes: ByteSize | None = Field(default=None, gt=0)
     """Upper bound on bytes of chunk files this tier keeps (e.g. ``500GiB``);
     least recently used chunks (loads count as use) are deleted to make room.
-    Unset: no bound, and stores fail cleanly when the disk is full."""
+    Unset: no bound, and stores fail cleanly when the disk is full. The bound
+    covers the chunk files this process knows: those on disk when it started,
+    those it stored, and those its lookups found; processes sharing a root
+    should give it the same value."""
 
     io_threads: int = Field(default=32, ge=1, le=256)
-    """Worker threads doing file I/O; loads are served before stores."""
+    """Worker threads doing file I/O. One pool serves both directions and
+    always takes queued loads before queued stores, so no separate read and
+    write counts are needed for loads to win."""
 
     direct_io: Literal["auto", "on", "off"] = "auto"
     """``O_DIRECT`` I/O: ``auto`` uses it when a probe write in ``root_dir``
@@ -314,6 +319,7 @@ class FilesystemTier(ThreadedTier):
             "namespace_dir": str(self.dir.path),
             "io": "direct" if self.direct else "buffered",
             "io_reason": self.io_mode_reason,
+            "io_threads": len(self._workers),
             "fsync": self.fsync,
             "shared": self.shared,
             "max_bytes": self.max_bytes,
