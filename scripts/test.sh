@@ -9,6 +9,15 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e '.[test]'
+# Shared tiers (redis, obj): their client libraries, and Debian's redis-server
+# for the tests to start on loopback.
+python -m pip install --quiet -e '.[redis,obj]'
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends redis-server
+    # The tests start their own servers; leave no system service behind.
+    $SUDO service redis-server stop >/dev/null 2>&1 || true
+fi
 
 ruff check src tests
 mypy

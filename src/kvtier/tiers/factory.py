@@ -21,6 +21,8 @@ tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
 for _name, _module, _cls in [
     ("example", "kvtier.tiers.example", "ExampleTier"),
     ("memory", "kvtier.tiers.memory", "MemoryTier"),
+    ("redis", "kvtier.tiers.redis", "RedisTier"),
+    ("obj", "kvtier.tiers.obj", "ObjectStoreTier"),
 ]:
     tier_registry.register(_name, _module, _cls)
 
