@@ -253,8 +253,8 @@ class S3Server(_Process):
         with urllib.request.urlopen(f"{self.endpoint_url}/moto-api/", timeout=2) as reply:
             return bool(reply.status == 200)
 
-    def client(self) -> Any:
-        """A plain boto3 S3 client for this server."""
+    def client(self, config: Any = None) -> Any:
+        """A plain boto3 S3 client for this server (``config``: a botocore ``Config``)."""
         import boto3
 
         return boto3.client(
@@ -263,6 +263,7 @@ class S3Server(_Process):
             region_name=self.region,
             aws_access_key_id=self.access_key_id,
             aws_secret_access_key=self.secret_access_key,
+            config=config,
         )
 
     def create_bucket(self, name: str) -> str:

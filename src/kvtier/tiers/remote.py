@@ -9,8 +9,8 @@ write batched client calls:
 * integrity: every value is framed with :mod:`kvtier.integrity`'s header and
   verified *before* a byte of it reaches a primary slot; a corrupt, torn or
   foreign value is a miss, is deleted and is counted;
-* write deduplication: one batched existence check before a store, so chunks
-  another engine already wrote are not sent again;
+* optional write deduplication (``skip_existing``): one batched existence
+  check before a store, so chunks another engine already wrote are not sent again;
 * failures: a backend error fails the batch's chunks (misses for the
   manager, which counts them), never reaches the caller's thread, and is
   logged once when the backend goes away and once when it answers again.
@@ -42,9 +42,11 @@ PutErrors = list[BaseException | None]
 
 
 class RemoteTierOptions(ThreadedTierOptions):
-    skip_existing: bool = True
-    """Check which chunks the store already holds (one batched round trip) and
-    send only the others: engines sharing a store do not rewrite each other's chunks."""
+    skip_existing: bool = False
+    """Before a store, check which chunks the store already holds (one batched
+    round trip) and send only the others. Worth it when many engines compute
+    the same chunks at once; otherwise the extra round trip costs more than it
+    saves, since the manager never writes a promoted chunk back to its tier."""
 
 
 class RemoteTier(ThreadedTier):
@@ -56,7 +58,7 @@ class RemoteTier(ThreadedTier):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._skip_existing = bool(getattr(self.options, "skip_existing", True))
+        self._skip_existing = bool(getattr(self.options, "skip_existing", False))
         self._names_prefix = ""
         self._health_lock = threading.Lock()
         self._backend_down = False
