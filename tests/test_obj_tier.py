@@ -202,3 +202,27 @@ def test_missing_client_library_raises_missing_dependency(
     monkeypatch.setitem(sys.modules, "boto3", None)
     with pytest.raises(MissingDependencyError, match=r"kvtier\[obj\]"):
         TierHarness({"type": "obj", "bucket": "kv-bucket"}, small_layout())
+
+
+def test_an_erroring_endpoint_fails_chunks_and_recovers(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
+    client = s3_server.client()
+    try:
+        keys = harness.keys(3)
+        harness.fill(range(3))
+        assert harness.store(keys[:2], [0, 1]).success
+        for item in client.list_objects_v2(Bucket=s3_bucket)["Contents"]:
+            client.delete_object(Bucket=s3_bucket, Key=item["Key"])
+        client.delete_bucket(Bucket=s3_bucket)  # every request now answers NoSuchBucket
+        assert not harness.store(keys[2:], [2]).success
+        assert harness.load(keys[:2], [3, 4]).succeeded == frozenset()
+        assert harness.tier.backend_down  # type: ignore[attr-defined]
+        client.create_bucket(Bucket=s3_bucket)
+        assert harness.store(keys, [0, 1, 2]).success
+        assert harness.load(keys, [3, 4, 5]).success
+        np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
+        assert not harness.tier.backend_down  # type: ignore[attr-defined]
+    finally:
+        harness.close()

@@ -243,3 +243,26 @@ def test_missing_client_library_raises_missing_dependency(
     monkeypatch.setitem(sys.modules, "redis", None)
     with pytest.raises(MissingDependencyError, match=r"kvtier\[redis\]"):
         TierHarness({"type": "redis", "url": "redis://127.0.0.1:1/0"}, small_layout())
+
+
+def test_an_erroring_server_fails_chunks_and_recovers(
+    own_redis_server: RedisServer, key_prefix: str
+) -> None:
+    server = own_redis_server
+    harness = TierHarness(
+        {"type": "redis", "url": server.url, "key_prefix": key_prefix}, small_layout()
+    )
+    try:
+        keys = harness.keys(2)
+        harness.fill([0, 1])
+        server.command("CONFIG", "SET", "maxmemory", "1")  # every write now answers OOM
+        result = harness.store(keys, [0, 1])
+        assert not result.success and result.succeeded == frozenset()
+        assert harness.tier.backend_down  # type: ignore[attr-defined]
+        server.command("CONFIG", "SET", "maxmemory", "0")
+        assert harness.store(keys, [0, 1]).success
+        assert harness.load(keys, [2, 3]).success
+        np.testing.assert_array_equal(harness.buffer.array[2:4], harness.buffer.array[0:2])
+        assert not harness.tier.backend_down  # type: ignore[attr-defined]
+    finally:
+        harness.close()
