@@ -5,12 +5,15 @@ and read twice against the same freshly started server on loopback:
 
 * raw: the client library alone (redis-py pipelines / boto3 requests), with
   the tier's own concurrency (``io_threads`` threads; for Redis each thread
-  pipelines ``io_batch`` commands at a time), no framing, no checksums;
+  pipelines ``io_batch`` commands at a time), sending each chunk's bytes as
+  they are and reading replies without copying them anywhere: no framing, no
+  checksums;
 * tier: one kvtier store job and one load job of every chunk, through the
   tier's workers, with framing, verification and copies into primary slots.
 
 It reports MiB/s of each and the ratio tier / raw (target: at least 0.8),
-taking the best of ``--repeat`` rounds for each. Run::
+taking the best of ``--repeat`` rounds for each, and the median of the per-round
+ratios. Run::
 
     python benchmarks/bench_shared_tiers.py [--tiers redis,obj] [--sizes 2MiB,256KiB]
 """
@@ -49,6 +52,12 @@ class Result:
     tier_store_mib_s: float
     raw_load_mib_s: float
     tier_load_mib_s: float
+    #: Median over rounds of tier / raw within the round (adjacent in time,
+    #: so less swayed by a busy machine than the ratio of the bests).
+    store_ratio_paired: float
+    load_ratio_paired: float
+    #: Client-side CPU seconds per GiB moved, over all rounds.
+    cpu_s_per_gib: dict[str, float]
 
     @property
     def store_ratio(self) -> float:
@@ -74,6 +83,23 @@ def timed(action: Callable[..., object], *args: Any) -> float:
     return time.perf_counter() - start
 
 
+class CpuClock:
+    """CPU seconds this process (client threads and tier workers) spent per phase.
+
+    The servers run in other processes, so this is the client side's cost, and,
+    unlike wall time, barely moved by other work on a busy machine.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.process_time()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.process_time() - start
+
+
 def in_parallel(threads: int, items: list[Any], work: Callable[[list[Any]], None]) -> None:
     """Split ``items`` into ``threads`` even shares and run ``work`` on each at once."""
     shares = [items[i::threads] for i in range(threads)]
@@ -92,15 +118,15 @@ class RawRedis:
         self.client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(url))
         self.threads, self.batch = threads, batch
 
-    def store(self, names: list[str], value: bytes) -> None:
-        def work(share: list[str]) -> None:
+    def store(self, names: list[str], values: list[Any]) -> None:
+        def work(share: list[tuple[str, Any]]) -> None:
             for start in range(0, len(share), self.batch):
                 pipe = self.client.pipeline(transaction=False)
-                for name in share[start : start + self.batch]:
+                for name, value in share[start : start + self.batch]:
                     pipe.set(name, value)
                 pipe.execute()
 
-        in_parallel(self.threads, names, work)
+        in_parallel(self.threads, list(zip(names, values, strict=True)), work)
 
     def load(self, names: list[str]) -> None:
         def work(share: list[str]) -> None:
@@ -127,12 +153,12 @@ class RawS3:
         )
         self.bucket, self.threads = bucket, threads
 
-    def store(self, names: list[str], value: bytes) -> None:
-        def work(share: list[str]) -> None:
-            for name in share:
+    def store(self, names: list[str], values: list[Any]) -> None:
+        def work(share: list[tuple[str, Any]]) -> None:
+            for name, value in share:
                 self.client.put_object(Bucket=self.bucket, Key=name, Body=value)
 
-        in_parallel(self.threads, names, work)
+        in_parallel(self.threads, list(zip(names, values, strict=True)), work)
 
     def load(self, names: list[str]) -> None:
         def work(share: list[str]) -> None:
@@ -166,32 +192,41 @@ def measure(
     harness = TierHarness(tier_config, layout, num_slots=chunks)
     rates: dict[str, list[float]] = {k: [] for k in ("raw_s", "tier_s", "raw_l", "tier_l")}
     volume = chunks * chunk_bytes / MiB
+    cpu = CpuClock()
     try:
         harness.fill(range(chunks))
-        value = harness.buffer.array[0].tobytes()
         slots = list(range(chunks))
+        # Each chunk's own bytes, ready before the clock starts: redis-py sends
+        # a slot's memoryview as it is; boto3 takes only bytes-like objects it
+        # knows, so its chunks are copied out first.
+        values = (
+            [harness.tier.slot(i) for i in slots]
+            if isinstance(raw, RawRedis)
+            else [bytearray(harness.tier.slot(i)) for i in slots]
+        )
         for _ in range(repeat):
             round_id = uuid.uuid4().hex[:8]
             names = [f"raw:{round_id}:{i}" for i in range(chunks)]
             keys = harness.keys(chunks)
-            rates["raw_s"].append(volume / timed(raw.store, names, value))
-            stored = run(harness.tier, keys, slots, loading=False)
+            with cpu.phase("raw_s"):
+                rates["raw_s"].append(volume / timed(raw.store, names, values))
+            with cpu.phase("tier_s"):
+                stored = run(harness.tier, keys, slots, loading=False)
             if not stored.success:
                 raise RuntimeError(f"{tier_name}: store job failed")
             rates["tier_s"].append(volume / stored.seconds)
-            rates["raw_l"].append(volume / timed(raw.load, names))
-            loaded = run(harness.tier, keys, slots, loading=True)
+            with cpu.phase("raw_l"):
+                rates["raw_l"].append(volume / timed(raw.load, names))
+            with cpu.phase("tier_l"):
+                loaded = run(harness.tier, keys, slots, loading=True)
             if not loaded.success:
                 raise RuntimeError(f"{tier_name}: load job failed")
             rates["tier_l"].append(volume / loaded.seconds)
     finally:
         harness.close()
     best = {k: max(v) for k, v in rates.items()}
-    spread = {k: statistics.pstdev(v) / statistics.mean(v) for k, v in rates.items()}
-    print(
-        f"  {tier_name} {chunk_bytes // 1024} KiB: rounds {rates} (rel. spread {spread})",
-        file=sys.stderr,
-    )
+    rounds = {k: [round(x) for x in v] for k, v in rates.items()}
+    print(f"  {tier_name} {chunk_bytes // 1024} KiB, MiB/s per round: {rounds}", file=sys.stderr)
     return Result(
         tier_name,
         chunk_bytes,
@@ -200,6 +235,9 @@ def measure(
         best["tier_s"],
         best["raw_l"],
         best["tier_l"],
+        statistics.median(t / r for t, r in zip(rates["tier_s"], rates["raw_s"], strict=True)),
+        statistics.median(t / r for t, r in zip(rates["tier_l"], rates["raw_l"], strict=True)),
+        {k: v / (volume * repeat / 1024) for k, v in cpu.seconds.items()},
     )
 
 
@@ -252,15 +290,29 @@ def main() -> None:
                 chunks = max(1, volume // chunk_bytes)
                 results.append(measure(tier_name, config, raw, chunk_bytes, chunks, args.repeat))
                 clear()
+    print("best of rounds in MiB/s; ratio = tier / raw (best), paired = median per-round ratio")
     print(
         f"{'tier':6} {'chunk':>8} {'chunks':>6} {'raw store':>10} {'tier store':>10} "
-        f"{'ratio':>6} {'raw load':>10} {'tier load':>10} {'ratio':>6}   (MiB/s)"
+        f"{'ratio':>6} {'paired':>6} {'raw load':>10} {'tier load':>10} {'ratio':>6} {'paired':>6}"
     )
     for r in results:
         print(
             f"{r.tier:6} {r.chunk_bytes // 1024:>5}KiB {r.chunks:>6} "
             f"{r.raw_store_mib_s:>10.0f} {r.tier_store_mib_s:>10.0f} {r.store_ratio:>6.2f} "
-            f"{r.raw_load_mib_s:>10.0f} {r.tier_load_mib_s:>10.0f} {r.load_ratio:>6.2f}"
+            f"{r.store_ratio_paired:>6.2f} "
+            f"{r.raw_load_mib_s:>10.0f} {r.tier_load_mib_s:>10.0f} {r.load_ratio:>6.2f} "
+            f"{r.load_ratio_paired:>6.2f}"
+        )
+    print("client CPU seconds per GiB moved (this process: client threads, tier workers)")
+    print(
+        f"{'tier':6} {'chunk':>8} {'raw store':>10} {'tier store':>10} {'raw load':>10} "
+        f"{'tier load':>10}"
+    )
+    for r in results:
+        c = r.cpu_s_per_gib
+        print(
+            f"{r.tier:6} {r.chunk_bytes // 1024:>5}KiB {c['raw_s']:>10.2f} {c['tier_s']:>10.2f} "
+            f"{c['raw_l']:>10.2f} {c['tier_l']:>10.2f}"
         )
     if args.json:
         with open(args.json, "w") as file:

@@ -165,7 +165,7 @@ class ObjectStoreTier(RemoteTier):
                 found.append(False)
         return found
 
-    def _put_many(self, names: Sequence[str], values: Sequence[bytes]) -> PutErrors:
+    def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
         errors: PutErrors = []
         for name, value in zip(names, values, strict=True):
             try:

@@ -105,7 +105,7 @@ class RedisTier(RemoteTier):
     Options: ClassVar[type[TierOptions]] = RedisTierOptions
     #: Chunks per pipeline: large enough to hide the round trip, small enough
     #: that a job's batches spread over the workers.
-    io_batch: ClassVar[int] = 16
+    io_batch: ClassVar[int] = 8
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -142,7 +142,7 @@ class RedisTier(RemoteTier):
                 found.append(reply == 1)
         return found
 
-    def _put_many(self, names: Sequence[str], values: Sequence[bytes]) -> PutErrors:
+    def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
         pipe = self._pipeline()
         for name, value in zip(names, values, strict=True):
             pipe.set(name, value, px=self._ttl_ms)

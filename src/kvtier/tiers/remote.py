@@ -8,7 +8,8 @@ write batched client calls:
   different layouts can share a store without ever reading each other's bytes;
 * integrity: every value is framed with :mod:`kvtier.integrity`'s header and
   verified *before* a byte of it reaches a primary slot; a corrupt, torn or
-  foreign value is a miss, is deleted and is counted;
+  foreign value is a miss, is deleted and is counted. Each worker frames into
+  buffers it keeps (``io_batch`` chunks' worth), so stores allocate nothing;
 * optional write deduplication (``skip_existing``): one batched existence
   check before a store, so chunks another engine already wrote are not sent again;
 * failures: a backend error fails the batch's chunks (misses for the
@@ -62,6 +63,7 @@ class RemoteTier(ThreadedTier):
         self._names_prefix = ""
         self._health_lock = threading.Lock()
         self._backend_down = False
+        self._worker_local = threading.local()
 
     def _set_name_prefix(self, prefix: str) -> None:
         self._names_prefix = f"{prefix}{self.namespace.hex()}{self.name_separator}"
@@ -87,7 +89,7 @@ class RemoteTier(ThreadedTier):
         """Whether the store holds each name; raise if the store cannot say."""
 
     @abstractmethod
-    def _put_many(self, names: Sequence[str], values: Sequence[bytes]) -> PutErrors:
+    def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
         """Write each value; ``None`` per success or the error of that item.
 
         Raise when the whole batch failed (connection lost, timeout).
@@ -120,8 +122,10 @@ class RemoteTier(ThreadedTier):
         try:
             held = self._exists_many(names) if self._skip_existing else [False] * len(names)
             todo = [i for i, present in enumerate(held) if not present]
-            values = [integrity.frame(self.namespace, keys[i], payloads[i]) for i in todo]
-            errors = self._put_many([names[i] for i in todo], values)
+            values = self._scratch(len(todo))
+            for value, i in zip(values, todo, strict=False):
+                integrity.frame_into(value, self.namespace, keys[i], payloads[i])
+            errors = self._put_many([names[i] for i in todo], values[: len(todo)])
             if len(todo) < len(names):
                 self._refresh_many([n for n, present in zip(names, held, strict=True) if present])
         except Exception as exc:
@@ -135,6 +139,19 @@ class RemoteTier(ThreadedTier):
         if all(ok):
             self._answered()
         return ok
+
+    def _scratch(self, count: int) -> list[bytearray]:
+        """This worker's reusable value buffers, at least ``count`` of them.
+
+        Framing into buffers that stay mapped spares a fresh allocation, and
+        its page faults, per chunk; the clients are done with a buffer when
+        ``_put_many`` returns.
+        """
+        buffers: list[bytearray] = getattr(self._worker_local, "buffers", [])
+        while len(buffers) < count:
+            buffers.append(bytearray(self.value_bytes))
+        self._worker_local.buffers = buffers
+        return buffers
 
     def _load_batch(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
         try:
@@ -153,9 +170,9 @@ class RemoteTier(ThreadedTier):
         ]
 
     def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        [error] = self._put_many(
-            [self.store_name(key)], [integrity.frame(self.namespace, key, payload)]
-        )
+        value = self._scratch(1)[0]
+        integrity.frame_into(value, self.namespace, key, payload)
+        [error] = self._put_many([self.store_name(key)], [value])
         if error is not None:
             raise error
 
