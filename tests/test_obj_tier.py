@@ -226,3 +226,24 @@ def test_an_erroring_endpoint_fails_chunks_and_recovers(
         assert not harness.tier.backend_down  # type: ignore[attr-defined]
     finally:
         harness.close()
+
+
+def test_skip_existing_sends_only_missing_chunks(s3_server: S3Server, s3_bucket: str) -> None:
+    harness = TierHarness(
+        {"type": "obj", **s3_server.tier_options(s3_bucket), "skip_existing": True},
+        small_layout(),
+    )
+    client = s3_server.client()
+    try:
+        keys = harness.keys(2)
+        harness.fill([0, 1])
+        assert harness.store(keys[:1], [0]).success
+        held = harness.tier.store_name(keys[0])  # type: ignore[attr-defined]
+        client.put_object(Bucket=s3_bucket, Key=held, Body=b"marker")
+        assert harness.store(keys, [0, 1]).success
+        body = client.get_object(Bucket=s3_bucket, Key=held)["Body"].read()
+        assert body == b"marker"  # held already: not sent again
+        assert harness.load(keys[1:], [2]).success
+        np.testing.assert_array_equal(harness.buffer.array[2], harness.buffer.array[1])
+    finally:
+        harness.close()

@@ -266,3 +266,33 @@ def test_an_erroring_server_fails_chunks_and_recovers(
         assert not harness.tier.backend_down  # type: ignore[attr-defined]
     finally:
         harness.close()
+
+
+def test_skip_existing_sends_only_missing_chunks_and_refreshes_ttl(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {
+            "type": "redis",
+            "url": redis_server.url,
+            "key_prefix": key_prefix,
+            "skip_existing": True,
+            "ttl_s": 300,
+        },
+        small_layout(),
+    )
+    client = raw_client(redis_server.url)
+    try:
+        keys = harness.keys(2)
+        harness.fill([0, 1])
+        assert harness.store(keys[:1], [0]).success
+        held = harness.tier.store_name(keys[0])  # type: ignore[attr-defined]
+        client.set(held, b"marker", px=5_000)
+        assert harness.store(keys, [0, 1]).success
+        assert client.get(held) == b"marker"  # held already: not sent again
+        assert client.pttl(held) > 5_000  # but its life was extended
+        harness.buffer.array[2] = 0
+        assert harness.load(keys[1:], [2]).success
+        np.testing.assert_array_equal(harness.buffer.array[2], harness.buffer.array[1])
+    finally:
+        harness.close()
