@@ -13,7 +13,7 @@ from kvtier.keys import ChunkKey
 from kvtier.policies import CachePolicy, CachePolicyFactory
 from kvtier.policies.arc import ARCCachePolicy
 from kvtier.primary import PrimaryTier, SlotBuffer
-from kvtier.testing import PolicyContractTests, restore_registries
+from kvtier.testing import PolicyContractTests
 from kvtier.testing.policy_suite import key
 
 PLUGINS = Path(__file__).parent / "plugins"
@@ -170,14 +170,13 @@ def test_primary_tier_never_evicts_busy_chunks(name: str) -> None:
         buffer.close()
 
 
-def test_policy_loaded_by_module_path_from_config() -> None:
-    with restore_registries():
-        config = load_config(
-            {"eviction_policy": "FIFOCachePolicy", "cache_policy_module_path": "fifo_policy"}
-        )
-        policy = CachePolicyFactory.create_cache_policy(
-            config.eviction_policy, 3, config.cache_policy_module_path
-        )
+def test_policy_loaded_by_module_path_from_config(registries: None) -> None:
+    config = load_config(
+        {"eviction_policy": "FIFOCachePolicy", "cache_policy_module_path": "fifo_policy"}
+    )
+    policy = CachePolicyFactory.create_cache_policy(
+        config.eviction_policy, 3, config.cache_policy_module_path
+    )
     assert type(policy).__module__ == "fifo_policy"
     for i in range(3):
         policy.insert(key(i))
@@ -185,6 +184,6 @@ def test_policy_loaded_by_module_path_from_config() -> None:
     assert policy.evict(1, ()) == [key(0)]  # first in, first out: accesses do not count
 
 
-def test_config_names_a_module_without_the_policy_class() -> None:
-    with restore_registries(), pytest.raises(PluginLoadError, match=r"fifo_policy.*NoSuchPolicy"):
+def test_config_names_a_module_without_the_policy_class(registries: None) -> None:
+    with pytest.raises(PluginLoadError, match=r"fifo_policy.*NoSuchPolicy"):
         CachePolicyFactory.get_cache_policy_class("NoSuchPolicy", "fifo_policy")
