@@ -55,8 +55,9 @@ class ARCCachePolicy(CachePolicy):
             del self._b2[key]
             self._t2[key] = None
         else:
+            # Only a new key grows the directory; a ghost hit just moves one.
             self._t1[key] = None
-        self._trim_ghosts()
+            self._trim_ghosts()
 
     def remove(self, key: ChunkKey) -> None:
         # Not an eviction, so no ghost: its return would teach nothing.
@@ -64,8 +65,14 @@ class ARCCachePolicy(CachePolicy):
         self._t2.pop(key, None)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
+        # ``get`` inlined: the primary tier touches every hit of every request.
+        t1, t2 = self._t1, self._t2
         for key in keys:
-            self.get(key)
+            if key in t2:
+                t2.move_to_end(key)
+            elif key in t1:
+                del t1[key]
+                t2[key] = None
 
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
         if n <= 0:
@@ -101,10 +108,15 @@ class ARCCachePolicy(CachePolicy):
 
     def _trim_ghosts(self) -> None:
         # ARC's directory bounds: |T1| + |B1| <= c and all four lists <= 2c.
-        while self._b1 and len(self._t1) + len(self._b1) > self.capacity:
-            self._b1.popitem(last=False)
-        while self._b2 and len(self) + len(self._b1) + len(self._b2) > 2 * self.capacity:
-            self._b2.popitem(last=False)
+        b1, b2 = self._b1, self._b2
+        excess = len(self._t1) + len(b1) - self.capacity
+        while excess > 0 and b1:
+            b1.popitem(last=False)
+            excess -= 1
+        excess = len(self._t1) + len(self._t2) + len(b1) + len(b2) - 2 * self.capacity
+        while excess > 0 and b2:
+            b2.popitem(last=False)
+            excess -= 1
 
     def clear(self) -> None:
         for entries in (self._t1, self._t2, self._b1, self._b2):

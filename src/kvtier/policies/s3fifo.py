@@ -59,8 +59,12 @@ class S3FIFOCachePolicy(CachePolicy):
             self._main.pop(key, None)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
+        # ``get`` inlined: the primary tier touches every hit of every request.
+        counts = self._freq
         for key in keys:
-            self.get(key)
+            freq = counts.get(key)
+            if freq is not None and freq < MAX_FREQ:
+                counts[key] = freq + 1
 
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
         if n <= 0:
@@ -129,7 +133,10 @@ class S3FIFOCachePolicy(CachePolicy):
 def _oldest_unprotected(
     queue: OrderedDict[ChunkKey, None], protected: Collection[ChunkKey]
 ) -> ChunkKey | None:
-    return next((key for key in queue if key not in protected), None)
+    for key in queue:
+        if key not in protected:
+            return key
+    return None
 
 
 def _count_tracked(keys: Collection[ChunkKey], tracked: Collection[ChunkKey]) -> int:
