@@ -62,8 +62,9 @@ class TieringManager:
         self._promotions: dict[tuple[int, str | None], list[tuple[ChunkKey, int]]] = defaultdict(
             list
         )
-        # Promotions that failed, per request, so a request never retries a bad chunk.
-        self._failed: dict[str | None, set[tuple[int, ChunkKey]]] = defaultdict(set)
+        # Promotions that failed, per request, so a request never retries a bad
+        # chunk; forgotten when the request finishes. Anonymous lookups retry.
+        self._failed: dict[str, set[tuple[int, ChunkKey]]] = defaultdict(set)
         self._closed = False
         for tier in self.tiers:
             self._call(tier, "on_attach", primary)
@@ -96,7 +97,7 @@ class TieringManager:
 
         A promotion never evicts another chunk of the same ``chain``.
         """
-        failed = self._failed.get(ctx.request_id, ())
+        failed = self._failed.get(ctx.request_id, ()) if ctx.request_id is not None else ()
         for index, tier in enumerate(self.tiers):
             if (index, key) in failed:
                 continue
@@ -154,7 +155,7 @@ class TieringManager:
             job = TransferJob(keys, tuple(slot for _, slot in batch), request_id=request_id)
             if not self._submit(index, job, loading=True):
                 self.primary.complete_store(keys, success=False)
-                self._failed[request_id].update((index, key) for key in keys)
+                self._remember_failures(request_id, index, keys)
         for tier in self.tiers:
             self._call(tier, "on_step_end")
 
@@ -243,7 +244,7 @@ class TieringManager:
         if job.loading:
             self.primary.complete_store(good, success=True)
             self.primary.complete_store(bad, success=False)
-            self._failed[job.request_id].update((job.tier_index, key) for key in bad)
+            self._remember_failures(job.request_id, job.tier_index, bad)
             tier.count(chunks_loaded=len(good), bytes_loaded=result.nbytes, load_failures=len(bad))
             if good and job.tier_index:
                 # A hit in a slower tier warms the faster tiers in front of it.
@@ -252,6 +253,12 @@ class TieringManager:
             self.primary.complete_load(job.keys)
             self.backpressure[job.tier_index].finished(result.seconds / max(1, len(job.keys)))
             tier.count(chunks_stored=len(good), bytes_stored=result.nbytes, store_failures=len(bad))
+
+    def _remember_failures(
+        self, request_id: str | None, index: int, keys: Sequence[ChunkKey]
+    ) -> None:
+        if request_id is not None and keys:
+            self._failed[request_id].update((index, key) for key in keys)
 
     @staticmethod
     def _call(tier: SecondaryTier, method: str, *args: object) -> None:
