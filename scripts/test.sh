@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e '.[test]'
+python -m pip install --quiet -e '.[test]' -e tests/plugins/kvtier_testplugin
 
 ruff check src tests
 mypy

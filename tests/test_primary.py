@@ -148,3 +148,10 @@ def test_slots_are_writable_views_not_copies() -> None:
     buffer.slot(1)[:4] = np.frombuffer(b"abcd", dtype=np.uint8)
     assert bytes(flat[4096:4100]) == b"abcd"
     buffer.close()
+
+
+def test_protected_keys_are_never_victims(primary: PrimaryTier) -> None:
+    stored(primary, 1, 2, 3, 4)
+    assert primary.prepare_store([key(5)], protect=[key(1), key(2), key(3), key(4)]) is None
+    assert list(primary.prepare_store([key(5)], protect=[key(1)]) or {}) == [key(5)]
+    assert primary.is_ready(key(1)) and not primary.is_ready(key(2))
