@@ -165,7 +165,14 @@ def test_primary_tier_never_evicts_busy_chunks(name: str) -> None:
         assert all(primary.is_ready(k) for k in first)
         assert primary.prepare_store([key(10)]) is not None
         assert not primary.is_ready(first[3]) and primary.evictions == 1
+        primary.complete_store([key(10)])
+        primary.prepare_load([first[0]])  # a second reader of key 0
         primary.complete_load(first[:3])
+        # Unpinned chunks are evictable again; key 0 keeps its second reader.
+        assert primary.prepare_store([key(11), key(12), key(13), key(14)]) is None
+        assert primary.prepare_store([key(11), key(12), key(13)]) is not None
+        assert primary.is_ready(first[0]) and primary.evictions == 4
+        primary.complete_load([first[0]])
     finally:
         buffer.close()
 
