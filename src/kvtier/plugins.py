@@ -78,6 +78,10 @@ class PluginRegistry(Generic[T]):
         """Forget ``name`` (for tests and for plugins replacing themselves)."""
         del self._registry[name]
 
+    def registered_names(self) -> list[str]:
+        """Names in the registry itself (built-ins and ``register`` calls), sorted."""
+        return sorted(self._registry)
+
     def names(self) -> list[str]:
         """Every name that resolves without a module path, sorted."""
         installed = {ep.name for ep in entry_points(group=self.entry_point_group)}
