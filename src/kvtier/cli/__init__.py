@@ -7,6 +7,7 @@ import logging
 import click
 
 from kvtier import __version__
+from kvtier.cli.bench import bench
 from kvtier.cli.check import check
 
 
@@ -20,6 +21,7 @@ def cli(verbose: int) -> None:
 
 
 cli.add_command(check)
+cli.add_command(bench)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from pydantic import ByteSize, Field
 
 from kvtier import integrity
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import TierMetric, TierOptions
+from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
 from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
 
 
@@ -92,6 +92,15 @@ class MemoryTier(ThreadedTier):
             value = bytearray(self._chunks[key])
             value[offset] ^= 0xFF
             self._chunks[key] = bytes(value)
+
+    def health(self) -> Sequence[HealthCheck]:
+        return (
+            HealthCheck(
+                "capacity",
+                True,
+                f"{self._held_bytes} of {self.max_bytes} bytes held in this process",
+            ),
+        )
 
     def metrics(self) -> Sequence[TierMetric]:
         return (
