@@ -82,6 +82,11 @@ class PluginRegistry(Generic[T]):
         """Names in the registry itself (built-ins and ``register`` calls), sorted."""
         return sorted(self._registry)
 
+    def registered_target(self, name: str) -> str:
+        """``module.Class`` a registered name resolves to, without importing it."""
+        lazy = self._registry[name]
+        return f"{lazy.module}.{lazy.class_name}"
+
     def names(self) -> list[str]:
         """Every name that resolves without a module path, sorted."""
         installed = {ep.name for ep in entry_points(group=self.entry_point_group)}
