@@ -88,7 +88,7 @@ def describe_type(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Literal:
-        return " \\| ".join(json.dumps(a) for a in args)
+        return " | ".join(json.dumps(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(describe_type(a) for a in args)
     if origin in (dict, typing.Mapping) or annotation is dict:
