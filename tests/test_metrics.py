@@ -248,3 +248,15 @@ def test_a_raising_job_listener_does_not_disturb_the_manager(cache: KVCache) -> 
     cache.drain()
     assert value(cache, "kvtier_tier_chunks_stored_total") == 1
     assert value(cache, "kvtier_tier_jobs_total", direction="store", outcome="ok") == 1
+
+
+def test_a_second_cache_in_a_shared_registry_fails_clearly_and_cleanly() -> None:
+    shared = CollectorRegistry()
+    with KVCache(config({"type": "memory"}), LAYOUT, metrics_registry=shared) as first:
+        with pytest.raises(ValueError, match="one kvtier cache per registry"):
+            KVCache(config(), LAYOUT, metrics_registry=shared)
+        first.store(list(range(CHUNK_TOKENS)), chunks(1))
+        first.drain()
+        labels = {"tier": "0", "tier_type": "memory"}
+        assert shared.get_sample_value("kvtier_tier_chunks_stored_total", labels) == 1
+        assert shared.get_sample_value("kvtier_primary_slots", {"state": "idle"}) == 1

@@ -194,18 +194,36 @@ class KVTierMetrics:
             labelnames=[*TIER_LABELS, "direction", "outcome"],
             registry=None,
         )
-        self._owned = [self._collector, self.transfer_seconds, self.jobs]
-        for collector in self._owned:
-            self.registry.register(collector)
-        manager.job_listeners.append(self._on_job)
+        # Labelled children by (tier, loading, success): labels() costs a lock and a lookup.
+        self._children: dict[tuple[int, bool, bool], tuple[Any, Any]] = {}
         self._server: Any = None
         self._server_thread: threading.Thread | None = None
+        self._owned: list[Collector] = []
+        for collector in (self._collector, self.transfer_seconds, self.jobs):
+            try:
+                self.registry.register(collector)
+            except ValueError as exc:  # names taken: another cache in a shared registry
+                self.close()
+                raise ValueError(
+                    "kvtier metrics are already registered in this registry (one kvtier "
+                    "cache per registry: give each cache its own, or unset "
+                    f"metrics.global_registry): {exc}"
+                ) from exc
+            self._owned.append(collector)
+        manager.job_listeners.append(self._on_job)
 
     def _on_job(self, tier_index: int, loading: bool, result: JobResult) -> None:
-        labels = (str(tier_index), self.manager.tiers[tier_index].tier_type)
-        direction = "load" if loading else "store"
-        self.transfer_seconds.labels(*labels, direction).observe(result.seconds)
-        self.jobs.labels(*labels, direction, "ok" if result.success else "failed").inc()
+        key = (tier_index, loading, result.success)
+        children = self._children.get(key)
+        if children is None:
+            labels = (str(tier_index), self.manager.tiers[tier_index].tier_type)
+            direction = "load" if loading else "store"
+            children = self._children[key] = (
+                self.transfer_seconds.labels(*labels, direction),
+                self.jobs.labels(*labels, direction, "ok" if result.success else "failed"),
+            )
+        children[0].observe(result.seconds)
+        children[1].inc()
 
     @property
     def port(self) -> int | None:
