@@ -32,7 +32,6 @@ def fresh_process(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptur
     """Registries as a new process has them: the once-per-process warning not yet given."""
     caplog.set_level(logging.INFO, logger="kvtier.plugins")
     with restore_registries():
-        tier_registry._warned_out_of_tree = False
         yield caplog
 
 

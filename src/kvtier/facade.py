@@ -13,6 +13,7 @@ integrations turn them into and out of the engine's own tensors.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,15 +81,22 @@ class KVCache:
         """Tokens of ``tokens`` that can be loaded, after waiting for promotions.
 
         Stops waiting after ``timeout`` seconds and reports what is ready.
+        A chunk whose promotion failed is not retried within the call.
         """
         keys = self.keys(tokens)
+        owned = request_id is None
+        request = f"kvtier-{uuid.uuid4().hex}" if request_id is None else request_id
         deadline = time.monotonic() + timeout
-        while True:
-            result = self.manager.lookup(keys, request_id)
-            if not result.pending or time.monotonic() >= deadline:
-                return result.hit_chunks * self.chunk_tokens
-            self.manager.step()
-            time.sleep(poll_s)
+        try:
+            while True:
+                result = self.manager.lookup(keys, request)
+                if not result.pending or time.monotonic() >= deadline:
+                    return result.hit_chunks * self.chunk_tokens
+                self.manager.step()
+                time.sleep(poll_s)
+        finally:
+            if owned:
+                self.manager.on_request_finished(request)
 
     def load(
         self,
