@@ -5,6 +5,7 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvtier import KVCache
 from kvtier.testing import FaultyTier, restore_registries, small_layout
-from kvtier.tiers import TierMetric, register_tier
+from kvtier.tiers import TierMetric, TierStats, register_tier
 from kvtier.tiers.memory import MemoryTier
 
 CHUNK_TOKENS = 4
@@ -213,6 +214,27 @@ class _OddMetricsTier(MemoryTier):
             TierMetric("queue_depth", 3.0, "Queued requests."),
             TierMetric("reconnects", 2.0, counter=True),
         )
+
+
+@dataclass
+class _AcmeStats(TierStats):
+    reconnects: int = 0
+
+
+class _CountingTier(MemoryTier):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stats = _AcmeStats()
+
+
+def test_extra_tier_stats_fields_become_counters() -> None:
+    with restore_registries():
+        register_tier("counting", __name__, "_CountingTier")
+        with KVCache(config({"type": "counting"}), LAYOUT) as cache:
+            assert value(cache, "kvtier_tier_reconnects_total") == 0
+            cache.manager.tiers[0].count(reconnects=2)
+            assert value(cache, "kvtier_tier_reconnects_total") == 2
+            assert cache.metrics.snapshot()["tiers"][0]["reconnects"] == 2
 
 
 def test_a_tier_metrics_hook_never_breaks_a_scrape(caplog: pytest.LogCaptureFixture) -> None:
