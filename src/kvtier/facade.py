@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import LookupResult, TieringManager
+from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.specs.factory import OffloadingSpecFactory
 
 #: Fills (for stores) or reads (for loads) one chunk: ``fn(chunk_index, slot_bytes_array)``.
@@ -37,11 +39,22 @@ class KVCache:
         self,
         config: KVTierConfig | Mapping[str, Any] | str | Path | None,
         layout: KVLayout,
+        *,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
+        """``metrics_registry``: where the metrics go (default: per the ``metrics``
+        section, a registry of this cache's own)."""
         self.config = load_config(config)
         self.layout = layout
         self.spec = OffloadingSpecFactory.create_spec(self.config, layout)
         self.manager: TieringManager = self.spec.build_manager()
+        try:
+            self.metrics: KVTierMetrics = attach_metrics(
+                self.manager, self.config.metrics, metrics_registry
+            )
+        except BaseException:
+            self.manager.shutdown()
+            raise
 
     @property
     def chunk_tokens(self) -> int:
@@ -160,6 +173,7 @@ class KVCache:
         self.manager.drain()
 
     def close(self) -> None:
+        self.metrics.close()
         self.manager.shutdown()
 
     def __enter__(self) -> KVCache:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.backpressure import Backpressure
@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 _ANSWER_COUNTER = {Lookup.HIT: "hits", Lookup.MISS: "misses", Lookup.PENDING: "pending"}
+
+#: Called with ``(tier_index, loading, result)`` for every finished job (see
+#: :attr:`TieringManager.job_listeners`).
+JobListener = Callable[[int, bool, JobResult], None]
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,10 @@ class TieringManager:
         # chunk; forgotten when the request finishes. Anonymous lookups retry.
         self._failed: dict[str, set[tuple[int, ChunkKey]]] = defaultdict(set)
         self._closed = False
+        #: Observers of finished jobs (metrics, engine statistics). Called on the
+        #: manager's thread once a result is applied; an observer that raises is
+        #: logged and never disturbs the manager.
+        self.job_listeners: list[JobListener] = []
         for tier in self.tiers:
             self._call(tier, "on_attach", primary)
 
@@ -253,6 +261,11 @@ class TieringManager:
             self.primary.complete_load(job.keys)
             self.backpressure[job.tier_index].finished(result.seconds / max(1, len(job.keys)))
             tier.count(chunks_stored=len(good), bytes_stored=result.nbytes, store_failures=len(bad))
+        for listener in self.job_listeners:
+            try:
+                listener(job.tier_index, job.loading, result)
+            except Exception:
+                logger.exception("job listener %r raised", listener)
 
     def _remember_failures(
         self, request_id: str | None, index: int, keys: Sequence[ChunkKey]
