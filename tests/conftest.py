@@ -1,4 +1,8 @@
-"""Servers the shared-tier tests talk to: real ones, on loopback, started and stopped here."""
+"""Fixtures shared by kvtier's tests.
+
+The shared-tier tests talk to real servers (redis-server, a Redis Cluster,
+moto's S3 server) on loopback, started and stopped here.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,15 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvtier.testing import restore_registries
 from kvtier.testing.servers import RedisClusterServers, RedisServer, S3Server
+
+
+@pytest.fixture
+def registries() -> Iterator[None]:
+    """Let a test register plugins (and trip once-per-process warnings) in isolation."""
+    with restore_registries():
+        yield
 
 
 def need_redis_server() -> None:
