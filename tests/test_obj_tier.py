@@ -118,6 +118,7 @@ def test_endpoint_outage_turns_into_misses_and_recovers(own_s3_server: S3Server)
         assert cache.store(tokens, data) == 4
         cache.drain()
         assert stats.store_failures == 4
+        assert stats.backend_outages == 1 and stats.backend_errors >= 1  # type: ignore[attr-defined]
         cache.manager.reset()
         assert cache.cached_prefix(tokens) == 0
         assert stats.misses >= 1
@@ -149,6 +150,8 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
         assert not harness.load(keys, [3, 4, 5]).success
         assert harness.lookup(keys[0]) is Lookup.MISS
         assert harness.tier.backend_down  # type: ignore[attr-defined]
+        assert [check.ok for check in harness.tier.health()] == [False]
+        assert [m.value for m in harness.tier.metrics() if m.name == "backend_up"] == [0.0]
         server.resume()
         assert harness.load(keys, [3, 4, 5]).success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
@@ -224,6 +227,7 @@ def test_an_erroring_endpoint_fails_chunks_and_recovers(
         assert harness.load(keys, [3, 4, 5]).success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
         assert not harness.tier.backend_down  # type: ignore[attr-defined]
+        assert [check.ok for check in harness.tier.health()] == [True]
     finally:
         harness.close()
 

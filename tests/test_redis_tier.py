@@ -136,6 +136,7 @@ def test_server_outage_turns_into_misses_and_recovers(
         assert cache.store(tokens, data) == 4  # the primary tier takes them
         cache.drain()
         assert tier.stats.store_failures == 4
+        assert tier.stats.backend_outages == 1 and tier.stats.backend_errors >= 1  # type: ignore[attr-defined]
         cache.manager.reset()
         assert cache.cached_prefix(tokens) == 0  # a miss, not an error
         assert tier.stats.misses >= 1
@@ -174,11 +175,14 @@ def test_a_hung_server_times_out_and_recovers(
         assert harness.lookup(keys[0]) is Lookup.MISS
         assert not harness.store(harness.keys(1), [6]).success
         assert harness.tier.backend_down  # type: ignore[attr-defined]
+        assert [check.ok for check in harness.tier.health()] == [False]
+        assert [m.value for m in harness.tier.metrics() if m.name == "backend_up"] == [0.0]
         server.resume()
         result = harness.load(keys, [3, 4, 5])
         assert result.success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
         assert not harness.tier.backend_down  # type: ignore[attr-defined]
+        assert [check.ok for check in harness.tier.health()] == [True]
     finally:
         harness.close()
 

@@ -127,7 +127,7 @@ class ObjectStoreTier(RemoteTier):
         from botocore.exceptions import ClientError, NoCredentialsError
 
         try:
-            self._client.head_bucket(Bucket=self._bucket)
+            self._ping()
         except NoCredentialsError as exc:
             raise BackendUnavailableError(
                 self.tier_type,
@@ -203,6 +203,9 @@ class ObjectStoreTier(RemoteTier):
 
     def _delete(self, name: str) -> None:
         self._client.delete_object(Bucket=self._bucket, Key=name)
+
+    def _ping(self) -> None:
+        self._client.head_bucket(Bucket=self._bucket)
 
     def _close(self) -> None:
         if self._client is not None:

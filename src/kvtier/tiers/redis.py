@@ -116,7 +116,7 @@ class RedisTier(RemoteTier):
         self._client: Any = None
         try:
             self._client = _connect(options)
-            self._client.ping()
+            self._ping()
         except MissingDependencyError:
             self.shutdown()
             raise
@@ -169,6 +169,9 @@ class RedisTier(RemoteTier):
 
     def _delete(self, name: str) -> None:
         self._client.delete(name)
+
+    def _ping(self) -> None:
+        self._client.ping()
 
     def _close(self) -> None:
         if self._client is not None:

@@ -25,12 +25,13 @@ import logging
 import threading
 from abc import abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvtier import integrity
 from kvtier.errors import CorruptChunkError
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import TierOptions
+from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions, TierStats
 from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,16 @@ class RemoteTierOptions(ThreadedTierOptions):
     saves, since the manager never writes a promoted chunk back to its tier."""
 
 
+@dataclass
+class RemoteTierStats(TierStats):
+    """:class:`TierStats` plus what a remote backend does wrong (exported as counters)."""
+
+    #: Backend calls that failed: a whole batch, or one item of it.
+    backend_errors: int = 0
+    #: Times the backend went from answering to failing.
+    backend_outages: int = 0
+
+
 class RemoteTier(ThreadedTier):
     """Framing, verification, naming and failure handling over a batched remote store."""
 
@@ -64,6 +75,7 @@ class RemoteTier(ThreadedTier):
         self._health_lock = threading.Lock()
         self._backend_down = False
         self._worker_local = threading.local()
+        self.stats = RemoteTierStats()
 
     def _set_name_prefix(self, prefix: str) -> None:
         self._names_prefix = f"{prefix}{self.namespace.hex()}{self.name_separator}"
@@ -105,6 +117,10 @@ class RemoteTier(ThreadedTier):
 
     def _refresh_many(self, names: Sequence[str]) -> None:
         """Chunks that were stored again while held: extend their life. Default: nothing."""
+
+    @abstractmethod
+    def _ping(self) -> None:
+        """One cheap request that raises unless the backend serves this tier."""
 
     # ThreadedTier hooks -------------------------------------------------------
 
@@ -195,6 +211,7 @@ class RemoteTier(ThreadedTier):
     def _failed(self, exc: BaseException) -> None:
         with self._health_lock:
             was_down, self._backend_down = self._backend_down, True
+        self.count(backend_errors=1, backend_outages=0 if was_down else 1)
         if not was_down:
             logger.warning(
                 "tier %s: backend failing (%s); its chunks count as misses until it answers",
@@ -212,6 +229,22 @@ class RemoteTier(ThreadedTier):
 
     def describe(self) -> dict[str, object]:
         return {"type": self.tier_type, "backend_down": self._backend_down}
+
+    def health(self) -> Sequence[HealthCheck]:
+        try:
+            self._ping()
+        except Exception as exc:
+            return [HealthCheck("backend answers", False, describe_error(exc))]
+        return [HealthCheck("backend answers", True)]
+
+    def metrics(self) -> Sequence[TierMetric]:
+        return [
+            TierMetric(
+                "backend_up",
+                0.0 if self._backend_down else 1.0,
+                "1 while the tier's last call to its backend succeeded, else 0.",
+            )
+        ]
 
 
 def _is_corrupt(error: BaseException) -> bool:
