@@ -62,3 +62,12 @@ class LayoutMismatchError(KVTierError, ValueError):
 
 class UnknownPluginError(KVTierError, ValueError):
     """A tier, policy or spec name is neither registered nor given a module path."""
+
+
+class PeerProtocolError(KVTierError, ConnectionError):
+    """A peer sent a message kvtier's peer protocol does not allow; the
+    connection is dropped."""
+
+
+class PeerAuthError(PeerProtocolError):
+    """A peer failed the challenge-response authentication of a connection."""
