@@ -23,7 +23,8 @@ from kvtier.tiers.drive import resolve_lookup, run_job
 
 def probe_layout(chunk_tokens: int, slot_kib: int) -> KVLayout:
     """A synthetic layout whose chunks are ``slot_kib`` KiB (for tools without an engine)."""
-    per_token = max(1, slot_kib * 1024 // chunk_tokens // 4)
+    # A token holds K and V: 2 * head_dim bytes at one byte per value.
+    per_token = max(1, slot_kib * 1024 // chunk_tokens // 2)
     return KVLayout(
         model_id="kvtier-probe",
         num_layers=1,
