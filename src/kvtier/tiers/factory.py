@@ -21,6 +21,7 @@ tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
 for _name, _module, _cls in [
     ("example", "kvtier.tiers.example", "ExampleTier"),
     ("memory", "kvtier.tiers.memory", "MemoryTier"),
+    ("p2p", "kvtier.tiers.p2p", "PeerTier"),
 ]:
     tier_registry.register(_name, _module, _cls)
 
