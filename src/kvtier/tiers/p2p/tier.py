@@ -46,10 +46,11 @@ logger = logging.getLogger(__name__)
 
 #: Keys whose holders are remembered between a lookup and its load.
 _HOLDERS_REMEMBERED = 65536
+_MIN_SECRET_CHARS = 16
 
 
 class PeerTierOptions(ThreadedTierOptions):
-    secret: SecretStr = Field(min_length=16)
+    secret: SecretStr
     """Shared by every peer; each connection proves it knows it. Required.
     Generate one with ``python -c "import secrets; print(secrets.token_urlsafe(32))"``."""
 
@@ -83,6 +84,15 @@ class PeerTierOptions(ThreadedTierOptions):
     max_send_rate: ByteSize | None = Field(default=None, gt=0)
     """Bytes per second the peer service sends, all connections together; ``null``: no cap."""
 
+    @field_validator("secret")
+    @classmethod
+    def _check_secret(cls, value: SecretStr) -> SecretStr:
+        if len(value.get_secret_value()) < _MIN_SECRET_CHARS:
+            raise ValueError(
+                f"the shared secret must be at least {_MIN_SECRET_CHARS} characters long"
+            )
+        return value
+
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, value: str | None) -> str | None:
@@ -102,6 +112,7 @@ class PeerTier(ThreadedTier):
     """Chunks fetched from other kvtier nodes' primary tiers; serves its own."""
 
     Options: ClassVar[type[TierOptions]] = PeerTierOptions
+    holds_stores: ClassVar[bool] = False
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -254,6 +265,7 @@ class PeerTier(ThreadedTier):
             "type": self.tier_type,
             "listen": protocol.format_address(*self.address) if self.address else None,
             "peers": list(self._settings.peers),
+            "peers_reachable": sum(client.available() for client in self._clients),
         }
         if self._server is not None:
             facts.update(self._server.counters.as_dict())
