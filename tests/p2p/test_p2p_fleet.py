@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import numpy as np
+import pytest
 from conftest import Spawn
 from p2p_nodes import CHUNK_TOKENS, SECRET, PeerProcess, load_all, node, wait_until
 
@@ -118,3 +119,28 @@ def test_a_peer_killed_mid_transfer_fails_the_job_and_nothing_lands(spawn_peer: 
         assert c.cached_prefix(healthy.tokens) == CHUNK_TOKENS
         np.testing.assert_array_equal(load_all(c, healthy.tokens), healthy.data)
         assert healthy.alive()
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_nodes_talk_over_ipv6_loopback(fleet: tuple[PeerProcess, PeerProcess]) -> None:
+    a, _ = fleet
+    with node([a.address], listen="[::1]:0") as c:
+        assert c.cached_prefix(a.tokens) == len(a.tokens)
+        address = c.manager.tiers[0].describe()["listen"]
+        assert isinstance(address, str) and address.startswith("[::1]:")
+        harness = TierHarness(
+            {"type": "p2p", "secret": SECRET, "listen": None, "peers": [address]}, a.layout
+        )
+        try:
+            assert harness.load(a.keys[:1], [0]).success
+            np.testing.assert_array_equal(harness.buffer.array[0], a.data[0])
+        finally:
+            harness.close()
