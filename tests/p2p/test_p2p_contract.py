@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from conftest import _spawner
-from p2p_nodes import SECRET, PeerProcess, layout_of, node
+from p2p_nodes import SECRET, PeerProcess, layout_of, node, wait_until
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
@@ -170,7 +170,7 @@ def test_a_corrupt_chunk_from_a_peer_is_never_loaded(monkeypatch: pytest.MonkeyP
         result = harness.load([key], [0])
         assert not result.success and result.succeeded == frozenset()
         assert harness.tier.stats.corrupt_chunks == 1
-        assert server.counters.chunks_served == 1
+        wait_until(lambda: server.counters.chunks_served == 1, "the send to be counted")
     finally:
         harness.close()
         server.close()

@@ -138,6 +138,11 @@ class PeerServer:
         host, port = self._listener.server_address[:2]
         return str(host), int(port)
 
+    @property
+    def open_connections(self) -> int:
+        """Connections accepted and not yet ended."""
+        return self._admitted
+
     def start(self) -> None:
         self._thread.start()
 
