@@ -11,6 +11,7 @@ idempotent, and bytes that fail verification never count as loaded.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import numpy as np
@@ -25,6 +26,7 @@ from kvtier.policies.lru import LRUCachePolicy
 from kvtier.primary import PrimaryTier, SlotBuffer
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup, TransferJob
+from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p import server as server_module
 from kvtier.tiers.p2p.protocol import format_address
 from kvtier.tiers.p2p.server import PeerServer
@@ -152,8 +154,8 @@ def test_a_corrupt_chunk_from_a_peer_is_never_loaded(monkeypatch: pytest.MonkeyP
     flat = buffer.view.cast("B")
     server = PeerServer(
         address=("127.0.0.1", 0),
-        primary=primary,
         slot_view=lambda i: flat[i * layout.slot_bytes : (i + 1) * layout.slot_bytes],
+        slot_bytes=layout.slot_bytes,
         namespace=layout.namespace,
         secret=SECRET.encode(),
         handshake_timeout=5.0,
@@ -162,7 +164,7 @@ def test_a_corrupt_chunk_from_a_peer_is_never_loaded(monkeypatch: pytest.MonkeyP
         max_inflight_bytes=1 << 20,
         max_connections=4,
     )
-    server.start()
+    server.start(primary)
     harness.close()
     harness = TierHarness(client_config(format_address(*server.address)), layout)
     try:
@@ -176,3 +178,17 @@ def test_a_corrupt_chunk_from_a_peer_is_never_loaded(monkeypatch: pytest.MonkeyP
         server.close()
         flat.release()
         buffer.close()
+
+
+def test_a_taken_listen_address_stops_the_node_from_starting(holder: PeerProcess) -> None:
+    with pytest.raises(OSError, match=f"cannot listen on {holder.address}"):
+        TierHarness({**client_config(), "listen": holder.address}, holder.layout)
+
+
+def test_a_peer_service_never_attached_is_closed_with_its_tier(holder: PeerProcess) -> None:
+    harness = TierHarness({**client_config(), "listen": "127.0.0.1:0"}, holder.layout)
+    address = harness.tier.describe()["listen"]
+    harness.close()
+    assert isinstance(address, str)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(protocol.parse_address(address), timeout=5).close()

@@ -42,13 +42,13 @@ class Served:
         }
         self.server = PeerServer(
             address=("127.0.0.1", 0),
-            primary=self.primary,
             slot_view=lambda i: self._flat[i * size : (i + 1) * size],
+            slot_bytes=size,
             namespace=self.layout.namespace,
             secret=SECRET.encode(),
             **options,  # type: ignore[arg-type]
         )
-        self.server.start()
+        self.server.start(self.primary)
 
     def connect(self) -> socket.socket:
         sock = socket.create_connection(self.server.address, timeout=SAFETY_S)

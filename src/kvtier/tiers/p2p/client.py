@@ -9,6 +9,7 @@ timeout, not one per lookup.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import select
 import socket
@@ -67,7 +68,7 @@ class PeerClient:
         found: list[bool] = []
         for start in range(0, len(keys), self._query_keys):
             batch = list(keys[start : start + self._query_keys])
-            found += self._request(lambda sock, batch=batch: self._query(sock, batch))  # type: ignore[misc]
+            found += self._request(functools.partial(self._query, keys=batch))
         return found
 
     def fetch_into(self, key: bytes, out: memoryview) -> bool:
@@ -78,7 +79,7 @@ class PeerClient:
         then holds garbage and must not be used), ``OSError`` when the
         connection fails.
         """
-        return self._request(lambda sock: self._fetch(sock, key, out))
+        return self._request(functools.partial(self._fetch, key=key, out=out))
 
     def close(self) -> None:
         with self._lock:
@@ -89,12 +90,12 @@ class PeerClient:
 
     # Requests ----------------------------------------------------------------
 
-    def _query(self, sock: socket.socket, keys: list[bytes]) -> list[bool]:
+    def _query(self, sock: socket.socket, *, keys: list[bytes]) -> list[bool]:
         protocol.send_message(sock, MessageType.QUERY, protocol.encode_keys(keys))
         frame = protocol.read_frame(sock, {MessageType.HOLDS: (len(keys), len(keys))})
         return protocol.decode_holds(protocol.recv_exact(sock, frame.length), len(keys))
 
-    def _fetch(self, sock: socket.socket, key: bytes, out: memoryview) -> bool:
+    def _fetch(self, sock: socket.socket, *, key: bytes, out: memoryview) -> bool:
         protocol.send_message(sock, MessageType.FETCH, key)
         length = protocol.chunk_length(len(out))
         frame = protocol.read_frame(

@@ -70,6 +70,7 @@ class _Listener(socketserver.ThreadingTCPServer):
     daemon_threads = False
     block_on_close = True  # server_close() joins every connection thread
     allow_reuse_address = True
+    request_queue_size = 128  # many peers may connect at once after a restart
 
     def __init__(self, address: tuple[str, int], owner: PeerServer) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
@@ -94,8 +95,8 @@ class PeerServer:
         self,
         *,
         address: tuple[str, int],
-        primary: PrimaryTier,
         slot_view: Callable[[int], memoryview],
+        slot_bytes: int,
         namespace: bytes,
         secret: bytes,
         handshake_timeout: float,
@@ -105,10 +106,10 @@ class PeerServer:
         max_connections: int,
         max_send_rate: float | None = None,
     ) -> None:
-        self.primary = primary
+        self._primary: PrimaryTier | None = None
         self._slot_view = slot_view
         self._namespace = namespace
-        self._slot_bytes = primary.buffer.slot_bytes
+        self._slot_bytes = slot_bytes
         self._secret = secret
         self._handshake_timeout = handshake_timeout
         self._request_timeout = request_timeout
@@ -124,7 +125,11 @@ class PeerServer:
         self._active: set[socket.socket] = set()
         self._admitted = 0
         self._closing = False
-        self._listener = _Listener(address, self)
+        try:
+            self._listener = _Listener(address, self)
+        except OSError as exc:
+            where = protocol.format_address(*address)
+            raise OSError(exc.errno, f"p2p: cannot listen on {where}: {exc.strerror}") from exc
         self._thread = threading.Thread(
             target=self._listener.serve_forever,
             kwargs={"poll_interval": 0.1},
@@ -143,7 +148,14 @@ class PeerServer:
         """Connections accepted and not yet ended."""
         return self._admitted
 
-    def start(self) -> None:
+    def start(self, primary: PrimaryTier) -> None:
+        """Serve ``primary``'s ready chunks; connections made before wait in the backlog."""
+        if primary.buffer.slot_bytes != self._slot_bytes:
+            raise ValueError(
+                f"p2p: primary slots of {primary.buffer.slot_bytes} bytes, "
+                f"the peer service was built for {self._slot_bytes}"
+            )
+        self._primary = primary
         self._thread.start()
 
     def close(self) -> None:
@@ -156,12 +168,16 @@ class PeerServer:
                 return
             self._closing = True
             active = list(self._active)
-        self._listener.shutdown()
+        started = self._primary is not None
+        if started:
+            # Waits for serve_forever to return: it would wait forever if never started.
+            self._listener.shutdown()
         for sock in active:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         self._listener.server_close()
-        self._thread.join()
+        if started:
+            self._thread.join()
 
     # Connections -----------------------------------------------------------
 
@@ -185,8 +201,9 @@ class PeerServer:
             self._active.add(sock)
             closing = self._closing
         authenticated = False
+        primary = self._primary
         try:
-            if closing:
+            if closing or primary is None:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self._handshake_timeout)
@@ -194,7 +211,7 @@ class PeerServer:
             authenticated = True
             self.counters.add(connections=1)
             logger.debug("peer service: %s authenticated", peer)
-            while self._serve_request(sock):
+            while self._serve_request(sock, primary):
                 pass
         except PeerAuthError as exc:
             logger.warning("peer service: refused %s: %s", peer, exc)
@@ -245,7 +262,7 @@ class PeerServer:
         welcome = protocol.check_client_proof(self._secret, hello, body)
         protocol.send_message(sock, MessageType.WELCOME, welcome)
 
-    def _serve_request(self, sock: socket.socket) -> bool:
+    def _serve_request(self, sock: socket.socket, primary: PrimaryTier) -> bool:
         """Answer one request; ``False`` when the peer closed the connection."""
         # An authenticated connection may idle between requests, but once a
         # message starts, all of it must arrive within the request timeout.
@@ -265,18 +282,18 @@ class PeerServer:
             raise PeerProtocolError(f"{frame.kind.name} message cut short: {exc}") from None
         if frame.kind is MessageType.QUERY:
             keys = protocol.decode_keys(body)
-            found = [self.primary.is_ready(ChunkKey(key)) for key in keys]
+            found = [primary.is_ready(ChunkKey(key)) for key in keys]
             self.counters.add(queries=1)
             protocol.send_message(sock, MessageType.HOLDS, protocol.encode_holds(found))
         else:
-            self._send_chunk(sock, ChunkKey(body))
+            self._send_chunk(sock, primary, ChunkKey(body))
         return True
 
-    def _send_chunk(self, sock: socket.socket, key: ChunkKey) -> None:
+    def _send_chunk(self, sock: socket.socket, primary: PrimaryTier, key: ChunkKey) -> None:
         length = protocol.chunk_length(self._slot_bytes)
         with self._budget.hold(length):
             try:
-                slot = self.primary.prepare_load([key])[0]
+                slot = primary.prepare_load([key])[0]
             except KeyError:
                 self.counters.add(misses_served=1)
                 protocol.send_message(sock, MessageType.MISSING)
@@ -287,7 +304,7 @@ class PeerServer:
                 sock.sendall(protocol.encode_frame(MessageType.CHUNK, length) + header)
                 self._send_payload(sock, payload)
             finally:
-                self.primary.complete_load([key])
+                primary.complete_load([key])
         self.counters.add(chunks_served=1, bytes_served=length)
 
     def _send_payload(self, sock: socket.socket, payload: memoryview) -> None:

@@ -140,28 +140,23 @@ class PeerTier(ThreadedTier):
         self._budget = ByteBudget(int(options.max_inflight_bytes))
         self._holders: OrderedDict[ChunkKey, list[PeerClient]] = OrderedDict()
         self._holders_lock = threading.Lock()
+        # Bound now, so a bad or taken address stops the node's startup; serving
+        # starts when the manager attaches the node's primary tier.
+        self._serving = False
         self._server: PeerServer | None = None
+        if options.listen is not None:
+            try:
+                self._server = self._bind(options.listen)
+            except BaseException:
+                self.shutdown()
+                raise
 
-    @property
-    def address(self) -> tuple[str, int] | None:
-        """Where this node's peer service listens, once started."""
-        return self._server.address if self._server else None
-
-    def on_attach(self, primary: PrimaryTier) -> None:
-        """Start the peer service over the node's primary tier."""
-        listen = self._settings.listen
-        if listen is None or self._server is not None:
-            return
-        if primary.buffer.slot_bytes != self.slot_bytes:
-            raise ValueError(
-                f"{self.tier_type}: primary slots of {primary.buffer.slot_bytes} bytes, "
-                f"this tier was built for {self.slot_bytes}"
-            )
+    def _bind(self, listen: str) -> PeerServer:
         host, port = protocol.parse_address(listen, allow_port_zero=True)
-        self._server = PeerServer(
+        server = PeerServer(
             address=(host, port),
-            primary=primary,
             slot_view=self.slot,
+            slot_bytes=self.slot_bytes,
             namespace=self.namespace,
             secret=self._secret,
             handshake_timeout=self._settings.connect_timeout_s,
@@ -171,16 +166,27 @@ class PeerTier(ThreadedTier):
             max_connections=self._settings.max_connections,
             max_send_rate=float(self._settings.max_send_rate or 0) or None,
         )
-        self._server.start()
-        where = protocol.format_address(*self._server.address)
+        where = protocol.format_address(*server.address)
         if protocol.is_loopback(host):
-            logger.info("p2p: peer service listening on %s", where)
+            logger.info("p2p: peer service bound to %s", where)
         else:
             logger.warning(
-                "p2p: peer service listening on %s, reachable beyond this machine; "
+                "p2p: peer service bound to %s, reachable beyond this machine; "
                 "connections are authenticated but not encrypted",
                 where,
             )
+        return server
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """Where this node's peer service listens, once started."""
+        return self._server.address if self._server else None
+
+    def on_attach(self, primary: PrimaryTier) -> None:
+        """Start serving the node's primary tier on the bound listen address."""
+        if self._server is not None and not self._serving:
+            self._server.start(primary)
+            self._serving = True
 
     # Stores: peers pull, nobody pushes ------------------------------------------
 
