@@ -199,3 +199,18 @@ def read_to_end(sock: socket.socket) -> bytes:
             break
         received += data
     return bytes(received)
+
+
+Spawn = Callable[..., PeerProcess]
+
+
+def spawner(workdir: Path) -> tuple[Spawn, list[PeerProcess]]:
+    """A function starting peers in ``workdir``, and the list of those it started."""
+    started: list[PeerProcess] = []
+
+    def spawn(name: str, **kwargs: Any) -> PeerProcess:
+        peer = PeerProcess(workdir, name, **kwargs)
+        started.append(peer)
+        return peer
+
+    return spawn, started

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from p2p_nodes import PeerProcess, connect, node, read_to_end, wait_until
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, PeerAuthError
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.protocol import MessageType
+from tests.p2p.p2p_nodes import PeerProcess, connect, node, read_to_end, wait_until
 
 
 def test_a_wrong_secret_is_refused_and_nothing_served(

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
-from p2p_nodes import CHUNK_TOKENS, SECRET, PeerProcess
 
 from kvtier.cli import cli
+from tests.p2p.p2p_nodes import CHUNK_TOKENS, SECRET, PeerProcess
 
 
 def write(path: Path, config: dict[str, object]) -> Path:

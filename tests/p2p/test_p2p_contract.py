@@ -16,8 +16,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import _spawner
-from p2p_nodes import SECRET, PeerProcess, layout_of, node, wait_until
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
@@ -30,11 +28,12 @@ from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p import server as server_module
 from kvtier.tiers.p2p.protocol import format_address
 from kvtier.tiers.p2p.server import PeerServer
+from tests.p2p.p2p_nodes import SECRET, PeerProcess, layout_of, node, spawner, wait_until
 
 
 @pytest.fixture(scope="module")
 def holder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerProcess]:
-    spawn, started = _spawner(tmp_path_factory.mktemp("contract"))
+    spawn, started = spawner(tmp_path_factory.mktemp("contract"))
     try:
         yield spawn("H", seed=3, chunks=4)
     finally:

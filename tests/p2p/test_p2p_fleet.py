@@ -6,13 +6,12 @@ import socket
 
 import numpy as np
 import pytest
-from conftest import Spawn
-from p2p_nodes import CHUNK_TOKENS, SECRET, PeerProcess, load_all, node, wait_until
 
 from kvtier.cli.peer import synthetic_chunks
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.p2p.protocol import format_address
+from tests.p2p.p2p_nodes import CHUNK_TOKENS, SECRET, PeerProcess, Spawn, load_all, node, wait_until
 
 
 def test_a_chunk_stored_on_a_is_loaded_byte_exact_by_c(

@@ -8,22 +8,30 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import _spawner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from p2p_nodes import PeerProcess, authenticate, connect, load_all, node, read_to_end, wait_until
 
 from kvtier.integrity import HEADER_BYTES
 from kvtier.layout import KEY_BYTES
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.protocol import MessageType
+from tests.p2p.p2p_nodes import (
+    PeerProcess,
+    authenticate,
+    connect,
+    load_all,
+    node,
+    read_to_end,
+    spawner,
+    wait_until,
+)
 
 MAX_MESSAGE = 4096
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerProcess]:
-    spawn, started = _spawner(tmp_path_factory.mktemp("hostile"))
+    spawn, started = spawner(tmp_path_factory.mktemp("hostile"))
     try:
         yield spawn("T", seed=5, max_message_bytes=MAX_MESSAGE, request_timeout_s=2.0)
     finally:

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
-from p2p_nodes import SAFETY_S, SECRET, authenticate, layout_of, read_to_end, wait_until
 
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.policies.lru import LRUCachePolicy
@@ -15,6 +14,7 @@ from kvtier.primary import PrimaryTier, SlotBuffer
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.protocol import MessageType
 from kvtier.tiers.p2p.server import PeerServer
+from tests.p2p.p2p_nodes import SAFETY_S, SECRET, authenticate, layout_of, read_to_end, wait_until
 
 
 class Served:
