@@ -45,3 +45,11 @@ def test_peer_reports_an_invalid_config(tmp_path: Path) -> None:
 def test_peer_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     peer = PeerProcess(tmp_path, "S", chunks=1)
     assert peer.stop() == 0
+
+
+def test_bench_skips_a_pull_only_tier(tmp_path: Path) -> None:
+    entry = {"type": "p2p", "secret": SECRET, "listen": None}
+    config = write(tmp_path / "p.json", {"chunk_tokens": CHUNK_TOKENS, "secondary_tiers": [entry]})
+    result = CliRunner().invoke(cli, ["bench", str(config), "--chunks", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["tiers"][0]["skipped"].startswith("a pull-only tier")
