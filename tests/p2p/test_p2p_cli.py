@@ -26,6 +26,18 @@ def test_check_probes_a_p2p_tier_with_lookups(
     assert result.exit_code == 0, result.output
     assert "lookups answered" in result.output
     assert "peers_reachable=1" in result.output
+    assert f"peer {a.address}" in result.output and "answers, authenticated" in result.output
+
+
+def test_check_fails_for_a_peer_that_does_not_authenticate(
+    tmp_path: Path, fleet: tuple[PeerProcess, PeerProcess]
+) -> None:
+    a, _ = fleet
+    entry = {"type": "p2p", "secret": "another-fleet-secret", "peers": [a.address]}
+    config = write(tmp_path / "c.json", {"chunk_tokens": CHUNK_TOKENS, "secondary_tiers": [entry]})
+    result = CliRunner().invoke(cli, ["check", str(config), "--chunk-kib", "64"])
+    assert result.exit_code == 1, result.output
+    assert "FAILED" in result.output and "secrets" in result.output
 
 
 def test_peer_refuses_a_config_without_a_p2p_tier(tmp_path: Path) -> None:

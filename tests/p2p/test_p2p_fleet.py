@@ -27,6 +27,10 @@ def test_a_chunk_stored_on_a_is_loaded_byte_exact_by_c(
         assert stats.chunks_loaded == 8
         assert stats.bytes_loaded == 8 * c.layout.slot_bytes
         assert stats.load_failures == stats.corrupt_chunks == 0
+        registry = c.metrics.registry
+        labels = {"tier": "0", "tier_type": "p2p"}
+        assert registry.get_sample_value("kvtier_tier_peers_reachable", labels) == 2
+        assert registry.get_sample_value("kvtier_tier_peer_chunks_served_total", labels) == 0
 
 
 def test_c_serves_what_it_fetched_to_the_next_node(
@@ -47,6 +51,10 @@ def test_c_serves_what_it_fetched_to_the_next_node(
             np.testing.assert_array_equal(harness.buffer.array[: len(a.keys)], a.data)
         finally:
             harness.close()
+        served = c.metrics.registry.get_sample_value(
+            "kvtier_tier_peer_chunks_served_total", {"tier": "0", "tier_type": "p2p"}
+        )
+        assert served == len(a.keys)
 
 
 def test_a_key_nobody_holds_is_a_miss(fleet: tuple[PeerProcess, PeerProcess]) -> None:

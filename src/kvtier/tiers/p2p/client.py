@@ -81,6 +81,14 @@ class PeerClient:
         """
         return self._request(functools.partial(self._fetch, key=key, out=out))
 
+    def probe(self) -> None:
+        """Connect and authenticate once; raises what a request would meet."""
+        try:
+            self._connect().close()
+        except (OSError, PeerProtocolError) as exc:
+            self._mark_down(exc)
+            raise
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -32,7 +32,7 @@ from pydantic import ByteSize, Field, SecretStr, field_validator
 
 from kvtier.errors import CorruptChunkError, KVTierError
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import JobResult, TierOptions, TransferJob
+from kvtier.tiers.base import HealthCheck, JobResult, TierMetric, TierOptions, TransferJob
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.client import PeerClient
 from kvtier.tiers.p2p.flow import ByteBudget
@@ -265,6 +265,64 @@ class PeerTier(ThreadedTier):
         self._fanout.shutdown(wait=False, cancel_futures=True)
         for client in self._clients:
             client.close()
+
+    def health(self) -> Sequence[HealthCheck]:
+        """Whether the service listens, and whether each peer answers and authenticates."""
+        if self._server is None:
+            checks = [HealthCheck("listen", True, "serves nothing (listen: null)")]
+        else:
+            where = protocol.format_address(*self._server.address)
+            state = "serving" if self._serving else "bound, not serving yet"
+            checks = [HealthCheck("listen", True, f"{state} on {where}")]
+        for client in self._clients:
+            try:
+                client.probe()
+            except (OSError, KVTierError) as exc:
+                checks.append(HealthCheck(f"peer {client.name}", False, str(exc)))
+            else:
+                checks.append(HealthCheck(f"peer {client.name}", True, "answers, authenticated"))
+        return checks
+
+    def metrics(self) -> Sequence[TierMetric]:
+        reachable = sum(client.available() for client in self._clients)
+        values = [
+            TierMetric("peers", len(self._clients), "Peers this node fetches from."),
+            TierMetric("peers_reachable", reachable, "Peers not sitting out a failure."),
+        ]
+        if self._server is not None:
+            served = self._server.counters.as_dict()
+            values += [
+                TierMetric(
+                    "peer_connections_open",
+                    self._server.open_connections,
+                    "Connections the peer service holds open.",
+                ),
+                TierMetric(
+                    "peer_chunks_served",
+                    served["chunks_served"],
+                    "Chunks sent to peers.",
+                    counter=True,
+                ),
+                TierMetric(
+                    "peer_bytes_served",
+                    served["bytes_served"],
+                    "Bytes of chunks (with headers) sent to peers.",
+                    counter=True,
+                ),
+                TierMetric(
+                    "peer_refused",
+                    served["refused"],
+                    "Connections refused: failed authentication, over the cap.",
+                    counter=True,
+                ),
+                TierMetric(
+                    "peer_dropped",
+                    served["dropped"],
+                    "Authenticated connections dropped for a malformed message.",
+                    counter=True,
+                ),
+            ]
+        return values
 
     def describe(self) -> dict[str, object]:
         facts: dict[str, object] = {
