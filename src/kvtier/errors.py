@@ -79,3 +79,12 @@ class BackendUnavailableError(KVTierError, ConnectionError):
         self.target = target
         self.reason = reason
         super().__init__(f"tier {tier_type!r}: cannot use {target}: {reason}")
+
+
+class PeerProtocolError(KVTierError, ConnectionError):
+    """A peer sent a message kvtier's peer protocol does not allow; the
+    connection is dropped."""
+
+
+class PeerAuthError(PeerProtocolError):
+    """A peer failed the challenge-response authentication of a connection."""

@@ -23,6 +23,7 @@ for _name, _module, _cls in [
     ("memory", "kvtier.tiers.memory", "MemoryTier"),
     ("redis", "kvtier.tiers.redis", "RedisTier"),
     ("obj", "kvtier.tiers.obj", "ObjectStoreTier"),
+    ("p2p", "kvtier.tiers.p2p", "PeerTier"),
 ]:
     tier_registry.register(_name, _module, _cls)
 
