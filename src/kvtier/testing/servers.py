@@ -87,12 +87,10 @@ class _Process:
     def start(self) -> Self:
         if self.process is not None and self.process.poll() is None:
             return self
-        self.process = subprocess.Popen(
-            self._command(),
-            cwd=self.workdir,
-            stdout=subprocess.DEVNULL,
-            stderr=open(os.path.join(self.workdir, "stderr.log"), "ab"),  # noqa: SIM115
-        )
+        with open(os.path.join(self.workdir, "stderr.log"), "ab") as log:
+            self.process = subprocess.Popen(
+                self._command(), cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=log
+            )
         _wait(self._ready, self.process, self.name)
         return self
 
@@ -143,12 +141,12 @@ class RedisServer(_Process):
     name = "redis"
 
     def __init__(self, *, cluster: bool = False, maxmemory: str | None = None) -> None:
-        super().__init__()
         binary = redis_server_binary()
         if binary is None:
             raise ServerError(
                 "redis-server is not installed (Debian: apt-get install redis-server)"
             )
+        super().__init__()
         self.binary = binary
         self.port = free_port()
         self.cluster = cluster
