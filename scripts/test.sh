@@ -8,8 +8,24 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e '.[test]'
+python -m pip install --quiet -e '.[test]' -e tests/plugins/kvtier_testplugin
+# The user guide (built by tests/test_docs.py) and the example out-of-tree tier.
+python -m pip install --quiet -e '.[docs]'
+python -m pip install --quiet -e examples/acme-kvtier
+export NO_MKDOCS_2_WARNING=1
+# Shared tiers (redis, obj): their client libraries, and Debian's redis-server
+# for the tests to start on loopback.
+python -m pip install --quiet -e '.[redis,obj]'
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends redis-server
+    # The tests start their own servers; leave no system service behind.
+    $SUDO service redis-server stop >/dev/null 2>&1 || true
+fi
 
 ruff check src tests
+ruff check examples
 mypy
+mypy examples/acme-kvtier/src examples/acme-kvtier/tests
 pytest -q -m "not slow"
+pytest -q examples/acme-kvtier/tests

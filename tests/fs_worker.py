@@ -4,7 +4,8 @@
     python fs_worker.py churn ROOT SEED COUNT               print "ready", store until killed
     python fs_worker.py verify ROOT SEED COUNT              exit 0 iff every chunk hits, exact
     python fs_worker.py zygote ROOT 0 COUNT                 per SEED line on stdin: fork a
-        child that prints "ready PID" and stores COUNT chunks; print "reaped" when it ends
+        child that prints "ready PID", stores COUNT chunks (printing "stored" after the
+        first batch and "done" at the end); print "reaped" when it ends
 
 The zygote pays the import cost once, so a crash test can kill many writers quickly.
 
@@ -65,7 +66,11 @@ def zygote(root: str, count: int) -> int:
             try:
                 harness = open_tier(root, io_threads=4)
                 print(f"ready {os.getpid()}", flush=True)
-                store(harness, keys_for(seed, count))
+                keys = keys_for(seed, count)
+                first = harness.buffer.num_slots
+                store(harness, keys[:first])
+                print("stored", flush=True)
+                store(harness, keys[first:])
                 harness.close()
                 print("done", flush=True)
             finally:

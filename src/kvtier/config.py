@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import difflib
 import json
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SecretBytes,
+    SecretStr,
+    ValidationError,
+)
 
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.policies.base import CachePolicy
@@ -44,6 +53,22 @@ class BackpressureConfig(BaseModel):
 
     smoothing: float = Field(default=0.2, gt=0, le=1)
     """Weight of the newest job in the moving average of store latency."""
+
+
+class MetricsConfig(BaseModel):
+    """Prometheus metrics of the tiers and the primary tier."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve ``/metrics`` over HTTP on this port (``0``: any free port); unset: no server."""
+
+    host: str = "127.0.0.1"
+    """Address the metrics server listens on; loopback unless you mean to expose it."""
+
+    global_registry: bool = False
+    """Register in prometheus_client's process-wide registry (one kvtier cache per
+    process) instead of a registry of the cache's own."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +124,9 @@ class KVTierConfig(BaseModel):
 
     backpressure: BackpressureConfig = BackpressureConfig()
     """Per-tier store backpressure."""
+
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus metrics and their optional HTTP endpoint."""
 
     def policy_class(self) -> type[CachePolicy]:
         return policy_registry.resolve(self.eviction_policy, self.cache_policy_module_path)
@@ -228,7 +256,8 @@ def _problems_from(
             message = "unknown key" + (f"; did you mean {close[0]!r}?" if close else "")
             message += f" Valid keys: {', '.join(sorted(valid))}."
         elif "input" in error and error["type"] not in ("missing",):
-            message += f" (got {error['input']!r})"
+            # Never echo a secret (a peer secret, a password) into logs.
+            message += " (value hidden)" if _is_secret(model, loc) else f" (got {error['input']!r})"
         problems.append((path, message))
     return problems
 
@@ -241,6 +270,22 @@ def _join(prefix: str, loc: tuple[int | str, ...]) -> str:
         else:
             path += f".{part}" if path else str(part)
     return path
+
+
+def _is_secret(model: type[BaseModel], loc: tuple[int | str, ...]) -> bool:
+    """Whether ``loc`` names a ``SecretStr``/``SecretBytes`` field (optional or not)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        current = field.annotation
+        kinds = typing.get_args(current) or (current,)
+        if any(isinstance(k, type) and issubclass(k, (SecretStr, SecretBytes)) for k in kinds):
+            return True
+    return False
 
 
 def _field_names(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:

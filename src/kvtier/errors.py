@@ -31,10 +31,12 @@ class PluginLoadError(KVTierError, ImportError):
     """A tier, policy or spec named in configuration could not be loaded."""
 
     def __init__(self, message: str, *, entry: str, module: str | None, name: str):
+        # ImportError's own ``name`` is the module, as for any failed import.
+        super().__init__(message, name=module)
         self.entry = entry
         self.module = module
-        self.name = name
-        super().__init__(message)
+        #: The tier, policy or spec name being resolved.
+        self.plugin = name
 
 
 class UntrustedModuleError(PluginLoadError):
@@ -62,3 +64,27 @@ class LayoutMismatchError(KVTierError, ValueError):
 
 class UnknownPluginError(KVTierError, ValueError):
     """A tier, policy or spec name is neither registered nor given a module path."""
+
+
+class BackendUnavailableError(KVTierError, ConnectionError):
+    """A tier's backend cannot serve it at start: unreachable, missing or refusing.
+
+    ``tier_type`` names the tier, ``target`` what it tried to reach (a URL, a
+    bucket) and ``reason`` what went wrong. Raised only while a tier starts;
+    once running, backend failures become failed jobs and misses.
+    """
+
+    def __init__(self, tier_type: str, target: str, reason: str):
+        self.tier_type = tier_type
+        self.target = target
+        self.reason = reason
+        super().__init__(f"tier {tier_type!r}: cannot use {target}: {reason}")
+
+
+class PeerProtocolError(KVTierError, ConnectionError):
+    """A peer sent a message kvtier's peer protocol does not allow; the
+    connection is dropped."""
+
+
+class PeerAuthError(PeerProtocolError):
+    """A peer failed the challenge-response authentication of a connection."""
