@@ -287,3 +287,31 @@ def test_unwritable_root_dir_fails_at_start_naming_it(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="root_dir"):
         TierHarness({"type": "fs", "root_dir": str(blocker / "kv")}, small_layout())
     assert os.path.isfile(blocker)
+
+
+def test_health_reports_writable_space_index_and_io_mode(harness: TierHarness) -> None:
+    checks = {check.name: check for check in fs_tier(harness).health()}
+    assert set(checks) == {"writable", "free space", "index", "io mode"}
+    assert all(check.ok for check in checks.values())
+    assert checks["io mode"].detail.startswith(str(fs_tier(harness).describe()["io"]))
+
+
+def test_health_fails_when_the_directory_is_not_writable(harness: TierHarness) -> None:
+    tier = fs_tier(harness)
+    shutil.rmtree(tier.dir.path)
+    tier.dir.path.touch()  # a file where the directory was
+    try:
+        checks = {check.name: check for check in tier.health()}
+        assert not checks["writable"].ok
+    finally:
+        tier.dir.path.unlink()
+
+
+def test_metrics_export_index_size_and_disk_full_errors(harness: TierHarness) -> None:
+    keys = harness.keys(2)
+    harness.fill([0, 1])
+    assert harness.store(keys, [0, 1]).success
+    values = {metric.name: metric.value for metric in fs_tier(harness).metrics()}
+    assert values["chunks"] == 2
+    assert values["held_bytes"] == 2 * (HEADER_BLOCK + harness.layout.slot_bytes)
+    assert values["disk_full_errors"] == 0

@@ -30,7 +30,7 @@ import numpy as np
 from pydantic import ByteSize, Field
 
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import TierOptions
+from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
 from kvtier.tiers.fs.index import ChunkIndex
 from kvtier.tiers.fs.io import (
     DIRECT_ALIGN,
@@ -311,6 +311,56 @@ class FilesystemTier(ThreadedTier):
     def held_bytes(self) -> int:
         """Bytes of chunk files the index knows."""
         return self._index.held_bytes
+
+    def health(self) -> Sequence[HealthCheck]:
+        checks = [self._writable_check()]
+        try:
+            space = os.statvfs(self.dir.path)
+            free = space.f_bavail * space.f_frsize
+            checks.append(
+                HealthCheck(
+                    "free space",
+                    free >= self.file_bytes,
+                    f"{free} bytes free under {self.root_dir}",
+                )
+            )
+        except OSError as exc:
+            checks.append(HealthCheck("free space", False, f"statvfs failed: {exc.strerror}"))
+        bound = "unbounded" if self.max_bytes is None else f"of max_bytes={self.max_bytes}"
+        checks.append(
+            HealthCheck(
+                "index",
+                True,
+                f"{len(self._index)} chunks, {self._index.held_bytes} bytes {bound}"
+                + ("" if self.index_ready else " (re-index running)"),
+            )
+        )
+        checks.append(
+            HealthCheck("io mode", True, f"{self.describe()['io']}: {self.io_mode_reason}")
+        )
+        return checks
+
+    def _writable_check(self) -> HealthCheck:
+        probe = self.dir.temp_path(str(self.dir.path / f"health{os.getpid()}.kvc"))
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            return HealthCheck("writable", False, f"{self.dir.path}: {exc.strerror}")
+        return HealthCheck("writable", True, str(self.dir.path))
+
+    def metrics(self) -> Sequence[TierMetric]:
+        return (
+            TierMetric("held_bytes", self._index.held_bytes, "Bytes of chunk files indexed."),
+            TierMetric("chunks", len(self._index), "Chunk files indexed."),
+            TierMetric(
+                "disk_full_errors",
+                self.disk_full_errors,
+                "Stores that failed because the filesystem was full.",
+                counter=True,
+            ),
+        )
 
     def describe(self) -> dict[str, object]:
         return {
