@@ -315,3 +315,11 @@ def test_metrics_export_index_size_and_disk_full_errors(harness: TierHarness) ->
     assert values["chunks"] == 2
     assert values["held_bytes"] == 2 * (HEADER_BLOCK + harness.layout.slot_bytes)
     assert values["disk_full_errors"] == 0
+
+
+def test_the_example_configuration_validates() -> None:
+    from kvtier.config import load_config
+
+    example = Path(__file__).parent.parent / "examples" / "nvme.yaml"
+    config = load_config(example)
+    assert config.secondary_tiers[0].tier_type == "fs"
