@@ -8,8 +8,15 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e '.[test]'
+python -m pip install --quiet -e '.[test]' -e tests/plugins/kvtier_testplugin
+# The user guide (built by tests/test_docs.py) and the example out-of-tree tier.
+python -m pip install --quiet -e '.[docs]'
+python -m pip install --quiet -e examples/acme-kvtier
+export NO_MKDOCS_2_WARNING=1
 
 ruff check src tests
+ruff check examples
 mypy
+mypy examples/acme-kvtier/src examples/acme-kvtier/tests
 pytest -q -m "not slow"
+pytest -q examples/acme-kvtier/tests

@@ -7,7 +7,9 @@ import logging
 import click
 
 from kvtier import __version__
+from kvtier.cli.bench import bench
 from kvtier.cli.check import check
+from kvtier.cli.reference import reference
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,6 +22,8 @@ def cli(verbose: int) -> None:
 
 
 cli.add_command(check)
+cli.add_command(bench)
+cli.add_command(reference)
 
 
 def main() -> None:
