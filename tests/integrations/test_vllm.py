@@ -182,3 +182,103 @@ def test_other_page_format_never_shares_chunks(
     # Whatever vLLM counted as cached came from chunks this engine stored itself.
     assert result["stats"]["connector"]["hit_tokens"] == sum(result["cached"])
     assert fs["chunks_stored"] == 6
+
+
+# Pieces of the connector, without an engine ------------------------------------
+
+
+def _request(tokens: list[int], **fields: Any) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        prompt_token_ids=tokens, mm_features=[], lora_request=None, cache_salt=None, **fields
+    )
+
+
+def test_request_keys_are_the_prefix_chain_of_the_prompt_and_salted() -> None:
+    from types import SimpleNamespace
+
+    from kvtier import chunk_keys
+    from kvtier.integrations.vllm.scheduler import request_keys
+
+    namespace = bytes(32)
+    tokens = PROMPTS[0]
+    keys = request_keys(namespace, _request(tokens), CHUNK)
+    assert keys == chunk_keys(namespace, tokens, CHUNK)
+    assert len(keys) == len(tokens) // CHUNK
+    assert request_keys(namespace, _request(tokens), CHUNK) == keys  # deterministic
+    with_lora = _request(tokens)
+    with_lora.lora_request = SimpleNamespace(lora_name="adapter-a")
+    salted = _request(tokens)
+    salted.cache_salt = "tenant-1"
+    lora_keys = request_keys(namespace, with_lora, CHUNK)
+    salt_keys = request_keys(namespace, salted, CHUNK)
+    assert lora_keys is not None and salt_keys is not None
+    # Every key differs: the salt enters the first link of the chain.
+    assert not set(lora_keys) & set(keys)
+    assert not set(salt_keys) & set(keys)
+    assert not set(lora_keys) & set(salt_keys)
+    multimodal = _request(tokens)
+    multimodal.mm_features = ["an image"]
+    assert request_keys(namespace, multimodal, CHUNK) is None
+
+
+def _engine_config(block_size: int, tp: int = 1) -> tuple[Any, Any]:
+    from types import SimpleNamespace
+
+    import torch
+
+    spec = SimpleNamespace(
+        num_kv_heads=2,
+        head_size=32,
+        dtype=torch.float32,
+        block_size=block_size,
+        page_size_bytes=2 * 2 * 32 * block_size * 4,
+    )
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model="tiny"),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+    )
+    kv_cache_config = SimpleNamespace(
+        num_blocks=16,
+        kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=spec)],
+    )
+    return vllm_config, kv_cache_config
+
+
+def test_layout_slot_is_layers_times_blocks_times_pages_and_names_the_page_format() -> None:
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    layout, shape = kv_layout(*_engine_config(32), chunk_tokens=64)
+    assert shape.blocks_per_chunk == 2
+    assert layout.slot_bytes == 2 * 2 * shape.page_bytes
+    extra = dict(layout.extra)
+    assert extra["block_size"] == "32"
+    assert extra["device"] == "cpu"
+    assert extra["attention_backend"] == "CPU_ATTN"
+    other, _ = kv_layout(*_engine_config(64), chunk_tokens=64)
+    assert other.slot_bytes == layout.slot_bytes
+    assert other.namespace != layout.namespace
+
+
+def test_chunk_tokens_must_be_whole_blocks_and_one_worker() -> None:
+    from kvtier import ConfigError, LayoutMismatchError
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    with pytest.raises(ConfigError, match=r"chunk_tokens.*multiple of vLLM's block_size=32"):
+        kv_layout(*_engine_config(32), chunk_tokens=48)
+    with pytest.raises(LayoutMismatchError, match="tensor_parallel_size=2"):
+        kv_layout(*_engine_config(32, tp=2), chunk_tokens=64)
+
+
+def test_connector_options_take_one_config_source() -> None:
+    from kvtier import ConfigError
+    from kvtier.integrations.vllm.settings import connector_options, kvtier_config
+
+    options = connector_options({"kvtier": {"chunk_tokens": 64}, "kvtier_config_file": "x.yaml"})
+    with pytest.raises(ConfigError, match="either 'kvtier'"):
+        kvtier_config(options)
+    with pytest.raises(ConfigError, match="chunk_tokns"):
+        kvtier_config(connector_options({"kvtier": {"chunk_tokns": 64}}))
+    assert kvtier_config(connector_options({})).chunk_tokens == 256

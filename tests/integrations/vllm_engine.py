@@ -8,9 +8,9 @@ no connector), ``block_size`` and ``multiprocessing``. RESULT receives the
 greedy tokens, vLLM's cached-token count per prompt, the time to first token
 per prompt when ``ttft`` is set, and the engine start time.
 
-Also builds the tiny local model the tests and the benchmark use:
+Also builds the local model the tests (and, larger, the benchmark) use:
 
-    python vllm_engine.py --make-model DIR
+    python vllm_engine.py --make-model DIR [LAYERS HIDDEN]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def make_model(out: str | Path, *, layers: int = 2, hidden: int = 64) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,  # vLLM's CPU attention supports head sizes 32, 64, 80, ...
-        max_position_embeddings=4096,
+        max_position_embeddings=8192,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -95,18 +95,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     result: dict[str, Any] = {"engine_start_s": start_s, "tokens": [], "cached": [], "ttft_s": []}
-    # One prompt per generate call when timing: a prompt's first token then
-    # is its whole latency, and kvtier sees the prompts one after another.
-    batches = [[p] for p in prompts] if spec.get("ttft") else [prompts]
-    ttft_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    for batch in batches:
-        if spec.get("ttft"):
+    if spec.get("ttft"):
+        # One prompt at a time, one output token: the call's duration is the
+        # time to first token. vLLM's own prefix cache is emptied after each
+        # prompt, so a prefix can only come back through kvtier.
+        first_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for prompt in prompts:
             began = time.perf_counter()
-            llm.generate(batch, ttft_params, use_tqdm=False)
+            (output,) = llm.generate([prompt], first_token, use_tqdm=False)
             result["ttft_s"].append(time.perf_counter() - began)
-            llm.reset_prefix_cache()  # the next measurement must not hit vLLM's own cache
-            continue
-        for output in llm.generate(batch, params, use_tqdm=False):
+            result["tokens"].append(list(output.outputs[0].token_ids))
+            result["cached"].append(output.num_cached_tokens or 0)
+            llm.reset_prefix_cache()
+    else:
+        for output in llm.generate(prompts, params, use_tqdm=False):
             result["tokens"].append(list(output.outputs[0].token_ids))
             result["cached"].append(output.num_cached_tokens or 0)
     result["generate_s"] = time.perf_counter() - started - start_s
@@ -120,7 +122,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     if sys.argv[1] == "--make-model":
-        make_model(sys.argv[2])
+        sizes = [int(arg) for arg in sys.argv[3:5]]
+        make_model(sys.argv[2], **dict(zip(("layers", "hidden"), sizes, strict=False)))
         return
     spec = json.loads(Path(sys.argv[1]).read_text())
     result = run(spec)

@@ -103,6 +103,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._sched().request_finished(request)
         return False, None
 
+    def reset_cache(self) -> bool | None:
+        """``LLM.reset_prefix_cache(reset_connector=True)``: empty kvtier's CPU tier."""
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
     # Worker side --------------------------------------------------------------
 
     def _work(self) -> WorkerSide:

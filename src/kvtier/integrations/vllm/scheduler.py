@@ -274,6 +274,16 @@ class SchedulerSide:
         if self._requests.pop(request.request_id, None) is not None:
             self._safely(self.manager.on_request_finished, request.request_id)
 
+    def reset_cache(self) -> bool:
+        """Empty the CPU primary tier (secondary tiers keep their chunks); False if busy."""
+        if self._in_flight or self._load_keys:
+            return False
+        try:
+            self.manager.reset()
+        except RuntimeError:
+            return False
+        return True
+
     def shutdown(self) -> None:
         """Drain every tier (so what was stored survives the engine), then release all."""
         if self._closed:
