@@ -282,3 +282,84 @@ def test_connector_options_take_one_config_source() -> None:
     with pytest.raises(ConfigError, match="chunk_tokns"):
         kvtier_config(connector_options({"kvtier": {"chunk_tokns": 64}}))
     assert kvtier_config(connector_options({})).chunk_tokens == 256
+
+
+@pytest.mark.parametrize(
+    "page_shape",
+    [
+        pytest.param(lambda blocks: (blocks, 2, 32, 64), id="cpu-blocks-first"),
+        pytest.param(lambda blocks: (2, blocks, 32, 2, 32), id="flash-kv-first"),
+    ],
+)
+def test_worker_round_trips_pages_through_shared_slots(page_shape: Any, tmp_path: Path) -> None:
+    """Store pages of scattered blocks into slots, load them into other blocks."""
+    import uuid
+
+    import torch
+
+    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
+    from kvtier.integrations.vllm.settings import VllmGeometry
+    from kvtier.integrations.vllm.worker import WorkerSide
+    from kvtier.primary import SlotBuffer
+
+    blocks, bpc = 16, 2
+    shape = VllmGeometry(("l0", "l1", "l2"), 32, bpc, 2 * 32 * 64 * 4, blocks)
+    name = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    owner = SlotBuffer(4, shape.num_layers * bpc * shape.page_bytes, shared_name=name)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        source = {
+            n: torch.randn(page_shape(blocks), generator=generator) for n in shape.layer_names
+        }
+        target = {n: torch.zeros(page_shape(blocks)) for n in shape.layer_names}
+        buffer = SharedBuffer(name, 4, owner.slot_bytes)
+        block_dim = 0 if page_shape(blocks)[0] == blocks else 1
+
+        storer = WorkerSide(shape)
+        storer.register_kv_caches(source)
+        store = KVTierConnectorMetadata(0, buffer)
+        for slot, position, block in [(3, 0, 5), (3, 1, 9), (1, 0, 2), (1, 1, 14)]:
+            store.stores.add(slot, position, block)
+        storer.wait_for_save(store)
+        report = storer.build_worker_meta()
+        assert report is not None and report.finished == {0: (True, True)} and report.attached
+
+        loader = WorkerSide(shape)
+        loader.register_kv_caches(target)
+        load = KVTierConnectorMetadata(1, buffer)
+        for slot, position, block in [(3, 0, 1), (3, 1, 2), (1, 1, 7)]:
+            load.loads.add(slot, position, block)
+        loader.start_load_kv(load)
+        assert loader.take_load_errors() == set()
+
+        for layer in shape.layer_names:
+            src = source[layer].movedim(block_dim, 0)
+            dst = target[layer].movedim(block_dim, 0)
+            torch.testing.assert_close(dst[1], src[5], rtol=0, atol=0)
+            torch.testing.assert_close(dst[2], src[9], rtol=0, atol=0)
+            torch.testing.assert_close(dst[7], src[14], rtol=0, atol=0)
+            untouched = [b for b in range(blocks) if b not in (1, 2, 7)]
+            assert not dst[untouched].any()
+        storer.shutdown()
+        loader.shutdown()
+    finally:
+        owner.close()
+
+
+def test_worker_reports_loads_it_cannot_do_as_load_errors() -> None:
+    import torch
+
+    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
+    from kvtier.integrations.vllm.settings import VllmGeometry
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    shape = VllmGeometry(("l0",), 32, 1, 2 * 32 * 64 * 4, 8)
+    worker = WorkerSide(shape)
+    worker.register_kv_caches({"l0": torch.zeros(8, 2, 32, 64)})
+    meta = KVTierConnectorMetadata(0, SharedBuffer("kvtier-test-absent", 2, shape.page_bytes))
+    meta.loads.add(0, 0, 3)
+    meta.loads.add(1, 0, 4)
+    worker.start_load_kv(meta)  # the shared memory does not exist: no crash
+    assert worker.take_load_errors() == {3, 4}
+    report = worker.build_worker_meta()
+    assert report is not None and report.finished == {0: (False, True)}
