@@ -126,7 +126,6 @@ def test_fresh_engine_process_loads_prefixes_from_fs(
     """Engine 2, multi-process (scheduler and worker apart, slots in shared memory)."""
     tiers = [{"type": "fs", "root_dir": str(stored["fs_dir"])}]
     spec = _spec(model, tmp_path, "second", tiers, multiprocessing=True, prefix_caching=False)
-    shm_before = set(Path("/dev/shm").glob("kvtier-vllm-*"))
     second = _engine(tmp_path, "second", spec)
 
     assert second["tokens"] == stored["tokens"]
@@ -138,7 +137,8 @@ def test_fresh_engine_process_loads_prefixes_from_fs(
     assert _fs_tier(stats)["chunks_loaded"] == 6
     assert stats["connector"]["load_failures"] == 0
     # The worker mapped the slots, then their name was removed: nothing leaks.
-    assert set(Path("/dev/shm").glob("kvtier-vllm-*")) <= shm_before
+    assert stats["shared_memory_name"].startswith("kvtier-vllm-")
+    assert not (Path("/dev/shm") / stats["shared_memory_name"]).exists()
 
 
 def test_failing_tier_degrades_to_recompute(
@@ -363,3 +363,17 @@ def test_worker_reports_loads_it_cannot_do_as_load_errors() -> None:
     assert worker.take_load_errors() == {3, 4}
     report = worker.build_worker_meta()
     assert report is not None and report.finished == {0: (False, True)}
+
+
+def test_worker_without_kv_caches_fails_stores_instead_of_offloading_empty_slots() -> None:
+    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
+    from kvtier.integrations.vllm.settings import VllmGeometry
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    shape = VllmGeometry(("l0",), 32, 1, 2 * 32 * 64 * 4, 8)
+    worker = WorkerSide(shape)  # register_kv_caches never called
+    meta = KVTierConnectorMetadata(0, SharedBuffer("kvtier-test-absent", 2, shape.page_bytes))
+    meta.stores.add(0, 0, 3)
+    worker.wait_for_save(meta)
+    report = worker.build_worker_meta()
+    assert report is not None and report.finished == {0: (True, False)}

@@ -314,6 +314,7 @@ class SchedulerSide:
 
     def stats(self) -> dict[str, object]:
         return {
+            "shared_memory_name": self.buffer.name,
             "connector": vars(self.counters).copy(),
             "primary": dict(self.manager.primary.busy_counts()),
             "tiers": [

@@ -139,6 +139,10 @@ class WorkerSide:
         return True
 
     def _attach(self, buffer: SharedBuffer) -> torch.Tensor | None:
+        if self._broken is None and not self._layers:
+            # Copying no layers would "succeed" and offload empty slots.
+            self._broken = "vLLM registered no KV caches with the connector"
+            logger.error("kvtier: %s; offloading disabled", self._broken)
         if self._broken is not None:
             return None
         if self._slots is not None:
