@@ -13,6 +13,15 @@ python -m pip install --quiet -e '.[test]' -e tests/plugins/kvtier_testplugin
 python -m pip install --quiet -e '.[docs]'
 python -m pip install --quiet -e examples/acme-kvtier
 export NO_MKDOCS_2_WARNING=1
+# Shared tiers (redis, obj): their client libraries, and Debian's redis-server
+# for the tests to start on loopback.
+python -m pip install --quiet -e '.[redis,obj]'
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends redis-server
+    # The tests start their own servers; leave no system service behind.
+    $SUDO service redis-server stop >/dev/null 2>&1 || true
+fi
 
 ruff check src tests
 ruff check examples

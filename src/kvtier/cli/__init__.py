@@ -9,6 +9,7 @@ import click
 from kvtier import __version__
 from kvtier.cli.bench import bench
 from kvtier.cli.check import check
+from kvtier.cli.peer import peer
 from kvtier.cli.reference import reference
 
 
@@ -23,6 +24,7 @@ def cli(verbose: int) -> None:
 
 cli.add_command(check)
 cli.add_command(bench)
+cli.add_command(peer)
 cli.add_command(reference)
 
 
