@@ -19,15 +19,6 @@ from kvtier.config import KVTierConfig, load_config, validate_options
 from kvtier.errors import ConfigError, LayoutMismatchError
 from kvtier.layout import KVLayout
 
-#: ``kv_connector_extra_config`` keys the connector understands.
-EXTRA_CONFIG_KEYS = (
-    "kvtier",
-    "kvtier_config_file",
-    "kvtier_model_id",
-    "kvtier_lookup_timeout_s",
-    "kvtier_stats_file",
-)
-
 
 class ConnectorOptions(BaseModel):
     """The connector's own keys in ``kv_connector_extra_config``."""
