@@ -29,3 +29,6 @@ mypy
 mypy examples/acme-kvtier/src examples/acme-kvtier/tests
 pytest -q -m "not slow"
 pytest -q examples/acme-kvtier/tests
+# The vLLM end-to-end suite, in its own environment (vLLM's pins conflict).
+deactivate
+./scripts/test-vllm.sh
