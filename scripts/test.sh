@@ -27,7 +27,8 @@ ruff check src tests
 ruff check examples
 mypy
 mypy examples/acme-kvtier/src examples/acme-kvtier/tests
-pytest -q -m "not slow"
+# The vLLM suite needs its own environment: it runs below, not here.
+pytest -q -m "not slow" --ignore=tests/integrations/test_vllm.py
 pytest -q examples/acme-kvtier/tests
 # The vLLM end-to-end suite, in its own environment (vLLM's pins conflict).
 deactivate
