@@ -175,7 +175,8 @@ def test_other_page_format_never_shares_chunks(
     result = _engine(tmp_path, "blocks64", spec)
 
     assert result["tokens"] == stored["tokens"]
-    assert result["cached"][0] == 0
+    # Prompts wait for their lookups in any order, so one prompt may hit chunks
+    # another prompt of this engine stored first; never the first engine's.
     fs = _fs_tier(result["stats"])
     assert fs["hits"] == 0
     assert fs["chunks_loaded"] == 0
