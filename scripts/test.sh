@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e '.[test]'
+python -m pip install --quiet -e '.[test]' -e tests/plugins/kvtier_testplugin
 # torch's CPU build first, so that the transformers extra keeps it.
 python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet -e '.[test,transformers]'

@@ -31,10 +31,12 @@ class PluginLoadError(KVTierError, ImportError):
     """A tier, policy or spec named in configuration could not be loaded."""
 
     def __init__(self, message: str, *, entry: str, module: str | None, name: str):
+        # ImportError's own ``name`` is the module, as for any failed import.
+        super().__init__(message, name=module)
         self.entry = entry
         self.module = module
-        self.name = name
-        super().__init__(message)
+        #: The tier, policy or spec name being resolved.
+        self.plugin = name
 
 
 class UntrustedModuleError(PluginLoadError):

@@ -81,7 +81,7 @@ class TieringManager:
             if self.primary.is_writing(key):
                 pending = True
                 continue
-            found = self._lookup_secondary(key, LookupContext(request_id, index))
+            found = self._lookup_secondary(key, LookupContext(request_id, index), keys)
             if found is None:
                 break
             pending = pending or found
@@ -89,8 +89,13 @@ class TieringManager:
             self.primary.touch(keys[:hits])
         return LookupResult(hits, pending)
 
-    def _lookup_secondary(self, key: ChunkKey, ctx: LookupContext) -> bool | None:
-        """``True`` if a tier has or may have ``key`` (pending), ``None`` on a miss."""
+    def _lookup_secondary(
+        self, key: ChunkKey, ctx: LookupContext, chain: Sequence[ChunkKey]
+    ) -> bool | None:
+        """``True`` if a tier has or may have ``key`` (pending), ``None`` on a miss.
+
+        A promotion never evicts another chunk of the same ``chain``.
+        """
         failed = self._failed.get(ctx.request_id, ())
         for index, tier in enumerate(self.tiers):
             if (index, key) in failed:
@@ -105,7 +110,7 @@ class TieringManager:
             if answer is Lookup.PENDING:
                 return True
             if answer is Lookup.HIT:
-                reserved = self.primary.prepare_store([key])
+                reserved = self.primary.prepare_store([key], protect=chain)
                 if not reserved:
                     return None  # no room to promote into: treat as a miss
                 self._promotions[(index, ctx.request_id)].append((key, reserved[key]))
@@ -166,6 +171,13 @@ class TieringManager:
         for tier in self.tiers:
             self._call(tier, "drain")
         self._collect()
+        # A drained tier no longer touches the slots; if it still cannot report
+        # its jobs it is broken, and they count as failed so the slots come back.
+        for (index, job_id), job in list(self._jobs.items()):
+            tier = self.tiers[index]
+            logger.error("tier %s: job %d unreported after drain; failed", tier.tier_type, job_id)
+            del self._jobs[(index, job_id)]
+            self._apply(tier, job, JobResult(job_id, False, frozenset(), 0, 0.0))
 
     def reset(self) -> None:
         """Drain, then empty the primary tier (the secondary tiers keep their chunks)."""

@@ -60,18 +60,22 @@ class PrimaryTier:
     def slot_of(self, key: ChunkKey) -> int | None:
         return self._slot_of.get(key)
 
-    def prepare_store(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, int] | None:
+    def prepare_store(
+        self, keys: Sequence[ChunkKey], protect: Iterable[ChunkKey] = ()
+    ) -> dict[ChunkKey, int] | None:
         """Reserve a slot for every key not yet resident, evicting idle chunks.
 
         Atomic: returns ``{key: slot}`` for the new keys (marked writing), or
         ``None`` with nothing changed when not enough idle chunks can go.
+        Neither ``keys`` nor ``protect`` are ever chosen as victims.
         """
         with self._lock:
             new = list(dict.fromkeys(k for k in keys if k not in self._slot_of))
             shortfall = len(new) - len(self._free)
             if shortfall > 0:
                 # Chunks of this very request stay: evicting them would break its prefix.
-                protected = {k for k, r in self._refs.items() if r != 0} | set(keys)
+                protected = {k for k, r in self._refs.items() if r != 0}
+                protected.update(keys, protect)
                 victims = self.policy.evict(shortfall, protected)
                 if victims is None:
                     return None

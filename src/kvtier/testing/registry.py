@@ -15,10 +15,12 @@ _REGISTRIES = (tier_registry, policy_registry, spec_registry)
 
 @contextmanager
 def restore_registries() -> Iterator[None]:
-    """Snapshot every registry (entries and the once-per-process warning flag)."""
+    """Snapshot every registry, and start the block as a fresh process would:
+    with the once-per-process warnings not yet given."""
     saved = [(r, copy.copy(r.__dict__)) for r in _REGISTRIES]
-    for _, state in saved:
+    for registry, state in saved:
         state["_registry"] = dict(state["_registry"])
+        registry._warned_out_of_tree = False
     try:
         yield
     finally:

@@ -1,0 +1,1 @@
+"""Out-of-tree kvtier plugins for kvtier's factory tests."""

@@ -1,0 +1,285 @@
+"""The three configuration-driven factories and the resolver behind them."""
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvtier import (
+    CachePolicyFactory,
+    OffloadingSpecFactory,
+    PluginLoadError,
+    SecondaryTierFactory,
+    UnknownPluginError,
+    UntrustedModuleError,
+    load_config,
+    register_policy,
+    register_spec,
+    register_tier,
+)
+from kvtier.policies import CachePolicy
+from kvtier.primary import SlotBuffer
+from kvtier.specs import OffloadingSpec
+from kvtier.specs.tiering import TieringSpec
+from kvtier.testing import small_layout
+from kvtier.tiers import SecondaryTier, tier_registry
+from kvtier.tiers.memory import MemoryTier
+
+pytestmark = pytest.mark.usefixtures("registries")
+
+OOT = "kvtier_testplugin.tiers"
+
+
+def build(entry: dict) -> SecondaryTier:
+    layout = small_layout()
+    buffer = SlotBuffer(4, layout.slot_bytes)
+    spec = TieringSpec(load_config({"chunk_tokens": layout.chunk_tokens}), layout)
+    return SecondaryTierFactory.create_secondary_tier(entry, buffer.view, spec)
+
+
+# Resolution order ---------------------------------------------------------
+
+
+def test_builtin_names_resolve_from_the_registry() -> None:
+    assert SecondaryTierFactory.get_tier_class({"type": "memory"}) is MemoryTier
+    assert CachePolicyFactory.get_cache_policy_class("lru").__name__ == "LRUCachePolicy"
+    assert OffloadingSpecFactory.get_spec_class("tiering") is TieringSpec
+
+
+def test_registry_wins_over_module_path() -> None:
+    cls = SecondaryTierFactory.get_tier_class({"type": "memory", "module_path": OOT})
+    assert cls is MemoryTier
+
+
+def test_registry_holds_lazy_strings_so_nothing_is_imported_early() -> None:
+    code = (
+        "import sys, kvtier; "
+        "print(any(m.startswith(('redis', 'boto3', 'zmq', 'torch')) for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_register_makes_a_name_resolve_and_duplicates_are_value_errors() -> None:
+    register_tier("acme", OOT, "OutOfTreeTier")
+    assert SecondaryTierFactory.get_tier_class({"type": "acme"}).__name__ == "OutOfTreeTier"
+    with pytest.raises(ValueError, match="'acme' is already registered"):
+        register_tier("acme", OOT, "OtherTier")
+    with pytest.raises(ValueError, match="already registered"):
+        register_tier("memory", OOT, "OutOfTreeTier")
+    register_policy("acme-lru", "kvtier_testplugin.policies", "OutOfTreePolicy")
+    with pytest.raises(ValueError):
+        register_policy("lru", "kvtier_testplugin.policies", "OutOfTreePolicy")
+    register_spec("acme-spec", "kvtier_testplugin.specs", "OutOfTreeSpec")
+    with pytest.raises(ValueError):
+        register_spec("tiering", "kvtier_testplugin.specs", "OutOfTreeSpec")
+
+
+def test_installed_entry_points_resolve_for_all_three_factories() -> None:
+    tier = SecondaryTierFactory.get_tier_class({"type": "entry-tier"})
+    assert tier.__name__ == "EntryPointTier" and issubclass(tier, SecondaryTier)
+    policy = CachePolicyFactory.get_cache_policy_class("entry-lru")
+    assert policy.__name__ == "EntryPointPolicy" and issubclass(policy, CachePolicy)
+    spec = OffloadingSpecFactory.get_spec_class("entry-spec")
+    assert spec.__name__ == "EntryPointSpec" and issubclass(spec, OffloadingSpec)
+
+
+def test_registry_wins_over_entry_points() -> None:
+    register_tier("entry-tier", "kvtier.tiers.memory", "MemoryTier")
+    assert SecondaryTierFactory.get_tier_class({"type": "entry-tier"}) is MemoryTier
+
+
+def test_module_path_loads_an_out_of_tree_class() -> None:
+    cls = SecondaryTierFactory.get_tier_class({"type": "OutOfTreeTier", "module_path": OOT})
+    assert cls.__module__ == OOT
+
+
+# Construction ---------------------------------------------------------------
+
+
+def test_module_path_never_reaches_the_constructor_and_other_options_do() -> None:
+    tier = build({"type": "OutOfTreeTier", "module_path": OOT, "label": "x", "weight": 3})
+    try:
+        received = tier.received  # type: ignore[attr-defined]
+        assert "module_path" not in received
+        assert received["tier_type"] == "OutOfTreeTier"
+        assert received["label"] == "x" and received["weight"] == 3
+        assert set(received) == {"spec", "primary_kv_view", "tier_type", "label", "weight"}
+    finally:
+        tier.shutdown()
+
+
+def test_policy_and_spec_module_paths_are_loading_hints_only() -> None:
+    config = load_config(
+        {
+            "eviction_policy": "OutOfTreePolicy",
+            "cache_policy_module_path": "kvtier_testplugin.policies",
+            "spec_name": "OutOfTreeSpec",
+            "spec_module_path": "kvtier_testplugin.specs",
+            "chunk_tokens": 16,
+        }
+    )
+    spec = OffloadingSpecFactory.create_spec(config, small_layout())
+    assert type(spec).__name__ == "OutOfTreeSpec"
+    manager = spec.build_manager()
+    try:
+        assert type(manager.primary.policy).__name__ == "OutOfTreePolicy"
+    finally:
+        manager.shutdown()
+
+
+# Errors ---------------------------------------------------------------------
+
+
+def test_not_a_subclass_is_a_type_error_naming_both() -> None:
+    with pytest.raises(TypeError) as info:
+        SecondaryTierFactory.get_tier_class({"type": "NotATier", "module_path": OOT})
+    assert "kvtier_testplugin.tiers.NotATier" in str(info.value)
+    assert "kvtier.tiers.base.SecondaryTier" in str(info.value)
+    with pytest.raises(TypeError, match="CachePolicy"):
+        CachePolicyFactory.get_cache_policy_class("NotAPolicy", "kvtier_testplugin.policies")
+    with pytest.raises(TypeError, match="NotATier"):
+        SecondaryTierFactory.get_tier_class({"type": "not-a-tier"})  # via entry point
+
+
+def test_not_a_subclass_is_a_type_error_under_python_O() -> None:
+    code = textwrap.dedent(
+        """
+        assert False, "asserts must be stripped in this interpreter"
+        """
+    )
+    stripped = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True)
+    assert stripped.returncode == 0
+    code = textwrap.dedent(
+        f"""
+        from kvtier import SecondaryTierFactory
+        try:
+            SecondaryTierFactory.get_tier_class({{"type": "NotATier", "module_path": "{OOT}"}})
+        except TypeError as exc:
+            print("TypeError:", exc)
+        else:
+            print("loaded")
+        """
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("TypeError:") and "SecondaryTier" in out.stdout
+
+
+def test_module_that_does_not_import_chains_the_error_and_names_the_entry() -> None:
+    with pytest.raises(ImportError) as info:
+        SecondaryTierFactory.get_tier_class(
+            {"type": "Anything", "module_path": "kvtier_testplugin.broken"},
+            entry="secondary_tiers[2]",
+        )
+    error = info.value
+    assert isinstance(error, PluginLoadError)
+    assert "secondary_tiers[2]" in str(error) and "kvtier_testplugin.broken" in str(error)
+    assert isinstance(error.__cause__, ModuleNotFoundError)
+    assert error.__cause__.name == "kvtier_testplugin_missing_dependency"
+
+
+def test_missing_module_chains_module_not_found() -> None:
+    with pytest.raises(PluginLoadError) as info:
+        SecondaryTierFactory.get_tier_class({"type": "T", "module_path": "no.such.module"})
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+def test_module_without_the_class_names_module_and_class() -> None:
+    with pytest.raises(PluginLoadError) as info:
+        SecondaryTierFactory.get_tier_class({"type": "NoSuchTier", "module_path": OOT})
+    message = str(info.value)
+    assert f"module {OOT!r} has no class 'NoSuchTier'" in message
+    assert info.value.module == OOT and info.value.plugin == "NoSuchTier"
+
+
+def test_unknown_name_lists_supported_names_and_ends_with_the_hint() -> None:
+    with pytest.raises(UnknownPluginError) as info:
+        SecondaryTierFactory.get_tier_class({"type": "nope"})
+    message = str(info.value)
+    assert "example" in message and "memory" in message and "entry-tier" in message
+    assert message.endswith("For an out-of-tree secondary tier, also set 'module_path'.")
+    with pytest.raises(UnknownPluginError) as info:
+        CachePolicyFactory.get_cache_policy_class("nope")
+    assert "lru" in str(info.value) and "arc" in str(info.value)
+    assert str(info.value).endswith("also set 'cache_policy_module_path'.")
+    with pytest.raises(UnknownPluginError) as info:
+        OffloadingSpecFactory.get_spec_class("nope")
+    assert str(info.value).endswith("also set 'spec_module_path'.")
+
+
+def test_missing_type_is_an_error() -> None:
+    with pytest.raises(ValueError, match="must include 'type'"):
+        SecondaryTierFactory.get_tier_class({"module_path": OOT})
+
+
+# Logging ----------------------------------------------------------------------
+
+
+def test_one_fixed_warning_per_factory_and_one_info_line_per_load(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvtier.plugins")
+    SecondaryTierFactory.get_tier_class({"type": "OutOfTreeTier", "module_path": OOT})
+    SecondaryTierFactory.get_tier_class({"type": "OtherTier", "module_path": OOT})
+    CachePolicyFactory.get_cache_policy_class("OutOfTreePolicy", "kvtier_testplugin.policies")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert warnings == [
+        "Loading an out-of-tree secondary tier. This interface is experimental and may "
+        "change in future kvtier releases.",
+        "Loading an out-of-tree cache policy. This interface is experimental and may "
+        "change in future kvtier releases.",
+    ]
+    assert infos == [
+        f"Loading out-of-tree secondary tier 'OutOfTreeTier' from module '{OOT}'",
+        f"Loading out-of-tree secondary tier 'OtherTier' from module '{OOT}'",
+        "Loading out-of-tree cache policy 'OutOfTreePolicy' from module "
+        "'kvtier_testplugin.policies'",
+    ]
+
+
+def test_builtins_load_silently(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvtier.plugins")
+    SecondaryTierFactory.get_tier_class({"type": "memory"})
+    assert caplog.records == []
+
+
+# Restricting module paths ----------------------------------------------------
+
+
+def test_allowed_modules_restricts_module_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_ALLOWED_MODULES", "kvtier_testplugin.policies, corp")
+    with pytest.raises(UntrustedModuleError, match="not allowed by KVTIER_ALLOWED_MODULES"):
+        SecondaryTierFactory.get_tier_class({"type": "OutOfTreeTier", "module_path": OOT})
+    assert (
+        CachePolicyFactory.get_cache_policy_class(
+            "OutOfTreePolicy", "kvtier_testplugin.policies"
+        ).__name__
+        == "OutOfTreePolicy"
+    )
+    # Built-ins stay available whatever the list says.
+    assert SecondaryTierFactory.get_tier_class({"type": "memory"}) is MemoryTier
+
+
+def test_an_empty_allow_list_refuses_every_module_path_before_importing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVTIER_ALLOWED_MODULES", "")
+    with pytest.raises(UntrustedModuleError):
+        SecondaryTierFactory.get_tier_class(
+            {"type": "X", "module_path": "kvtier_testplugin.broken"}
+        )
+    assert "kvtier_testplugin.broken" not in sys.modules
+
+
+def test_prefix_matching_is_by_whole_module_components(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_ALLOWED_MODULES", "kvtier_test")
+    with pytest.raises(UntrustedModuleError):
+        SecondaryTierFactory.get_tier_class({"type": "OutOfTreeTier", "module_path": OOT})
+
+
+def test_tier_registry_names_include_entry_points() -> None:
+    assert {"example", "memory", "entry-tier"} <= set(tier_registry.names())

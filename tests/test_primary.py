@@ -1,0 +1,157 @@
+"""The primary tier: page-aligned slots, reference counts, atomic stores."""
+
+import mmap
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from kvtier.policies.lru import LRUCachePolicy
+from kvtier.primary import WRITING, PrimaryTier, SlotBuffer
+from kvtier.testing.policy_suite import key
+
+
+@pytest.fixture
+def primary() -> PrimaryTier:
+    return PrimaryTier(SlotBuffer(4, 4096), LRUCachePolicy(4))
+
+
+def stored(primary: PrimaryTier, *ids: int) -> list[bytes]:
+    keys = [key(i) for i in ids]
+    assert primary.prepare_store(keys) is not None
+    primary.complete_store(keys, True)
+    return keys
+
+
+def test_buffer_is_page_aligned_and_shaped() -> None:
+    buffer = SlotBuffer(3, 8192)
+    assert buffer.view.shape == (3, 8192) and buffer.view.readonly is False
+    address = buffer.array.ctypes.data
+    assert address % mmap.PAGESIZE == 0
+    assert buffer.slot(1).ctypes.data - address == 8192
+    buffer.close()
+
+
+def test_refcounts_follow_the_contract(primary: PrimaryTier) -> None:
+    keys = [key(1), key(2)]
+    slots = primary.prepare_store(keys)
+    assert slots is not None and sorted(slots.values()) == [0, 1]
+    assert primary.refcount(keys[0]) == WRITING and not primary.is_ready(keys[0])
+    primary.complete_store(keys, True)
+    assert primary.refcount(keys[0]) == 0 and primary.is_ready(keys[0])
+    assert primary.prepare_load(keys) == [slots[keys[0]], slots[keys[1]]]
+    primary.prepare_load(keys[:1])
+    assert primary.refcount(keys[0]) == 2
+    primary.complete_load(keys)
+    primary.complete_load(keys[:1])
+    assert primary.refcount(keys[0]) == 0
+    with pytest.raises(ValueError, match="not pinned"):
+        primary.complete_load(keys[:1])
+
+
+def test_failed_store_frees_the_slot(primary: PrimaryTier) -> None:
+    slots = primary.prepare_store([key(1)])
+    primary.complete_store([key(1)], False)
+    assert primary.refcount(key(1)) is None and len(primary) == 0
+    assert primary.busy_counts()["free"] == 4
+    assert slots is not None
+    assert primary.prepare_store([key(2)]) == {key(2): slots[key(1)]}  # the slot is reused
+
+
+def test_prepare_store_skips_resident_keys(primary: PrimaryTier) -> None:
+    stored(primary, 1)
+    assert list(primary.prepare_store([key(1), key(2)]) or {}) == [key(2)]
+
+
+def test_prepare_store_evicts_idle_chunks_in_policy_order(primary: PrimaryTier) -> None:
+    stored(primary, 1, 2, 3, 4)
+    primary.touch([key(1)])
+    reserved = primary.prepare_store([key(5)])
+    assert reserved is not None and key(2) not in set(primary._slot_of)
+    assert primary.evictions == 1
+
+
+def test_prepare_store_is_atomic_when_pinned_chunks_block_it(primary: PrimaryTier) -> None:
+    stored(primary, 1, 2, 3, 4)
+    primary.prepare_load([key(1), key(2), key(3)])
+    before = dict(primary._refs)
+    assert primary.prepare_store([key(5), key(6)]) is None
+    assert primary._refs == before and primary.evictions == 0
+    assert list(primary.prepare_store([key(5)]) or {}) == [key(5)]
+    assert not primary.is_ready(key(4))
+
+
+def test_chunks_of_the_same_request_are_never_evicted_for_it(primary: PrimaryTier) -> None:
+    stored(primary, 1, 2, 3, 4)
+    # key(1) is idle and least recent, but it belongs to the request storing key(5).
+    reserved = primary.prepare_store([key(1), key(5)])
+    assert reserved is not None and primary.is_ready(key(1)) and not primary.is_ready(key(2))
+
+
+def test_writing_chunks_are_never_evicted(primary: PrimaryTier) -> None:
+    assert primary.prepare_store([key(1), key(2), key(3), key(4)]) is not None
+    assert primary.prepare_store([key(5)]) is None
+
+
+def test_prepare_load_is_atomic(primary: PrimaryTier) -> None:
+    stored(primary, 1)
+    with pytest.raises(KeyError):
+        primary.prepare_load([key(1), key(9)])
+    assert primary.refcount(key(1)) == 0
+
+
+def test_clear_refuses_while_busy(primary: PrimaryTier) -> None:
+    stored(primary, 1)
+    primary.prepare_load([key(1)])
+    with pytest.raises(RuntimeError, match="busy"):
+        primary.clear()
+    primary.complete_load([key(1)])
+    primary.clear()
+    assert len(primary) == 0 and len(primary.policy) == 0
+
+
+def test_named_shared_memory_is_visible_to_another_process() -> None:
+    name = f"kvtier-test-{uuid.uuid4().hex}"
+    buffer = SlotBuffer(2, 4096, shared_name=name)
+    try:
+        buffer.slot(1)[:] = 7
+        code = (
+            "from kvtier.primary import SlotBuffer\n"
+            f"b = SlotBuffer.attach({name!r}, 2, 4096)\n"
+            "assert (b.slot(1) == 7).all()\n"
+            "b.slot(0)[:] = 9\n"
+            "b.close()\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
+        assert (buffer.slot(0) == 9).all()
+        with pytest.raises(ValueError, match="expected 3 slots"):
+            SlotBuffer.attach(name, 3, 4096)
+        with pytest.raises(FileExistsError):
+            SlotBuffer(2, 4096, shared_name=name)
+    finally:
+        buffer.close()
+    with pytest.raises(FileNotFoundError):
+        SlotBuffer.attach(name, 2, 4096)
+
+
+@pytest.mark.parametrize("name", ["../etc/passwd", "", "a/b", ".hidden"])
+def test_shared_memory_names_cannot_be_paths(name: str) -> None:
+    with pytest.raises(ValueError, match="shared memory name"):
+        SlotBuffer(1, 4096, shared_name=name)
+
+
+def test_slots_are_writable_views_not_copies() -> None:
+    buffer = SlotBuffer(2, 4096)
+    flat = buffer.view.cast("B")
+    buffer.slot(1)[:4] = np.frombuffer(b"abcd", dtype=np.uint8)
+    assert bytes(flat[4096:4100]) == b"abcd"
+    buffer.close()
+
+
+def test_protected_keys_are_never_victims(primary: PrimaryTier) -> None:
+    stored(primary, 1, 2, 3, 4)
+    assert primary.prepare_store([key(5)], protect=[key(1), key(2), key(3), key(4)]) is None
+    assert list(primary.prepare_store([key(5)], protect=[key(1)]) or {}) == [key(5)]
+    assert primary.is_ready(key(1)) and not primary.is_ready(key(2))
