@@ -8,6 +8,7 @@ import click
 
 from kvtier import __version__
 from kvtier.cli.check import check
+from kvtier.cli.demo import demo
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,6 +21,7 @@ def cli(verbose: int) -> None:
 
 
 cli.add_command(check)
+cli.add_command(demo)
 
 
 def main() -> None:

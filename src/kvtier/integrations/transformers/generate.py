@@ -32,6 +32,8 @@ class Generation:
     prompt_tokens: int
     #: Prompt tokens whose KV came from kvtier instead of the model.
     reused_tokens: int = 0
+    #: Prompt tokens kvtier held (whole chunks; all but the last token can be reused).
+    hit_tokens: int = 0
     #: Per secondary tier, in configuration order: chunks it served to this request.
     promoted_chunks: tuple[int, ...] = ()
     #: New chunks this request handed to kvtier.

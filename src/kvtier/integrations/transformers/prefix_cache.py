@@ -160,6 +160,7 @@ class PrefixCache:
         return replace(
             result,
             reused_tokens=prefix.reused_tokens,
+            hit_tokens=prefix.hit_tokens,
             promoted_chunks=prefix.promoted_chunks,
             stored_chunks=stored,
         )
