@@ -9,10 +9,17 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e '.[test]' -e tests/plugins/kvtier_testplugin
+# The user guide (built by tests/test_docs.py) and the example out-of-tree tier.
+python -m pip install --quiet -e '.[docs]'
+python -m pip install --quiet -e examples/acme-kvtier
+export NO_MKDOCS_2_WARNING=1
 # torch's CPU build first, so that the transformers extra keeps it.
 python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet -e '.[test,transformers]'
 
 ruff check src tests
+ruff check examples
 mypy
+mypy examples/acme-kvtier/src examples/acme-kvtier/tests
 pytest -q -m "not slow"
+pytest -q examples/acme-kvtier/tests

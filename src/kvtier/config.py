@@ -46,6 +46,22 @@ class BackpressureConfig(BaseModel):
     """Weight of the newest job in the moving average of store latency."""
 
 
+class MetricsConfig(BaseModel):
+    """Prometheus metrics of the tiers and the primary tier."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve ``/metrics`` over HTTP on this port (``0``: any free port); unset: no server."""
+
+    host: str = "127.0.0.1"
+    """Address the metrics server listens on; loopback unless you mean to expose it."""
+
+    global_registry: bool = False
+    """Register in prometheus_client's process-wide registry (one kvtier cache per
+    process) instead of a registry of the cache's own."""
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """One validated ``secondary_tiers`` entry."""
@@ -99,6 +115,9 @@ class KVTierConfig(BaseModel):
 
     backpressure: BackpressureConfig = BackpressureConfig()
     """Per-tier store backpressure."""
+
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus metrics and their optional HTTP endpoint."""
 
     def policy_class(self) -> type[CachePolicy]:
         return policy_registry.resolve(self.eviction_policy, self.cache_policy_module_path)

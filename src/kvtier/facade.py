@@ -13,16 +13,19 @@ integrations turn them into and out of the engine's own tensors.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import LookupResult, TieringManager
+from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.specs.factory import OffloadingSpecFactory
 
 #: Fills (for stores) or reads (for loads) one chunk: ``fn(chunk_index, slot_bytes_array)``.
@@ -36,11 +39,22 @@ class KVCache:
         self,
         config: KVTierConfig | Mapping[str, Any] | str | Path | None,
         layout: KVLayout,
+        *,
+        metrics_registry: CollectorRegistry | None = None,
     ) -> None:
+        """``metrics_registry``: where the metrics go (default: per the ``metrics``
+        section, a registry of this cache's own)."""
         self.config = load_config(config)
         self.layout = layout
         self.spec = OffloadingSpecFactory.create_spec(self.config, layout)
         self.manager: TieringManager = self.spec.build_manager()
+        try:
+            self.metrics: KVTierMetrics = attach_metrics(
+                self.manager, self.config.metrics, metrics_registry
+            )
+        except BaseException:
+            self.manager.shutdown()
+            raise
 
     @property
     def chunk_tokens(self) -> int:
@@ -67,15 +81,22 @@ class KVCache:
         """Tokens of ``tokens`` that can be loaded, after waiting for promotions.
 
         Stops waiting after ``timeout`` seconds and reports what is ready.
+        A chunk whose promotion failed is not retried within the call.
         """
         keys = self.keys(tokens)
+        owned = request_id is None
+        request = f"kvtier-{uuid.uuid4().hex}" if request_id is None else request_id
         deadline = time.monotonic() + timeout
-        while True:
-            result = self.manager.lookup(keys, request_id)
-            if not result.pending or time.monotonic() >= deadline:
-                return result.hit_chunks * self.chunk_tokens
-            self.manager.step()
-            time.sleep(poll_s)
+        try:
+            while True:
+                result = self.manager.lookup(keys, request)
+                if not result.pending or time.monotonic() >= deadline:
+                    return result.hit_chunks * self.chunk_tokens
+                self.manager.step()
+                time.sleep(poll_s)
+        finally:
+            if owned:
+                self.manager.on_request_finished(request)
 
     def load(
         self,
@@ -152,6 +173,7 @@ class KVCache:
         self.manager.drain()
 
     def close(self) -> None:
+        self.metrics.close()
         self.manager.shutdown()
 
     def __enter__(self) -> KVCache:

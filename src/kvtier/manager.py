@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.backpressure import Backpressure
@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 _ANSWER_COUNTER = {Lookup.HIT: "hits", Lookup.MISS: "misses", Lookup.PENDING: "pending"}
+
+#: Called with ``(tier_index, loading, result)`` for every finished job (see
+#: :attr:`TieringManager.job_listeners`).
+JobListener = Callable[[int, bool, JobResult], None]
 
 
 @dataclass(frozen=True)
@@ -62,9 +66,14 @@ class TieringManager:
         self._promotions: dict[tuple[int, str | None], list[tuple[ChunkKey, int]]] = defaultdict(
             list
         )
-        # Promotions that failed, per request, so a request never retries a bad chunk.
-        self._failed: dict[str | None, set[tuple[int, ChunkKey]]] = defaultdict(set)
+        # Promotions that failed, per request, so a request never retries a bad
+        # chunk; forgotten when the request finishes. Anonymous lookups retry.
+        self._failed: dict[str, set[tuple[int, ChunkKey]]] = defaultdict(set)
         self._closed = False
+        #: Observers of finished jobs (metrics, engine statistics). Called on the
+        #: manager's thread once a result is applied; an observer that raises is
+        #: logged and never disturbs the manager.
+        self.job_listeners: list[JobListener] = []
         for tier in self.tiers:
             self._call(tier, "on_attach", primary)
 
@@ -96,7 +105,7 @@ class TieringManager:
 
         A promotion never evicts another chunk of the same ``chain``.
         """
-        failed = self._failed.get(ctx.request_id, ())
+        failed = self._failed.get(ctx.request_id, ()) if ctx.request_id is not None else ()
         for index, tier in enumerate(self.tiers):
             if (index, key) in failed:
                 continue
@@ -154,7 +163,7 @@ class TieringManager:
             job = TransferJob(keys, tuple(slot for _, slot in batch), request_id=request_id)
             if not self._submit(index, job, loading=True):
                 self.primary.complete_store(keys, success=False)
-                self._failed[request_id].update((index, key) for key in keys)
+                self._remember_failures(request_id, index, keys)
         for tier in self.tiers:
             self._call(tier, "on_step_end")
 
@@ -243,7 +252,7 @@ class TieringManager:
         if job.loading:
             self.primary.complete_store(good, success=True)
             self.primary.complete_store(bad, success=False)
-            self._failed[job.request_id].update((job.tier_index, key) for key in bad)
+            self._remember_failures(job.request_id, job.tier_index, bad)
             tier.count(chunks_loaded=len(good), bytes_loaded=result.nbytes, load_failures=len(bad))
             if good and job.tier_index:
                 # A hit in a slower tier warms the faster tiers in front of it.
@@ -252,6 +261,17 @@ class TieringManager:
             self.primary.complete_load(job.keys)
             self.backpressure[job.tier_index].finished(result.seconds / max(1, len(job.keys)))
             tier.count(chunks_stored=len(good), bytes_stored=result.nbytes, store_failures=len(bad))
+        for listener in self.job_listeners:
+            try:
+                listener(job.tier_index, job.loading, result)
+            except Exception:
+                logger.exception("job listener %r raised", listener)
+
+    def _remember_failures(
+        self, request_id: str | None, index: int, keys: Sequence[ChunkKey]
+    ) -> None:
+        if request_id is not None and keys:
+            self._failed[request_id].update((index, key) for key in keys)
 
     @staticmethod
     def _call(tier: SecondaryTier, method: str, *args: object) -> None:

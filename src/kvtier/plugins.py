@@ -78,6 +78,15 @@ class PluginRegistry(Generic[T]):
         """Forget ``name`` (for tests and for plugins replacing themselves)."""
         del self._registry[name]
 
+    def registered_names(self) -> list[str]:
+        """Names in the registry itself (built-ins and ``register`` calls), sorted."""
+        return sorted(self._registry)
+
+    def registered_target(self, name: str) -> str:
+        """``module.Class`` a registered name resolves to, without importing it."""
+        lazy = self._registry[name]
+        return f"{lazy.module}.{lazy.class_name}"
+
     def names(self) -> list[str]:
         """Every name that resolves without a module path, sorted."""
         installed = {ep.name for ep in entry_points(group=self.entry_point_group)}

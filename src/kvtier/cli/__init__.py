@@ -7,8 +7,10 @@ import logging
 import click
 
 from kvtier import __version__
+from kvtier.cli.bench import bench
 from kvtier.cli.check import check
 from kvtier.cli.demo import demo
+from kvtier.cli.reference import reference
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -21,6 +23,8 @@ def cli(verbose: int) -> None:
 
 
 cli.add_command(check)
+cli.add_command(bench)
+cli.add_command(reference)
 cli.add_command(demo)
 
 

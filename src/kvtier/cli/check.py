@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvtier.config import load_config
@@ -17,13 +18,14 @@ from kvtier.errors import KVTierError
 from kvtier.keys import chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.specs.factory import OffloadingSpecFactory
-from kvtier.tiers.base import Lookup, SecondaryTier, TransferJob
+from kvtier.tiers.base import HealthCheck, Lookup, SecondaryTier, TransferJob
 from kvtier.tiers.drive import resolve_lookup, run_job
 
 
 def probe_layout(chunk_tokens: int, slot_kib: int) -> KVLayout:
     """A synthetic layout whose chunks are ``slot_kib`` KiB (for tools without an engine)."""
-    per_token = max(1, slot_kib * 1024 // chunk_tokens // 4)
+    # uint8, one layer, one head: K and V take 2 bytes per token per head_dim unit.
+    per_token = max(1, slot_kib * 1024 // chunk_tokens // 2)
     return KVLayout(
         model_id="kvtier-probe",
         num_layers=1,
@@ -66,7 +68,15 @@ def round_trip(
         return _Outcome(False, f"load failed for {chunks - len(loaded.succeeded)}/{chunks} chunks")
     if not np.array_equal(slots[:chunks], expected):
         return _Outcome(False, "loaded bytes differ from stored bytes")
-    return _Outcome(True, "round trip byte-exact", 2 * expected.nbytes / seconds / 1e6)
+    return _Outcome(True, "byte-exact", 2 * expected.nbytes / seconds / 1e6)
+
+
+def _health(tier: SecondaryTier) -> list[HealthCheck]:
+    """The tier's own checks; a hook that raises is one failed check."""
+    try:
+        return list(tier.health())
+    except Exception as exc:
+        return [HealthCheck("health", False, f"{type(exc).__name__}: {exc}")]
 
 
 @click.command()
@@ -75,9 +85,10 @@ def round_trip(
 @click.option("--chunk-kib", default=256, show_default=True, help="Size of each probe chunk.")
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds allowed per tier step.")
 def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
-    """Validate CONFIG, start every tier, and round-trip chunks through each one.
+    """Validate CONFIG, start every tier, run its health checks, and round-trip
+    chunks through each one.
 
-    Exits non-zero if the configuration is invalid or any tier fails.
+    Exits non-zero if the configuration is invalid or any tier fails a check.
     """
     console = Console()
     try:
@@ -86,8 +97,10 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
         click.echo(str(exc), err=True)
         sys.exit(2)
     layout = probe_layout(settings.chunk_tokens, chunk_kib)
+    # Only the slots the probe needs, private whatever the configuration says
+    # about shared memory: a check must never map a running engine's slots.
     settings = settings.model_copy(
-        update={"cpu_bytes_to_use": max(int(settings.cpu_bytes_to_use), chunks * layout.slot_bytes)}
+        update={"cpu_bytes_to_use": chunks * layout.slot_bytes, "shared_memory_name": None}
     )
     try:
         manager = OffloadingSpecFactory.create_spec(settings, layout).build_manager()
@@ -95,26 +108,27 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
         click.echo(f"cannot start the tiers: {type(exc).__name__}: {exc}", err=True)
         sys.exit(1)
     table = Table(title=f"kvtier check {config}")
-    for column in ("#", "type", "result", "detail", "MB/s", "backend"):
+    for column in ("#", "type", "check", "result", "detail"):
         table.add_column(column)
     failures = 0
     try:
         slots = manager.primary.buffer.array
         for index, tier in enumerate(manager.tiers):
+            rows = [(c.name, c.ok, c.detail) for c in _health(tier)]
             try:
                 outcome = round_trip(tier, slots, layout, min(chunks, slots.shape[0]), timeout)
             except Exception as exc:
                 outcome = _Outcome(False, f"{type(exc).__name__}: {exc}")
-            failures += not outcome.ok
-            backend = ", ".join(f"{k}={v}" for k, v in tier.describe().items() if k != "type")
-            table.add_row(
-                str(index),
-                tier.tier_type,
-                "[green]ok[/green]" if outcome.ok else "[red]FAILED[/red]",
-                outcome.detail,
-                f"{outcome.mb_per_s:.0f}" if outcome.ok else "-",
-                backend,
-            )
+            detail = outcome.detail + (f", {outcome.mb_per_s:.0f} MB/s" if outcome.ok else "")
+            rows.append(("round trip", outcome.ok, detail))
+            for name, ok, text in rows:
+                failures += not ok
+                result = "[green]ok[/green]" if ok else "[red]FAILED[/red]"
+                table.add_row(str(index), tier.tier_type, name, result, escape(text))
+            facts = ", ".join(f"{k}={v}" for k, v in tier.describe().items() if k != "type")
+            if facts:
+                table.add_row(str(index), tier.tier_type, "backend", "", escape(facts))
+            table.add_section()
     finally:
         manager.shutdown()
     if not manager.tiers:

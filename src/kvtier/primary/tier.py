@@ -29,6 +29,9 @@ class PrimaryTier:
         self._lock = threading.Lock()
         self._slot_of: dict[ChunkKey, int] = {}
         self._refs: dict[ChunkKey, int] = {}
+        # Keys with readers (count > 0): the resident keys the policy must not pick.
+        # Kept as a set so an eviction never scans every slot to find them.
+        self._pinned: set[ChunkKey] = set()
         # Pop from the end: low slot numbers are handed out first.
         self._free: list[int] = list(range(buffer.num_slots - 1, -1, -1))
         self.evictions = 0
@@ -73,9 +76,9 @@ class PrimaryTier:
             new = list(dict.fromkeys(k for k in keys if k not in self._slot_of))
             shortfall = len(new) - len(self._free)
             if shortfall > 0:
-                # Chunks of this very request stay: evicting them would break its prefix.
-                protected = {k for k, r in self._refs.items() if r != 0}
-                protected.update(keys, protect)
+                # Chunks being written are not yet known to the policy; chunks of
+                # this very request stay: evicting them would break its prefix.
+                protected = self._pinned.union(keys, protect)
                 victims = self.policy.evict(shortfall, protected)
                 if victims is None:
                     return None
@@ -117,6 +120,7 @@ class PrimaryTier:
                     raise KeyError(f"chunk {key.hex()[:16]} is not ready in the primary tier")
             for key in keys:
                 self._refs[key] += 1
+            self._pinned.update(keys)
             self.policy.touch(keys)
             return [self._slot_of[key] for key in keys]
 
@@ -128,6 +132,8 @@ class PrimaryTier:
                 if refs is None or refs <= 0:
                     raise ValueError(f"chunk {key.hex()[:16]} is not pinned")
                 self._refs[key] = refs - 1
+                if refs == 1:
+                    self._pinned.discard(key)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
         with self._lock:

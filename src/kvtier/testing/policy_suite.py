@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+import random
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import given, settings
@@ -23,10 +24,19 @@ class PolicyContractTests:
     policy_name: ClassVar[str] = ""
     module_path: ClassVar[str | None] = None
     capacity: ClassVar[int] = 8
+    #: Two policies fed the same calls pick the same victims. Twin tests use
+    #: this to show that a failed ``evict`` or ``in`` changes nothing; set it
+    #: to ``False`` for a policy whose choices the injected rng cannot pin down.
+    deterministic: ClassVar[bool] = True
 
     def make_policy(self, capacity: int | None = None) -> CachePolicy:
         cls = policy_registry.resolve(self.policy_name, self.module_path)
-        return cls(capacity or self.capacity)
+        return cls(capacity or self.capacity, rng=random.Random(0))
+
+    def make_twins(self, capacity: int | None = None) -> tuple[CachePolicy, CachePolicy]:
+        if not self.deterministic:
+            pytest.skip(f"{self.policy_name} is not deterministic")
+        return self.make_policy(capacity), self.make_policy(capacity)
 
     def test_tracks_inserted_keys(self) -> None:
         policy = self.make_policy()
@@ -74,52 +84,157 @@ class PolicyContractTests:
         policy.clear()
         assert len(policy) == 0 and policy.evict(1, ()) is None
 
-    @settings(max_examples=60, deadline=None)
-    @given(
-        st.lists(
-            st.tuples(
-                st.sampled_from(["insert", "get", "touch", "remove", "evict"]),
-                st.integers(0, 20),
-                st.integers(0, 4),
-            ),
-            max_size=120,
-        )
-    )
-    def test_matches_a_set_model(self, ops: list[tuple[str, int, int]]) -> None:
+    def test_evict_more_than_tracked_is_none(self) -> None:
         policy = self.make_policy()
+        for i in range(3):
+            policy.insert(key(i))
+        assert policy.evict(4, ()) is None
+        assert len(policy) == 3 and all(key(i) in policy for i in range(3))
+
+    def test_protected_may_be_any_collection(self) -> None:
+        policy = self.make_policy()
+        for i in range(4):
+            policy.insert(key(i))
+        # Duplicates and untracked keys must not count as protected residents.
+        protected = [key(0), key(0), key(1), key(1), key(99)]
+        assert sorted(policy.evict(2, protected) or []) == [key(2), key(3)]
+        assert policy.evict(1, protected) is None
+        assert len(policy) == 2
+
+    def test_evict_ends_when_nearly_everything_is_protected(self) -> None:
+        capacity = 64
+        policy = self.make_policy(capacity)
+        for i in range(capacity):
+            policy.insert(key(i))
+        for _ in range(4):  # saturate any frequency counters
+            policy.touch(key(i) for i in range(capacity))
+        everything = {key(i) for i in range(capacity)}
+        assert policy.evict(1, everything) is None
+        assert policy.evict(1, everything - {key(0)}) == [key(0)]
+        assert policy.evict(1, everything - {key(capacity - 1)}) == [key(capacity - 1)]
+        assert policy.evict(2, everything - {key(5)}) is None
+        assert len(policy) == capacity - 2 and key(5) in policy
+
+    def test_failed_evict_changes_nothing(self) -> None:
+        """No victim, no ghost, no counter, no adaptive target may move on a failure."""
+        failed, twin = self.make_twins()
+        for policy in (failed, twin):
+            _warm_up(policy, self.capacity)
+        survivors = [k for k in map(key, range(3 * self.capacity)) if k in failed]
+        assert survivors == [k for k in map(key, range(3 * self.capacity)) if k in twin]
+        # Room for one victim short: a partial eviction would have started.
+        protected = set(survivors[len(survivors) // 2 + 1 :])
+        assert failed.evict(len(survivors) - len(protected) + 1, protected) is None
+        assert len(failed) == len(survivors) and all(k in failed for k in survivors)
+        for policy in (failed, twin):
+            _warm_up(policy, self.capacity, start=self.capacity)
+        assert _drain(failed) == _drain(twin)
+
+    def test_contains_is_not_an_access(self) -> None:
+        probed, twin = self.make_twins()
+        for policy in (probed, twin):
+            _warm_up(policy, self.capacity)
+        for i in range(3 * self.capacity):
+            _ = key(i) in probed
+        assert _drain(probed) == _drain(twin)
+
+    def test_clear_forgets_history(self) -> None:
+        cleared, fresh = self.make_twins()
+        _warm_up(cleared, self.capacity)
+        cleared.clear()
+        assert len(cleared) == 0 and key(0) not in cleared
+        # Re-inserting the old keys must not find ghosts or counters of theirs.
+        for policy in (cleared, fresh):
+            _warm_up(policy, self.capacity)
+        assert _drain(cleared) == _drain(fresh)
+
+    def test_matches_a_set_model(self) -> None:
+        """Random calls against a set; a twin that skips the failed evicts must agree."""
+
+        # Given inside the test, so each subclass runs its own hypothesis test
+        # rather than sharing one method across executors.
+        @settings(max_examples=60, deadline=None)
+        @given(
+            st.lists(
+                st.tuples(st.sampled_from(_OPS), st.integers(0, 20), st.integers(0, 4)),
+                max_size=120,
+            )
+        )
+        def check(ops: list[tuple[str, int, int]]) -> None:
+            self.check_against_set_model(ops)
+
+        check()
+
+    def check_against_set_model(self, ops: list[tuple[str, int, int]]) -> None:
+        policy = self.make_policy()
+        # The twin never sees the evicts that fail, which must leave no trace.
+        policies = [policy, self.make_policy()] if self.deterministic else [policy]
         model: set[ChunkKey] = set()
+
+        def call(method: str, *args: Any) -> Any:
+            results = [getattr(p, method)(*args) for p in policies]
+            assert all(r == results[0] for r in results), f"twins disagree on {method}{args}"
+            return results[0]
+
         for op, i, n in ops:
             k = key(i)
             if op == "insert":
                 if k not in model:  # the primary tier never inserts a resident key
                     if len(model) >= self.capacity:
-                        victims = policy.evict(1, ())
+                        victims = call("evict", 1, ())
                         assert victims is not None and len(victims) == 1
                         model -= set(victims)
-                    policy.insert(k)
+                    call("insert", k)
                     model.add(k)
             elif op == "get":
-                assert policy.get(k) == (k in model)
+                assert call("get", k) == (k in model)
             elif op == "touch":
-                policy.touch([k])
+                call("touch", [k])
             elif op == "remove":
-                policy.remove(k)
+                call("remove", k)
                 model.discard(k)
             else:
                 protected = {key(j) for j in range(i % 5)}
-                victims = policy.evict(n, protected)
                 if len(model - protected) < n:
-                    assert victims is None
+                    assert policy.evict(n, protected) is None
                 else:
+                    victims = call("evict", n, protected)
                     assert victims is not None and len(set(victims)) == n
                     assert set(victims) <= model - protected
                     model -= set(victims)
             assert len(policy) == len(model)
             assert all(m in policy for m in model)
+        assert len({tuple(_drain(p)) for p in policies}) == 1
+
+
+_OPS = ["insert", "get", "touch", "remove", "evict"]
+
+
+def _warm_up(policy: CachePolicy, capacity: int, start: int = 0) -> None:
+    """Fill past capacity with a mix of reused and one-time keys, leaving history."""
+    for i in range(start, start + 2 * capacity):
+        if len(policy) >= capacity:
+            assert policy.evict(1, ()) is not None
+        policy.insert(key(i))
+        if i % 3 == 0:
+            policy.get(key(i))
+            policy.touch([key(i // 2), key(i)])
+    # Bring back a few evicted keys: ghost hits for policies that keep ghosts.
+    for i in range(start, start + capacity // 2):
+        if key(i) not in policy:
+            if len(policy) >= capacity:
+                assert policy.evict(1, ()) is not None
+            policy.insert(key(i))
+
+
+def _drain(policy: CachePolicy) -> list[ChunkKey]:
+    """Evict one key at a time until empty: the policy's full eviction order."""
+    order = []
+    while len(policy):
+        victims = policy.evict(1, ())
+        assert victims is not None and len(victims) == 1
+        order.extend(victims)
+    return order
 
 
 __all__ = ["PolicyContractTests", "key"]
-
-# pytest collects classes named Test*, never this base; ``pytest`` import kept
-# so that a missing pytest fails here with a clear ImportError.
-_ = pytest

@@ -1,10 +1,12 @@
 """Secondary tiers and their factory."""
 
 from kvtier.tiers.base import (
+    HealthCheck,
     JobResult,
     Lookup,
     LookupContext,
     SecondaryTier,
+    TierMetric,
     TierOptions,
     TierStats,
     TransferJob,
@@ -13,6 +15,7 @@ from kvtier.tiers.factory import SecondaryTierFactory, register_tier, tier_regis
 from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
 
 __all__ = [
+    "HealthCheck",
     "JobResult",
     "Lookup",
     "LookupContext",
@@ -20,6 +23,7 @@ __all__ = [
     "SecondaryTierFactory",
     "ThreadedTier",
     "ThreadedTierOptions",
+    "TierMetric",
     "TierOptions",
     "TierStats",
     "TransferJob",

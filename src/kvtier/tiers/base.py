@@ -106,6 +106,31 @@ class TierStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+@dataclass(frozen=True)
+class TierMetric:
+    """One extra value a tier exports beside its :class:`TierStats`.
+
+    Exported as ``kvtier_tier_<name>`` (``_total`` appended for counters),
+    labelled by tier like every tier metric. ``name`` is lower-case letters,
+    digits and underscores.
+    """
+
+    name: str
+    value: float
+    help: str = ""
+    #: A monotonically growing count (exported as a counter), else a gauge.
+    counter: bool = False
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """One line of ``kvtier check`` about a tier: reachability, permissions, space..."""
+
+    name: str
+    ok: bool
+    detail: str = ""
+
+
 class TierOptions(BaseModel):
     """Base for a tier's typed options; unknown keys are errors.
 
@@ -212,6 +237,22 @@ class SecondaryTier(ABC):
     def describe(self) -> dict[str, object]:
         """Facts for ``kvtier check`` and logs (backend, paths, modes)."""
         return {"type": self.tier_type}
+
+    def health(self) -> Sequence[HealthCheck]:
+        """Checks ``kvtier check`` runs before its round trip (may block briefly).
+
+        A tier reports what it can test cheaply: the backend answers, the
+        directory or bucket is writable, there is free space. A failed check
+        fails ``kvtier check``.
+        """
+        return ()
+
+    def metrics(self) -> Sequence[TierMetric]:
+        """Extra values to export beside :attr:`stats`, read at every scrape.
+
+        Must be cheap and must not block: it runs on the scraper's thread.
+        """
+        return ()
 
     def count(self, **deltas: int) -> None:
         """Add to :attr:`stats` from any thread."""

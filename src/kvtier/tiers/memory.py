@@ -16,7 +16,7 @@ from pydantic import ByteSize, Field
 
 from kvtier import integrity
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import TierOptions
+from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
 from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
 
 
@@ -92,6 +92,21 @@ class MemoryTier(ThreadedTier):
             value = bytearray(self._chunks[key])
             value[offset] ^= 0xFF
             self._chunks[key] = bytes(value)
+
+    def health(self) -> Sequence[HealthCheck]:
+        return (
+            HealthCheck(
+                "capacity",
+                True,
+                f"{self._held_bytes} of {self.max_bytes} bytes held in this process",
+            ),
+        )
+
+    def metrics(self) -> Sequence[TierMetric]:
+        return (
+            TierMetric("held_bytes", self._held_bytes, "Framed chunk bytes the tier holds."),
+            TierMetric("max_bytes", self.max_bytes, "The tier's bound on held bytes."),
+        )
 
     def describe(self) -> dict[str, object]:
         return {"type": self.tier_type, "max_bytes": self.max_bytes, "held_bytes": self._held_bytes}

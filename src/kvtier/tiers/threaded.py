@@ -61,6 +61,8 @@ class ThreadedTier(SecondaryTier):
     io_batch: ClassVar[int] = 1
     #: Keys handed to one ``_contains`` call.
     check_batch: ClassVar[int] = 256
+    #: Answers kept for lookups that never came back (an aborted request).
+    max_unclaimed_answers: ClassVar[int] = 65536
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -217,6 +219,9 @@ class ThreadedTier(SecondaryTier):
                 for key, present in zip(keys, found, strict=True):
                     self._checking.discard(key)
                     self._checked[key] = present
+                # Oldest answers first: nobody came back for them.
+                for stale in list(self._checked)[: len(self._checked) - self.max_unclaimed_answers]:
+                    del self._checked[stale]
 
         return check
 

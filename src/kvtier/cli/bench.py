@@ -1,0 +1,308 @@
+"""``kvtier bench CONFIG``: store, lookup and load throughput and latency per tier.
+
+Each configured tier is driven alone, one job at a time (``--batch`` chunks
+per job), the way the manager drives it: store every chunk, look each one
+up, load every chunk back into zeroed slots and check its bytes. Latency is
+what a caller sees, from submit to result. Throughput is set against a
+baseline measured in the same run: a plain copy of the same bytes between
+primary slots.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from kvtier.cli.check import probe_layout
+from kvtier.config import load_config
+from kvtier.errors import KVTierError
+from kvtier.keys import ChunkKey, chunk_keys
+from kvtier.layout import KVLayout
+from kvtier.specs.factory import OffloadingSpecFactory
+from kvtier.tiers.base import JobResult, Lookup, SecondaryTier, TransferJob
+from kvtier.tiers.drive import resolve_lookup, run_job
+
+PHASES = ("store", "lookup", "load")
+#: Bytes at the start of each chunk that carry its index, so loads are checked.
+_STAMP = 8
+
+
+@dataclass
+class Phase:
+    """One phase on one tier: per-operation latencies and totals."""
+
+    latencies: list[float] = field(default_factory=list)
+    chunks: int = 0
+    nbytes: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+
+    def summary(self, baseline_mb_per_s: float) -> dict[str, Any]:
+        p50, p90, p99 = (
+            np.percentile(self.latencies, [50, 90, 99]) * 1e3 if self.latencies else [0.0] * 3
+        )
+        mb_per_s = self.nbytes / self.seconds / 1e6 if self.seconds else 0.0
+        return {
+            "ops": len(self.latencies),
+            "chunks": self.chunks,
+            "bytes": self.nbytes,
+            "failures": self.failures,
+            "seconds": self.seconds,
+            "chunks_per_s": self.chunks / self.seconds if self.seconds else 0.0,
+            "mb_per_s": mb_per_s,
+            "vs_copy": mb_per_s / baseline_mb_per_s if baseline_mb_per_s else 0.0,
+            "latency_ms": {"p50": float(p50), "p90": float(p90), "p99": float(p99)},
+        }
+
+
+def copy_baseline(slots: np.ndarray, batch: int, rounds: int) -> float:
+    """MB/s of copying ``batch`` slots onto ``batch`` others: what any tier is set against."""
+    src, dst = slots[:batch], slots[batch : 2 * batch]
+    started = time.perf_counter()
+    for _ in range(rounds):
+        np.copyto(dst, src)
+    seconds = time.perf_counter() - started
+    return rounds * src.nbytes / seconds / 1e6 if seconds else 0.0
+
+
+def bench_tier(
+    tier: SecondaryTier,
+    slots: np.ndarray,
+    layout: KVLayout,
+    *,
+    chunks: int,
+    batch: int,
+    timeout: float,
+    advance: Callable[[str, int], None] = lambda phase, n: None,
+) -> dict[str, Phase]:
+    """Store, look up and load ``chunks`` fresh chunks; ``slots`` holds ``2 * batch`` slots.
+
+    Stores read slots ``[0, batch)``; loads land in ``[batch, 2 * batch)``,
+    zeroed first, so a load can only pass with the tier's own bytes.
+    """
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, 2**31, chunks * layout.chunk_tokens)
+    keys = chunk_keys(layout.namespace, tokens, layout.chunk_tokens)
+    base = rng.integers(0, 256, (batch, slots.shape[1]), dtype=np.uint8)
+    phases = {name: Phase() for name in PHASES}
+    batches = [list(range(start, min(start + batch, chunks))) for start in range(0, chunks, batch)]
+
+    def stamped(index: int) -> np.ndarray:
+        row = base[index % batch].copy()
+        row[:_STAMP] = np.frombuffer(index.to_bytes(_STAMP, "little"), dtype=np.uint8)
+        return row
+
+    def timed_job(
+        phase: Phase, job_keys: list[ChunkKey], job_slots: list[int], loading: bool
+    ) -> JobResult:
+        started = time.perf_counter()
+        result = run_job(
+            tier, TransferJob(tuple(job_keys), tuple(job_slots)), loading=loading, timeout=timeout
+        )
+        elapsed = time.perf_counter() - started
+        phase.latencies.append(elapsed)
+        phase.seconds += elapsed
+        phase.chunks += len(result.succeeded)
+        phase.nbytes += len(result.succeeded) * slots.shape[1]
+        phase.failures += len(job_keys) - len(result.succeeded)
+        return result
+
+    store = phases["store"]
+    for indexes in batches:
+        for position, index in enumerate(indexes):
+            slots[position] = stamped(index)
+        timed_job(store, [keys[i] for i in indexes], list(range(len(indexes))), loading=False)
+        advance("store", len(indexes))
+    tier.drain()
+
+    lookup = phases["lookup"]
+    for key in keys:
+        started = time.perf_counter()
+        answer = resolve_lookup(tier, key, timeout=timeout)
+        elapsed = time.perf_counter() - started
+        lookup.latencies.append(elapsed)
+        lookup.seconds += elapsed
+        if answer is Lookup.HIT:
+            lookup.chunks += 1
+        else:
+            lookup.failures += 1
+        advance("lookup", 1)
+
+    load = phases["load"]
+    for indexes in batches:
+        targets = list(range(batch, batch + len(indexes)))
+        slots[targets] = 0
+        result = timed_job(load, [keys[i] for i in indexes], targets, loading=True)
+        for index, target in zip(indexes, targets, strict=True):
+            if keys[index] in result.succeeded and not np.array_equal(
+                slots[target], stamped(index)
+            ):
+                load.failures += 1  # bytes differ: counted, never trusted
+                load.chunks -= 1
+                load.nbytes -= slots.shape[1]
+        advance("load", len(indexes))
+    return phases
+
+
+@click.command()
+@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--chunks", default=128, show_default=True, help="Chunks to move per tier.")
+@click.option("--chunk-kib", default=256, show_default=True, help="Size of each chunk in KiB.")
+@click.option("--batch", default=8, show_default=True, help="Chunks per store or load job.")
+@click.option(
+    "--tier", "tier_indexes", type=int, multiple=True, help="Bench only this tier (repeatable)."
+)
+@click.option("--timeout", default=60.0, show_default=True, help="Seconds allowed per job.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def bench(
+    config: Path,
+    chunks: int,
+    chunk_kib: int,
+    batch: int,
+    tier_indexes: tuple[int, ...],
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Measure store, lookup and load throughput and latency of every tier in CONFIG.
+
+    Writes CHUNKS probe chunks to each tier under a namespace of their own
+    (no engine ever reads them; the tier's eviction ages them out). Exits
+    non-zero if any tier fails a chunk.
+    """
+    if chunks < 1 or batch < 1 or chunk_kib < 1:
+        raise click.BadParameter("--chunks, --batch and --chunk-kib must be positive")
+    try:
+        settings = load_config(config)
+    except KVTierError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(2)
+    unknown = [i for i in tier_indexes if not 0 <= i < len(settings.secondary_tiers)]
+    if unknown:
+        raise click.BadParameter(
+            f"no tier {unknown[0]}: {config} names {len(settings.secondary_tiers)} tiers",
+            param_hint="--tier",
+        )
+    batch = min(batch, chunks)
+    layout = probe_layout(settings.chunk_tokens, chunk_kib)
+    # A primary tier of exactly the slots the bench uses, private to this
+    # process whatever the configuration says about shared memory.
+    settings = settings.model_copy(
+        update={"cpu_bytes_to_use": 2 * batch * layout.slot_bytes, "shared_memory_name": None}
+    )
+    try:
+        manager = OffloadingSpecFactory.create_spec(settings, layout).build_manager()
+    except Exception as exc:
+        click.echo(f"cannot start the tiers: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(1)
+    selected = tier_indexes or tuple(range(len(manager.tiers)))
+    slots = manager.primary.buffer.array
+    report: dict[str, Any] = {
+        "config": str(config),
+        "chunk_bytes": layout.slot_bytes,
+        "chunks": chunks,
+        "batch": batch,
+        "tiers": [],
+    }
+    failed = False
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=as_json,
+    )
+    try:
+        baseline = copy_baseline(slots, batch, rounds=max(1, chunks // batch))
+        report["copy_mb_per_s"] = baseline
+        with progress:
+            for index in selected:
+                tier = manager.tiers[index]
+                tasks = {
+                    phase: progress.add_task(f"tier {index} {tier.tier_type} {phase}", total=chunks)
+                    for phase in PHASES
+                }
+                entry: dict[str, Any] = {"tier": index, "tier_type": tier.tier_type}
+                try:
+                    phases = bench_tier(
+                        tier,
+                        slots,
+                        layout,
+                        chunks=chunks,
+                        batch=batch,
+                        timeout=timeout,
+                        advance=_advancer(progress, tasks),
+                    )
+                except Exception as exc:
+                    entry["error"] = f"{type(exc).__name__}: {exc}"
+                    failed = True
+                else:
+                    entry.update({name: p.summary(baseline) for name, p in phases.items()})
+                    failed = failed or any(p.failures for p in phases.values())
+                report["tiers"].append(entry)
+    finally:
+        manager.shutdown()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        Console().print(_table(report))
+    sys.exit(1 if failed else 0)
+
+
+def _advancer(progress: Progress, tasks: dict[str, TaskID]) -> Callable[[str, int], None]:
+    def advance(phase: str, done: int) -> None:
+        progress.advance(tasks[phase], done)
+
+    return advance
+
+
+def _table(report: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"kvtier bench {report['config']}: {report['chunks']} chunks of "
+        f"{report['chunk_bytes'] // 1024} KiB, {report['batch']} per job; "
+        f"slot copy {report['copy_mb_per_s']:.0f} MB/s"
+    )
+    for column in ("#", "type", "phase", "chunks/s", "MB/s", "vs copy", "p50 ms", "p90 ms"):
+        table.add_column(column, justify="right" if column not in ("type", "phase") else "left")
+    table.add_column("p99 ms", justify="right")
+    table.add_column("failures", justify="right")
+    for entry in report["tiers"]:
+        if "error" in entry:
+            table.add_row(
+                str(entry["tier"]), entry["tier_type"], "[red]error[/red]", entry["error"]
+            )
+            continue
+        for phase in PHASES:
+            result = entry[phase]
+            latency = result["latency_ms"]
+            table.add_row(
+                str(entry["tier"]),
+                entry["tier_type"],
+                phase,
+                f"{result['chunks_per_s']:.0f}",
+                f"{result['mb_per_s']:.0f}" if phase != "lookup" else "-",
+                f"{result['vs_copy']:.2f}" if phase != "lookup" else "-",
+                f"{latency['p50']:.3f}",
+                f"{latency['p90']:.3f}",
+                f"{latency['p99']:.3f}",
+                f"[red]{result['failures']}[/red]" if result["failures"] else "0",
+            )
+    return table

@@ -1,0 +1,16 @@
+"""``kvtier config-reference``: print the configuration reference as Markdown."""
+
+from __future__ import annotations
+
+import click
+
+from kvtier.docs_reference import config_reference
+
+
+@click.command("config-reference")
+def reference() -> None:
+    """Print every configuration key of kvtier and of each registered tier, as Markdown.
+
+    Generated from the typed option declarations, like the user guide's reference.
+    """
+    click.echo(config_reference(), nl=False)

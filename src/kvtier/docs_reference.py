@@ -1,0 +1,240 @@
+"""The configuration reference, generated from the typed option declarations.
+
+Every key of :class:`~kvtier.config.KVTierConfig`, of its sections and of
+every registered tier's ``Options`` is documented where it is declared (an
+attribute docstring); this module renders those declarations as Markdown, so
+the reference cannot drift from the code. The user guide's build inserts it
+(``docs/hooks.py``); ``kvtier config-reference`` prints it.
+
+Tiers are read from the registry: a tier merged tomorrow appears without an
+edit here. Reading a tier's ``Options`` imports the tier's module, never its
+backend client: built-in tiers import their client when they are
+constructed, so a missing optional dependency does not hide a tier's options.
+A tier module that does not import at all is rendered as such, with the
+reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+from pydantic import BaseModel, ByteSize
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from kvtier.config import KVTierConfig
+from kvtier.plugins import PluginRegistry
+from kvtier.policies.factory import policy_registry
+from kvtier.specs.factory import spec_registry
+from kvtier.tiers.base import SecondaryTier
+from kvtier.tiers.factory import tier_registry
+
+#: Keys of every ``secondary_tiers`` entry, whatever its type.
+ENTRY_KEYS = {
+    "type": "The tier's registered name, entry point name, or class name (with ``module_path``).",
+    "module_path": "Module to import an out-of-tree tier class from; configuration that names "
+    "one is trusted input (see ``KVTIER_ALLOWED_MODULES``).",
+}
+
+_UNITS = ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)
+_BOUNDS = (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
+
+
+@dataclass(frozen=True)
+class OptionRow:
+    """One documented key."""
+
+    key: str
+    type: str
+    default: str
+    description: str
+
+
+@dataclass(frozen=True)
+class PluginDoc:
+    """A registered tier, policy or spec, and its options when it has any."""
+
+    name: str
+    target: str
+    summary: str
+    options: type[BaseModel] | None
+    error: str | None = None
+
+
+def format_size(size: int) -> str:
+    """``1073741824`` -> ``1GiB``; sizes that are no whole unit stay in bytes."""
+    for unit, scale in _UNITS:
+        if size and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
+
+
+def describe_type(annotation: Any) -> str:
+    """A reader's name for a field's type (``size``, ``int or null``...)."""
+    if annotation is type(None):
+        return "null"
+    if annotation is ByteSize:
+        return "size"
+    if isinstance(annotation, type) and issubclass(annotation, PurePath):
+        return "path"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "mapping"
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " | ".join(json.dumps(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe_type(a) for a in args)
+    if origin in (dict, typing.Mapping) or annotation is dict:
+        return "mapping"
+    if origin in (list, tuple, set, frozenset):
+        inner = [a for a in args if a is not Ellipsis]
+        return f"list of {describe_type(inner[0])}" if inner else "list"
+    if annotation is typing.Any:
+        return "any"
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def describe_default(field: FieldInfo) -> str:
+    """The default as it would be written in YAML, or ``required``."""
+    if field.is_required():
+        return "required"
+    factory = field.default_factory
+    value = factory() if factory is not None else field.default  # type: ignore[call-arg]
+    if value is None or value is PydanticUndefined:
+        return "unset"
+    if isinstance(value, BaseModel):
+        return "see below"
+    if isinstance(value, ByteSize):
+        return f"`{format_size(int(value))}`"
+    if isinstance(value, PurePath):
+        return f"`{value}`"
+    if isinstance(value, tuple):
+        value = list(value)
+    return f"`{json.dumps(value)}`"
+
+
+def _bounds(field: FieldInfo) -> str:
+    found = []
+    for item in field.metadata:
+        for attr, symbol in _BOUNDS:
+            bound = getattr(item, attr, None)
+            if bound is not None:
+                found.append(f"{symbol} {bound}")
+    return ", ".join(found)
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def option_rows(model: type[BaseModel], prefix: str = "") -> list[OptionRow]:
+    """Every key of ``model``, nested sections flattened to ``section.key``."""
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        type_text = describe_type(annotation)
+        bounds = _bounds(field)
+        rows.append(
+            OptionRow(
+                key=key,
+                type=f"{type_text}, {bounds}" if bounds else type_text,
+                default=describe_default(field),
+                description=_cell(field.description or ""),
+            )
+        )
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows.extend(option_rows(annotation, prefix=f"{key}."))
+    return rows
+
+
+def options_table(rows: list[OptionRow]) -> str:
+    lines = ["| Key | Type | Default | Description |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{r.key}` | {_cell(r.type)} | {r.default} | {r.description} |" for r in rows]
+    return "\n".join(lines)
+
+
+def _summary(obj: object) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return _cell(doc.split("\n\n")[0])
+
+
+def plugin_docs(registry: PluginRegistry[Any]) -> list[PluginDoc]:
+    """Every name registered in ``registry``, resolved (never constructed)."""
+    docs = []
+    for name in registry.registered_names():
+        target = registry.registered_target(name)
+        try:
+            cls = registry.resolve(name)
+        except Exception as exc:  # a module that does not import: say so, go on
+            cause = exc.__cause__ or exc
+            docs.append(PluginDoc(name, target, "", None, f"{type(cause).__name__}: {cause}"))
+            continue
+        options = getattr(cls, "Options", None) if issubclass(cls, SecondaryTier) else None
+        docs.append(PluginDoc(name, target, _summary(cls), options))
+    return docs
+
+
+def config_reference(heading_level: int = 2) -> str:
+    """The whole reference as Markdown, its sections at ``heading_level``."""
+    h2, h3 = "#" * heading_level, "#" * (heading_level + 1)
+    top = [r for r in option_rows(KVTierConfig) if r.key != "secondary_tiers"]
+    parts = [
+        f"{h2} Top-level keys",
+        options_table(top),
+        f"{h2} Secondary tiers",
+        "`secondary_tiers` is a list of tier entries, looked up in order. Every entry "
+        "takes these two keys, and the keys of its type below:",
+        options_table(
+            [
+                OptionRow(key, "str" if key == "type" else "str or null", d, _cell(text))
+                for key, text in ENTRY_KEYS.items()
+                for d in ["required" if key == "type" else "unset"]
+            ]
+        ),
+    ]
+    for doc in plugin_docs(tier_registry):
+        parts.append(f"{h3} `{doc.name}`")
+        parts.append(f"Class `{doc.target}`." + (f" {doc.summary}" if doc.summary else ""))
+        if doc.error is not None:
+            parts.append(f"Its module does not import here, so its options are not listed: "
+                         f"{_cell(doc.error)}")  # fmt: skip
+        elif doc.options is None or not doc.options.model_fields:
+            parts.append("No options.")
+        else:
+            parts.append(options_table(option_rows(doc.options)))
+    for title, key, registry in (
+        ("Eviction policies", "eviction_policy", policy_registry),
+        ("Offloading specs", "spec_name", spec_registry),
+    ):
+        parts.append(f"{h2} {title}")
+        parts.append(f"Values of `{key}` that need no module path:")
+        lines = ["| Name | Class | Description |", "| --- | --- | --- |"]
+        for doc in plugin_docs(registry):
+            text = doc.summary if doc.error is None else f"(does not import here: {doc.error})"
+            lines.append(f"| `{doc.name}` | `{doc.target}` | {_cell(text)} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+__all__ = [
+    "ENTRY_KEYS",
+    "OptionRow",
+    "PluginDoc",
+    "config_reference",
+    "describe_default",
+    "describe_type",
+    "format_size",
+    "option_rows",
+    "options_table",
+    "plugin_docs",
+]

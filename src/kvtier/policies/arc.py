@@ -1,0 +1,137 @@
+"""Adaptive Replacement Cache (Megiddo and Modha, FAST 2003)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator
+from typing import Any
+
+from kvtier.keys import ChunkKey
+from kvtier.policies.base import CachePolicy
+
+
+class ARCCachePolicy(CachePolicy):
+    """Balances recency against frequency, learning the balance from its mistakes.
+
+    Resident keys live in ``T1`` (seen once) or ``T2`` (seen again). Evicted
+    keys leave a ghost in ``B1`` or ``B2``. Re-inserting a ghost means the
+    eviction was a mistake, so the target size :attr:`p` of ``T1`` moves
+    toward the list that would have kept it. A one-time scan only ever fills
+    ``T1``, so keys in ``T2`` outlive it.
+    """
+
+    def __init__(self, capacity: int, **kwargs: Any) -> None:
+        super().__init__(capacity, **kwargs)
+        # Every list is ordered oldest first; values unused.
+        self._t1: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._t2: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._b1: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._b2: OrderedDict[ChunkKey, None] = OrderedDict()
+        #: Target size of ``T1``, between 0 and ``capacity``.
+        self.p = 0
+
+    def get(self, key: ChunkKey) -> bool:
+        if key in self._t1:
+            # A second access: the key has shown it is reused.
+            del self._t1[key]
+            self._t2[key] = None
+            return True
+        if key in self._t2:
+            self._t2.move_to_end(key)
+            return True
+        return False
+
+    def insert(self, key: ChunkKey) -> None:
+        if self.get(key):
+            return
+        if key in self._b1:
+            # Evicted from T1 too early: T1 deserved more room.
+            self.p = min(self.capacity, self.p + max(1, len(self._b2) // len(self._b1)))
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:
+            # Evicted from T2 too early: T2 deserved more room.
+            self.p = max(0, self.p - max(1, len(self._b1) // len(self._b2)))
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            # Only a new key grows the directory; a ghost hit just moves one.
+            self._t1[key] = None
+            self._trim_ghosts()
+
+    def remove(self, key: ChunkKey) -> None:
+        # Not an eviction, so no ghost: its return would teach nothing.
+        self._t1.pop(key, None)
+        self._t2.pop(key, None)
+
+    def touch(self, keys: Iterable[ChunkKey]) -> None:
+        # ``get`` inlined: the primary tier touches every hit of every request.
+        t1, t2 = self._t1, self._t2
+        for key in keys:
+            if key in t2:
+                t2.move_to_end(key)
+            elif key in t1:
+                del t1[key]
+                t2[key] = None
+
+    def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
+        if n <= 0:
+            return []
+        # Choose every victim before changing anything, so a shortfall changes nothing.
+        from_t1 = _unprotected(self._t1, protected)
+        from_t2 = _unprotected(self._t2, protected)
+        t1_left = len(self._t1)
+        victims: list[tuple[ChunkKey, bool]] = []
+        while len(victims) < n:
+            # ARC's REPLACE: shrink T1 while it is over its target, else T2;
+            # fall back to the other list when protected keys exhaust one.
+            prefer_t1 = t1_left > self.p
+            first, second = (from_t1, from_t2) if prefer_t1 else (from_t2, from_t1)
+            victim = next(first, None)
+            in_t1 = prefer_t1
+            if victim is None:
+                victim = next(second, None)
+                in_t1 = not prefer_t1
+            if victim is None:
+                return None
+            victims.append((victim, in_t1))
+            t1_left -= in_t1
+        for victim, in_t1 in victims:
+            if in_t1:
+                del self._t1[victim]
+                self._b1[victim] = None
+            else:
+                del self._t2[victim]
+                self._b2[victim] = None
+        self._trim_ghosts()
+        return [victim for victim, _ in victims]
+
+    def _trim_ghosts(self) -> None:
+        # ARC's directory bounds: |T1| + |B1| <= c and all four lists <= 2c.
+        b1, b2 = self._b1, self._b2
+        excess = len(self._t1) + len(b1) - self.capacity
+        while excess > 0 and b1:
+            b1.popitem(last=False)
+            excess -= 1
+        excess = len(self._t1) + len(self._t2) + len(b1) + len(b2) - 2 * self.capacity
+        while excess > 0 and b2:
+            b2.popitem(last=False)
+            excess -= 1
+
+    def clear(self) -> None:
+        for entries in (self._t1, self._t2, self._b1, self._b2):
+            entries.clear()
+        self.p = 0
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+
+def _unprotected(
+    entries: OrderedDict[ChunkKey, None], protected: Collection[ChunkKey]
+) -> Iterator[ChunkKey]:
+    """Keys of ``entries`` outside ``protected``, oldest first."""
+    return (key for key in entries if key not in protected)

@@ -1,0 +1,148 @@
+"""S3-FIFO (Yang et al., SOSP 2023): three FIFO queues, scan-resistant."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Set
+from typing import Any
+
+from kvtier.keys import ChunkKey
+from kvtier.policies.base import CachePolicy
+
+#: Frequencies saturate here (two bits), so a hot key earns at most three reprieves.
+MAX_FREQ = 3
+
+
+class S3FIFOCachePolicy(CachePolicy):
+    """A small probationary FIFO, a main FIFO and a ghost FIFO of evicted keys.
+
+    New keys enter the small queue (about a tenth of the capacity). Most keys
+    are used once, so most leave from there without ever disturbing the main
+    queue: a long scan of one-time keys cannot flush the working set. A key
+    accessed while in the small queue moves to the main queue; a key in the
+    ghost queue is re-inserted straight into main. Main is a FIFO with lazy
+    promotion: a key with frequency left is re-queued with one less.
+    """
+
+    def __init__(self, capacity: int, **kwargs: Any) -> None:
+        super().__init__(capacity, **kwargs)
+        self.small_capacity = max(1, capacity // 10)
+        # Queues are ordered oldest first; values unused.
+        self._small: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._main: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._ghost: OrderedDict[ChunkKey, None] = OrderedDict()
+        # Resident keys and their access counts since entering (or last re-queue).
+        self._freq: dict[ChunkKey, int] = {}
+
+    def get(self, key: ChunkKey) -> bool:
+        freq = self._freq.get(key)
+        if freq is None:
+            return False
+        if freq < MAX_FREQ:
+            self._freq[key] = freq + 1
+        return True
+
+    def insert(self, key: ChunkKey) -> None:
+        if self.get(key):
+            return
+        if key in self._ghost:
+            # Seen recently enough to be remembered: it has proven reuse.
+            del self._ghost[key]
+            self._main[key] = None
+        else:
+            self._small[key] = None
+        self._freq[key] = 0
+
+    def remove(self, key: ChunkKey) -> None:
+        if self._freq.pop(key, None) is not None:
+            self._small.pop(key, None)
+            self._main.pop(key, None)
+
+    def touch(self, keys: Iterable[ChunkKey]) -> None:
+        # ``get`` inlined: the primary tier touches every hit of every request.
+        counts = self._freq
+        for key in keys:
+            freq = counts.get(key)
+            if freq is not None and freq < MAX_FREQ:
+                counts[key] = freq + 1
+
+    def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
+        if n <= 0:
+            return []
+        # Eviction below promotes and re-queues keys as it goes, so decide
+        # first whether it can succeed: it can exactly when n keys are unprotected.
+        if len(self._freq) - _count_tracked(protected, self._freq) < n:
+            return None
+        victims = []
+        for _ in range(n):
+            if len(self._small) >= self.small_capacity:
+                victim = self._evict_small(protected) or self._evict_main(protected)
+            else:
+                victim = self._evict_main(protected) or self._evict_small(protected)
+            # Unreachable by the count above; a loud failure beats a wrong victim.
+            if victim is None:
+                raise RuntimeError("S3-FIFO found no victim although enough keys are evictable")
+            del self._freq[victim]
+            victims.append(victim)
+        return victims
+
+    def _evict_small(self, protected: Collection[ChunkKey]) -> ChunkKey | None:
+        """Drop the oldest unaccessed small key, promoting accessed ones on the way.
+
+        Ends because every step removes a key from the small queue.
+        """
+        while (key := _oldest_unprotected(self._small, protected)) is not None:
+            del self._small[key]
+            if self._freq[key] > 0:
+                self._main[key] = None
+                continue
+            self._ghost[key] = None
+            # The ghost remembers about as many keys as the cache holds.
+            if len(self._ghost) > self.capacity:
+                self._ghost.popitem(last=False)
+            return key
+        return None
+
+    def _evict_main(self, protected: Collection[ChunkKey]) -> ChunkKey | None:
+        """Drop the oldest main key with no frequency left, re-queueing the others.
+
+        Ends because every re-queue spends one unit of a bounded frequency.
+        """
+        while (key := _oldest_unprotected(self._main, protected)) is not None:
+            freq = self._freq[key]
+            if freq > 0:
+                self._freq[key] = freq - 1
+                self._main.move_to_end(key)
+                continue
+            del self._main[key]
+            return key
+        return None
+
+    def clear(self) -> None:
+        for queue in (self._small, self._main, self._ghost):
+            queue.clear()
+        self._freq.clear()
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
+
+
+def _oldest_unprotected(
+    queue: OrderedDict[ChunkKey, None], protected: Collection[ChunkKey]
+) -> ChunkKey | None:
+    for key in queue:
+        if key not in protected:
+            return key
+    return None
+
+
+def _count_tracked(keys: Collection[ChunkKey], tracked: Collection[ChunkKey]) -> int:
+    """How many distinct ``keys`` are in ``tracked``, walking the smaller of the two."""
+    if not isinstance(keys, Set):
+        keys = set(keys)
+    if len(keys) <= len(tracked):
+        return sum(1 for key in keys if key in tracked)
+    return sum(1 for key in tracked if key in keys)

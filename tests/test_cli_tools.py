@@ -1,0 +1,123 @@
+"""``kvtier bench`` and ``kvtier check`` on real tiers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from kvtier.cli import cli
+from kvtier.testing import restore_registries
+from kvtier.tiers import HealthCheck, register_tier, tier_registry
+from kvtier.tiers.memory import MemoryTier
+
+
+def write_config(tmp_path: Path, *tiers: dict[str, Any]) -> str:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump({"chunk_tokens": 16, "secondary_tiers": list(tiers)}))
+    return str(path)
+
+
+def bench_json(config: str, *args: str, exit_code: int = 0) -> dict[str, Any]:
+    result = CliRunner().invoke(cli, ["bench", config, "--json", *args])
+    assert result.exit_code == exit_code, result.output
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
+
+
+def assert_sane(entry: dict[str, Any], chunks: int, chunk_bytes: int) -> None:
+    for phase in ("store", "lookup", "load"):
+        result = entry[phase]
+        assert result["failures"] == 0
+        assert result["chunks"] == chunks
+        assert result["seconds"] > 0 and result["chunks_per_s"] > 0
+        latency = result["latency_ms"]
+        assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"]
+    for phase in ("store", "load"):
+        assert entry[phase]["bytes"] == chunks * chunk_bytes
+        assert entry[phase]["ops"] == -(-chunks // 4)  # one job per batch of 4
+        assert entry[phase]["mb_per_s"] > 0 and entry[phase]["vs_copy"] > 0
+    assert entry["lookup"]["ops"] == chunks
+
+
+def test_bench_json_on_the_memory_tier(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"type": "memory", "max_bytes": "64MiB"})
+    report = bench_json(config, "--chunks", "10", "--chunk-kib", "64", "--batch", "4")
+    assert report["chunk_bytes"] == 64 * 1024 and report["chunks"] == 10
+    assert report["copy_mb_per_s"] > 0
+    [entry] = report["tiers"]
+    assert entry["tier_type"] == "memory"
+    assert_sane(entry, 10, 64 * 1024)
+
+
+@pytest.mark.skipif(
+    "fs" not in tier_registry.registered_names(), reason="the fs tier is not built in yet"
+)
+def test_bench_json_on_the_fs_tier(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path, {"type": "memory"}, {"type": "fs", "root_dir": str(tmp_path / "fs")}
+    )
+    report = bench_json(
+        config, "--chunks", "10", "--chunk-kib", "64", "--batch", "4", "--tier", "1"
+    )
+    [entry] = report["tiers"]
+    assert entry["tier"] == 1 and entry["tier_type"] == "fs"
+    assert_sane(entry, 10, 64 * 1024)
+
+
+def test_bench_reports_a_failing_tier_and_exits_non_zero(tmp_path: Path) -> None:
+    faulty = {"type": "FaultyTier", "module_path": "kvtier.testing.faults", "fail_rate": 1.0}
+    with restore_registries():
+        config = write_config(tmp_path, {"type": "memory"}, faulty)
+        report = bench_json(config, "--chunks", "4", "--chunk-kib", "16", exit_code=1)
+    memory, broken = report["tiers"]
+    assert memory["store"]["failures"] == 0
+    assert broken["store"]["failures"] == 4 and broken["store"]["chunks"] == 0
+    assert broken["lookup"]["failures"] == 4 and broken["load"]["failures"] == 4
+
+
+def test_bench_table_and_bad_tier_index(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"type": "memory"})
+    shown = CliRunner().invoke(cli, ["bench", config, "--chunks", "4", "--chunk-kib", "16"])
+    assert shown.exit_code == 0, shown.output
+    assert "store" in shown.stdout and "load" in shown.stdout and "p99 ms" in shown.stdout
+    wrong = CliRunner().invoke(cli, ["bench", config, "--tier", "3"])
+    assert wrong.exit_code == 2 and "no tier 3" in wrong.output
+
+
+class _ReadOnlyTier(MemoryTier):
+    def health(self) -> Sequence[HealthCheck]:
+        return (
+            HealthCheck("reachable", True, "answers"),
+            HealthCheck("writable", False, "permission denied: /nowhere"),
+        )
+
+
+class _CrashingHealthTier(MemoryTier):
+    def health(self) -> Sequence[HealthCheck]:
+        raise OSError("disk vanished")
+
+
+def test_check_runs_each_tiers_health_checks(tmp_path: Path) -> None:
+    with restore_registries():
+        register_tier("read_only", __name__, "_ReadOnlyTier")
+        register_tier("crashing", __name__, "_CrashingHealthTier")
+        config = write_config(tmp_path, {"type": "memory"}, {"type": "read_only"})
+        result = CliRunner().invoke(cli, ["check", config, "--chunk-kib", "16"], terminal_width=200)
+        assert result.exit_code == 1, result.output
+        assert "permission denied: /nowhere" in result.stdout and "FAILED" in result.stdout
+        assert result.stdout.count("byte-exact") == 2  # both round trips still ran
+
+        config = write_config(tmp_path, {"type": "crashing"})
+        result = CliRunner().invoke(cli, ["check", config, "--chunk-kib", "16"], terminal_width=200)
+        assert result.exit_code == 1 and "OSError: disk vanished" in result.stdout
+
+    healthy = write_config(tmp_path, {"type": "memory"})
+    result = CliRunner().invoke(cli, ["check", healthy, "--chunk-kib", "16"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "capacity" in result.stdout and "byte-exact" in result.stdout

@@ -1,0 +1,196 @@
+"""The built-in cache policies: the shared contract, then what sets each apart."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier import load_config
+from kvtier.errors import PluginLoadError
+from kvtier.keys import ChunkKey
+from kvtier.policies import CachePolicy, CachePolicyFactory
+from kvtier.policies.arc import ARCCachePolicy
+from kvtier.primary import PrimaryTier, SlotBuffer
+from kvtier.testing import PolicyContractTests
+from kvtier.testing.policy_suite import key
+
+PLUGINS = Path(__file__).parent / "plugins"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins_importable() -> Iterator[None]:
+    """Out-of-tree policies in tests/plugins/ import by their module name."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(PLUGINS))
+        yield
+
+
+class TestLRUContract(PolicyContractTests):
+    policy_name = "lru"
+
+
+class TestARCContract(PolicyContractTests):
+    policy_name = "arc"
+
+
+class TestS3FIFOContract(PolicyContractTests):
+    policy_name = "s3fifo"
+
+
+class TestOutOfTreeFIFOContract(PolicyContractTests):
+    policy_name = "FIFOCachePolicy"
+    module_path = "fifo_policy"
+
+
+def make(name: str, capacity: int) -> CachePolicy:
+    return CachePolicyFactory.create_cache_policy(name, capacity)
+
+
+def admit(policy: CachePolicy, k: ChunkKey) -> None:
+    """Insert as the primary tier does: make room first when full."""
+    if len(policy) >= policy.capacity:
+        assert policy.evict(1, ()) is not None
+    policy.insert(k)
+
+
+def working_set_after_scan(name: str) -> set[ChunkKey]:
+    """Keys of a twice-accessed working set still resident after a long one-time scan."""
+    policy = make(name, 100)
+    working_set = [key(i) for i in range(40)]
+    for k in working_set:
+        admit(policy, k)
+    for _ in range(2):
+        assert all(policy.get(k) for k in working_set)
+    for i in range(1000, 1500):  # five capacities of keys never seen again
+        admit(policy, key(i))
+    return {k for k in working_set if k in policy}
+
+
+def test_lru_evicts_least_recently_accessed() -> None:
+    policy = make("lru", 8)
+    for i in range(5):
+        policy.insert(key(i))
+    assert policy.get(key(0))
+    policy.touch([key(1), key(42)])
+    assert key(2) in policy  # a membership test is not an access
+    assert policy.evict(3, ()) == [key(2), key(3), key(4)]
+    assert policy.evict(1, {key(0)}) == [key(1)]
+
+
+def test_lru_loses_the_working_set_to_a_scan() -> None:
+    assert working_set_after_scan("lru") == set()
+
+
+def test_arc_keeps_frequent_keys_over_a_one_time_scan() -> None:
+    assert len(working_set_after_scan("arc")) == 40
+
+
+def test_s3fifo_keeps_the_working_set_over_a_one_time_scan() -> None:
+    assert len(working_set_after_scan("s3fifo")) == 40
+
+
+def test_arc_adapts_its_target_on_ghost_hits() -> None:
+    policy = make("arc", 4)
+    assert isinstance(policy, ARCCachePolicy)
+    for i in range(4):
+        policy.insert(key(i))
+    assert policy.p == 0
+    assert policy.evict(2, ()) == [key(0), key(1)]  # seen once: T1, ghosts in B1
+    policy.insert(key(0))  # a B1 ghost: recency deserved more room
+    assert policy.p == 1
+    assert policy.get(key(2))  # T2 now holds key 0 then key 2; T1 holds key 3
+    # T1 is at its target, so ARC gives up T2's oldest rather than T1's only key.
+    assert policy.evict(1, ()) == [key(0)]
+    policy.insert(key(0))  # a B2 ghost: frequency deserved more room
+    assert policy.p == 0
+    assert policy.evict(1, ()) == [key(3)]
+
+
+def test_arc_ghost_lists_stay_bounded() -> None:
+    policy = make("arc", 8)
+    for i in range(1000):
+        admit(policy, key(i))
+        if i % 2:
+            policy.get(key(i))
+    ghosts = [k for k in map(key, range(1000)) if k not in policy]
+    # Ghost hits adapt p; a long-forgotten key is a plain miss and leaves p alone.
+    p = policy.p
+    policy.evict(1, ())
+    policy.insert(ghosts[0])
+    assert policy.p == p
+    assert len(policy._b1) + len(policy._b2) <= 2 * policy.capacity
+
+
+def test_s3fifo_ghost_hit_enters_main_and_outlives_a_scan() -> None:
+    policy = make("s3fifo", 10)
+    admit(policy, key(0))
+    for i in range(100, 115):  # key 0 leaves the small queue unaccessed: a ghost
+        admit(policy, key(i))
+    assert key(0) not in policy
+    admit(policy, key(0))
+    for i in range(200, 300):
+        admit(policy, key(i))
+    assert key(0) in policy
+    lru = make("lru", 10)
+    for i in [0, *range(100, 115), 0, *range(200, 300)]:
+        if key(i) not in lru:
+            admit(lru, key(i))
+    assert key(0) not in lru
+
+
+def test_s3fifo_main_queue_spends_frequency_before_evicting() -> None:
+    policy = make("s3fifo", 10)
+    for i in range(10):
+        admit(policy, key(i))
+    policy.touch([key(0), key(1), key(1)])
+    # Keys 0 and 1 move to main on the way; key 2 is the first unaccessed one.
+    assert policy.evict(1, ()) == [key(2)]
+    # Drain: main keeps keys 0 and 1 until their frequency is spent.
+    order = [v for _ in range(9) for v in policy.evict(1, ()) or []]
+    assert order[-2:] == [key(0), key(1)]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo"])
+def test_primary_tier_never_evicts_busy_chunks(name: str) -> None:
+    buffer = SlotBuffer(4, 64)
+    primary = PrimaryTier(buffer, make(name, 4))
+    try:
+        first = [key(i) for i in range(4)]
+        assert primary.prepare_store(first) is not None
+        primary.complete_store(first)
+        primary.prepare_load(first[:3])  # pinned by a reader
+        assert primary.prepare_store([key(10), key(11)]) is None
+        assert all(primary.is_ready(k) for k in first)
+        assert primary.prepare_store([key(10)]) is not None
+        assert not primary.is_ready(first[3]) and primary.evictions == 1
+        primary.complete_store([key(10)])
+        primary.prepare_load([first[0]])  # a second reader of key 0
+        primary.complete_load(first[:3])
+        # Unpinned chunks are evictable again; key 0 keeps its second reader.
+        assert primary.prepare_store([key(11), key(12), key(13), key(14)]) is None
+        assert primary.prepare_store([key(11), key(12), key(13)]) is not None
+        assert primary.is_ready(first[0]) and primary.evictions == 4
+        primary.complete_load([first[0]])
+    finally:
+        buffer.close()
+
+
+def test_policy_loaded_by_module_path_from_config(registries: None) -> None:
+    config = load_config(
+        {"eviction_policy": "FIFOCachePolicy", "cache_policy_module_path": "fifo_policy"}
+    )
+    policy = CachePolicyFactory.create_cache_policy(
+        config.eviction_policy, 3, config.cache_policy_module_path
+    )
+    assert type(policy).__module__ == "fifo_policy"
+    for i in range(3):
+        policy.insert(key(i))
+    assert policy.get(key(0))
+    assert policy.evict(1, ()) == [key(0)]  # first in, first out: accesses do not count
+
+
+def test_config_names_a_module_without_the_policy_class(registries: None) -> None:
+    with pytest.raises(PluginLoadError, match=r"fifo_policy.*NoSuchPolicy"):
+        CachePolicyFactory.get_cache_policy_class("NoSuchPolicy", "fifo_policy")
