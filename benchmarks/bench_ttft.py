@@ -14,7 +14,7 @@ Each kvtier time covers the lookup, any promotion, the copy into the model's
 cache and the suffix prefill. Reported: medians and the speed-up of each
 path over full prefill. Targets: CPU-tier hit >= 8x, secondary-tier hit >= 4x.
 
-Run: ``python benchmarks/bench_ttft.py [--tier fs|memory] [--rounds N] [--json]``
+Run: ``python benchmarks/bench_ttft.py [--tier fs|memory] [--rounds N] [--threads N] [--json]``
 (needs ``pip install 'kvtier[transformers]'``).
 """
 
@@ -53,8 +53,11 @@ def main() -> None:
     parser.add_argument("--tier", default="memory", help="secondary tier type (default: memory)")
     parser.add_argument("--rounds", type=int, default=5, help="measurements per path")
     parser.add_argument("--chunk-tokens", type=int, default=SIZES["default"].chunk_tokens)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     size = SIZES["default"]
     model = build_demo_model(size)
@@ -66,9 +69,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as root:
         config = tier_config(args.tier, Path(root), args.chunk_tokens)
         with PrefixCache(model, config, model_id="kvtier-demo-llama-default") as kv:
-            # Untimed: warm the kernels and store the prefix (CPU tier and, behind it, the tier).
+            # Untimed: warm the kernels, and store the shared prefix alone (in the CPU tier
+            # and, behind it, the secondary tier) as the first request of a chat would.
             expected = greedy_generate(model, prompt, 1).tokens
-            kv.generate(prompt, 1)
+            kv.generate(workload.system, 1)
             kv.manager.drain()
             for _ in range(args.rounds):
                 full = greedy_generate(model, prompt, 1)
@@ -88,7 +92,9 @@ def main() -> None:
                     "first tokens differ between paths",
                 )
     medians = {name: statistics.median(values) for name, values in times.items()}
-    speedups = {name: medians["full"] / medians[name] for name in ("CPU", "secondary")}
+    best = {name: min(values) for name, values in times.items()}
+    speedups = {name: medians["full"] / medians[name] for name in TARGETS}
+    best_speedups = {name: best["full"] / best[name] for name in TARGETS}
     result = {
         "prompt_tokens": len(prompt),
         "prefix_tokens": PREFIX_TOKENS,
@@ -97,7 +103,9 @@ def main() -> None:
         "rounds": args.rounds,
         "threads": torch.get_num_threads(),
         "median_ttft_s": medians,
-        "speedup": speedups,
+        "best_ttft_s": best,
+        "speedup_of_medians": speedups,
+        "speedup_of_bests": best_speedups,
         "targets": TARGETS,
         "met": {name: speedups[name] >= TARGETS[name] for name in TARGETS},
         "all_ttft_s": times,
@@ -109,14 +117,18 @@ def main() -> None:
         f"demo model ({size.num_layers} layers, hidden {size.hidden_size}), "
         f"{len(prompt)}-token prompt = {PREFIX_TOKENS}-token shared prefix + "
         f"{len(prompt) - PREFIX_TOKENS}-token suffix; {args.rounds} rounds, "
-        f"{torch.get_num_threads()} threads, medians:"
+        f"{torch.get_num_threads()} threads"
     )
     labels = {"full": "full prefill", "CPU": "CPU-tier hit", "secondary": f"{args.tier}-tier hit"}
+    print(f"  {'time to first token':<20} {'median':>10} {'best':>10}   speed-up (median, best)")
     for name, label in labels.items():
-        line = f"  {label:<18} {medians[name] * 1000:9.1f} ms"
-        if name in speedups:
-            verdict = "met" if result["met"][name] else "MISSED"  # type: ignore[index]
-            line += f"   {speedups[name]:5.1f}x faster (target {TARGETS[name]:.0f}x: {verdict})"
+        line = f"  {label:<20} {medians[name] * 1000:7.1f} ms {best[name] * 1000:7.1f} ms"
+        if name in TARGETS:
+            verdict = "met" if speedups[name] >= TARGETS[name] else "MISSED"
+            line += (
+                f"   {speedups[name]:5.1f}x, {best_speedups[name]:5.1f}x"
+                f"   (target {TARGETS[name]:.0f}x: {verdict})"
+            )
         print(line)
 
 

@@ -75,3 +75,34 @@ def test_a_reply_that_differs_from_the_baseline_is_reported() -> None:
     assert same.mismatches() == []
     differs = DemoRun(baseline, [record([1, 2]), record([3, 5], 1)], None)
     assert differs.mismatches() == [("kvtier", 1)]
+
+
+def test_demo_runs_a_local_model_directory(tmp_path: Path) -> None:
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "model")
+    output = run_demo("--model", str(tmp_path / "model"), "--dir", str(tmp_path / "kv"))
+    assert f"loaded from {tmp_path / 'model'}" in output
+    assert "model qwen2, 2 layers, 2 KV heads × 16" in output
+    assert "✓ greedy outputs identical with and without kvtier" in output
+
+
+def test_a_tokenizer_that_encodes_nothing_is_an_error() -> None:
+    class Silent:
+        eos_token_id = None
+
+        def encode(self, text: str) -> list[int]:
+            return []
+
+    with pytest.raises(ValueError, match="no tokens"):
+        chat_workload(Silent(), system_tokens=10, conversations=1, turns=1, new_tokens=1)

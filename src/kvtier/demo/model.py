@@ -92,18 +92,18 @@ def build_demo_model(size: DemoSize, seed: int = SEED) -> PreTrainedModel:
     return LlamaForCausalLM(config).eval()
 
 
+#: Files of which any one means a model directory ships its own tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def load_local_model(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Tokenizer]:
     """A causal LM and its tokenizer from a local directory (bytes if it has no tokenizer)."""
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
-    try:
-        tokenizer: Tokenizer = _HFTokenizer(
-            AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if any((path / name).is_file() for name in TOKENIZER_FILES):
+        return model, _HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    if model.config.vocab_size < BYTE_VOCAB:
+        raise ValueError(
+            f"{path} has no tokenizer, and its vocabulary of {model.config.vocab_size} "
+            "tokens is too small for byte tokens"
         )
-    except (OSError, ValueError):
-        if model.config.vocab_size < BYTE_VOCAB:
-            raise ValueError(
-                f"{path} has no tokenizer, and its vocabulary of {model.config.vocab_size} "
-                f"tokens is too small for byte tokens"
-            ) from None
-        tokenizer = ByteTokenizer()
-    return model, tokenizer
+    return model, ByteTokenizer()

@@ -115,7 +115,10 @@ def chat_workload(
         sentence = f"{rule}. {rng.choice(_SUBJECTS).capitalize()} {rng.choice(_VERBS)} "
         sentence += f"{rng.choice(_OBJECTS)}, unless {rng.choice(_SUBJECTS)} "
         sentence += f"{rng.choice(_VERBS)} {rng.choice(_OBJECTS)}.\n"
-        system += tokenizer.encode(sentence)
+        encoded = tokenizer.encode(sentence)
+        if not encoded:
+            raise ValueError("the tokenizer encodes text to no tokens; is it a real tokenizer?")
+        system += encoded
         rule += 1
     user_turns = [
         [tokenizer.encode(f"\nUser: {rng.choice(_QUESTIONS)}\nAssistant:") for _ in range(turns)]
