@@ -1,10 +1,20 @@
-"""Fixtures shared by kvtier's tests."""
+"""Fixtures shared by kvtier's tests.
 
+The shared-tier tests talk to real servers (redis-server, a Redis Cluster,
+moto's S3 server) on loopback, started and stopped here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from kvtier.testing import restore_registries
+from kvtier.testing.servers import RedisClusterServers, RedisServer, S3Server
 
 
 @pytest.fixture
@@ -12,3 +22,65 @@ def registries() -> Iterator[None]:
     """Let a test register plugins (and trip once-per-process warnings) in isolation."""
     with restore_registries():
         yield
+
+
+def need_redis_server() -> None:
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server/redis-cli not installed (Debian: apt-get install redis-server)")
+    if importlib.util.find_spec("redis") is None:
+        pytest.skip("redis-py not installed: pip install 'kvtier[redis]'")
+
+
+def need_s3_server() -> None:
+    for module, hint in (("moto", "moto[server]"), ("boto3", "kvtier[obj]")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} not installed: pip install '{hint}'")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    need_redis_server()
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    need_redis_server()
+    with RedisClusterServers() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    need_s3_server()
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def own_redis_server() -> Iterator[RedisServer]:
+    """A server of this test's own, free to stop, restart or freeze."""
+    need_redis_server()
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def own_s3_server() -> Iterator[S3Server]:
+    """An S3 server of this test's own, free to stop, restart or freeze."""
+    need_s3_server()
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> str:
+    """A new empty bucket on the shared S3 server."""
+    return s3_server.create_bucket(f"kvtier-{uuid.uuid4().hex[:16]}")
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A prefix of its own per test, so tests sharing a server never see each other's chunks."""
+    return f"t{uuid.uuid4().hex[:12]}:"

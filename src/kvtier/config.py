@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import difflib
 import json
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SecretBytes,
+    SecretStr,
+    ValidationError,
+)
 
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.policies.base import CachePolicy
@@ -247,7 +256,8 @@ def _problems_from(
             message = "unknown key" + (f"; did you mean {close[0]!r}?" if close else "")
             message += f" Valid keys: {', '.join(sorted(valid))}."
         elif "input" in error and error["type"] not in ("missing",):
-            message += f" (got {error['input']!r})"
+            # Never echo a secret (a peer secret, a password) into logs.
+            message += " (value hidden)" if _is_secret(model, loc) else f" (got {error['input']!r})"
         problems.append((path, message))
     return problems
 
@@ -260,6 +270,22 @@ def _join(prefix: str, loc: tuple[int | str, ...]) -> str:
         else:
             path += f".{part}" if path else str(part)
     return path
+
+
+def _is_secret(model: type[BaseModel], loc: tuple[int | str, ...]) -> bool:
+    """Whether ``loc`` names a ``SecretStr``/``SecretBytes`` field (optional or not)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        current = field.annotation
+        kinds = typing.get_args(current) or (current,)
+        if any(isinstance(k, type) and issubclass(k, (SecretStr, SecretBytes)) for k in kinds):
+            return True
+    return False
 
 
 def _field_names(model: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:

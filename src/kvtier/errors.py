@@ -64,3 +64,27 @@ class LayoutMismatchError(KVTierError, ValueError):
 
 class UnknownPluginError(KVTierError, ValueError):
     """A tier, policy or spec name is neither registered nor given a module path."""
+
+
+class BackendUnavailableError(KVTierError, ConnectionError):
+    """A tier's backend cannot serve it at start: unreachable, missing or refusing.
+
+    ``tier_type`` names the tier, ``target`` what it tried to reach (a URL, a
+    bucket) and ``reason`` what went wrong. Raised only while a tier starts;
+    once running, backend failures become failed jobs and misses.
+    """
+
+    def __init__(self, tier_type: str, target: str, reason: str):
+        self.tier_type = tier_type
+        self.target = target
+        self.reason = reason
+        super().__init__(f"tier {tier_type!r}: cannot use {target}: {reason}")
+
+
+class PeerProtocolError(KVTierError, ConnectionError):
+    """A peer sent a message kvtier's peer protocol does not allow; the
+    connection is dropped."""
+
+
+class PeerAuthError(PeerProtocolError):
+    """A peer failed the challenge-response authentication of a connection."""

@@ -236,6 +236,15 @@ def bench(
         with progress:
             for index in selected:
                 tier = manager.tiers[index]
+                if not tier.holds_stores:
+                    report["tiers"].append(
+                        {
+                            "tier": index,
+                            "tier_type": tier.tier_type,
+                            "skipped": "a pull-only tier keeps no stores, so nothing to load back",
+                        }
+                    )
+                    continue
                 tasks = {
                     phase: progress.add_task(f"tier {index} {tier.tier_type} {phase}", total=chunks)
                     for phase in PHASES
@@ -285,6 +294,9 @@ def _table(report: dict[str, Any]) -> Table:
     table.add_column("p99 ms", justify="right")
     table.add_column("failures", justify="right")
     for entry in report["tiers"]:
+        if "skipped" in entry:
+            table.add_row(str(entry["tier"]), entry["tier_type"], "skipped")
+            continue
         if "error" in entry:
             table.add_row(
                 str(entry["tier"]), entry["tier_type"], "[red]error[/red]", entry["error"]

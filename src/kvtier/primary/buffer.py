@@ -76,6 +76,16 @@ class SlotBuffer:
         """Slot ``index`` as a writable ``uint8`` array (no copy)."""
         return self.array[index]
 
+    def unlink(self) -> None:
+        """Remove a named buffer's name; every mapping of it stays valid.
+
+        Once all processes that need the slots have mapped them, this makes
+        sure a crashed process leaves nothing behind in ``/dev/shm``.
+        """
+        if self.shared_name is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_shm_path(self.shared_name))
+
     def close(self) -> None:
         """Unmap; the creator of a named buffer also removes its name."""
         self.view.release()

@@ -151,6 +151,9 @@ class SecondaryTier(ABC):
 
     #: The typed options this tier accepts.
     Options: ClassVar[type[TierOptions]] = TierOptions
+    #: ``False`` for a tier that never keeps what it is given to store (``p2p``
+    #: pulls chunks from peers instead): tools then probe it with lookups only.
+    holds_stores: ClassVar[bool] = True
 
     def __init__(
         self,

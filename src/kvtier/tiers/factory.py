@@ -21,6 +21,10 @@ tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
 for _name, _module, _cls in [
     ("example", "kvtier.tiers.example", "ExampleTier"),
     ("memory", "kvtier.tiers.memory", "MemoryTier"),
+    ("fs", "kvtier.tiers.fs", "FilesystemTier"),
+    ("redis", "kvtier.tiers.redis", "RedisTier"),
+    ("obj", "kvtier.tiers.obj", "ObjectStoreTier"),
+    ("p2p", "kvtier.tiers.p2p", "PeerTier"),
 ]:
     tier_registry.register(_name, _module, _cls)
 

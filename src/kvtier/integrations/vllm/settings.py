@@ -1,0 +1,222 @@
+"""What the connector reads from vLLM's configuration: kvtier's config and the KV layout.
+
+Both connector roles (scheduler and worker, often in different processes)
+derive the same :class:`VllmGeometry` from the same ``kv_cache_config``, so
+they agree on where every byte of a chunk goes without talking.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtier.config import KVTierConfig, load_config, validate_options
+from kvtier.errors import ConfigError, LayoutMismatchError
+from kvtier.layout import KVLayout
+
+
+class ConnectorOptions(BaseModel):
+    """The connector's own keys in ``kv_connector_extra_config``."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
+
+    kvtier: dict[str, Any] | None = None
+    """The kvtier configuration document, inline."""
+
+    kvtier_config_file: str | None = None
+    """Path of a JSON or YAML kvtier configuration (instead of ``kvtier``)."""
+
+    kvtier_model_id: str | None = None
+    """Model identity in the chunk namespace; defaults to vLLM's ``model``."""
+
+    kvtier_lookup_timeout_s: float = Field(default=5.0, ge=0)
+    """How long a request may wait for promotions from secondary tiers before it
+    goes ahead with the chunks that are ready (the rest is recomputed)."""
+
+    kvtier_stats_file: str | None = None
+    """Write the connector's and every tier's counters here (JSON) at shutdown."""
+
+
+@dataclass(frozen=True)
+class VllmGeometry:
+    """How one kvtier chunk maps onto vLLM's paged KV cache.
+
+    A primary slot holds ``layers × blocks_per_chunk`` vLLM pages in that
+    order (``slot[layer][block]``); a page is whatever bytes vLLM keeps for
+    one block of one layer, copied verbatim, so the page format goes into the
+    layout's namespace instead of being interpreted.
+    """
+
+    layer_names: tuple[str, ...]
+    block_size: int
+    blocks_per_chunk: int
+    page_bytes: int
+    num_blocks: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+
+def connector_options(extra_config: Mapping[str, Any] | None) -> ConnectorOptions:
+    options = validate_options(ConnectorOptions, extra_config or {}, "kv_connector_extra_config")
+    return cast(ConnectorOptions, options)
+
+
+def kvtier_config(options: ConnectorOptions) -> KVTierConfig:
+    """The kvtier configuration named by the connector options (defaults if none)."""
+    if options.kvtier is not None and options.kvtier_config_file is not None:
+        raise ConfigError(
+            [
+                (
+                    "kv_connector_extra_config",
+                    "set either 'kvtier' (inline) or 'kvtier_config_file', not both",
+                )
+            ]
+        )
+    if options.kvtier_config_file is not None:
+        return load_config(options.kvtier_config_file)
+    return load_config(options.kvtier or {})
+
+
+def with_shared_memory(config: KVTierConfig, engine_id: str | None) -> KVTierConfig:
+    """The config with a ``shared_memory_name`` unique to this engine, unless one is set."""
+    if config.shared_memory_name is not None:
+        return config
+    tag = (engine_id or uuid.uuid4().hex).replace("-", "")[:16]
+    name = f"kvtier-vllm-{os.getpid()}-{tag}"
+    return config.model_copy(update={"shared_memory_name": name})
+
+
+def geometry(vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> VllmGeometry:
+    """The chunk geometry for this engine; rejects what kvtier cannot serve."""
+    parallel = vllm_config.parallel_config
+    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    if ranks != 1:
+        raise LayoutMismatchError(
+            f"kvtier's vLLM connector supports one worker per engine; this engine has "
+            f"tensor_parallel_size={parallel.tensor_parallel_size}, "
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise LayoutMismatchError(
+            f"kvtier's vLLM connector supports models with one KV cache group "
+            f"(full attention); this one has {len(groups)}"
+        )
+    spec = groups[0].kv_cache_spec
+    for attribute in ("num_kv_heads", "head_size", "dtype", "block_size", "page_size_bytes"):
+        if not hasattr(spec, attribute):
+            raise LayoutMismatchError(
+                f"kvtier's vLLM connector needs an attention KV cache; got {type(spec).__name__}"
+            )
+    block_size = int(spec.block_size)
+    if chunk_tokens % block_size:
+        raise ConfigError(
+            [
+                (
+                    "chunk_tokens",
+                    f"{chunk_tokens} is not a multiple of vLLM's block_size={block_size}; "
+                    f"use e.g. {max(1, chunk_tokens // block_size) * block_size}",
+                )
+            ]
+        )
+    return VllmGeometry(
+        layer_names=tuple(groups[0].layer_names),
+        block_size=block_size,
+        blocks_per_chunk=chunk_tokens // block_size,
+        page_bytes=int(spec.page_size_bytes),
+        num_blocks=int(kv_cache_config.num_blocks),
+    )
+
+
+def kv_layout(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    chunk_tokens: int,
+    model_id: str | None = None,
+) -> tuple[KVLayout, VllmGeometry]:
+    """The :class:`KVLayout` of this engine's KV cache, and its chunk geometry.
+
+    vLLM's page format depends on the platform, the attention backend and, on
+    the CPU, the instruction set its kernels were picked for (which transposes
+    keys inside a page); all of it goes into ``kv_order`` and ``extra`` so
+    that engines with incompatible page formats never share a chunk.
+    """
+    import torch
+    import vllm
+
+    shape = geometry(vllm_config, kv_cache_config, chunk_tokens)
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    dtype = str(spec.dtype).removeprefix("torch.")
+    element_bytes = torch.empty((), dtype=spec.dtype).element_size()
+    expected_page = 2 * spec.num_kv_heads * spec.head_size * shape.block_size * element_bytes
+    if shape.page_bytes != expected_page:
+        raise LayoutMismatchError(
+            f"vLLM's KV page is {shape.page_bytes} bytes, not the {expected_page} bytes of "
+            f"plain K and V ({spec.num_kv_heads} heads × {spec.head_size} dims × "
+            f"{shape.block_size} tokens × {dtype}); padded or quantised caches are not "
+            f"supported"
+        )
+    device, backend, isa = _page_format(vllm_config, spec, shape.block_size)
+    major_minor = ".".join(str(vllm.__version__).split(".")[:2])
+    layout = KVLayout(
+        model_id=model_id or str(vllm_config.model_config.model),
+        num_layers=shape.num_layers,
+        num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_size),
+        dtype=dtype,
+        chunk_tokens=chunk_tokens,
+        kv_order=f"vllm-pages:layer,block[{shape.blocks_per_chunk}],page[{shape.page_bytes}]",
+        extra=(
+            ("engine", f"vllm-{major_minor}"),
+            ("device", device),
+            ("attention_backend", backend),
+            ("attention_isa", isa),
+            ("block_size", str(shape.block_size)),
+            ("kv_cache_dtype", str(vllm_config.cache_config.cache_dtype)),
+        ),
+    )
+    if layout.slot_bytes != shape.num_layers * shape.blocks_per_chunk * shape.page_bytes:
+        raise LayoutMismatchError(
+            f"layout slot_bytes={layout.slot_bytes} differs from {shape.num_layers} layers × "
+            f"{shape.blocks_per_chunk} blocks × {shape.page_bytes}-byte pages"
+        )
+    return layout, shape
+
+
+def _page_format(vllm_config: Any, spec: Any, block_size: int) -> tuple[str, str, str]:
+    """(device type, attention backend, kernel ISA) — what decides a page's byte order."""
+    from vllm.platforms import current_platform
+
+    device = str(current_platform.device_type)
+    configured = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    backend = str(getattr(configured, "name", configured) or "auto")
+    isa = "n/a"
+    if current_platform.is_cpu():
+        backend = "CPU_ATTN"
+        isa = _cpu_attention_isa(spec, block_size, vllm_config.cache_config.cache_dtype)
+    return device, backend, isa
+
+
+def _cpu_attention_isa(spec: Any, block_size: int, cache_dtype: str) -> str:
+    """The kernel family vLLM's CPU attention picks; it decides how a page is packed."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(spec.dtype, block_size, spec.head_size, cache_dtype))
+    except Exception:  # vLLM's private helper moved or changed: fall back to CPU facts
+        pass
+    import platform
+
+    import torch
+
+    return (
+        f"{platform.machine()}:amx={torch.cpu._is_amx_tile_supported()}"
+        f":avx512={torch.cpu._is_avx512_supported()}"
+    )

@@ -1,0 +1,280 @@
+"""Real backend servers on loopback, for tests and benchmarks of shared tiers.
+
+Each server runs as a child process on ``127.0.0.1`` on free ports, in a
+temporary directory, without persistence, and is stopped by :meth:`stop`
+(or leaving its ``with`` block). Nothing here reaches beyond loopback.
+
+* :class:`RedisServer`: Debian's ``redis-server`` binary (``apt-get install redis-server``);
+* :class:`RedisClusterServers`: three such servers joined into a Redis Cluster
+  with ``redis-cli --cluster create``;
+* :class:`S3Server`: moto's standalone S3 server (``pip install 'moto[server]'``),
+  spoken to over HTTP exactly like S3.
+
+:meth:`stop` then :meth:`start` again keeps the port, to test outages;
+:meth:`pause` and :meth:`resume` freeze the process, to test a hung server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """A test server could not be started."""
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait(ready: Callable[[], bool], process: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerError(f"{what} exited with {process.returncode} while starting")
+        with contextlib.suppress(OSError):
+            if ready():
+                return
+        time.sleep(0.05)
+    raise ServerError(f"{what} not ready after 30 s")
+
+
+def _redis_command(port: int, *args: str) -> bytes:
+    """One command over a raw socket (no client library needed); the raw reply."""
+    request = f"*{len(args)}\r\n".encode() + b"".join(
+        f"${len(a.encode())}\r\n{a}\r\n".encode() for a in args
+    )
+    with socket.create_connection((LOOPBACK, port), timeout=2) as conn:
+        conn.sendall(request)
+        return conn.recv(65536)
+
+
+class _Process:
+    """A child process that can be stopped, restarted on the same ports, frozen."""
+
+    name = "server"
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.workdir = tempfile.mkdtemp(prefix=f"kvtier-{self.name}-")
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        if self.process is not None and self.process.poll() is None:
+            return self
+        with open(os.path.join(self.workdir, "stderr.log"), "ab") as log:
+            self.process = subprocess.Popen(
+                self._command(), cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=log
+            )
+        _wait(self._ready, self.process, self.name)
+        return self
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        process, self.process = self.process, None
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGCONT)  # a paused process cannot die
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def pause(self) -> None:
+        """Freeze the server: connections stay open but nothing answers."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def redis_server_binary() -> str | None:
+    """Path of ``redis-server``, or ``None`` when it is not installed."""
+    return shutil.which("redis-server")
+
+
+class RedisServer(_Process):
+    """One ``redis-server`` without persistence; ``cluster=True`` makes it a cluster node."""
+
+    name = "redis"
+
+    def __init__(self, *, cluster: bool = False, maxmemory: str | None = None) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise ServerError(
+                "redis-server is not installed (Debian: apt-get install redis-server)"
+            )
+        super().__init__()
+        self.binary = binary
+        self.port = free_port()
+        self.cluster = cluster
+        self.cluster_port = free_port() if cluster else None
+        self.maxmemory = maxmemory
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def _command(self) -> list[str]:
+        command = [
+            self.binary,
+            "--bind", LOOPBACK,
+            "--port", str(self.port),
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self.workdir,
+            "--daemonize", "no",
+            "--protected-mode", "yes",
+        ]  # fmt: skip
+        if self.maxmemory:
+            command += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        if self.cluster:
+            command += [
+                "--cluster-enabled", "yes",
+                "--cluster-port", str(self.cluster_port),
+                "--cluster-config-file", os.path.join(self.workdir, "nodes.conf"),
+            ]  # fmt: skip
+        return command
+
+    def _ready(self) -> bool:
+        return _redis_command(self.port, "PING").startswith(b"+PONG")
+
+    def command(self, *args: str) -> bytes:
+        """Run one command on this server; the raw reply."""
+        return _redis_command(self.port, *args)
+
+
+class RedisClusterServers:
+    """A three-master Redis Cluster on loopback (no replicas)."""
+
+    def __init__(self, nodes: int = 3) -> None:
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise ServerError("redis-cli is not installed (Debian: apt-get install redis-server)")
+        self.cli = cli
+        self.nodes = [RedisServer(cluster=True) for _ in range(nodes)]
+
+    @property
+    def startup_nodes(self) -> list[str]:
+        return [f"{LOOPBACK}:{node.port}" for node in self.nodes]
+
+    def start(self) -> RedisClusterServers:
+        for node in self.nodes:
+            node.start()
+        create = ["--cluster", "create", *self.startup_nodes, "--cluster-replicas", "0"]
+        subprocess.run(
+            [self.cli, *create, "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + 30
+        while not all(b"cluster_state:ok" in n.command("CLUSTER", "INFO") for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise ServerError("redis cluster not ok after 30 s")
+            time.sleep(0.1)
+        return self
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> RedisClusterServers:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class S3Server(_Process):
+    """moto's S3 server in a child process; :meth:`create_bucket` makes buckets."""
+
+    name = "s3"
+    access_key_id = "kvtier-test"
+    secret_access_key = "kvtier-test-secret"
+    region = "us-east-1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.port = free_port()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def _command(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(self.port)]
+
+    def _ready(self) -> bool:
+        with urllib.request.urlopen(f"{self.endpoint_url}/moto-api/", timeout=2) as reply:
+            return bool(reply.status == 200)
+
+    def client(self, config: Any = None) -> Any:
+        """A plain boto3 S3 client for this server (``config``: a botocore ``Config``)."""
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=self.region,
+            aws_access_key_id=self.access_key_id,
+            aws_secret_access_key=self.secret_access_key,
+            config=config,
+        )
+
+    def create_bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def tier_options(self, bucket: str) -> dict[str, Any]:
+        """Options of an ``obj`` tier on ``bucket`` of this server."""
+        return {
+            "bucket": bucket,
+            "endpoint_url": self.endpoint_url,
+            "region": self.region,
+            "access_key_id": self.access_key_id,
+            "secret_access_key": self.secret_access_key,
+            "addressing_style": "path",
+        }

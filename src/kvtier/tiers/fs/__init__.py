@@ -1,0 +1,5 @@
+"""The ``fs`` tier: a filesystem tier for local NVMe and shared mounts."""
+
+from kvtier.tiers.fs.tier import FilesystemTier, FilesystemTierOptions
+
+__all__ = ["FilesystemTier", "FilesystemTierOptions"]

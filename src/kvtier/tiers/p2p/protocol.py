@@ -1,0 +1,272 @@
+"""kvtier's peer protocol, version 1: framing, messages, authentication.
+
+Every message is a frame: a fixed 12-byte header, then a body.
+
+=======  =====  ==========================================================
+offset   size   field
+=======  =====  ==========================================================
+0        2      magic ``b"KP"``
+2        1      protocol version (``1``)
+3        1      message type (below)
+4        8      body length, unsigned little-endian
+=======  =====  ==========================================================
+
+Bodies are fixed structs of raw bytes; nothing that crosses the network is
+ever unpickled or evaluated. Each message type has an exact or bounded body
+length, checked on the header *before* a body byte is read, so a peer can
+never make the other side allocate or wait for more than it expects.
+
+=============  =========  ==========================  ===========================
+type           direction  body                        length
+=============  =========  ==========================  ===========================
+1 HELLO        s → c      nonce, namespace, slot size 32 + 32 + 8
+2 AUTH         c → s      client nonce, HMAC          32 + 32
+3 WELCOME      s → c      HMAC                        32
+4 QUERY        c → s      keys                        32·n, 1 ≤ n, ≤ max_message
+5 HOLDS        s → c      one byte (0/1) per key      n (the query's n)
+6 FETCH        c → s      key                         32
+7 CHUNK        s → c      integrity header, payload   HEADER_BYTES + slot size
+8 MISSING      s → c      (empty)                     0
+=============  =========  ==========================  ===========================
+
+A connection opens with a mutual challenge-response: the server sends HELLO
+with a fresh random nonce; the client answers with its own nonce and
+``HMAC-SHA256(secret, "kvtier-p2p/1 client" | HELLO body | client nonce)``;
+the server checks it in constant time and answers WELCOME with the same MAC
+under the ``server`` label, which the client checks. Both nonces are fresh
+per connection, so a recorded handshake cannot be replayed. Anything else —
+a wrong MAC, a message of another type, a malformed header — drops the
+connection. After the handshake the client sends QUERY or FETCH requests
+one at a time and reads each reply before the next request.
+
+The handshake authenticates peers; it does not encrypt. Chunk bytes carry the
+integrity header (namespace, key, checksum) and are verified on arrival, but
+the checksum is not a MAC: on a network where an attacker sits on the path,
+run peers over an encrypted tunnel.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import ipaddress
+import secrets
+import socket
+import struct
+from dataclasses import dataclass
+
+from kvtier.errors import PeerAuthError, PeerProtocolError
+from kvtier.integrity import HEADER_BYTES
+from kvtier.layout import KEY_BYTES
+
+MAGIC = b"KP"
+VERSION = 1
+_FRAME = struct.Struct("<2sBBQ")
+#: Length of a frame header in bytes.
+FRAME_BYTES = _FRAME.size
+NONCE_BYTES = 32
+MAC_BYTES = 32
+_HELLO = struct.Struct(f"<{NONCE_BYTES}s{KEY_BYTES}sQ")
+_AUTH = struct.Struct(f"<{NONCE_BYTES}s{MAC_BYTES}s")
+
+
+class MessageType(enum.IntEnum):
+    HELLO = 1
+    AUTH = 2
+    WELCOME = 3
+    QUERY = 4
+    HOLDS = 5
+    FETCH = 6
+    CHUNK = 7
+    MISSING = 8
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A decoded frame header: what comes next and how long it is."""
+
+    kind: MessageType
+    length: int
+
+
+def encode_frame(kind: MessageType, length: int) -> bytes:
+    return _FRAME.pack(MAGIC, VERSION, kind, length)
+
+
+def decode_frame(raw: bytes, allowed: dict[MessageType, tuple[int, int]]) -> Frame:
+    """Parse a frame header; ``allowed`` maps each acceptable type to its
+    ``(min, max)`` body length. Anything else is a :class:`PeerProtocolError`."""
+    if len(raw) != FRAME_BYTES:
+        raise PeerProtocolError(f"frame header is {len(raw)} bytes, expected {FRAME_BYTES}")
+    magic, version, kind, length = _FRAME.unpack(raw)
+    if magic != MAGIC:
+        raise PeerProtocolError(f"not a kvtier peer frame (magic {magic!r})")
+    if version != VERSION:
+        raise PeerProtocolError(f"peer protocol version {version}, expected {VERSION}")
+    try:
+        message = MessageType(kind)
+    except ValueError:
+        raise PeerProtocolError(f"unknown message type {kind}") from None
+    if message not in allowed:
+        expected = ", ".join(m.name for m in allowed)
+        raise PeerProtocolError(f"unexpected {message.name} message; expected {expected}")
+    low, high = allowed[message]
+    if not low <= length <= high:
+        raise PeerProtocolError(
+            f"{message.name} body of {length} bytes; allowed {low}..{high} bytes"
+        )
+    return Frame(message, length)
+
+
+# Bodies ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    nonce: bytes
+    namespace: bytes
+    slot_bytes: int
+
+    def encode(self) -> bytes:
+        return _HELLO.pack(self.nonce, self.namespace, self.slot_bytes)
+
+    @classmethod
+    def decode(cls, body: bytes) -> Hello:
+        if len(body) != _HELLO.size:
+            raise PeerProtocolError(f"HELLO body is {len(body)} bytes, expected {_HELLO.size}")
+        return cls(*_HELLO.unpack(body))
+
+
+HELLO_BYTES = _HELLO.size
+AUTH_BYTES = _AUTH.size
+
+
+def encode_keys(keys: list[bytes]) -> bytes:
+    """A QUERY body."""
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a chunk key is {KEY_BYTES} bytes, got {len(key)}")
+    return b"".join(keys)
+
+
+def decode_keys(body: bytes) -> list[bytes]:
+    """Keys of a QUERY body; its length is a positive multiple of the key size."""
+    if not body or len(body) % KEY_BYTES:
+        raise PeerProtocolError(f"QUERY body of {len(body)} bytes is not whole keys")
+    return [body[i : i + KEY_BYTES] for i in range(0, len(body), KEY_BYTES)]
+
+
+def encode_holds(found: list[bool]) -> bytes:
+    return bytes(found)
+
+
+def decode_holds(body: bytes, count: int) -> list[bool]:
+    """A HOLDS body answering a query of ``count`` keys: one 0 or 1 byte each."""
+    if len(body) != count:
+        raise PeerProtocolError(f"HOLDS body of {len(body)} bytes answers {count} keys")
+    if body.strip(b"\x00\x01"):
+        raise PeerProtocolError("HOLDS body holds bytes other than 0 and 1")
+    return [byte == 1 for byte in body]
+
+
+def chunk_length(slot_bytes: int) -> int:
+    """Body length of a CHUNK carrying one ``slot_bytes`` chunk."""
+    return HEADER_BYTES + slot_bytes
+
+
+def max_query_keys(max_message_bytes: int) -> int:
+    return max(1, max_message_bytes // KEY_BYTES)
+
+
+# Authentication ---------------------------------------------------------------
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def _mac(secret: bytes, label: bytes, hello: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(secret, label + hello + client_nonce, hashlib.sha256).digest()
+
+
+def client_proof(secret: bytes, hello: bytes, client_nonce: bytes) -> bytes:
+    """The AUTH body: the client's nonce and its MAC over the handshake."""
+    return _AUTH.pack(client_nonce, _mac(secret, b"kvtier-p2p/1 client", hello, client_nonce))
+
+
+def check_client_proof(secret: bytes, hello: bytes, body: bytes) -> bytes:
+    """Verify an AUTH body; returns the server's WELCOME MAC. Raises :class:`PeerAuthError`."""
+    if len(body) != _AUTH.size:
+        raise PeerProtocolError(f"AUTH body is {len(body)} bytes, expected {_AUTH.size}")
+    client_nonce, mac = _AUTH.unpack(body)
+    expected = _mac(secret, b"kvtier-p2p/1 client", hello, client_nonce)
+    if not hmac.compare_digest(mac, expected):
+        raise PeerAuthError("wrong shared secret")
+    return _mac(secret, b"kvtier-p2p/1 server", hello, client_nonce)
+
+
+def check_server_proof(secret: bytes, hello: bytes, client_nonce: bytes, body: bytes) -> None:
+    """Verify a WELCOME body. Raises :class:`PeerAuthError`."""
+    expected = _mac(secret, b"kvtier-p2p/1 server", hello, client_nonce)
+    if not hmac.compare_digest(body, expected):
+        raise PeerAuthError("peer does not know the shared secret")
+
+
+# Socket helpers -----------------------------------------------------------------
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    """Read exactly ``size`` bytes, or raise ``ConnectionError`` at end of stream."""
+    buffer = bytearray(size)
+    recv_into_exact(sock, memoryview(buffer))
+    return bytes(buffer)
+
+
+def recv_into_exact(sock: socket.socket, out: memoryview) -> None:
+    """Fill ``out`` from the socket, or raise ``ConnectionError`` at end of stream."""
+    filled = 0
+    while filled < len(out):
+        got = sock.recv_into(out[filled:])
+        if got == 0:
+            raise ConnectionError(f"peer closed the connection after {filled}/{len(out)} bytes")
+        filled += got
+
+
+def read_frame(sock: socket.socket, allowed: dict[MessageType, tuple[int, int]]) -> Frame:
+    return decode_frame(recv_exact(sock, FRAME_BYTES), allowed)
+
+
+def send_message(sock: socket.socket, kind: MessageType, body: bytes = b"") -> None:
+    sock.sendall(encode_frame(kind, len(body)) + body)
+
+
+# Addresses -------------------------------------------------------------------
+
+
+def parse_address(text: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
+    """``host:port`` or ``[v6-address]:port`` as ``(host, port)``; ``ValueError`` if not."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"{text!r} is not host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"{text!r}: write an IPv6 address in brackets, [::1]:port")
+    port = int(port_text)
+    if not (0 if allow_port_zero else 1) <= port <= 65535:
+        raise ValueError(f"{text!r}: port {port} out of range")
+    return host, port
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

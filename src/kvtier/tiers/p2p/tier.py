@@ -1,0 +1,336 @@
+"""``p2p``: fetch chunks that other kvtier nodes hold in their primary tier.
+
+Each node with a ``p2p`` tier runs a peer service (on ``listen``) that
+serves its own primary tier, and asks the ``peers`` it is configured with:
+
+* **lookups** are batched per engine step and sent to every reachable peer
+  in parallel; a key answers PENDING until the peers reply (or the request
+  timeout passes: a silent peer holds nothing). The tier remembers which
+  peer said it holds which key and fetches from those.
+* **loads** stream each chunk straight into its reserved primary slot and
+  verify the integrity header and checksum there. A chunk that fails, or a
+  peer that dies mid-transfer, fails that key of the job: the manager then
+  frees the slot, so bytes that did not verify are never reported loaded.
+* **stores are no-ops that succeed at once and send nothing.** Peers pull;
+  nobody pushes. A chunk is shared for as long as its node keeps it in its
+  primary tier.
+
+Every connection is authenticated with a challenge-response over the shared
+``secret`` (see :mod:`kvtier.tiers.p2p.protocol`); traffic is not encrypted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+from pydantic import ByteSize, Field, SecretStr, field_validator
+
+from kvtier.errors import CorruptChunkError, KVTierError
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import HealthCheck, JobResult, TierMetric, TierOptions, TransferJob
+from kvtier.tiers.p2p import protocol
+from kvtier.tiers.p2p.client import PeerClient
+from kvtier.tiers.p2p.flow import ByteBudget
+from kvtier.tiers.p2p.server import PeerServer
+from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
+
+if TYPE_CHECKING:
+    from kvtier.primary import PrimaryTier
+
+logger = logging.getLogger(__name__)
+
+#: Keys whose holders are remembered between a lookup and its load.
+_HOLDERS_REMEMBERED = 65536
+_MIN_SECRET_CHARS = 16
+
+
+class PeerTierOptions(ThreadedTierOptions):
+    secret: SecretStr
+    """Shared by every peer; each connection proves it knows it. Required.
+    Generate one with ``python -c "import secrets; print(secrets.token_urlsafe(32))"``."""
+
+    listen: str | None = "127.0.0.1:0"
+    """``host:port`` of this node's peer service (port 0: any free port); ``null``
+    serves nothing. A non-loopback address is allowed and logged."""
+
+    peers: tuple[str, ...] = ()
+    """``host:port`` of every peer to fetch from."""
+
+    connect_timeout_s: float = Field(default=1.0, gt=0, le=300)
+    """Seconds to connect to a peer and complete the handshake (also the time
+    an incoming connection has to authenticate)."""
+
+    request_timeout_s: float = Field(default=5.0, gt=0, le=3600)
+    """Seconds a peer may stay silent while answering a request; a lookup
+    gives all peers together connect + request timeout."""
+
+    retry_after_s: float = Field(default=2.0, ge=0, le=3600)
+    """After a peer fails, seconds before it is asked again."""
+
+    max_inflight_bytes: ByteSize = Field(default=ByteSize(256 << 20), gt=0)
+    """Chunk bytes in flight at once, per direction (fetching, and serving)."""
+
+    max_message_bytes: ByteSize = Field(default=ByteSize(64 << 10), ge=1024, le=64 << 20)
+    """Largest control message (a query) accepted or sent; chunks are bounded by the slot size."""
+
+    max_connections: int = Field(default=64, ge=1, le=65536)
+    """Incoming connections the peer service keeps open at once."""
+
+    max_send_rate: ByteSize | None = Field(default=None, gt=0)
+    """Bytes per second the peer service sends, all connections together; ``null``: no cap."""
+
+    @field_validator("secret")
+    @classmethod
+    def _check_secret(cls, value: SecretStr) -> SecretStr:
+        if len(value.get_secret_value()) < _MIN_SECRET_CHARS:
+            raise ValueError(
+                f"the shared secret must be at least {_MIN_SECRET_CHARS} characters long"
+            )
+        return value
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str | None) -> str | None:
+        if value is not None:
+            protocol.parse_address(value, allow_port_zero=True)
+        return value
+
+    @field_validator("peers")
+    @classmethod
+    def _check_peers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for peer in value:
+            protocol.parse_address(peer)
+        return value
+
+
+class PeerTier(ThreadedTier):
+    """Chunks fetched from other kvtier nodes' primary tiers; serves its own."""
+
+    Options: ClassVar[type[TierOptions]] = PeerTierOptions
+    holds_stores: ClassVar[bool] = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        options = cast(PeerTierOptions, self.options)
+        self._settings = options
+        self._secret = options.secret.get_secret_value().encode()
+        self._clients = [
+            PeerClient(
+                protocol.parse_address(peer),
+                secret=self._secret,
+                namespace=self.namespace,
+                slot_bytes=self.slot_bytes,
+                connect_timeout=options.connect_timeout_s,
+                request_timeout=options.request_timeout_s,
+                retry_after=options.retry_after_s,
+                max_message_bytes=int(options.max_message_bytes),
+            )
+            for peer in options.peers
+        ]
+        # Lookups of one batch reach every peer at once.
+        self._fanout = ThreadPoolExecutor(
+            max_workers=max(1, len(self._clients)) * options.io_threads,
+            thread_name_prefix=f"kvtier-{self.tier_type}-query",
+        )
+        self._budget = ByteBudget(int(options.max_inflight_bytes))
+        self._holders: OrderedDict[ChunkKey, list[PeerClient]] = OrderedDict()
+        self._holders_lock = threading.Lock()
+        # Bound now, so a bad or taken address stops the node's startup; serving
+        # starts when the manager attaches the node's primary tier.
+        self._serving = False
+        self._server: PeerServer | None = None
+        if options.listen is not None:
+            try:
+                self._server = self._bind(options.listen)
+            except BaseException:
+                self.shutdown()
+                raise
+
+    def _bind(self, listen: str) -> PeerServer:
+        host, port = protocol.parse_address(listen, allow_port_zero=True)
+        server = PeerServer(
+            address=(host, port),
+            slot_view=self.slot,
+            slot_bytes=self.slot_bytes,
+            namespace=self.namespace,
+            secret=self._secret,
+            handshake_timeout=self._settings.connect_timeout_s,
+            request_timeout=self._settings.request_timeout_s,
+            max_message_bytes=int(self._settings.max_message_bytes),
+            max_inflight_bytes=int(self._settings.max_inflight_bytes),
+            max_connections=self._settings.max_connections,
+            max_send_rate=float(self._settings.max_send_rate or 0) or None,
+        )
+        where = protocol.format_address(*server.address)
+        if protocol.is_loopback(host):
+            logger.info("p2p: peer service bound to %s", where)
+        else:
+            logger.warning(
+                "p2p: peer service bound to %s, reachable beyond this machine; "
+                "connections are authenticated but not encrypted",
+                where,
+            )
+        return server
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """Where this node's peer service listens, once started."""
+        return self._server.address if self._server else None
+
+    def on_attach(self, primary: PrimaryTier) -> None:
+        """Start serving the node's primary tier on the bound listen address."""
+        if self._server is not None and not self._serving:
+            self._server.start(primary)
+            self._serving = True
+
+    # Stores: peers pull, nobody pushes ------------------------------------------
+
+    def submit_store(self, job: TransferJob) -> None:
+        """Succeeds at once and sends nothing: peers fetch what they need."""
+        with self._lock:
+            self._finished.append(JobResult(job.job_id, True, frozenset(job.keys), 0, 0.0))
+
+    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
+        """Never called: :meth:`submit_store` finishes store jobs without I/O."""
+
+    # Lookups and loads -------------------------------------------------------
+
+    def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        holders = self._ask_peers(keys)
+        with self._holders_lock:
+            for key, peers in zip(keys, holders, strict=True):
+                if peers:
+                    self._holders[key] = peers
+                    self._holders.move_to_end(key)
+            while len(self._holders) > _HOLDERS_REMEMBERED:
+                self._holders.popitem(last=False)
+        return [bool(peers) for peers in holders]
+
+    def _ask_peers(self, keys: Sequence[ChunkKey]) -> list[list[PeerClient]]:
+        """For each key, the reachable peers that say they hold it."""
+        holders: list[list[PeerClient]] = [[] for _ in keys]
+        live = [client for client in self._clients if client.available()]
+        if not live or not keys:
+            return holders
+        futures = {self._fanout.submit(client.query, keys): client for client in live}
+        done, _ = wait(
+            futures, timeout=self._settings.connect_timeout_s + self._settings.request_timeout_s
+        )
+        for future in done:
+            if future.exception() is not None:
+                continue  # the client logged it and sits the peer out
+            for index, held in enumerate(future.result()):
+                if held:
+                    holders[index].append(futures[future])
+        return holders
+
+    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
+        """Fetch ``key`` from a peer that holds it, straight into ``out``.
+
+        ``out`` is a slot reserved for this load: bytes that fail
+        verification may be left in it, but the key is then reported failed
+        and the manager frees the slot unread.
+        """
+        with self._holders_lock:
+            holders = self._holders.pop(key, None)
+        if holders is None:  # loaded without a lookup first
+            holders = self._ask_peers([key])[0]
+        length = protocol.chunk_length(self.slot_bytes)
+        for client in holders:
+            if not client.available():
+                continue
+            try:
+                with self._budget.hold(length, timeout=self._settings.request_timeout_s):
+                    if client.fetch_into(key, out):
+                        return
+            except CorruptChunkError as exc:
+                logger.warning(
+                    "p2p: peer %s sent a corrupt chunk %s: %s", client.name, key.hex()[:16], exc
+                )
+                self.count(corrupt_chunks=1)
+            except (OSError, KVTierError) as exc:
+                logger.debug("p2p: %s from %s failed: %r", key.hex()[:16], client.name, exc)
+        raise LookupError(f"no peer delivered chunk {key.hex()[:16]}")
+
+    # Lifecycle ----------------------------------------------------------------
+
+    def _close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._fanout.shutdown(wait=False, cancel_futures=True)
+        for client in self._clients:
+            client.close()
+
+    def health(self) -> Sequence[HealthCheck]:
+        """Whether the service listens, and whether each peer answers and authenticates."""
+        if self._server is None:
+            checks = [HealthCheck("listen", True, "serves nothing (listen: null)")]
+        else:
+            where = protocol.format_address(*self._server.address)
+            state = "serving" if self._serving else "bound, not serving yet"
+            checks = [HealthCheck("listen", True, f"{state} on {where}")]
+        for client in self._clients:
+            try:
+                client.probe()
+            except (OSError, KVTierError) as exc:
+                checks.append(HealthCheck(f"peer {client.name}", False, str(exc)))
+            else:
+                checks.append(HealthCheck(f"peer {client.name}", True, "answers, authenticated"))
+        return checks
+
+    def metrics(self) -> Sequence[TierMetric]:
+        reachable = sum(client.available() for client in self._clients)
+        values = [
+            TierMetric("peers", len(self._clients), "Peers this node fetches from."),
+            TierMetric("peers_reachable", reachable, "Peers not sitting out a failure."),
+        ]
+        if self._server is not None:
+            served = self._server.counters.as_dict()
+            values += [
+                TierMetric(
+                    "peer_connections_open",
+                    self._server.open_connections,
+                    "Connections the peer service holds open.",
+                ),
+                TierMetric(
+                    "peer_chunks_served",
+                    served["chunks_served"],
+                    "Chunks sent to peers.",
+                    counter=True,
+                ),
+                TierMetric(
+                    "peer_bytes_served",
+                    served["bytes_served"],
+                    "Bytes of chunks (with headers) sent to peers.",
+                    counter=True,
+                ),
+                TierMetric(
+                    "peer_refused",
+                    served["refused"],
+                    "Connections refused: failed authentication, over the cap.",
+                    counter=True,
+                ),
+                TierMetric(
+                    "peer_dropped",
+                    served["dropped"],
+                    "Authenticated connections dropped for a malformed message.",
+                    counter=True,
+                ),
+            ]
+        return values
+
+    def describe(self) -> dict[str, object]:
+        facts: dict[str, object] = {
+            "type": self.tier_type,
+            "listen": protocol.format_address(*self.address) if self.address else None,
+            "peers": list(self._settings.peers),
+            "peers_reachable": sum(client.available() for client in self._clients),
+        }
+        if self._server is not None:
+            facts.update(self._server.counters.as_dict())
+        return facts

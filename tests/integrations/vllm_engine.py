@@ -1,0 +1,139 @@
+"""Run one vLLM engine with kvtier over a set of prompts, in its own process.
+
+    python vllm_engine.py SPEC.json RESULT.json
+
+SPEC holds ``model``, ``prompts`` (token id lists), ``max_tokens``,
+``extra_config`` (the connector's ``kv_connector_extra_config``; ``null`` for
+no connector), ``block_size`` and ``multiprocessing``. RESULT receives the
+greedy tokens, vLLM's cached-token count per prompt, the time to first token
+per prompt when ``ttft`` is set, and the engine start time.
+
+Also builds the local model the tests (and, larger, the benchmark) use:
+
+    python vllm_engine.py --make-model DIR [LAYERS HIDDEN]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+VOCAB = 1024
+
+
+def make_model(out: str | Path, *, layers: int = 2, hidden: int = 64) -> Path:
+    """A random Llama (seeded) with an offline word-level tokenizer; no download."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # vLLM's CPU attention supports head sizes 32, 64, 80, ...
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, VOCAB)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    ).save_pretrained(out)
+    return out
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") else "0"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    transfer = None
+    if spec.get("extra_config") is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["extra_config"],
+        )
+    started = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        kv_transfer_config=transfer,
+        enforce_eager=True,
+        max_model_len=spec.get("max_model_len", 1024),
+        block_size=spec.get("block_size", 32),
+        dtype="float32",
+        seed=0,
+        max_num_seqs=4,
+        enable_prefix_caching=spec.get("prefix_caching", True),
+    )
+    start_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
+    result: dict[str, Any] = {"engine_start_s": start_s, "tokens": [], "cached": [], "ttft_s": []}
+    if spec.get("ttft"):
+        # One prompt at a time, one output token: the call's duration is the
+        # time to first token. vLLM's own prefix cache is emptied after each
+        # prompt, so a prefix can only come back through kvtier.
+        first_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        for prompt in prompts:
+            began = time.perf_counter()
+            (output,) = llm.generate([prompt], first_token, use_tqdm=False)
+            result["ttft_s"].append(time.perf_counter() - began)
+            result["tokens"].append(list(output.outputs[0].token_ids))
+            result["cached"].append(output.num_cached_tokens or 0)
+            llm.reset_prefix_cache()
+    else:
+        for output in llm.generate(prompts, params, use_tqdm=False):
+            result["tokens"].append(list(output.outputs[0].token_ids))
+            result["cached"].append(output.num_cached_tokens or 0)
+    result["generate_s"] = time.perf_counter() - started - start_s
+    # vLLM kills an engine process that takes longer than the timeout to stop
+    # (5 s by default); give kvtier's drain of pending writes room on a busy machine.
+    llm.llm_engine.engine_core.shutdown(timeout=120)
+    del llm
+    result["total_s"] = time.perf_counter() - started
+    return result
+
+
+def main() -> None:
+    if sys.argv[1] == "--make-model":
+        sizes = [int(arg) for arg in sys.argv[3:5]]
+        make_model(sys.argv[2], **dict(zip(("layers", "hidden"), sizes, strict=False)))
+        return
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    result = run(spec)
+    Path(sys.argv[2]).write_text(json.dumps(result))
+    # vLLM's in-process engine can take half a minute to exit on its own;
+    # everything this run owed (kvtier's drain included) is done by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":  # vLLM spawns processes: the guard is required
+    main()

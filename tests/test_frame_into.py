@@ -1,0 +1,26 @@
+"""``integrity.frame_into``: the reusable-buffer twin of ``frame``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.integrity import HEADER_BYTES, frame, frame_into, unframe_into
+
+NAMESPACE, KEY = b"n" * 32, b"k" * 32
+
+
+def test_frame_into_writes_exactly_what_frame_returns() -> None:
+    payload = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    buffer = bytearray(b"\xff" * (HEADER_BYTES + len(payload)))
+    frame_into(buffer, NAMESPACE, KEY, memoryview(payload))
+    assert bytes(buffer) == frame(NAMESPACE, KEY, payload)
+    out = bytearray(len(payload))
+    unframe_into(buffer, memoryview(out), namespace=NAMESPACE, key=KEY)
+    assert out == payload
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_frame_into_refuses_a_buffer_of_another_size(delta: int) -> None:
+    with pytest.raises(ValueError, match="cannot hold"):
+        frame_into(bytearray(HEADER_BYTES + 64 + delta), NAMESPACE, KEY, b"x" * 64)

@@ -1,0 +1,302 @@
+"""The ``redis`` tier against real redis-server processes on loopback."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier import KVCache
+from kvtier.config import load_config
+from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
+from kvtier.integrity import HEADER_BYTES, frame
+from kvtier.testing import TierContractTests, TierHarness, small_layout
+from kvtier.testing.servers import RedisClusterServers, RedisServer, free_port
+from kvtier.tiers.base import Lookup
+
+
+def raw_client(url: str) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
+class TestRedisTierContract(TierContractTests):
+    persistent = True
+
+    @pytest.fixture(autouse=True)
+    def _server(self, redis_server: RedisServer, key_prefix: str) -> None:
+        self.url = redis_server.url
+        self.prefix = key_prefix
+
+    def make_config(self) -> dict[str, Any]:
+        return {"type": "redis", "url": self.url, "key_prefix": self.prefix}
+
+
+class TestRedisClusterTierContract(TierContractTests):
+    persistent = True
+
+    @pytest.fixture(autouse=True)
+    def _cluster(self, redis_cluster: RedisClusterServers, key_prefix: str) -> None:
+        self.nodes = redis_cluster.startup_nodes
+        self.prefix = key_prefix
+
+    def make_config(self) -> dict[str, Any]:
+        return {"type": "redis", "startup_nodes": self.nodes, "key_prefix": self.prefix}
+
+
+def test_cluster_spreads_chunks_over_every_node(
+    redis_cluster: RedisClusterServers, key_prefix: str
+) -> None:
+    url = f"redis://{redis_cluster.startup_nodes[0]}"
+    harness = TierHarness(
+        {"type": "redis", "url": url, "cluster": True, "key_prefix": key_prefix}, small_layout()
+    )
+    try:
+        keys = harness.keys(24)
+        data = harness.fill(range(24))
+        assert harness.store(keys, list(range(24))).success
+        # Each pipeline mixed keys of many slots; every node got its share.
+        held = [
+            len([k for k in _scan(node.url) if k.startswith(key_prefix.encode())])
+            for node in redis_cluster.nodes
+        ]
+        assert sum(held) == 24 and all(count > 0 for count in held)
+        harness.buffer.array[:24] = 0
+        assert harness.load(keys, list(range(24))).success
+        np.testing.assert_array_equal(harness.buffer.array[:24], data)
+    finally:
+        harness.close()
+
+
+def _scan(url: str) -> list[bytes]:
+    return list(raw_client(url).scan_iter(count=1000))
+
+
+def test_corrupt_torn_and_foreign_values_are_never_served(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix}, small_layout()
+    )
+    client = raw_client(redis_server.url)
+    try:
+        keys = harness.keys(4)
+        harness.fill(range(4))
+        assert harness.store(keys, [0, 1, 2, 3]).success
+        tier = harness.tier
+        names = [tier.store_name(k) for k in keys]  # type: ignore[attr-defined]
+        flipped = bytearray(client.get(names[0]))
+        flipped[HEADER_BYTES + 100] ^= 0x01
+        client.set(names[0], bytes(flipped))
+        client.set(names[1], client.get(names[1])[:-1000])  # torn write
+        foreign = small_layout(model_id="another-model")
+        client.set(names[2], frame(foreign.namespace, keys[2], harness.buffer.array[2].tobytes()))
+        harness.buffer.array[8:12] = 7
+        result = harness.load(keys, [8, 9, 10, 11])
+        assert not result.success
+        assert result.succeeded == frozenset([keys[3]])
+        # Bad values never reached their slots, and were deleted and counted.
+        assert (harness.buffer.array[8:11] == 7).all()
+        np.testing.assert_array_equal(harness.buffer.array[11], harness.buffer.array[3])
+        assert tier.stats.corrupt_chunks == 3
+        assert client.exists(*names[:3]) == 0
+        assert [harness.lookup(k) for k in keys] == [Lookup.MISS] * 3 + [Lookup.HIT]
+    finally:
+        harness.close()
+
+
+def test_server_outage_turns_into_misses_and_recovers(
+    own_redis_server: RedisServer, key_prefix: str
+) -> None:
+    server = own_redis_server
+    layout = small_layout(chunk_tokens=4)
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 16 * layout.slot_bytes,
+        "secondary_tiers": [
+            {
+                "type": "redis",
+                "url": "",
+                "key_prefix": key_prefix,
+                "retries": 0,
+                "socket_timeout_s": 1.0,
+                "connect_timeout_s": 1.0,
+            }
+        ],
+    }
+    tokens = list(range(16))
+    data = np.random.default_rng(3).integers(0, 256, (4, layout.slot_bytes), dtype=np.uint8)
+    config["secondary_tiers"][0]["url"] = server.url  # type: ignore[index]
+    with KVCache(config, layout) as cache:
+        tier = cache.manager.tiers[0]
+        server.stop()
+        assert cache.store(tokens, data) == 4  # the primary tier takes them
+        cache.drain()
+        assert tier.stats.store_failures == 4
+        assert tier.stats.backend_outages == 1 and tier.stats.backend_errors >= 1  # type: ignore[attr-defined]
+        cache.manager.reset()
+        assert cache.cached_prefix(tokens) == 0  # a miss, not an error
+        assert tier.stats.misses >= 1
+        server.start()  # same port, empty
+        assert cache.store(tokens, data) == 4
+        cache.drain()
+        assert tier.stats.chunks_stored == 4
+        cache.manager.reset()
+        assert cache.cached_prefix(tokens) == 16
+        out = np.zeros_like(data)
+        cache.load(tokens, 16, out)
+        np.testing.assert_array_equal(out, data)
+
+
+def test_a_hung_server_times_out_and_recovers(
+    own_redis_server: RedisServer, key_prefix: str
+) -> None:
+    server = own_redis_server
+    harness = TierHarness(
+        {
+            "type": "redis",
+            "url": server.url,
+            "key_prefix": key_prefix,
+            "retries": 0,
+            "socket_timeout_s": 0.5,
+        },
+        small_layout(),
+    )
+    try:
+        keys = harness.keys(3)
+        harness.fill(range(3))
+        assert harness.store(keys, [0, 1, 2]).success
+        server.pause()
+        # Without timeouts these would wait for ever; run_job would give up instead.
+        assert not harness.load(keys, [3, 4, 5]).success
+        assert harness.lookup(keys[0]) is Lookup.MISS
+        assert not harness.store(harness.keys(1), [6]).success
+        assert harness.tier.backend_down  # type: ignore[attr-defined]
+        assert [check.ok for check in harness.tier.health()] == [False]
+        assert [m.value for m in harness.tier.metrics() if m.name == "backend_up"] == [0.0]
+        server.resume()
+        result = harness.load(keys, [3, 4, 5])
+        assert result.success
+        np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
+        assert not harness.tier.backend_down  # type: ignore[attr-defined]
+        assert [check.ok for check in harness.tier.health()] == [True]
+    finally:
+        harness.close()
+
+
+def test_ttl_is_set_on_store_and_refreshed_on_read(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix, "ttl_s": 300},
+        small_layout(),
+    )
+    client = raw_client(redis_server.url)
+    try:
+        [key] = harness.keys(1)
+        harness.fill([0])
+        assert harness.store([key], [0]).success
+        name = harness.tier.store_name(key)  # type: ignore[attr-defined]
+        assert 0 < client.pttl(name) <= 300_000
+        client.pexpire(name, 5_000)
+        assert harness.load([key], [1]).success
+        assert client.pttl(name) > 5_000
+    finally:
+        harness.close()
+
+
+def test_unreachable_server_fails_at_start_naming_it(redis_server: RedisServer) -> None:
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    with pytest.raises(BackendUnavailableError, match=r"127\.0\.0\.1") as caught:
+        TierHarness({"type": "redis", "url": url, "connect_timeout_s": 1.0}, small_layout())
+    assert "hunter2" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "exactly one of 'url'"),
+        ({"url": "redis://h:1", "startup_nodes": ["h:1"]}, "exactly one of 'url'"),
+        ({"startup_nodes": ["nohostport"]}, "not host:port"),
+        ({"url": "redis://h:1", "io_threads": 8, "max_connections": 4}, "below io_threads"),
+        ({"url": "redis://h:1", "ttl_s": 0}, "greater than 0"),
+        ({"url": "redis://h:1", "key_prefx": "x"}, "did you mean 'key_prefix'"),
+    ],
+)
+def test_bad_options_fail_validation_with_the_path(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_config({"secondary_tiers": [{"type": "redis", **options}]})
+    assert "secondary_tiers[0]" in str(caught.value)
+
+
+def test_password_is_secret(redis_server: RedisServer) -> None:
+    config = load_config(
+        {"secondary_tiers": [{"type": "redis", "url": redis_server.url, "password": "s3cret"}]}
+    )
+    assert "s3cret" not in repr(config.secondary_tiers[0].options)
+
+
+def test_missing_client_library_raises_missing_dependency(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in [m for m in sys.modules if m == "redis" or m.startswith("redis.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "redis", None)
+    with pytest.raises(MissingDependencyError, match=r"kvtier\[redis\]"):
+        TierHarness({"type": "redis", "url": "redis://127.0.0.1:1/0"}, small_layout())
+
+
+def test_an_erroring_server_fails_chunks_and_recovers(
+    own_redis_server: RedisServer, key_prefix: str
+) -> None:
+    server = own_redis_server
+    harness = TierHarness(
+        {"type": "redis", "url": server.url, "key_prefix": key_prefix}, small_layout()
+    )
+    try:
+        keys = harness.keys(2)
+        harness.fill([0, 1])
+        server.command("CONFIG", "SET", "maxmemory", "1")  # every write now answers OOM
+        result = harness.store(keys, [0, 1])
+        assert not result.success and result.succeeded == frozenset()
+        assert harness.tier.backend_down  # type: ignore[attr-defined]
+        server.command("CONFIG", "SET", "maxmemory", "0")
+        assert harness.store(keys, [0, 1]).success
+        assert harness.load(keys, [2, 3]).success
+        np.testing.assert_array_equal(harness.buffer.array[2:4], harness.buffer.array[0:2])
+        assert not harness.tier.backend_down  # type: ignore[attr-defined]
+    finally:
+        harness.close()
+
+
+def test_skip_existing_sends_only_missing_chunks_and_refreshes_ttl(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {
+            "type": "redis",
+            "url": redis_server.url,
+            "key_prefix": key_prefix,
+            "skip_existing": True,
+            "ttl_s": 300,
+        },
+        small_layout(),
+    )
+    client = raw_client(redis_server.url)
+    try:
+        keys = harness.keys(2)
+        harness.fill([0, 1])
+        assert harness.store(keys[:1], [0]).success
+        held = harness.tier.store_name(keys[0])  # type: ignore[attr-defined]
+        client.set(held, b"marker", px=5_000)
+        assert harness.store(keys, [0, 1]).success
+        assert client.get(held) == b"marker"  # held already: not sent again
+        assert client.pttl(held) > 5_000  # but its life was extended
+        harness.buffer.array[2] = 0
+        assert harness.load(keys[1:], [2]).success
+        np.testing.assert_array_equal(harness.buffer.array[2], harness.buffer.array[1])
+    finally:
+        harness.close()
