@@ -50,7 +50,7 @@ def tier_config(tier: str, root: Path, chunk_tokens: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tier", default="memory", help="secondary tier type (default: memory)")
+    parser.add_argument("--tier", default="fs", help="secondary tier type: fs (default) or memory")
     parser.add_argument("--rounds", type=int, default=5, help="measurements per path")
     parser.add_argument("--chunk-tokens", type=int, default=SIZES["default"].chunk_tokens)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

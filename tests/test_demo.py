@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,9 +29,26 @@ def test_demo_runs_end_to_end_and_checks_outputs(tmp_path: Path) -> None:
     output = run_demo("--dir", str(tmp_path))
     assert "✓ greedy outputs identical with and without kvtier (8 requests" in output
     assert "no kvtier: full prefill" in output
+    assert "kvtier: miss, prefill + store" in output
     assert "kvtier: CPU-tier hit" in output
-    assert "kvtier: memory-tier hit *" in output  # the phase with the CPU tier emptied
-    assert "Tiers: chunks and bytes" in output
+    assert "kvtier: fs-tier hit *" in output  # the phase with the CPU tier emptied
+    assert "Tiers: chunks and bytes" in output and "0: fs" in output
+    assert "run it again" in output
+    assert any((tmp_path / "fs").rglob("*")), "the fs tier wrote nothing"
+
+
+def test_a_second_run_in_a_new_process_is_served_from_the_fs_tier(tmp_path: Path) -> None:
+    run_demo("--dir", str(tmp_path))
+    second = subprocess.run(
+        [sys.executable, "-c", "from kvtier.cli import main; main()", "demo", "--quick",
+         "--dir", str(tmp_path)],
+        capture_output=True, text=True, env={**os.environ, **WIDE}, timeout=600,
+    )  # fmt: skip
+    assert second.returncode == 0, second.stdout + second.stderr
+    output = second.stdout
+    assert "served from the fs tier of an earlier run" in output
+    assert "kvtier: miss" not in output
+    assert "✓ greedy outputs identical with and without kvtier" in output
 
 
 def test_demo_runs_any_configuration(tmp_path: Path) -> None:

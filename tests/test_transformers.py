@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +21,6 @@ from kvtier.integrations.transformers import (  # noqa: E402
     layout_from_config,
     prefill,
 )
-from kvtier.tiers.memory import MemoryTier  # noqa: E402
 
 CHUNK = 16
 VOCAB = 300
@@ -66,24 +65,10 @@ def kv_config(chunk_tokens: int = CHUNK, tier: dict[str, Any] | None = None) -> 
 FAMILIES = ["llama", "qwen2", "gpt_neox"]
 
 
-class SharedMemoryTier(MemoryTier):
-    """A memory tier whose chunks all its instances share, as engines share a tier."""
-
-    chunks: ClassVar[OrderedDict[Any, bytes]] = OrderedDict()
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._chunks = SharedMemoryTier.chunks
-
-
-SHARED_TIER = {"type": "SharedMemoryTier", "module_path": __name__}
-
-
 @pytest.fixture
-def shared_tier() -> Iterator[dict[str, Any]]:
-    SharedMemoryTier.chunks.clear()
-    yield SHARED_TIER
-    SharedMemoryTier.chunks.clear()
+def shared_tier(tmp_path: Path) -> dict[str, Any]:
+    """An fs tier whose directory several engines (here: models) share."""
+    return {"type": "fs", "root_dir": str(tmp_path / "shared")}
 
 
 # Layout ---------------------------------------------------------------------
@@ -132,20 +117,22 @@ def test_anything_that_changes_the_bytes_changes_the_namespace(change: Callable[
 # Reuse ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("source", ["cpu", "secondary"])
+@pytest.mark.parametrize("source", ["cpu", "fs"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_after_a_reused_prefix_equal_a_full_prefill(family: str, source: str) -> None:
+def test_logits_after_a_reused_prefix_equal_a_full_prefill(
+    family: str, source: str, tmp_path: Path
+) -> None:
     model = tiny_model(family)
     shared, suffix = prompt(3 * CHUNK + 5), prompt(9, seed=2)
     expected, _ = prefill(model, shared + suffix)
-    with PrefixCache(model, kv_config()) as kv:
+    with PrefixCache(model, kv_config(tier={"type": "fs", "root_dir": str(tmp_path)})) as kv:
         _, first = kv.prefill(shared)
         assert first.reused_tokens == 0
-        if source == "secondary":
-            kv.manager.reset()  # the CPU tier forgets; the memory tier behind it keeps
+        if source == "fs":
+            kv.manager.reset()  # the CPU tier forgets; the fs tier behind it keeps
         logits, reused = kv.prefill(shared + suffix)
     assert reused.reused_tokens == 3 * CHUNK  # the partial fourth chunk was never stored
-    assert reused.promoted_chunks == ((3,) if source == "secondary" else (0,))
+    assert reused.promoted_chunks == ((3,) if source == "fs" else (0,))
     assert (logits - expected).abs().max().item() <= 1e-5
 
 
@@ -241,9 +228,10 @@ def test_another_model_never_hits_the_chunks_of_this_one(
     tokens = prompt(4 * CHUNK + 1)
     with PrefixCache(tiny_model("llama"), kv_config(tier=shared_tier)) as kv:
         kv.prefill(tokens)
-    assert len(SharedMemoryTier.chunks) == 4
     with PrefixCache(tiny_model("llama"), kv_config(tier=shared_tier)) as same:
-        assert same.kv.cached_prefix(tokens) == 4 * CHUNK  # the shared tier does serve
+        _, reused = same.prefill(tokens, store=False)
+        assert reused.hit_tokens == 4 * CHUNK  # the shared tier does serve the same model
+        assert same.manager.tiers[0].stats.hits == 4
     with PrefixCache(other(), kv_config(chunk_tokens, tier=shared_tier)) as kv:
         _, reused = kv.prefill(tokens, store=False)
         assert reused.hit_tokens == 0

@@ -29,11 +29,14 @@ DEFAULT_DIR = Path("kvtier-demo")
 
 
 def default_config(directory: Path, chunk_tokens: int) -> dict[str, Any]:
-    """The embedded configuration: a CPU tier with a secondary tier behind it."""
+    """The embedded configuration: a CPU tier, and an ``fs`` tier in ``directory/fs``
+    that outlives the process."""
     return {
         "chunk_tokens": chunk_tokens,
         "cpu_bytes_to_use": "512MiB",
-        "secondary_tiers": [{"type": "memory", "max_bytes": "2GiB"}],
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": str(directory / "fs"), "max_bytes": "2GiB"}
+        ],
     }
 
 
@@ -42,8 +45,8 @@ def default_config(directory: Path, chunk_tokens: int) -> dict[str, Any]:
     "--config",
     "config_path",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="kvtier configuration to run the workload on [default: a CPU tier and a "
-    "secondary tier under --dir].",
+    help="kvtier configuration to run the workload on [default: a CPU tier and an "
+    "fs tier under --dir].",
 )
 @click.option(
     "--model",
