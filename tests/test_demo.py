@@ -126,3 +126,21 @@ def test_a_tokenizer_that_encodes_nothing_is_an_error() -> None:
 
     with pytest.raises(ValueError, match="no tokens"):
         chat_workload(Silent(), system_tokens=10, conversations=1, turns=1, new_tokens=1)
+
+
+@pytest.mark.parametrize(
+    ("reused", "hit_chunks", "promoted", "expected"),
+    [
+        (0, 0, (0,), "miss"),
+        (32, 2, (0,), "CPU"),
+        (32, 2, (2,), "fs"),
+        (32, 2, (1,), "CPU+fs"),
+    ],
+)
+def test_a_request_is_labelled_by_where_its_prefix_came_from(
+    reused: int, hit_chunks: int, promoted: tuple[int, ...], expected: str
+) -> None:
+    from kvtier.demo.workload import RequestRecord
+
+    record = RequestRecord(0, 0, 40, 2, hit_chunks, reused, promoted, 0, 0.1, [1])
+    assert record.source(["fs"]) == expected

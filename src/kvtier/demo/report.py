@@ -45,11 +45,12 @@ def summarise(run: DemoRun, tier_types: list[str]) -> list[PathSummary]:
     for record in run.kvtier + (run.refetch or []):
         groups[record.source(tier_types)].append(record)
     labels = {"miss": "kvtier: miss, prefill + store", "CPU": "kvtier: CPU-tier hit"}
-    order = ["miss", "CPU", *dict.fromkeys(tier_types)]
+    for tier in tier_types:
+        labels[f"CPU+{tier}"] = f"kvtier: CPU + {tier}-tier hit"
+        labels[tier] = f"kvtier: {tier}-tier hit *"
     rows = [_summary("no kvtier: full prefill", run.baseline, baseline)]
-    for source in order:
+    for source, label in labels.items():
         if groups.get(source):
-            label = labels.get(source, f"kvtier: {source}-tier hit *")
             rows.append(_summary(label, groups[source], baseline))
     return rows
 

@@ -149,11 +149,15 @@ class RequestRecord:
         return self.hit_chunks - sum(self.promoted_chunks)
 
     def source(self, tier_types: list[str]) -> str:
-        """Where the reused prefix came from: ``miss``, ``CPU`` or the slowest tier used."""
+        """Where the reused prefix came from: ``miss``; ``CPU``; a secondary tier's type
+        (the slowest one used) when the CPU tier had none of it; ``CPU+type`` when both served."""
         if self.reused_tokens == 0:
             return "miss"
         used = [index for index, chunks in enumerate(self.promoted_chunks) if chunks]
-        return tier_types[used[-1]] if used else "CPU"
+        if not used:
+            return "CPU"
+        slowest = tier_types[used[-1]]
+        return f"CPU+{slowest}" if self.primary_hit_chunks else slowest
 
 
 def run_phase(
