@@ -236,3 +236,18 @@ def test_another_model_never_hits_the_chunks_of_this_one(
         _, reused = kv.prefill(tokens, store=False)
         assert reused.hit_tokens == 0
         assert kv.manager.tiers[0].stats.hits == 0
+
+
+def test_a_broken_tier_costs_the_reuse_never_the_answer() -> None:
+    model = tiny_model("llama")
+    tokens = prompt(3 * CHUNK + 2)
+    expected = greedy_generate(model, tokens, 6).tokens
+    faulty = {"type": "FaultyTier", "module_path": "kvtier.testing.faults"}
+    with PrefixCache(model, kv_config(tier=faulty)) as kv:
+        kv.generate(tokens, 6)
+        kv.manager.reset()
+        kv.manager.tiers[0].broken = True
+        result = kv.generate(tokens, 6)
+        kv.manager.tiers[0].broken = False
+    assert result.reused_tokens == 0
+    assert result.tokens == expected
