@@ -22,6 +22,9 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
     # The tests start their own servers; leave no system service behind.
     $SUDO service redis-server stop >/dev/null 2>&1 || true
 fi
+# torch's CPU build first, so that the transformers extra keeps it.
+python -m pip install --quiet torch==2.13.0
+python -m pip install --quiet -e '.[test,transformers]'
 
 ruff check src tests
 ruff check examples

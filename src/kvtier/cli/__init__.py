@@ -9,6 +9,7 @@ import click
 from kvtier import __version__
 from kvtier.cli.bench import bench
 from kvtier.cli.check import check
+from kvtier.cli.demo import demo
 from kvtier.cli.inspect import inspect
 from kvtier.cli.peer import peer
 from kvtier.cli.reference import reference
@@ -27,6 +28,7 @@ cli.add_command(check)
 cli.add_command(bench)
 cli.add_command(peer)
 cli.add_command(reference)
+cli.add_command(demo)
 cli.add_command(inspect)
 
 

@@ -1,0 +1,253 @@
+"""The transformers integration on tiny models built from configs (nothing downloaded)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs the 'transformers' extra")
+transformers = pytest.importorskip("transformers", reason="needs the 'transformers' extra")
+
+from kvtier.errors import LayoutMismatchError  # noqa: E402
+from kvtier.integrations.transformers import (  # noqa: E402
+    ChunkReader,
+    ChunkWriter,
+    PrefixCache,
+    greedy_generate,
+    layout_for_model,
+    layout_from_config,
+    prefill,
+)
+
+CHUNK = 16
+VOCAB = 300
+
+
+def tiny_config(family: str, **overrides: Any) -> Any:
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 512,
+    }
+    if family == "llama":
+        return transformers.LlamaConfig(**{**common, "num_key_value_heads": 2, **overrides})
+    if family == "qwen2":
+        return transformers.Qwen2Config(**{**common, "num_key_value_heads": 2, **overrides})
+    if family == "gpt_neox":
+        return transformers.GPTNeoXConfig(**{**common, **overrides})
+    raise ValueError(family)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides: Any) -> Any:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).eval()
+
+
+def prompt(length: int, seed: int = 1) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+
+
+def kv_config(chunk_tokens: int = CHUNK, tier: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "chunk_tokens": chunk_tokens,
+        "cpu_bytes_to_use": "16MiB",
+        "secondary_tiers": [tier or {"type": "memory", "max_bytes": "64MiB"}],
+    }
+
+
+FAMILIES = ["llama", "qwen2", "gpt_neox"]
+
+
+@pytest.fixture
+def shared_tier(tmp_path: Path) -> dict[str, Any]:
+    """An fs tier whose directory several engines (here: models) share."""
+    return {"type": "fs", "root_dir": str(tmp_path / "shared")}
+
+
+# Layout ---------------------------------------------------------------------
+
+
+def test_layout_follows_the_config_with_grouped_query_attention() -> None:
+    layout = layout_from_config(tiny_config("llama"), dtype=torch.bfloat16, chunk_tokens=32)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (2, 2, 16)
+    assert layout.dtype == "bfloat16" and layout.chunk_tokens == 32
+    assert layout.slot_bytes == 2 * 2 * 2 * 16 * 2 * 32
+    explicit = layout_from_config(
+        tiny_config("qwen2", head_dim=32), dtype=torch.float32, chunk_tokens=32
+    )
+    assert explicit.head_dim == 32
+    neox = layout_from_config(tiny_config("gpt_neox"), dtype=torch.float32, chunk_tokens=32)
+    assert neox.num_kv_heads == 4  # no grouping: one KV head per attention head
+
+
+def test_models_with_sliding_window_layers_are_refused() -> None:
+    config = tiny_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    with pytest.raises(LayoutMismatchError, match="sliding_attention"):
+        layout_from_config(config, dtype=torch.float32, chunk_tokens=16)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda: layout_for_model(tiny_model("llama", seed=1), chunk_tokens=CHUNK),
+                     id="weights"),
+        pytest.param(lambda: layout_for_model(tiny_model("llama", rope_theta=500.0),
+                                              chunk_tokens=CHUNK), id="config"),
+        pytest.param(lambda: layout_for_model(tiny_model("llama").to(torch.bfloat16),
+                                              chunk_tokens=CHUNK), id="dtype"),
+        pytest.param(lambda: layout_for_model(tiny_model("llama"), chunk_tokens=2 * CHUNK),
+                     id="chunk_tokens"),
+        pytest.param(lambda: layout_for_model(tiny_model("llama"), chunk_tokens=CHUNK,
+                                              model_id="other"), id="model_id"),
+    ],
+)  # fmt: skip
+def test_anything_that_changes_the_bytes_changes_the_namespace(change: Callable[[], Any]) -> None:
+    base = layout_for_model(tiny_model("llama"), chunk_tokens=CHUNK)
+    assert layout_for_model(tiny_model("llama"), chunk_tokens=CHUNK).namespace == base.namespace
+    assert change().namespace != base.namespace
+
+
+# Reuse ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["cpu", "fs"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_after_a_reused_prefix_equal_a_full_prefill(
+    family: str, source: str, tmp_path: Path
+) -> None:
+    model = tiny_model(family)
+    shared, suffix = prompt(3 * CHUNK + 5), prompt(9, seed=2)
+    expected, _ = prefill(model, shared + suffix)
+    with PrefixCache(model, kv_config(tier={"type": "fs", "root_dir": str(tmp_path)})) as kv:
+        _, first = kv.prefill(shared)
+        assert first.reused_tokens == 0
+        if source == "fs":
+            kv.manager.reset()  # the CPU tier forgets; the fs tier behind it keeps
+        logits, reused = kv.prefill(shared + suffix)
+    assert reused.reused_tokens == 3 * CHUNK  # the partial fourth chunk was never stored
+    assert reused.promoted_chunks == ((3,) if source == "fs" else (0,))
+    assert (logits - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_prompt_held_whole_still_computes_its_last_token(family: str) -> None:
+    model = tiny_model(family)
+    tokens = prompt(4 * CHUNK)
+    expected, _ = prefill(model, tokens)
+    with PrefixCache(model, kv_config()) as kv:
+        kv.prefill(tokens)
+        logits, reused = kv.prefill(tokens)
+    assert reused.hit_tokens == 4 * CHUNK
+    assert reused.reused_tokens == 4 * CHUNK - 1
+    assert (logits - expected).abs().max().item() <= 1e-5
+
+
+def test_only_full_chunks_are_stored() -> None:
+    model = tiny_model("llama")
+    tokens = prompt(2 * CHUNK + CHUNK // 2)
+    with PrefixCache(model, kv_config()) as kv:
+        kv.prefill(tokens)
+        assert kv.kv.cached_prefix(tokens) == 2 * CHUNK
+        assert len(kv.manager.primary) == 2
+
+
+def test_bfloat16_kv_round_trips_bit_exact() -> None:
+    model = tiny_model("qwen2").to(torch.bfloat16)
+    tokens = prompt(2 * CHUNK + 3)
+    _, cache = prefill(model, tokens)
+    layout = layout_for_model(model, chunk_tokens=CHUNK)
+    writer = ChunkWriter(cache, layout)
+    slots = torch.zeros((writer.full_chunks, layout.slot_bytes), dtype=torch.uint8).numpy()
+    for index in range(writer.full_chunks):
+        writer(index, slots[index])
+    reader = ChunkReader(layout, 2 * CHUNK - 1)  # the last chunk is taken in part
+    for index in range(reader.chunks):
+        reader(index, slots[index])
+    rebuilt = reader.to_cache(model.config)
+    for original, copy in zip(cache.layers, rebuilt.layers, strict=True):
+        assert copy.keys.dtype == torch.bfloat16
+        assert torch.equal(copy.keys, original.keys[:, :, : 2 * CHUNK - 1])
+        assert torch.equal(copy.values, original.values[:, :, : 2 * CHUNK - 1])
+
+
+def test_a_cache_of_another_shape_is_refused() -> None:
+    model, other = tiny_model("llama"), tiny_model("gpt_neox")
+    _, cache = prefill(other, prompt(CHUNK))
+    with pytest.raises(LayoutMismatchError, match="expected"):
+        ChunkWriter(cache, layout_for_model(model, chunk_tokens=CHUNK))
+
+
+# Generation -----------------------------------------------------------------
+
+
+def test_greedy_generation_matches_model_generate() -> None:
+    model = tiny_model("qwen2")
+    tokens = prompt(40)
+    ours = greedy_generate(model, tokens, 8)
+    theirs = model.generate(torch.tensor([tokens]), max_new_tokens=8, do_sample=False)
+    assert ours.tokens == theirs[0, len(tokens) :].tolist()
+    assert ours.cache is not None and ours.cache.get_seq_length() == len(tokens) + 7
+
+
+def test_a_conversation_reuses_its_previous_turn_and_generates_the_same() -> None:
+    model = tiny_model("llama")
+    turn1 = prompt(2 * CHUNK + 7)
+    with PrefixCache(model, kv_config()) as kv:
+        first = kv.generate(turn1, 12)
+        turn2 = turn1 + first.tokens + prompt(5, seed=3)
+        second = kv.generate(turn2, 6)
+    # The cache held the prompt and all replies but the last token: whole chunks stored.
+    assert first.stored_chunks == (len(turn1) + 11) // CHUNK
+    assert second.reused_tokens == first.stored_chunks * CHUNK
+    assert first.tokens == greedy_generate(model, turn1, 12).tokens
+    assert second.tokens == greedy_generate(model, turn2, 6).tokens
+
+
+# Isolation ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("other", "chunk_tokens"),
+    [
+        pytest.param(lambda: tiny_model("llama", rope_theta=500.0), CHUNK, id="config"),
+        pytest.param(lambda: tiny_model("llama", seed=7), CHUNK, id="weights"),
+        pytest.param(lambda: tiny_model("llama").to(torch.bfloat16), CHUNK, id="dtype"),
+        pytest.param(lambda: tiny_model("llama"), CHUNK // 2, id="chunk_tokens"),
+    ],
+)
+def test_another_model_never_hits_the_chunks_of_this_one(
+    shared_tier: dict[str, Any], other: Callable[[], Any], chunk_tokens: int
+) -> None:
+    tokens = prompt(4 * CHUNK + 1)
+    with PrefixCache(tiny_model("llama"), kv_config(tier=shared_tier)) as kv:
+        kv.prefill(tokens)
+    with PrefixCache(tiny_model("llama"), kv_config(tier=shared_tier)) as same:
+        _, reused = same.prefill(tokens, store=False)
+        assert reused.hit_tokens == 4 * CHUNK  # the shared tier does serve the same model
+        assert same.manager.tiers[0].stats.hits == 4
+    with PrefixCache(other(), kv_config(chunk_tokens, tier=shared_tier)) as kv:
+        _, reused = kv.prefill(tokens, store=False)
+        assert reused.hit_tokens == 0
+        assert kv.manager.tiers[0].stats.hits == 0
+
+
+def test_a_broken_tier_costs_the_reuse_never_the_answer() -> None:
+    model = tiny_model("llama")
+    tokens = prompt(3 * CHUNK + 2)
+    expected = greedy_generate(model, tokens, 6).tokens
+    faulty = {"type": "FaultyTier", "module_path": "kvtier.testing.faults"}
+    with PrefixCache(model, kv_config(tier=faulty)) as kv:
+        kv.generate(tokens, 6)
+        kv.manager.reset()
+        kv.manager.tiers[0].broken = True
+        result = kv.generate(tokens, 6)
+        kv.manager.tiers[0].broken = False
+    assert result.reused_tokens == 0
+    assert result.tokens == expected
