@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -70,7 +71,9 @@ def test_sigkill_mid_store_never_leaves_a_servable_bad_chunk(root: str) -> None:
             if seed % 2:  # half the writers get to store their first batch
                 assert zygote.stdout.readline().strip() == "stored"
             time.sleep(dice.uniform(0.0, 0.1))
-            os.kill(int(pid), signal.SIGKILL)
+            # On a loaded machine a writer may finish all its work first.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
             while (line := zygote.stdout.readline().strip()) != "reaped":
                 assert line in ("stored", "done"), line  # it may get further before the kill
         zygote.stdin.close()
