@@ -378,3 +378,35 @@ def test_worker_without_kv_caches_fails_stores_instead_of_offloading_empty_slots
     worker.wait_for_save(meta)
     report = worker.build_worker_meta()
     assert report is not None and report.finished == {0: (True, False)}
+
+
+def test_connector_stats_report_deltas_that_vllm_can_sum() -> None:
+    from kvtier import KVCache
+    from kvtier.integrations.vllm.connector import KVTierConnector
+    from kvtier.integrations.vllm.stats import StatsDeltas, totals
+    from kvtier.testing import small_layout
+
+    layout = small_layout(chunk_tokens=4)
+    with KVCache({"chunk_tokens": 4, "secondary_tiers": [{"type": "memory"}]}, layout) as cache:
+        deltas = StatsDeltas()
+        counters = {"hit_tokens": 0}
+        assert deltas.take(totals(counters, cache.manager)) is None
+        cache.store(list(range(8)), lambda index, chunk: chunk.fill(index))
+        cache.drain()
+        first = deltas.take(totals(counters, cache.manager))
+        assert first is not None and first.data == {
+            "tier0_memory_chunks_stored": 2,
+            "tier0_memory_bytes_stored": 2 * layout.slot_bytes,
+        }
+        assert deltas.take(totals(counters, cache.manager)) is None  # nothing new
+        counters["hit_tokens"] = 8
+        second = deltas.take(totals(counters, cache.manager))
+        assert second is not None and second.data == {"hit_tokens": 8}
+        # vLLM rebuilds stats from plain dicts and sums them per interval.
+        rebuilt = KVTierConnector.build_kv_connector_stats(first.to_dict())
+        assert rebuilt is not None
+        summed = rebuilt.aggregate(second)
+        assert summed.reduce() == {**first.data, "hit_tokens": 8}
+        assert not summed.is_empty()
+        summed.reset()
+        assert summed.is_empty()

@@ -34,9 +34,7 @@ def default_config(directory: Path, chunk_tokens: int) -> dict[str, Any]:
     return {
         "chunk_tokens": chunk_tokens,
         "cpu_bytes_to_use": "512MiB",
-        "secondary_tiers": [
-            {"type": "fs", "root_dir": str(directory / "fs"), "max_bytes": "2GiB"}
-        ],
+        "secondary_tiers": [{"type": "fs", "root_dir": str(directory / "fs"), "max_bytes": "2GiB"}],
     }
 
 

@@ -16,13 +16,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.specs.factory import OffloadingSpecFactory
 
 from .metadata import KVTierConnectorMetadata
 from .scheduler import SchedulerSide
 from .settings import connector_options, geometry, kv_layout, kvtier_config, with_shared_memory
+from .stats import KVTierConnectorStats, StatsDeltas, totals
 from .worker import WorkerSide
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ class KVTierConnector(KVConnectorBase_V1):
         config = kvtier_config(options)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._metrics: KVTierMetrics | None = None
+        self._deltas = StatsDeltas()
         if role == KVConnectorRole.SCHEDULER:
             layout, shape = kv_layout(
                 vllm_config, kv_cache_config, config.chunk_tokens, options.kvtier_model_id
@@ -59,6 +64,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 lookup_timeout_s=options.kvtier_lookup_timeout_s,
                 stats_file=options.kvtier_stats_file,
             )
+            # kvtier's own Prometheus metrics, served when ``metrics.port`` is set.
+            self._metrics = attach_metrics(manager, config.metrics)
             if transfer.kv_load_failure_policy != "recompute":
                 logger.warning(
                     "kvtier: kv_load_failure_policy=%r fails a request whose pages could "
@@ -103,6 +110,18 @@ class KVTierConnector(KVConnectorBase_V1):
         self._sched().request_finished(request)
         return False, None
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What kvtier counted since the last call, for vLLM's own stats logging."""
+        if self._scheduler is None:
+            return None
+        return self._deltas.take(totals(vars(self._scheduler.counters), self._scheduler.manager))
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVTierConnectorStats(data=dict(data or {}))
+
     def reset_cache(self) -> bool | None:
         """``LLM.reset_prefix_cache(reset_connector=True)``: empty kvtier's CPU tier."""
         return self._scheduler.reset_cache() if self._scheduler is not None else None
@@ -146,6 +165,8 @@ class KVTierConnector(KVConnectorBase_V1):
     # Both -------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
         if self._scheduler is not None:
             self._scheduler.shutdown()
         if self._worker is not None:
