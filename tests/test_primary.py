@@ -155,3 +155,15 @@ def test_protected_keys_are_never_victims(primary: PrimaryTier) -> None:
     assert primary.prepare_store([key(5)], protect=[key(1), key(2), key(3), key(4)]) is None
     assert list(primary.prepare_store([key(5)], protect=[key(1)]) or {}) == [key(5)]
     assert primary.is_ready(key(1)) and not primary.is_ready(key(2))
+
+
+def test_complete_load_is_atomic(primary: PrimaryTier) -> None:
+    stored(primary, 1, 2)
+    primary.prepare_load([key(1)])
+    with pytest.raises(ValueError, match="not pinned"):
+        primary.complete_load([key(1), key(2)])
+    assert primary.refcount(key(1)) == 1
+    with pytest.raises(ValueError, match="not pinned"):
+        primary.complete_load([key(1), key(1)])
+    primary.complete_load([key(1)])
+    assert primary.refcount(key(1)) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvtier.keys import ChunkKey
@@ -125,14 +126,19 @@ class PrimaryTier:
             return [self._slot_of[key] for key in keys]
 
     def complete_load(self, keys: Iterable[ChunkKey]) -> None:
-        """Unpin chunks pinned by :meth:`prepare_load`."""
+        """Unpin chunks pinned by :meth:`prepare_load`.
+
+        Atomic: raises ``ValueError`` naming the first key that is not pinned
+        (as often as it appears), unpinning nothing.
+        """
+        keys = list(keys)
         with self._lock:
-            for key in keys:
-                refs = self._refs.get(key)
-                if refs is None or refs <= 0:
+            for key, times in Counter(keys).items():
+                if self._refs.get(key, 0) < times:
                     raise ValueError(f"chunk {key.hex()[:16]} is not pinned")
-                self._refs[key] = refs - 1
-                if refs == 1:
+            for key in keys:
+                self._refs[key] -= 1
+                if self._refs[key] == 0:
                     self._pinned.discard(key)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
