@@ -45,8 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.cli.check import probe_layout
 from kvtier.cli.peer import synthetic_chunks
+from kvtier.cli.probe import probe_layout
 from kvtier.config import load_config
 from kvtier.keys import chunk_keys
 from kvtier.primary import SlotBuffer

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from kvtier import KVCache
-from kvtier.cli.check import probe_layout
 from kvtier.cli.peer import synthetic_chunks
+from kvtier.cli.probe import probe_layout
 from kvtier.layout import KVLayout
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.protocol import MessageType

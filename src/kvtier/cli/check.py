@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,27 +12,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvtier.cli.probe import PHASES, bench_tier, probe_layout
 from kvtier.config import load_config
 from kvtier.errors import KVTierError
 from kvtier.keys import chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.specs.factory import OffloadingSpecFactory
-from kvtier.tiers.base import HealthCheck, Lookup, SecondaryTier, TransferJob
-from kvtier.tiers.drive import resolve_lookup, run_job
-
-
-def probe_layout(chunk_tokens: int, slot_kib: int) -> KVLayout:
-    """A synthetic layout whose chunks are ``slot_kib`` KiB (for tools without an engine)."""
-    # uint8, one layer, one head: K and V take 2 bytes per token per head_dim unit.
-    per_token = max(1, slot_kib * 1024 // chunk_tokens // 2)
-    return KVLayout(
-        model_id="kvtier-probe",
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=per_token,
-        dtype="uint8",
-        chunk_tokens=chunk_tokens,
-    )
+from kvtier.tiers.base import HealthCheck, Lookup, SecondaryTier
+from kvtier.tiers.drive import resolve_lookup
 
 
 @dataclass
@@ -46,35 +32,25 @@ class _Outcome:
 def round_trip(
     tier: SecondaryTier, slots: np.ndarray, layout: KVLayout, chunks: int, timeout: float
 ) -> _Outcome:
-    """Store ``chunks`` random chunks, look them up, load them back, compare bytes."""
-    rng = np.random.default_rng()
-    tokens = rng.integers(0, 2**31, chunks * layout.chunk_tokens)
-    keys = chunk_keys(layout.namespace, tokens, layout.chunk_tokens)
+    """Store ``chunks`` chunks, look them up, load them back, compare bytes.
+
+    ``slots`` holds ``2 * chunks`` slots (see :func:`bench_tier`).
+    """
     if not tier.holds_stores:
         # Nothing to round-trip: check that lookups of unknown chunks resolve.
+        tokens = np.random.default_rng().integers(0, 2**31, chunks * layout.chunk_tokens)
+        keys = chunk_keys(layout.namespace, tokens, layout.chunk_tokens)
         answers = [resolve_lookup(tier, key, timeout=timeout) for key in keys]
         if any(answer is not Lookup.MISS for answer in answers):
             return _Outcome(False, f"unknown chunks found: {[a.value for a in answers]}")
         return _Outcome(True, "lookups answered (the tier keeps no stores)")
-    expected = rng.integers(0, 256, (chunks, slots.shape[1]), dtype=np.uint8)
-    slots[:chunks] = expected
-    index = tuple(range(chunks))
-    started = time.perf_counter()
-    stored = run_job(tier, TransferJob(tuple(keys), index), loading=False, timeout=timeout)
-    if not stored.success:
-        return _Outcome(False, f"store failed for {chunks - len(stored.succeeded)}/{chunks} chunks")
-    tier.drain()
-    answers = [resolve_lookup(tier, key, timeout=timeout) for key in keys]
-    if any(answer is not Lookup.HIT for answer in answers):
-        return _Outcome(False, f"stored chunks not found: {[a.value for a in answers]}")
-    slots[:chunks] = 0
-    loaded = run_job(tier, TransferJob(tuple(keys), index), loading=True, timeout=timeout)
-    seconds = time.perf_counter() - started
-    if not loaded.success:
-        return _Outcome(False, f"load failed for {chunks - len(loaded.succeeded)}/{chunks} chunks")
-    if not np.array_equal(slots[:chunks], expected):
-        return _Outcome(False, "loaded bytes differ from stored bytes")
-    return _Outcome(True, "byte-exact", 2 * expected.nbytes / seconds / 1e6)
+    phases = bench_tier(tier, slots, layout, chunks=chunks, batch=chunks, timeout=timeout)
+    for name in PHASES:
+        if phases[name].failures:
+            return _Outcome(False, f"{name} failed for {phases[name].failures}/{chunks} chunks")
+    moved = [phases["store"], phases["load"]]
+    seconds = sum(phase.seconds for phase in moved)
+    return _Outcome(True, "byte-exact", sum(phase.nbytes for phase in moved) / seconds / 1e6)
 
 
 def _health(tier: SecondaryTier) -> list[HealthCheck]:
@@ -103,10 +79,11 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
         click.echo(str(exc), err=True)
         sys.exit(2)
     layout = probe_layout(settings.chunk_tokens, chunk_kib)
-    # Only the slots the probe needs, private whatever the configuration says
-    # about shared memory: a check must never map a running engine's slots.
+    # Only the slots the probe needs (stores read one half, loads land in the
+    # other), private whatever the configuration says about shared memory: a
+    # check must never map a running engine's slots.
     settings = settings.model_copy(
-        update={"cpu_bytes_to_use": chunks * layout.slot_bytes, "shared_memory_name": None}
+        update={"cpu_bytes_to_use": 2 * chunks * layout.slot_bytes, "shared_memory_name": None}
     )
     try:
         manager = OffloadingSpecFactory.create_spec(settings, layout).build_manager()
@@ -122,7 +99,7 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
         for index, tier in enumerate(manager.tiers):
             rows = [(c.name, c.ok, c.detail) for c in _health(tier)]
             try:
-                outcome = round_trip(tier, slots, layout, min(chunks, slots.shape[0]), timeout)
+                outcome = round_trip(tier, slots, layout, slots.shape[0] // 2, timeout)
             except Exception as exc:
                 outcome = _Outcome(False, f"{type(exc).__name__}: {exc}")
             detail = outcome.detail + (f", {outcome.mb_per_s:.0f} MB/s" if outcome.ok else "")

@@ -19,7 +19,7 @@ from typing import Any
 import click
 import numpy as np
 
-from kvtier.cli.check import probe_layout
+from kvtier.cli.probe import probe_layout
 from kvtier.config import load_config
 from kvtier.errors import KVTierError
 from kvtier.facade import KVCache
