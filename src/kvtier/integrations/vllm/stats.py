@@ -16,20 +16,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvtier.manager import TieringManager
 
-#: The per-tier counters worth an engine operator's log line.
-TIER_COUNTERS = (
-    "hits",
-    "misses",
-    "chunks_loaded",
-    "chunks_stored",
-    "bytes_loaded",
-    "bytes_stored",
-    "load_failures",
-    "store_failures",
-    "corrupt_chunks",
-    "backpressure_drops",
-)
-
 
 @dataclass
 class KVTierConnectorStats(KVConnectorStats):
@@ -55,9 +41,8 @@ def totals(connector: Mapping[str, int], manager: TieringManager) -> dict[str, i
     """Every reported counter's value since the engine started."""
     values = dict(connector)
     for index, tier in enumerate(manager.tiers):
-        counters = tier.stats.as_dict()
-        for name in TIER_COUNTERS:
-            values[f"tier{index}_{tier.tier_type}_{name}"] = counters[name]
+        for name, value in tier.stats.as_dict().items():
+            values[f"tier{index}_{tier.tier_type}_{name}"] = value
     return values
 
 
