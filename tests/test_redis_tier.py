@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from typing import Any
 
@@ -13,8 +14,9 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
-from kvtier.testing.servers import RedisClusterServers, RedisServer, free_port
+from kvtier.testing.servers import RedisClusterServers, RedisServer, ServerError, free_port
 from kvtier.tiers.base import Lookup
+from tests.conftest import need_redis_server
 
 
 def raw_client(url: str) -> Any:
@@ -300,3 +302,22 @@ def test_skip_existing_sends_only_missing_chunks_and_refreshes_ttl(
         np.testing.assert_array_equal(harness.buffer.array[2], harness.buffer.array[1])
     finally:
         harness.close()
+
+
+def test_test_server_moves_to_fresh_ports_when_its_port_is_taken() -> None:
+    need_redis_server()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        server = RedisServer()
+        server.port = taken  # as if another process bound it after free_port()
+        with server:
+            assert server.port != taken
+            assert server.command("PING").startswith(b"+PONG")
+        stubborn = RedisServer()
+        stubborn.start_attempts = 1
+        stubborn.port = taken
+        with pytest.raises(ServerError, match=r"(?s)exited with .*Address already in use"):
+            stubborn.start()
+        stubborn.close()

@@ -47,16 +47,31 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _wait(ready: Callable[[], bool], process: subprocess.Popen[bytes], what: str) -> None:
+class _ExitedWhileStarting(ServerError):
+    """The server process ended before it was ready (often: its port was taken)."""
+
+
+def _wait(ready: Callable[[], bool], process: subprocess.Popen[bytes], what: str, log: str) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise ServerError(f"{what} exited with {process.returncode} while starting")
+            raise _ExitedWhileStarting(
+                f"{what} exited with {process.returncode} while starting; "
+                f"the end of its output:\n{_tail(log)}"
+            )
         with contextlib.suppress(OSError):
             if ready():
                 return
         time.sleep(0.05)
-    raise ServerError(f"{what} not ready after 30 s")
+    raise ServerError(f"{what} not ready after 30 s; the end of its output:\n{_tail(log)}")
+
+
+def _tail(path: str, lines: int = 8) -> str:
+    try:
+        with open(path, errors="replace") as log:
+            return "".join(log.readlines()[-lines:])
+    except OSError as exc:
+        return f"(no output: {exc.strerror})"
 
 
 def _redis_command(port: int, *args: str) -> bytes:
@@ -76,6 +91,7 @@ class _Process:
 
     def __init__(self) -> None:
         self.process: subprocess.Popen[bytes] | None = None
+        self._started = False
         self.workdir = tempfile.mkdtemp(prefix=f"kvtier-{self.name}-")
 
     def _command(self) -> list[str]:
@@ -84,15 +100,35 @@ class _Process:
     def _ready(self) -> bool:
         raise NotImplementedError
 
+    #: Tries of a first start, each on fresh ports: a port found free can be
+    #: taken (by a client's ephemeral port, say) before the server binds it.
+    start_attempts = 5
+
+    def _pick_ports(self) -> None:
+        """Choose new ports (servers that listen override this)."""
+
     def start(self) -> Self:
         if self.process is not None and self.process.poll() is None:
             return self
-        with open(os.path.join(self.workdir, "stderr.log"), "ab") as log:
-            self.process = subprocess.Popen(
-                self._command(), cwd=self.workdir, stdout=subprocess.DEVNULL, stderr=log
-            )
-        _wait(self._ready, self.process, self.name)
+        attempts = 1 if self._started else self.start_attempts  # a restart keeps its ports
+        for attempt in range(1, attempts + 1):
+            try:
+                self._launch()
+                break
+            except _ExitedWhileStarting:
+                if attempt == attempts:
+                    raise
+                self._pick_ports()
+        self._started = True
         return self
+
+    def _launch(self) -> None:
+        log_path = os.path.join(self.workdir, "output.log")
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self._command(), cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT
+            )
+        _wait(self._ready, self.process, self.name, log_path)
 
     def stop(self) -> None:
         if self.process is None:
@@ -148,10 +184,13 @@ class RedisServer(_Process):
             )
         super().__init__()
         self.binary = binary
-        self.port = free_port()
         self.cluster = cluster
-        self.cluster_port = free_port() if cluster else None
         self.maxmemory = maxmemory
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        self.port = free_port()
+        self.cluster_port = free_port() if self.cluster else None
 
     @property
     def url(self) -> str:
@@ -238,6 +277,9 @@ class S3Server(_Process):
 
     def __init__(self) -> None:
         super().__init__()
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
         self.port = free_port()
 
     @property
