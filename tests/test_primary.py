@@ -167,3 +167,33 @@ def test_complete_load_is_atomic(primary: PrimaryTier) -> None:
         primary.complete_load([key(1), key(1)])
     primary.complete_load([key(1)])
     assert primary.refcount(key(1)) == 0
+
+
+def _smaps_bytes(address: int, field: str) -> int:
+    """A field (``Rss``, ``AnonHugePages``...) of the mapping holding ``address``."""
+    mapping = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(part, 16) for part in head.split("-"))
+                mapping = start <= address < end
+            elif mapping and head == f"{field}:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_private_buffer_is_backed_by_huge_pages() -> None:
+    policy = "/sys/kernel/mm/transparent_hugepage/enabled"
+    try:
+        with open(policy) as handle:
+            if "[never]" in handle.read():
+                pytest.skip("transparent huge pages are disabled on this kernel ([never])")
+    except FileNotFoundError:
+        pytest.skip(f"no transparent huge pages on this platform ({policy} is missing)")
+    buffer = SlotBuffer(8, 2 << 20)
+    try:
+        buffer.array[:] = 1  # huge pages are allocated on first touch
+        assert _smaps_bytes(buffer.array.ctypes.data, "AnonHugePages") >= 8 << 20
+    finally:
+        buffer.close()

@@ -19,6 +19,13 @@ def _shm_path(name: str) -> str:
     return os.path.join(_SHM_DIR, name)
 
 
+def _advise_huge_pages(region: mmap.mmap) -> None:
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages
+            region.madvise(advice)
+
+
 class SlotBuffer:
     """``num_slots × slot_bytes`` bytes, private or in named shared memory.
 
@@ -26,6 +33,13 @@ class SlotBuffer:
     a multiple of the page size are page-aligned, as direct I/O requires.
     A named buffer lives in ``/dev/shm/NAME`` so an engine worker in another
     process can map the same slots with :meth:`attach`.
+
+    Both ask for transparent huge pages. Direct I/O moves a slot as one DMA
+    segment per physically contiguous run of its pages; on a virtio disk a
+    2 MiB slot on scattered 4 KiB pages (about 80 runs) moved at half the
+    speed of one on a huge page. Private buffers get them unless THP is
+    ``never``; named ones only where ``shmem_enabled`` is ``advise`` or
+    ``always`` (see the tuning guide).
     """
 
     def __init__(
@@ -46,7 +60,7 @@ class SlotBuffer:
         self._owner = shared_name is not None and not _attach
         size = num_slots * slot_bytes
         if shared_name is None:
-            self._mmap = mmap.mmap(-1, size)
+            self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         else:
             path = _shm_path(shared_name)
             flags = os.O_RDWR if _attach else os.O_RDWR | os.O_CREAT | os.O_EXCL
@@ -63,6 +77,7 @@ class SlotBuffer:
                 self._mmap = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
+        _advise_huge_pages(self._mmap)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_slots, slot_bytes)
         #: The contract handed to secondary tiers: shape ``(num_slots, slot_bytes)``.
         self.view = memoryview(self._mmap).cast("B", (num_slots, slot_bytes))
