@@ -3,17 +3,24 @@
 For each chunk size, every round stores VOLUME bytes of random chunks into a
 fresh directory, drops the page cache (``drop_caches`` when permitted, else
 ``posix_fadvise(DONTNEED)`` per file), loads them back and checks every byte.
-Three systems run interleaved in the same rounds on the same disk:
+The systems run interleaved in the same rounds on the same disk, each round
+starting with the next one in turn:
 
 * ``raw``: plain Python threads, one file per chunk, ``O_DIRECT`` ``pwrite`` /
-  ``preadv`` straight from and to the buffer: no header, checksum or rename.
+  ``preadv`` straight from and to the buffer: no trailer, checksum or rename.
   The floor any file-per-chunk tier written in Python can reach.
 * ``kvtier``: the ``fs`` tier, checksums on (xxh3-128 per chunk, verified on load).
 * ``vllm``: vLLM's own ``FileSystemTierManager`` (no checksums), driven by
   ``peer_vllm_fs.py`` in the interpreter given by ``--peer-python``.
 
+Every system moves the bytes of a private buffer on huge pages (kvtier's
+``SlotBuffer``; the peer maps the same kind), because on a virtual disk the
+physical layout of the buffer alone can halve throughput (see
+``physical.py``); each buffer's DMA segments per slot are reported.
+
 Each system gets one job per ``--job-chunks`` chunks. Figures are GB/s
-(1e9 bytes/s); ratios compare medians over the rounds.
+(1e9 bytes/s); a ratio is the median over rounds of the two systems'
+figures in the same round.
 
     python benchmarks/bench_fs.py --root /mnt/nvme/bench \\
         --peer-python /path/to/vllm-env/bin/python
@@ -22,6 +29,7 @@ Each system gets one job per ``--job-chunks`` chunks. Figures are GB/s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -36,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
+from physical import segments_per_slot  # beside this script
 from pydantic import ByteSize, TypeAdapter
 
 from kvtier.config import load_config
@@ -78,20 +87,24 @@ class Workload:
         self.buffer = SlotBuffer(self.slots, chunk)
         rng = np.random.default_rng(0)
         self.buffer.array[:] = rng.integers(0, 256, self.buffer.array.shape, dtype=np.uint8)
-        self.digests = [xxhash.xxh3_64_digest(row) for row in self.buffer.array]
+        self.digests = [xxhash.xxh3_64_digest(memoryview(row)) for row in self.buffer.array]
         self.nbytes = self.slots * chunk
+        self.segments_per_slot = segments_per_slot(self.buffer.array, chunk)
 
     def wipe(self) -> None:
         self.buffer.array[:] = 0
 
     def check(self, who: str) -> None:
         rows = self.buffer.array
-        bad = sum(xxhash.xxh3_64_digest(r) != d for r, d in zip(rows, self.digests, strict=True))
+        bad = sum(
+            xxhash.xxh3_64_digest(memoryview(r)) != d
+            for r, d in zip(rows, self.digests, strict=True)
+        )
         if bad:
             raise SystemExit(f"{who}: {bad} chunks loaded wrong bytes")
 
 
-def timed(action: Callable[[], None]) -> float:
+def timed(action: Callable[[], object]) -> float:
     started = time.perf_counter()
     action()
     return time.perf_counter() - started
@@ -206,7 +219,7 @@ class Peer:
             args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         assert self.process.stdout is not None
-        self._readline()  # {"ready": true}
+        self.segments_per_slot = self._readline()["segments_per_slot"]
 
     def _readline(self) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -269,33 +282,46 @@ def main() -> int:
             if args.peer_python
             else None
         )
-        runs: dict[str, list[dict[str, Any]]] = {"raw": [], "kvtier": [], "vllm": []}
+        systems: dict[str, Callable[[Path], dict[str, Any]]] = {
+            "raw": functools.partial(raw_round, work, threads=args.threads),
+            "kvtier": functools.partial(
+                kvtier_round, work, options=options, job_chunks=args.job_chunks
+            ),
+        }
+        if peer is not None:
+            systems["vllm"] = peer.round
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+        names = list(systems)
         try:
             for index in range(args.rounds):
                 base = args.root / f"{chunk}-{index}"
-                shutil.rmtree(base, ignore_errors=True)
-                runs["raw"].append(raw_round(work, base / "raw", args.threads))
-                shutil.rmtree(base, ignore_errors=True)
-                runs["kvtier"].append(kvtier_round(work, base / "kvtier", options, args.job_chunks))
-                shutil.rmtree(base, ignore_errors=True)
-                if peer is not None:
-                    runs["vllm"].append(peer.round(base / "vllm"))
+                for name in names[index % len(names) :] + names[: index % len(names)]:
                     shutil.rmtree(base, ignore_errors=True)
+                    runs[name].append(systems[name](base / name))
+                shutil.rmtree(base, ignore_errors=True)
         finally:
             if peer is not None:
                 peer.close()
             work.buffer.close()
-        report["sizes"][str(chunk)] = summarise(chunk, args.volume, runs)
+        segments = {"raw": work.segments_per_slot, "kvtier": work.segments_per_slot}
+        if peer is not None:
+            segments["vllm"] = peer.segments_per_slot
+        report["sizes"][str(chunk)] = summarise(chunk, args.volume, runs, segments)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0
 
 
-def summarise(chunk: int, volume: int, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarise(
+    chunk: int,
+    volume: int,
+    runs: dict[str, list[dict[str, Any]]],
+    segments: dict[str, float | None],
+) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     print(f"\n{volume / 2**30:.2f} GiB in {chunk // 1024} KiB chunks")
-    print(f"{'system':8} {'io':9} {'store GB/s':>22} {'load GB/s':>22}")
+    print(f"{'system':8} {'io':9} {'segments':>8} {'store GB/s':>22} {'load GB/s':>22}")
     for system, rounds in runs.items():
         if not rounds:
             continue
@@ -303,6 +329,7 @@ def summarise(chunk: int, volume: int, runs: dict[str, list[dict[str, Any]]]) ->
         load = [volume / r["load_s"] / 1e9 for r in rounds]
         summary[system] = {
             "io": rounds[0]["io"],
+            "segments_per_slot": segments.get(system),
             "cold": rounds[0]["cold"],
             "store_gbps": [round(x, 3) for x in store],
             "load_gbps": [round(x, 3) for x in load],
@@ -310,19 +337,30 @@ def summarise(chunk: int, volume: int, runs: dict[str, list[dict[str, Any]]]) ->
             "load_median": round(statistics.median(load), 3),
         }
         print(
-            f"{system:8} {rounds[0]['io']:9} "
+            f"{system:8} {rounds[0]['io']:9} {segments.get(system) or 'n/a':>8} "
             f"{statistics.median(store):8.2f} ({min(store):.2f}-{max(store):.2f}) "
             f"{statistics.median(load):8.2f} ({min(load):.2f}-{max(load):.2f})"
         )
-    ours = summary["kvtier"]
+    # Paired ratios: each round's figures divided, then the median over rounds,
+    # so that a slow spell of the shared disk hits both sides of a ratio.
     for other in ("raw", "vllm"):
-        if other in summary:
-            ratio = {
-                "store": round(ours["store_median"] / summary[other]["store_median"], 3),
-                "load": round(ours["load_median"] / summary[other]["load_median"], 3),
-            }
-            summary[f"kvtier_vs_{other}"] = ratio
-            print(f"kvtier / {other}: store {ratio['store']:.2f}x, load {ratio['load']:.2f}x")
+        if not runs.get(other):
+            continue
+        ratio = {
+            phase: round(
+                statistics.median(
+                    theirs[f"{phase}_s"] / ours[f"{phase}_s"]
+                    for ours, theirs in zip(runs["kvtier"], runs[other], strict=True)
+                ),
+                3,
+            )
+            for phase in ("store", "load")
+        }
+        summary[f"kvtier_vs_{other}"] = ratio
+        print(
+            f"kvtier / {other}: store {ratio['store']:.2f}x, load {ratio['load']:.2f}x "
+            "(median of per-round ratios)"
+        )
     return summary
 
 

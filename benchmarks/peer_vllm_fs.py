@@ -2,8 +2,9 @@
 
 Started by ``bench_fs.py --peer-python /path/to/vllm-env/bin/python``; not
 imported by kvtier. It builds ``FileSystemTierManager`` from the installed
-``vllm`` (``vllm.v1.kv_offload.tiering.fs``) over a primary buffer of its own,
-then answers one line per round on stdin::
+``vllm`` (``vllm.v1.kv_offload.tiering.fs``) over a primary buffer of its own
+(private and on huge pages, as kvtier's), then answers one line per round on
+stdin::
 
     ROOT      store VOLUME bytes into a fresh ROOT, drop caches, load them back,
               check the bytes, print {"store_s": ..., "load_s": ..., "io": ...}
@@ -19,6 +20,7 @@ import time
 
 import numpy as np
 import xxhash
+from physical import segments_per_slot  # beside this script
 
 
 def _spec(tokens_per_block: int) -> object:
@@ -68,14 +70,17 @@ def main() -> int:
     from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
     slots = volume // chunk
-    buffer = mmap.mmap(-1, slots * chunk)
+    # The same kind of buffer bench_fs.py gives kvtier: private, on huge pages.
+    buffer = mmap.mmap(-1, slots * chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
     view = memoryview(buffer).cast("B", (slots, chunk))
     array = np.frombuffer(buffer, dtype=np.uint8).reshape(slots, chunk)
     rng = np.random.default_rng(1)
     array[:] = rng.integers(0, 256, array.shape, dtype=np.uint8)
     digests = [xxhash.xxh3_64_digest(row) for row in array]
     spec = _spec(256)
-    print(json.dumps({"ready": True}), flush=True)
+    segments = segments_per_slot(array, chunk)
+    print(json.dumps({"ready": True, "segments_per_slot": segments}), flush=True)
     job_ids = iter(range(1, 1 << 30))
     for line in sys.stdin:
         root = line.strip()

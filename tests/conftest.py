@@ -15,6 +15,17 @@ import pytest
 
 from kvtier.testing import restore_registries
 from kvtier.testing.servers import RedisClusterServers, RedisServer, S3Server
+from kvtier.tiers.fs import io as fs_io
+
+
+@pytest.fixture(params=sorted(fs_io.IMPLEMENTATIONS))
+def chunk_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test once per implementation of the fs tier's chunk-file I/O
+    (compiled where kvtier was built with a C compiler, and Python)."""
+    store, load = fs_io.IMPLEMENTATIONS[request.param]
+    monkeypatch.setattr(fs_io, "_store_file", store)
+    monkeypatch.setattr(fs_io, "_load_file", load)
+    return str(request.param)
 
 
 @pytest.fixture

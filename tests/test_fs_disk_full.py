@@ -16,6 +16,8 @@ from kvtier.testing import TierHarness, small_layout
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.fs import FilesystemTier, io
 
+pytestmark = pytest.mark.usefixtures("chunk_io")
+
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
@@ -104,6 +106,11 @@ def test_full_filesystem_is_counted_as_store_failures_by_the_manager(small_fs: P
 def test_injected_enospc_fails_the_store_and_leaves_no_temp_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The failure is injected into the Python implementation's write; the
+    # compiled one meets a real full disk in the tests above.
+    store, load = io.IMPLEMENTATIONS["python"]
+    monkeypatch.setattr(io, "_store_file", store)
+    monkeypatch.setattr(io, "_load_file", load)
     harness = TierHarness(
         {"type": "fs", "root_dir": str(tmp_path / "kv"), "io_threads": 1}, small_layout()
     )
@@ -112,18 +119,18 @@ def test_injected_enospc_fails_the_store_and_leaves_no_temp_file(
         assert isinstance(tier, FilesystemTier)
         keys = harness.keys(2)
         harness.fill([0, 1])
-        real_writev = os.writev
+        real_pwritev = os.pwritev
 
-        def full_disk(fd: int, buffers: list) -> int:
+        def full_disk(fd: int, buffers: list, offset: int) -> int:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-        monkeypatch.setattr(io.os, "writev", full_disk)
+        monkeypatch.setattr(io.os, "pwritev", full_disk)
         result = harness.store(keys, [0, 1])
         assert not result.success and result.succeeded == frozenset()
         assert tier.disk_full_errors == 2
         assert list(tmp_path.rglob("*.tmp")) == [] and list(tmp_path.rglob("*.kvc")) == []
         assert tier.held_bytes == 0
-        monkeypatch.setattr(io.os, "writev", real_writev)
+        monkeypatch.setattr(io.os, "pwritev", real_pwritev)
         assert harness.store(keys, [0, 1]).success
         assert harness.load(keys, [2, 3]).success
     finally:

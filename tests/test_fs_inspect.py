@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from kvtier.cli import cli
 from kvtier.testing import TierHarness, small_layout
-from kvtier.tiers.fs.io import HEADER_BLOCK
+from kvtier.tiers.fs.io import TRAILER_BLOCK
 
 
 def _populate(root: Path, model_id: str, count: int) -> list[bytes]:
@@ -32,7 +32,7 @@ def test_inspect_counts_chunks_per_namespace(tmp_path: Path) -> None:
     _populate(tmp_path, "model-b", 2)
     code, output = _invoke(str(tmp_path))
     assert code == 0, output
-    file_bytes = HEADER_BLOCK + small_layout().slot_bytes
+    file_bytes = small_layout().slot_bytes + TRAILER_BLOCK
     assert f"2 namespaces, 5 chunks, {5 * file_bytes / 1024:.1f} KiB" in output
     assert "model-a" in output and "model-b" in output
 
@@ -48,7 +48,7 @@ def test_inspect_verify_fails_and_names_corrupt_chunks(tmp_path: Path) -> None:
     keys = _populate(tmp_path, "model-a", 4)
     victim = next(tmp_path.rglob(f"{keys[2].hex()}.kvc"))
     data = bytearray(victim.read_bytes())
-    data[-1] ^= 0x01
+    data[-TRAILER_BLOCK - 1] ^= 0x01  # the last payload byte
     victim.write_bytes(bytes(data))
     code, output = _invoke(str(tmp_path), "--verify")
     assert code == 1

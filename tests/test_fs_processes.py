@@ -19,12 +19,12 @@ import pytest
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.fs import FilesystemTier
-from kvtier.tiers.fs.io import HEADER_BLOCK
+from kvtier.tiers.fs.io import TRAILER_BLOCK
 from kvtier.tiers.fs.layout import NamespaceDir
 from tests.fs_worker import LAYOUT, keys_for, open_tier, payload_for, store
 
 WORKER = str(Path(__file__).with_name("fs_worker.py"))
-FILE_BYTES = HEADER_BLOCK + LAYOUT.slot_bytes
+FILE_BYTES = LAYOUT.slot_bytes + TRAILER_BLOCK
 
 
 def run_worker(*args: object, timeout: float = 60) -> int:

@@ -18,7 +18,9 @@ from kvtier.errors import ConfigError
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.fs import FilesystemTier
-from kvtier.tiers.fs.io import HEADER_BLOCK
+from kvtier.tiers.fs.io import TRAILER_BLOCK
+
+pytestmark = pytest.mark.usefixtures("chunk_io")
 
 
 class TestFilesystemContract(TierContractTests):
@@ -68,8 +70,8 @@ def test_layout_is_namespaced_fanned_out_and_described(harness: TierHarness, roo
     assert record["chunk_file"]["payload_bytes"] == harness.layout.slot_bytes
     for key in keys:
         name = key.hex()
-        path = root / namespace / name[:2] / name[2:4] / f"{name}.kvc"
-        assert path.stat().st_size == HEADER_BLOCK + harness.layout.slot_bytes
+        path = root / namespace / name[:2] / f"{name}.kvc"
+        assert path.stat().st_size == harness.layout.slot_bytes + TRAILER_BLOCK
     leftovers = [p for p in (root / namespace).rglob(".*")]
     assert leftovers == []
 
@@ -117,13 +119,18 @@ def test_max_bytes_below_one_chunk_is_rejected(root: Path) -> None:
 
 def _chunk_path(root: Path, namespace: bytes, key: bytes) -> Path:
     name = key.hex()
-    return root / namespace.hex() / name[:2] / name[2:4] / f"{name}.kvc"
+    return root / namespace.hex() / name[:2] / f"{name}.kvc"
 
 
 def _flip(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def _trailer(path: Path) -> int:
+    """File offset of a chunk file's trailer block."""
+    return path.stat().st_size - TRAILER_BLOCK
 
 
 def _truncate(path: Path, size: int) -> None:
@@ -134,12 +141,12 @@ def _truncate(path: Path, size: int) -> None:
 @pytest.mark.parametrize(
     "damage",
     [
-        pytest.param(lambda p: _flip(p, HEADER_BLOCK + 100), id="payload-byte"),
-        pytest.param(lambda p: _flip(p, p.stat().st_size - 1), id="last-byte"),
-        pytest.param(lambda p: _flip(p, 0), id="magic"),
-        pytest.param(lambda p: _flip(p, 40), id="checksum"),
-        pytest.param(lambda p: _truncate(p, p.stat().st_size - 4096), id="truncated"),
-        pytest.param(lambda p: _truncate(p, 10), id="truncated-header"),
+        pytest.param(lambda p: _flip(p, 100), id="payload-byte"),
+        pytest.param(lambda p: _flip(p, _trailer(p) - 1), id="last-payload-byte"),
+        pytest.param(lambda p: _flip(p, _trailer(p)), id="magic"),
+        pytest.param(lambda p: _flip(p, _trailer(p) + 40), id="checksum"),
+        pytest.param(lambda p: _truncate(p, _trailer(p)), id="no-trailer"),
+        pytest.param(lambda p: _truncate(p, 10), id="truncated"),
     ],
 )
 def test_damaged_chunk_is_a_miss_deleted_and_counted(
@@ -200,7 +207,7 @@ def _disk_bytes(directory: Path) -> int:
 
 def test_max_bytes_holds_over_a_long_store_stream_and_hot_chunks_survive(root: Path) -> None:
     layout = small_layout()
-    file_bytes = HEADER_BLOCK + layout.slot_bytes
+    file_bytes = layout.slot_bytes + TRAILER_BLOCK
     h = TierHarness(
         {"type": "fs", "root_dir": str(root), "max_bytes": 8 * file_bytes, "io_threads": 2},
         layout,
@@ -229,7 +236,7 @@ def test_max_bytes_holds_over_a_long_store_stream_and_hot_chunks_survive(root: P
 
 def test_restart_reindexes_in_lru_order_and_enforces_a_smaller_bound(root: Path) -> None:
     layout = small_layout()
-    file_bytes = HEADER_BLOCK + layout.slot_bytes
+    file_bytes = layout.slot_bytes + TRAILER_BLOCK
     first = TierHarness({"type": "fs", "root_dir": str(root)}, layout)
     keys = first.keys(6)
     first.fill(range(6))
@@ -313,7 +320,7 @@ def test_metrics_export_index_size_and_disk_full_errors(harness: TierHarness) ->
     assert harness.store(keys, [0, 1]).success
     values = {metric.name: metric.value for metric in fs_tier(harness).metrics()}
     assert values["chunks"] == 2
-    assert values["held_bytes"] == 2 * (HEADER_BLOCK + harness.layout.slot_bytes)
+    assert values["held_bytes"] == 2 * (harness.layout.slot_bytes + TRAILER_BLOCK)
     assert values["disk_full_errors"] == 0
 
 

@@ -13,7 +13,7 @@ import numpy as np
 KEY_BYTES = 32
 
 #: Bumped whenever the bytes kvtier stores for a chunk change meaning.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 _DTYPE_BYTES = {
     "float32": 4,

@@ -80,7 +80,7 @@ def inspect(root_dir: Path, verify: bool) -> None:
     """Summarise the chunks an fs tier keeps under ROOT_DIR.
 
     Per namespace: chunks, bytes, oldest and newest. With --verify, every
-    chunk's header and checksum are checked; exits 1 if any chunk is corrupt.
+    chunk's trailer and checksum are checked; exits 1 if any chunk is corrupt.
     Reads only: corrupt files are listed, not deleted (the tier deletes them
     when it meets them).
     """

@@ -1,7 +1,7 @@
 """``fs``: chunks as files on a local disk or a shared mount.
 
 Every chunk is one file written atomically (temp file, full write, length
-check, rename) with the integrity header in front, checked on every load.
+check, rename) with the integrity header in a trailer, checked on every load.
 ``O_DIRECT`` is used where the filesystem takes it, so 2 MiB chunks move by
 DMA between disk and the primary slot with no copy in Python or the page
 cache. An in-memory index answers lookups and orders eviction; it is rebuilt
@@ -31,10 +31,11 @@ from pydantic import ByteSize, Field
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
+from kvtier.tiers.fs import io as chunk_io
 from kvtier.tiers.fs.index import ChunkIndex
 from kvtier.tiers.fs.io import (
     DIRECT_ALIGN,
-    HEADER_BLOCK,
+    TRAILER_BLOCK,
     probe_direct_io,
     read_chunk,
     write_chunk,
@@ -102,13 +103,13 @@ class FilesystemTier(ThreadedTier):
         self.root_dir = options.root_dir.expanduser().absolute()
         self.dir = NamespaceDir(self.root_dir, self.namespace)
         try:
-            self.dir.path.mkdir(parents=True, exist_ok=True)
-            self.dir.write_description(self.spec.layout, HEADER_BLOCK)
+            self.dir.create_buckets()
+            self.dir.write_description(self.spec.layout, TRAILER_BLOCK)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"{self.tier_type}: cannot use root_dir {self.root_dir}: {exc.strerror}"
             ) from exc
-        self.file_bytes = HEADER_BLOCK + self.slot_bytes
+        self.file_bytes = self.slot_bytes + TRAILER_BLOCK
         self.max_bytes = None if options.max_bytes is None else int(options.max_bytes)
         if self.max_bytes is not None and self.max_bytes < self.file_bytes:
             raise ValueError(
@@ -130,11 +131,13 @@ class FilesystemTier(ThreadedTier):
         )
         self._indexer.start()
         logger.info(
-            "tier %s: %s, %s I/O (%s), max_bytes=%s, fsync=%s; re-indexing in the background",
+            "tier %s: %s, %s I/O (%s) in %s code, max_bytes=%s, fsync=%s; "
+            "re-indexing in the background",
             self.tier_type,
             self.dir.path,
             "direct" if self.direct else "buffered",
             self.io_mode_reason,
+            chunk_io.IMPLEMENTATION,
             self.max_bytes,
             self.fsync,
         )
@@ -336,7 +339,11 @@ class FilesystemTier(ThreadedTier):
             )
         )
         checks.append(
-            HealthCheck("io mode", True, f"{self.describe()['io']}: {self.io_mode_reason}")
+            HealthCheck(
+                "io mode",
+                True,
+                f"{self.describe()['io']}: {self.io_mode_reason}; {chunk_io.IMPLEMENTATION} code",
+            )
         )
         return checks
 
@@ -369,6 +376,7 @@ class FilesystemTier(ThreadedTier):
             "namespace_dir": str(self.dir.path),
             "io": "direct" if self.direct else "buffered",
             "io_reason": self.io_mode_reason,
+            "io_code": chunk_io.IMPLEMENTATION,
             "io_threads": len(self._workers),
             "fsync": self.fsync,
             "shared": self.shared,

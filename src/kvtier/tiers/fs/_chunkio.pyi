@@ -1,0 +1,7 @@
+# The compiled chunk-file I/O (_chunkio.c); see kvtier.tiers.fs.io for the contract.
+from typing_extensions import Buffer
+
+def store(
+    temp_path: str, final_path: str, payload: Buffer, trailer: Buffer, direct: bool, fsync: bool, /
+) -> None: ...
+def load(path: str, out: Buffer, trailer: Buffer, direct: bool, stamp_after_s: float, /) -> int: ...

@@ -1,0 +1,104 @@
+"""The fs tier's chunk-file system calls, in each implementation (compiled and Python)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.tiers.fs import io
+
+pytestmark = pytest.mark.usefixtures("chunk_io")
+
+PAYLOAD = 3 * 4096
+
+
+def _pages(size: int, fill: int = 0) -> memoryview:
+    region = mmap.mmap(-1, size)
+    region.write(bytes([fill]) * size)
+    return memoryview(region)
+
+
+def test_store_then_load_moves_every_byte(tmp_path: Path) -> None:
+    payload, trailer = _pages(PAYLOAD, 7), _pages(4096, 9)
+    final = str(tmp_path / "chunk")
+    io._store_file(final + ".tmp", final, payload, trailer, False, True)
+    assert os.listdir(tmp_path) == ["chunk"]
+    assert Path(final).read_bytes() == b"\x07" * PAYLOAD + b"\x09" * 4096
+    out, back = _pages(PAYLOAD), _pages(4096)
+    assert io._load_file(final, out, back, False, 60.0) == PAYLOAD + 4096
+    assert bytes(out) == bytes(payload) and bytes(back) == bytes(trailer)
+
+
+def test_direct_io_round_trip_where_the_filesystem_takes_it(tmp_path: Path) -> None:
+    if io.probe_direct_io(str(tmp_path)) is not None:
+        pytest.skip(f"O_DIRECT is not available in {tmp_path}")
+    payload, trailer = _pages(PAYLOAD, 3), _pages(4096, 4)
+    final = str(tmp_path / "chunk")
+    io._store_file(final + ".tmp", final, payload, trailer, True, False)
+    out, back = _pages(PAYLOAD), _pages(4096)
+    assert io._load_file(final, out, back, True, 60.0) == PAYLOAD + 4096
+    assert bytes(out) == bytes(payload)
+
+
+def test_a_short_file_reads_short(tmp_path: Path) -> None:
+    path = tmp_path / "short"
+    path.write_bytes(b"x" * 5000)
+    out, back = _pages(PAYLOAD), _pages(4096)
+    assert io._load_file(str(path), out, back, False, 60.0) == 5000
+
+
+def test_a_missing_file_is_file_not_found_naming_it(tmp_path: Path) -> None:
+    missing = str(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError) as caught:
+        io._load_file(missing, _pages(PAYLOAD), _pages(4096), False, 60.0)
+    assert caught.value.filename == missing
+
+
+def test_a_store_into_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    final = str(tmp_path / "ab" / "chunk")
+    with pytest.raises(FileNotFoundError):
+        io._store_file(final + ".tmp", final, _pages(PAYLOAD), _pages(4096), False, False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_rename_removes_the_temp_file_and_names_the_target(tmp_path: Path) -> None:
+    final = tmp_path / "chunk"
+    (final / "occupied").mkdir(parents=True)  # a non-empty directory where the file goes
+    with pytest.raises(OSError) as caught:
+        io._store_file(str(final) + ".tmp", str(final), _pages(PAYLOAD), _pages(4096), False, False)
+    assert caught.value.filename in (str(final), str(final) + ".tmp")
+    assert sorted(os.listdir(tmp_path)) == ["chunk"]
+
+
+def test_an_existing_temp_file_is_never_overwritten(tmp_path: Path) -> None:
+    temp = tmp_path / "chunk.tmp"
+    temp.write_bytes(b"another writer")
+    with pytest.raises(FileExistsError):
+        io._store_file(
+            str(temp), str(tmp_path / "chunk"), _pages(PAYLOAD), _pages(4096), False, False
+        )
+    assert temp.read_bytes() == b"another writer"
+
+
+def test_a_load_stamps_the_use_time_of_a_file_unused_for_a_while(tmp_path: Path) -> None:
+    path = tmp_path / "chunk"
+    path.write_bytes(b"y" * (PAYLOAD + 4096))
+    hour_ago = time.time() - 3600
+    os.utime(path, (hour_ago, hour_ago))
+    io._load_file(str(path), _pages(PAYLOAD), _pages(4096), False, 7200.0)
+    assert path.stat().st_mtime == pytest.approx(hour_ago)  # used within the window
+    io._load_file(str(path), _pages(PAYLOAD), _pages(4096), False, 60.0)
+    assert path.stat().st_mtime > time.time() - 60
+
+
+def test_the_compiled_implementation_is_built() -> None:
+    if "compiled" in io.IMPLEMENTATIONS:
+        assert io.IMPLEMENTATION == "compiled"
+    elif os.environ.get("CI"):
+        pytest.fail("CI builds kvtier with a C compiler, but kvtier.tiers.fs._chunkio is missing")
+    else:
+        pytest.skip("kvtier was built without a C compiler: the fs tier does its I/O in Python")
