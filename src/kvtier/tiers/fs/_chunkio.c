@@ -22,17 +22,19 @@ static PyObject *raise_errno(int error, PyObject *path) {
     return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
 }
 
-/* Write every byte of iov from file offset 0; returns 0 or an errno. */
-static int write_all(int fd, struct iovec *iov, int count) {
-    off_t offset = 0;
+/* Move the bytes of iov from or to the file from offset 0 until all are
+ * moved, the file ends (reading) or a call fails. Returns 0 or an errno;
+ * *moved counts the bytes moved. A write that makes no progress is ENOSPC. */
+static int transfer(int fd, struct iovec *iov, int count, int writing, Py_ssize_t *moved) {
+    *moved = 0;
     while (count > 0) {
-        ssize_t done = pwritev(fd, iov, count, offset);
+        ssize_t done = writing ? pwritev(fd, iov, count, *moved) : preadv(fd, iov, count, *moved);
         if (done < 0) {
             if (errno == EINTR) continue;
             return errno;
         }
-        if (done == 0) return ENOSPC;
-        offset += done;
+        if (done == 0) return writing ? ENOSPC : 0;
+        *moved += done;
         while (count > 0 && (size_t)done >= iov->iov_len) {
             done -= iov->iov_len;
             iov++;
@@ -62,8 +64,9 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args) {
         error = errno;
     } else {
         struct iovec iov[2] = {{payload.buf, (size_t)payload.len}, {trailer.buf, (size_t)trailer.len}};
+        Py_ssize_t written;
         stage = 1;
-        error = write_all(fd, iov, 2);
+        error = transfer(fd, iov, 2, 1, &written);
         if (!error && do_fsync && fsync(fd) != 0) error = errno;
         if (close(fd) != 0 && !error) error = errno;
         if (!error && rename(temp, final) != 0) error = errno;
@@ -102,27 +105,7 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
         error = errno;
     } else {
         struct iovec iov[2] = {{out.buf, (size_t)out.len}, {trailer.buf, (size_t)trailer.len}};
-        struct iovec *next = iov;
-        int count = 2;
-        while (count > 0) {
-            ssize_t done = preadv(fd, next, count, total);
-            if (done < 0) {
-                if (errno == EINTR) continue;
-                error = errno;
-                break;
-            }
-            if (done == 0) break;
-            total += done;
-            while (count > 0 && (size_t)done >= next->iov_len) {
-                done -= next->iov_len;
-                next++;
-                count--;
-            }
-            if (count > 0) {
-                next->iov_base = (char *)next->iov_base + done;
-                next->iov_len -= done;
-            }
-        }
+        error = transfer(fd, iov, 2, 0, &total);
         struct stat info;
         struct timespec now;
         if (!error && fstat(fd, &info) == 0 && clock_gettime(CLOCK_REALTIME, &now) == 0 &&
