@@ -25,7 +25,7 @@ def _pages(size: int, fill: int = 0) -> memoryview:
 def test_store_then_load_moves_every_byte(tmp_path: Path) -> None:
     payload, trailer = _pages(PAYLOAD, 7), _pages(4096, 9)
     final = str(tmp_path / "chunk")
-    io._store_file(final + ".tmp", final, payload, trailer, False, True)
+    assert io._store_file(final + ".tmp", final, payload, trailer, False, True) is True
     assert os.listdir(tmp_path) == ["chunk"]
     assert Path(final).read_bytes() == b"\x07" * PAYLOAD + b"\x09" * 4096
     out, back = _pages(PAYLOAD), _pages(4096)
@@ -42,6 +42,17 @@ def test_direct_io_round_trip_where_the_filesystem_takes_it(tmp_path: Path) -> N
     out, back = _pages(PAYLOAD), _pages(4096)
     assert io._load_file(final, out, back, True, 60.0) == PAYLOAD + 4096
     assert bytes(out) == bytes(payload)
+
+
+def test_a_complete_file_of_the_chunk_is_not_written_again(tmp_path: Path) -> None:
+    final = tmp_path / "chunk"
+    final.write_bytes(b"s" * (PAYLOAD + 4096))  # stored by another writer
+    payload, trailer = _pages(PAYLOAD, 1), _pages(4096, 2)
+    assert io._store_file(str(final) + ".tmp", str(final), payload, trailer, False, False) is False
+    assert final.read_bytes() == b"s" * (PAYLOAD + 4096) and os.listdir(tmp_path) == ["chunk"]
+    final.write_bytes(b"s" * 100)  # not a complete chunk file: replaced
+    assert io._store_file(str(final) + ".tmp", str(final), payload, trailer, False, False) is True
+    assert final.read_bytes() == b"\x01" * PAYLOAD + b"\x02" * 4096
 
 
 def test_a_short_file_reads_short(tmp_path: Path) -> None:

@@ -57,10 +57,17 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args) {
                           &do_fsync))
         return NULL;
     const char *temp = PyBytes_AS_STRING(temp_obj), *final = PyBytes_AS_STRING(final_obj);
-    int error = 0, stage = 0;
+    int error = 0, stage = 0, present = 0;
     Py_BEGIN_ALLOW_THREADS
-    int fd = open(temp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0), 0644);
-    if (fd < 0) {
+    struct stat info;
+    present = stat(final, &info) == 0 && S_ISREG(info.st_mode) &&
+              info.st_size == (off_t)(payload.len + trailer.len);
+    int fd = present ? -1
+                     : open(temp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0),
+                            0644);
+    if (present) {
+        /* a complete file of this chunk is there (keys name their bytes) */
+    } else if (fd < 0) {
         error = errno;
     } else {
         struct iovec iov[2] = {{payload.buf, (size_t)payload.len}, {trailer.buf, (size_t)trailer.len}};
@@ -81,7 +88,7 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args) {
         raise_errno(error, name);
         Py_XDECREF(name);
     } else {
-        result = Py_NewRef(Py_None);
+        result = PyBool_FromLong(!present);
     }
     Py_DECREF(temp_obj);
     Py_DECREF(final_obj);
@@ -129,7 +136,7 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"store", store, METH_VARARGS, "store(temp, final, payload, trailer, direct, fsync)"},
+    {"store", store, METH_VARARGS, "store(temp, final, payload, trailer, direct, fsync) -> written"},
     {"load", load, METH_VARARGS, "load(path, out, trailer, direct, stamp_after_s) -> bytes read"},
     {NULL, NULL, 0, NULL},
 };

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -88,10 +89,16 @@ def _store_file_python(
     trailer: memoryview,
     direct: bool,
     fsync: bool,
-) -> None:
+) -> bool:
     """Create ``temp_path`` exclusively, write ``payload`` then ``trailer``
     completely, optionally fsync, and rename it to ``final_path``; on any
-    failure remove the temp file and raise ``OSError``."""
+    failure remove the temp file and raise ``OSError``. Writes nothing and
+    returns false when ``final_path`` already is a file of that size (a key
+    names its bytes, so another writer stored the same chunk)."""
+    with contextlib.suppress(OSError):
+        info = os.stat(final_path)
+        if stat.S_ISREG(info.st_mode) and info.st_size == len(payload) + len(trailer):
+            return False
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
     fd = os.open(temp_path, flags, 0o644)
     try:
@@ -113,6 +120,7 @@ def _store_file_python(
         with contextlib.suppress(OSError):
             os.unlink(temp_path)
         raise
+    return True
 
 
 def _load_file_python(
@@ -139,7 +147,7 @@ def _load_file_python(
         os.close(fd)
 
 
-_StoreFile = Callable[[str, str, memoryview, memoryview, bool, bool], None]
+_StoreFile = Callable[[str, str, memoryview, memoryview, bool, bool], bool]
 _LoadFile = Callable[[str, memoryview, memoryview, bool, float], int]
 
 #: Implementations of the two functions above, by name.
@@ -169,8 +177,9 @@ def write_chunk(
     *,
     direct: bool,
     fsync: bool,
-) -> int:
-    """Atomically create ``final_path`` holding ``payload``; returns the file size.
+) -> bool:
+    """Atomically create ``final_path`` holding ``payload``; false if a
+    complete file of it was there already, so nothing was written.
 
     Temp file in the same directory, full write (every byte counted), optional
     fsync, rename. Readers see the old state or the whole new file, never a
@@ -181,13 +190,13 @@ def write_chunk(
     packed = integrity.pack_header(namespace, key, payload)
     trailer[: len(packed)] = packed
     try:
-        _store_file(temp_path, final_path, payload, memoryview(trailer), direct, fsync)
-    except FileNotFoundError:  # the first chunk of its directory
+        written = _store_file(temp_path, final_path, payload, memoryview(trailer), direct, fsync)
+    except FileNotFoundError:  # its bucket was removed
         os.makedirs(os.path.dirname(temp_path), exist_ok=True)
-        _store_file(temp_path, final_path, payload, memoryview(trailer), direct, fsync)
-    if fsync:
+        written = _store_file(temp_path, final_path, payload, memoryview(trailer), direct, fsync)
+    if written and fsync:
         _fsync_directory(os.path.dirname(final_path))
-    return len(payload) + TRAILER_BLOCK
+    return written
 
 
 def read_chunk(path: str, out: memoryview, namespace: bytes, key: bytes, *, direct: bool) -> None:

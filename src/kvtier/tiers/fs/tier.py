@@ -246,15 +246,15 @@ class FilesystemTier(ThreadedTier):
         return [key in self._index or self._on_disk(key) for key in keys]
 
     def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        if (self.shared or not self._index_ready.is_set()) and self._on_disk(key):
-            return  # another process (or our past self) already stored it
+        # A chunk another process (or our past self) stored is not written
+        # again; write_chunk checks for it with the same GIL release as the write.
         fits, victims = self._index.reserve(self.file_bytes)
         self._delete(victims)
         if not fits:
             raise OSError(errno.ENOSPC, f"max_bytes={self.max_bytes} taken by writes in flight")
         path = self.dir.chunk_path(key)
         try:
-            size = write_chunk(
+            written = write_chunk(
                 path,
                 self.dir.temp_path(path),
                 self.namespace,
@@ -268,8 +268,8 @@ class FilesystemTier(ThreadedTier):
             if exc.errno in _DISK_FULL:
                 self._note_disk_full(exc)
             raise
-        self._index.commit(key, size, self.file_bytes)
-        if self._disk_full:
+        self._index.commit(key, self.file_bytes, self.file_bytes)
+        if written and self._disk_full:
             self._disk_full = False
             logger.info("tier %s: stores succeed again", self.tier_type)
 
