@@ -87,7 +87,7 @@ class Workload:
         self.buffer = SlotBuffer(self.slots, chunk)
         rng = np.random.default_rng(0)
         self.buffer.array[:] = rng.integers(0, 256, self.buffer.array.shape, dtype=np.uint8)
-        self.digests = [xxhash.xxh3_64_digest(memoryview(row)) for row in self.buffer.array]
+        self.digests = [xxhash.xxh3_64_digest(row.data) for row in self.buffer.array]
         self.nbytes = self.slots * chunk
         self.segments_per_slot = segments_per_slot(self.buffer.array, chunk)
 
@@ -97,8 +97,7 @@ class Workload:
     def check(self, who: str) -> None:
         rows = self.buffer.array
         bad = sum(
-            xxhash.xxh3_64_digest(memoryview(r)) != d
-            for r, d in zip(rows, self.digests, strict=True)
+            xxhash.xxh3_64_digest(r.data) != d for r, d in zip(rows, self.digests, strict=True)
         )
         if bad:
             raise SystemExit(f"{who}: {bad} chunks loaded wrong bytes")

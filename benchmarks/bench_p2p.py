@@ -203,12 +203,12 @@ def main() -> None:
         f"{args.rounds} rounds after a warm-up; MB/s (ratio to raw) by median and by best round"
     )
     raw_rounds = results["raw socket, 1 connection"]
-    for name, seconds in results.items():
-        median = statistics.median(raw_rounds) / statistics.median(seconds)
-        best = min(raw_rounds) / min(seconds)
+    for name, rounds in results.items():
+        median = statistics.median(raw_rounds) / statistics.median(rounds)
+        best = min(raw_rounds) / min(rounds)
         print(
-            f"  {name:26s} median {total / statistics.median(seconds) / 1e6:6.0f} ({median:4.2f})"
-            f"   best {total / min(seconds) / 1e6:6.0f} ({best:4.2f})"
+            f"  {name:26s} median {total / statistics.median(rounds) / 1e6:6.0f} ({median:4.2f})"
+            f"   best {total / min(rounds) / 1e6:6.0f} ({best:4.2f})"
         )
 
 

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -241,8 +241,14 @@ def measure(
     )
 
 
+#: Starts a server; yields the tier config, the raw client and a way to empty it.
+Setup = Callable[
+    [int], AbstractContextManager[tuple[dict[str, Any], "RawRedis | RawS3", Callable[[], object]]]
+]
+
+
 @contextmanager
-def redis_setup(threads: int) -> Iterator[tuple[dict[str, Any], RawRedis, Callable[[], None]]]:
+def redis_setup(threads: int) -> Iterator[tuple[dict[str, Any], RawRedis, Callable[[], object]]]:
     with RedisServer() as server:
         config = {"type": "redis", "url": server.url, "io_threads": threads}
         raw = RawRedis(server.url, threads, RedisTier.io_batch)
@@ -277,7 +283,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     size = TypeAdapter(ByteSize)
-    setups = {
+    setups: dict[str, tuple[Setup, int, int]] = {
         "redis": (redis_setup, args.redis_threads, int(size.validate_python(args.redis_volume))),
         "obj": (obj_setup, args.obj_threads, int(size.validate_python(args.obj_volume))),
     }

@@ -77,7 +77,7 @@ def main() -> int:
     array = np.frombuffer(buffer, dtype=np.uint8).reshape(slots, chunk)
     rng = np.random.default_rng(1)
     array[:] = rng.integers(0, 256, array.shape, dtype=np.uint8)
-    digests = [xxhash.xxh3_64_digest(row) for row in array]
+    digests = [xxhash.xxh3_64_digest(row.data) for row in array]
     spec = _spec(256)
     segments = segments_per_slot(array, chunk)
     print(json.dumps({"ready": True, "segments_per_slot": segments}), flush=True)
@@ -85,7 +85,7 @@ def main() -> int:
     for line in sys.stdin:
         root = line.strip()
         tier = FileSystemTierManager(
-            spec,  # type: ignore[arg-type]
+            spec,
             view,
             "fs",
             root_dir=root,
@@ -99,7 +99,9 @@ def main() -> int:
         cold = _drop_caches(root)
         array[:] = 0
         load_s = _run(tier, tier.submit_load, keys, job_chunks, True, job_ids)
-        bad = sum(xxhash.xxh3_64_digest(row) != d for row, d in zip(array, digests, strict=True))
+        bad = sum(
+            xxhash.xxh3_64_digest(row.data) != d for row, d in zip(array, digests, strict=True)
+        )
         if bad:
             raise SystemExit(f"vLLM fs tier: {bad} chunks loaded wrong bytes")
         io_mode = "direct" if tier._use_o_direct else "buffered"

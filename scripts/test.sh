@@ -26,8 +26,10 @@ fi
 export NO_MKDOCS_2_WARNING=1
 
 ruff check src tests benchmarks examples
+ruff format --check src tests benchmarks examples
 mypy
 mypy examples/acme-kvtier/src examples/acme-kvtier/tests
+mypy benchmarks/*.py
 # The vLLM suite needs its own environment: it runs below, not here.
 pytest -q -m "not slow" --ignore=tests/integrations/test_vllm.py
 pytest -q examples/acme-kvtier/tests
