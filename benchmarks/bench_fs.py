@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from physical import segments_per_slot  # beside this script
+from physical import drop_caches, segments_per_slot  # beside this script
 from pydantic import ByteSize, TypeAdapter
 
 from kvtier.config import load_config
@@ -60,22 +60,6 @@ CHUNK_TOKENS = 256
 
 def parse_size(text: str) -> int:
     return int(TypeAdapter(ByteSize).validate_python(text))
-
-
-def drop_caches(root: Path) -> str:
-    """Evict ``root``'s files from the page cache; returns the method used."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as handle:
-            handle.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for directory, _, files in os.walk(root):
-            for name in files:
-                fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
-        return "fadvise"
 
 
 class Workload:

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 import xxhash
-from physical import segments_per_slot  # beside this script
+from physical import drop_caches, segments_per_slot  # beside this script
 
 
 def _spec(tokens_per_block: int) -> object:
@@ -95,8 +95,7 @@ def main() -> int:
         keys = [make_offload_key(os.urandom(32), 0) for _ in range(slots)]
         store_s = _run(tier, tier.submit_store, keys, job_chunks, False, job_ids)
         tier.drain_jobs()
-        os.sync()
-        cold = _drop_caches(root)
+        cold = drop_caches(root)
         array[:] = 0
         load_s = _run(tier, tier.submit_load, keys, job_chunks, True, job_ids)
         bad = sum(
@@ -137,20 +136,6 @@ def _run(tier, submit, keys, job_chunks, promotion, job_ids) -> float:  # type: 
     if failed:
         raise SystemExit(f"vLLM fs tier: {failed} jobs failed")
     return seconds
-
-
-def _drop_caches(root: str) -> str:
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as handle:
-            handle.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for directory, _, files in os.walk(root):
-            for name in files:
-                fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                os.close(fd)
-        return "fadvise"
 
 
 if __name__ == "__main__":

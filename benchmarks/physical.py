@@ -1,4 +1,4 @@
-"""How physically contiguous a buffer is: the DMA segments a direct-I/O request needs.
+"""The physical side of a storage benchmark: a buffer's DMA segments, a cold page cache.
 
 Direct I/O moves each physically contiguous run of a buffer's pages as one DMA
 segment. On a virtual disk every segment can cost the host a separate
@@ -9,6 +9,8 @@ buffers of the same quality.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -33,3 +35,20 @@ def segments_per_slot(array: np.ndarray, slot_bytes: int) -> float | None:
     per_slot = frames.reshape(-1, slot_bytes // PAGE)
     runs = (np.diff(per_slot, axis=1) != 1).sum(axis=1) + 1
     return round(float(runs.mean()), 1)
+
+
+def drop_caches(root: str | os.PathLike[str]) -> str:
+    """Write back and evict ``root``'s files from the page cache; the method
+    used (``drop_caches`` needs root, else ``posix_fadvise`` per file)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for directory, _, files in os.walk(root):
+            for name in files:
+                fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        return "fadvise"

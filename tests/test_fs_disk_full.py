@@ -103,14 +103,12 @@ def test_full_filesystem_is_counted_as_store_failures_by_the_manager(small_fs: P
         assert stats.chunks_stored + stats.store_failures == 60
 
 
+# The failure is injected into the Python implementation's write; the
+# compiled one meets a real full disk in the tests above.
+@pytest.mark.parametrize("chunk_io", ["python"], indirect=True)
 def test_injected_enospc_fails_the_store_and_leaves_no_temp_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The failure is injected into the Python implementation's write; the
-    # compiled one meets a real full disk in the tests above.
-    store, load = io.IMPLEMENTATIONS["python"]
-    monkeypatch.setattr(io, "_store_file", store)
-    monkeypatch.setattr(io, "_load_file", load)
     harness = TierHarness(
         {"type": "fs", "root_dir": str(tmp_path / "kv"), "io_threads": 1}, small_layout()
     )

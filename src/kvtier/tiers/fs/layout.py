@@ -64,11 +64,6 @@ class NamespaceDir:
         name = key.hex()
         return f"{self._base}/{name[:2]}/{name}{CHUNK_SUFFIX}"
 
-    def create_buckets(self) -> None:
-        """Make the namespace directory and its 256 buckets (where missing)."""
-        for bucket in range(256):
-            os.makedirs(f"{self._base}/{bucket:02x}", exist_ok=True)
-
     @staticmethod
     def temp_path(final_path: str) -> str:
         """A unique sibling of ``final_path`` for a write in progress (same directory,
@@ -78,11 +73,15 @@ class NamespaceDir:
         stem = name[: -len(CHUNK_SUFFIX)]
         return f"{directory}/.{stem}.{_HOST}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
 
-    def write_description(self, layout: KVLayout, trailer_bytes: int) -> None:
-        """Create ``NAMESPACE.json`` once (atomically; concurrent creators agree)."""
+    def create(self, layout: KVLayout, trailer_bytes: int) -> None:
+        """Make the namespace directory, its 256 buckets and ``NAMESPACE.json``,
+        unless that file says an earlier start did (it is written last,
+        atomically; concurrent creators agree). A restart costs one ``stat``."""
         target = self.path / NAMESPACE_FILE
         if target.exists():
             return
+        for bucket in range(256):
+            os.makedirs(f"{self._base}/{bucket:02x}", exist_ok=True)
         record = {
             "what": "kvtier chunk files of one KV layout; the directory name is the "
             "namespace digest (BLAKE2b-256) of the layout below",

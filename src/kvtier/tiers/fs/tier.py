@@ -103,8 +103,7 @@ class FilesystemTier(ThreadedTier):
         self.root_dir = options.root_dir.expanduser().absolute()
         self.dir = NamespaceDir(self.root_dir, self.namespace)
         try:
-            self.dir.create_buckets()
-            self.dir.write_description(self.spec.layout, TRAILER_BLOCK)
+            self.dir.create(self.spec.layout, TRAILER_BLOCK)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"{self.tier_type}: cannot use root_dir {self.root_dir}: {exc.strerror}"
