@@ -7,6 +7,7 @@ token appears, and the cache is at hand afterwards to store.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from collections.abc import Sequence
@@ -42,12 +43,20 @@ class Generation:
     cache: Cache | None = field(default=None, repr=False, compare=False)
 
 
+@functools.cache
+def _forward_arguments(model_class: type[PreTrainedModel]) -> tuple[str, bool]:
+    """The name ``forward`` takes the cache by, and whether it takes
+    ``logits_to_keep`` (once per model class, not once per token)."""
+    parameters = inspect.signature(model_class.forward).parameters
+    # transformers 5 names the argument ``cache``; earlier releases ``past_key_values``.
+    return ("cache" if "cache" in parameters else "past_key_values"), "logits_to_keep" in parameters
+
+
 def _forward(model: PreTrainedModel, token_ids: Sequence[int], cache: Cache) -> torch.Tensor:
     """Run ``token_ids`` after what ``cache`` holds; returns the last position's logits."""
-    parameters = inspect.signature(model.forward).parameters
-    # transformers 5 names the argument ``cache``; earlier releases ``past_key_values``.
-    kwargs: dict[str, object] = {"cache" if "cache" in parameters else "past_key_values": cache}
-    if "logits_to_keep" in parameters:
+    cache_argument, keeps_logits = _forward_arguments(type(model))  # type: ignore[arg-type]
+    kwargs: dict[str, object] = {cache_argument: cache}
+    if keeps_logits:
         kwargs["logits_to_keep"] = 1
     input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=model.device)
     with torch.inference_mode():
