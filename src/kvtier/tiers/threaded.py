@@ -220,8 +220,10 @@ class ThreadedTier(SecondaryTier):
                     self._checking.discard(key)
                     self._checked[key] = present
                 # Oldest answers first: nobody came back for them.
-                for stale in list(self._checked)[: len(self._checked) - self.max_unclaimed_answers]:
-                    del self._checked[stale]
+                excess = len(self._checked) - self.max_unclaimed_answers
+                if excess > 0:
+                    for stale in list(itertools.islice(self._checked, excess)):
+                        del self._checked[stale]
 
         return check
 
