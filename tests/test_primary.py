@@ -197,3 +197,15 @@ def test_private_buffer_is_backed_by_huge_pages() -> None:
         assert _smaps_bytes(buffer.array.ctypes.data, "AnonHugePages") >= 8 << 20
     finally:
         buffer.close()
+
+
+def test_closing_an_unlinked_buffer_leaves_a_new_one_of_its_name_alone() -> None:
+    name = f"kvtier-test-{uuid.uuid4().hex}"
+    first = SlotBuffer(1, 4096, shared_name=name)
+    first.unlink()
+    second = SlotBuffer(1, 4096, shared_name=name)  # the name is free again
+    try:
+        first.close()
+        SlotBuffer.attach(name, 1, 4096).close()  # still there
+    finally:
+        second.close()

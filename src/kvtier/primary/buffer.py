@@ -100,6 +100,8 @@ class SlotBuffer:
         if self.shared_name is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(_shm_path(self.shared_name))
+        # Once only: a later buffer of the same name belongs to someone else.
+        self._owner = False
 
     def close(self) -> None:
         """Unmap; the creator of a named buffer also removes its name."""
@@ -109,7 +111,5 @@ class SlotBuffer:
         # lives on until that view is dropped, which is safe.
         with contextlib.suppress(BufferError):
             self._mmap.close()
-        if self._owner and self.shared_name is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(_shm_path(self.shared_name))
-            self._owner = False
+        if self._owner:
+            self.unlink()
