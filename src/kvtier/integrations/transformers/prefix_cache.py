@@ -8,7 +8,6 @@ never stored; the next request that shares them recomputes them.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -66,7 +65,6 @@ class PrefixCache:
             model, chunk_tokens=settings.chunk_tokens, model_id=model_id
         )
         self.kv = KVCache(settings, self.layout)
-        self._request_ids = itertools.count()
 
     @property
     def manager(self) -> TieringManager:
@@ -83,19 +81,15 @@ class PrefixCache:
         but the last, which the model must compute to give the next logits.
         """
         ids = _as_ids(token_ids)
-        request_id = f"transformers-{next(self._request_ids)}"
         self.kv.step()  # collect finished transfers first: they free primary slots
         before = self._promoted_so_far()
-        try:
-            hit = self.kv.cached_prefix(ids, request_id=request_id)
-            reuse = min(hit, len(ids) - 1)
-            cache: Cache = new_cache(self.model.config)
-            if reuse > 0:
-                reader = ChunkReader(self.layout, reuse, device=self.model.device)
-                self.kv.load(ids, reader.chunks * self.chunk_tokens, reader)
-                cache = reader.to_cache(self.model.config)
-        finally:
-            self.manager.on_request_finished(request_id)
+        hit = self.kv.cached_prefix(ids)  # a request of its own, finished on return
+        reuse = min(hit, len(ids) - 1)
+        cache: Cache = new_cache(self.model.config)
+        if reuse > 0:
+            reader = ChunkReader(self.layout, reuse, device=self.model.device)
+            self.kv.load(ids, reader.chunks * self.chunk_tokens, reader)
+            cache = reader.to_cache(self.model.config)
         promoted = tuple(b - a for a, b in zip(before, self._promoted_so_far(), strict=True))
         return PrefixLoad(cache, reuse, hit, promoted)
 
@@ -109,7 +103,7 @@ class PrefixCache:
         ids = _as_ids(token_ids)
         writer = ChunkWriter(cache, self.layout)
         full = min(len(ids), writer.num_tokens) // self.chunk_tokens
-        stored = self.kv.store(ids[: full * self.chunk_tokens], writer) if full else 0
+        stored = self.kv.store(ids, writer, num_chunks=full)
         self.kv.step()
         return stored
 
