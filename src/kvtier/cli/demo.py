@@ -20,6 +20,7 @@ from rich.progress import (
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import KVTierError, MissingDependencyError
+from kvtier.units import format_bytes
 
 if TYPE_CHECKING:
     from kvtier.demo.workload import ChatWorkload, DemoRun
@@ -153,7 +154,6 @@ def _describe(
     settings: KVTierConfig,
     workload: ChatWorkload,
 ) -> None:
-    from kvtier.demo.report import format_bytes
 
     layout = kv.layout
     params = sum(p.numel() for p in model.parameters()) / 1e6

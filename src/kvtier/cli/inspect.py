@@ -16,6 +16,7 @@ from rich.table import Table
 from kvtier.errors import CorruptChunkError
 from kvtier.tiers.fs.io import verify_file
 from kvtier.tiers.fs.layout import NAMESPACE_FILE, ChunkFile, NamespaceDir, namespace_dirs
+from kvtier.units import format_bytes
 
 
 @dataclass
@@ -41,15 +42,6 @@ def _model_of(directory: NamespaceDir) -> str:
 
 def _when(mtime_ns: int) -> str:
     return datetime.fromtimestamp(mtime_ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _size(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _verify(namespaces: list[_Namespace], console: Console) -> None:
@@ -102,7 +94,7 @@ def inspect(root_dir: Path, verify: bool) -> None:
             ns.directory.namespace.hex()[:16],
             ns.model,
             str(len(ns.chunks)),
-            _size(ns.nbytes),
+            format_bytes(ns.nbytes),
             _when(min(times)) if times else "-",
             _when(max(times)) if times else "-",
         ]
@@ -112,7 +104,7 @@ def inspect(root_dir: Path, verify: bool) -> None:
     console.print(table)
     chunks = sum(len(ns.chunks) for ns in namespaces)
     nbytes = sum(ns.nbytes for ns in namespaces)
-    console.print(f"{len(namespaces)} namespaces, {chunks} chunks, {_size(nbytes)}")
+    console.print(f"{len(namespaces)} namespaces, {chunks} chunks, {format_bytes(nbytes)}")
     corrupt = [item for ns in namespaces for item in ns.corrupt]
     for chunk, reason in corrupt:
         console.print(f"[red]corrupt[/red] {chunk.path}: {reason}")

@@ -10,15 +10,7 @@ from rich.table import Table
 
 from kvtier.demo.workload import DemoRun, RequestRecord
 from kvtier.manager import TieringManager
-
-
-def format_bytes(count: float) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
+from kvtier.units import format_bytes
 
 
 def _seconds(value: float) -> str:
