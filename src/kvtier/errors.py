@@ -88,3 +88,8 @@ class PeerProtocolError(KVTierError, ConnectionError):
 
 class PeerAuthError(PeerProtocolError):
     """A peer failed the challenge-response authentication of a connection."""
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: message``, for logs and reports (some clients' ``repr`` hides the message)."""
+    return f"{type(error).__name__}: {error}"

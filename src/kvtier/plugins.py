@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar, cast
 
-from kvtier.errors import PluginLoadError, UnknownPluginError, UntrustedModuleError
+from kvtier.errors import (
+    PluginLoadError,
+    UnknownPluginError,
+    UntrustedModuleError,
+    describe_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +141,7 @@ class PluginRegistry(Generic[T]):
         except Exception as exc:
             raise PluginLoadError(
                 f"{where}cannot import module {module_path!r} for {self.kind} {name!r}: "
-                f"{type(exc).__name__}: {exc}",
+                f"{describe_error(exc)}",
                 entry=entry,
                 module=module_path,
                 name=name,

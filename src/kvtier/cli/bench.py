@@ -32,7 +32,7 @@ from rich.table import Table
 
 from kvtier.cli.probe import PHASES, bench_tier, probe_layout
 from kvtier.config import load_config
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, describe_error
 from kvtier.specs.factory import OffloadingSpecFactory
 
 
@@ -94,7 +94,7 @@ def bench(
     try:
         manager = OffloadingSpecFactory.create_spec(settings, layout).build_manager()
     except Exception as exc:
-        click.echo(f"cannot start the tiers: {type(exc).__name__}: {exc}", err=True)
+        click.echo(f"cannot start the tiers: {describe_error(exc)}", err=True)
         sys.exit(1)
     selected = tier_indexes or tuple(range(len(manager.tiers)))
     slots = manager.primary.buffer.array
@@ -145,7 +145,7 @@ def bench(
                         advance=_advancer(progress, tasks),
                     )
                 except Exception as exc:
-                    entry["error"] = f"{type(exc).__name__}: {exc}"
+                    entry["error"] = describe_error(exc)
                     failed = True
                 else:
                     entry.update({name: p.summary(baseline) for name, p in phases.items()})

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from kvtier.cli.probe import PHASES, bench_tier, probe_layout
 from kvtier.config import load_config
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, describe_error
 from kvtier.keys import chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.specs.factory import OffloadingSpecFactory
@@ -58,7 +58,7 @@ def _health(tier: SecondaryTier) -> list[HealthCheck]:
     try:
         return list(tier.health())
     except Exception as exc:
-        return [HealthCheck("health", False, f"{type(exc).__name__}: {exc}")]
+        return [HealthCheck("health", False, describe_error(exc))]
 
 
 @click.command()
@@ -88,7 +88,7 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
     try:
         manager = OffloadingSpecFactory.create_spec(settings, layout).build_manager()
     except Exception as exc:
-        click.echo(f"cannot start the tiers: {type(exc).__name__}: {exc}", err=True)
+        click.echo(f"cannot start the tiers: {describe_error(exc)}", err=True)
         sys.exit(1)
     table = Table(title=f"kvtier check {config}")
     for column in ("#", "type", "check", "result", "detail"):
@@ -101,7 +101,7 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
             try:
                 outcome = round_trip(tier, slots, layout, slots.shape[0] // 2, timeout)
             except Exception as exc:
-                outcome = _Outcome(False, f"{type(exc).__name__}: {exc}")
+                outcome = _Outcome(False, describe_error(exc))
             detail = outcome.detail + (f", {outcome.mb_per_s:.0f} MB/s" if outcome.ok else "")
             rows.append(("round trip", outcome.ok, detail))
             for name, ok, text in rows:

@@ -19,7 +19,7 @@ from rich.progress import (
 )
 
 from kvtier.config import KVTierConfig, load_config
-from kvtier.errors import KVTierError, MissingDependencyError
+from kvtier.errors import KVTierError, MissingDependencyError, describe_error
 from kvtier.units import format_bytes
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ def demo(
     try:
         kv = PrefixCache(model, settings, model_id=model_id)
     except Exception as exc:
-        click.echo(f"cannot start kvtier: {type(exc).__name__}: {exc}", err=True)
+        click.echo(f"cannot start kvtier: {describe_error(exc)}", err=True)
         sys.exit(1)
     with kv:
         _describe(console, model, origin, kv, settings, workload)

@@ -34,14 +34,18 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from kvtier.errors import BackendUnavailableError, CorruptChunkError, MissingDependencyError
+from kvtier.errors import (
+    BackendUnavailableError,
+    CorruptChunkError,
+    MissingDependencyError,
+    describe_error,
+)
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.remote import (
     Fetched,
     PutErrors,
     RemoteTier,
     RemoteTierOptions,
-    describe_error,
 )
 
 _ABSENT = frozenset({"404", "NoSuchKey", "NotFound"})

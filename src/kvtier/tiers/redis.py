@@ -27,14 +27,13 @@ from typing import Any, ClassVar
 
 from pydantic import Field, SecretStr, model_validator
 
-from kvtier.errors import BackendUnavailableError, MissingDependencyError
+from kvtier.errors import BackendUnavailableError, MissingDependencyError, describe_error
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.remote import (
     Fetched,
     PutErrors,
     RemoteTier,
     RemoteTierOptions,
-    describe_error,
 )
 
 

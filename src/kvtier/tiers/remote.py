@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvtier import integrity
-from kvtier.errors import CorruptChunkError
+from kvtier.errors import CorruptChunkError, describe_error
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions, TierStats
 from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
@@ -250,8 +250,3 @@ class RemoteTier(ThreadedTier):
 def _is_corrupt(error: BaseException) -> bool:
     """A bad value, not a failing backend."""
     return isinstance(error, CorruptChunkError)
-
-
-def describe_error(error: BaseException) -> str:
-    """``Type: message``; some clients' ``repr`` hides the message."""
-    return f"{type(error).__name__}: {error}"
