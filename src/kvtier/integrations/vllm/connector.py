@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.metrics import KVTierMetrics, attach_metrics
-from kvtier.specs.factory import OffloadingSpecFactory
+from kvtier.facade import KVCache
+from kvtier.metrics import KVTierMetrics
 
 from .metadata import KVTierConnectorMetadata
 from .scheduler import SchedulerSide
@@ -56,16 +56,18 @@ class KVTierConnector(KVConnectorBase_V1):
                 vllm_config, kv_cache_config, config.chunk_tokens, options.kvtier_model_id
             )
             config = with_shared_memory(config, transfer.engine_id)
-            manager = OffloadingSpecFactory.create_spec(config, layout).build_manager()
+            # KVCache builds the tiers and kvtier's own Prometheus metrics
+            # (served when ``metrics.port`` is set), releasing the tiers and the
+            # shared memory if the metrics cannot start.
+            kv = KVCache(config, layout)
+            self._metrics = kv.metrics
             self._scheduler = SchedulerSide(
-                manager,
+                kv.manager,
                 layout,
                 shape,
                 lookup_timeout_s=options.kvtier_lookup_timeout_s,
                 stats_file=options.kvtier_stats_file,
             )
-            # kvtier's own Prometheus metrics, served when ``metrics.port`` is set.
-            self._metrics = attach_metrics(manager, config.metrics)
             if transfer.kv_load_failure_policy != "recompute":
                 logger.warning(
                     "kvtier: kv_load_failure_policy=%r fails a request whose pages could "
