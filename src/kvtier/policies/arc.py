@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from kvtier.keys import ChunkKey
-from kvtier.policies.base import CachePolicy
+from kvtier.policies.base import CachePolicy, unprotected
 
 
 class ARCCachePolicy(CachePolicy):
@@ -78,8 +78,8 @@ class ARCCachePolicy(CachePolicy):
         if n <= 0:
             return []
         # Choose every victim before changing anything, so a shortfall changes nothing.
-        from_t1 = _unprotected(self._t1, protected)
-        from_t2 = _unprotected(self._t2, protected)
+        from_t1 = unprotected(self._t1, protected)
+        from_t2 = unprotected(self._t2, protected)
         t1_left = len(self._t1)
         victims: list[tuple[ChunkKey, bool]] = []
         while len(victims) < n:
@@ -128,10 +128,3 @@ class ARCCachePolicy(CachePolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._t1 or key in self._t2
-
-
-def _unprotected(
-    entries: OrderedDict[ChunkKey, None], protected: Collection[ChunkKey]
-) -> Iterator[ChunkKey]:
-    """Keys of ``entries`` outside ``protected``, oldest first."""
-    return (key for key in entries if key not in protected)

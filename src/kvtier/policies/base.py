@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 from kvtier.keys import ChunkKey
@@ -62,3 +62,8 @@ class CachePolicy(ABC):
     @abstractmethod
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is tracked, without counting an access."""
+
+
+def unprotected(entries: Iterable[ChunkKey], protected: Collection[ChunkKey]) -> Iterator[ChunkKey]:
+    """Keys of ``entries`` (in their order: oldest first) outside ``protected``."""
+    return (key for key in entries if key not in protected)

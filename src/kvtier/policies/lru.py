@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from typing import Any
 
 from kvtier.keys import ChunkKey
-from kvtier.policies.base import CachePolicy
+from kvtier.policies.base import CachePolicy, unprotected
 
 
 class LRUCachePolicy(CachePolicy):
@@ -39,12 +40,7 @@ class LRUCachePolicy(CachePolicy):
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
         if n <= 0:
             return []
-        victims: list[ChunkKey] = []
-        for key in self._order:
-            if key not in protected:
-                victims.append(key)
-                if len(victims) == n:
-                    break
+        victims = list(itertools.islice(unprotected(self._order, protected), n))
         if len(victims) < n:
             return None
         for key in victims:

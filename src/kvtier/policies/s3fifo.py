@@ -7,7 +7,7 @@ from collections.abc import Collection, Iterable, Set
 from typing import Any
 
 from kvtier.keys import ChunkKey
-from kvtier.policies.base import CachePolicy
+from kvtier.policies.base import CachePolicy, unprotected
 
 #: Frequencies saturate here (two bits), so a hot key earns at most three reprieves.
 MAX_FREQ = 3
@@ -91,7 +91,7 @@ class S3FIFOCachePolicy(CachePolicy):
 
         Ends because every step removes a key from the small queue.
         """
-        while (key := _oldest_unprotected(self._small, protected)) is not None:
+        while (key := next(unprotected(self._small, protected), None)) is not None:
             del self._small[key]
             if self._freq[key] > 0:
                 self._main[key] = None
@@ -108,7 +108,7 @@ class S3FIFOCachePolicy(CachePolicy):
 
         Ends because every re-queue spends one unit of a bounded frequency.
         """
-        while (key := _oldest_unprotected(self._main, protected)) is not None:
+        while (key := next(unprotected(self._main, protected), None)) is not None:
             freq = self._freq[key]
             if freq > 0:
                 self._freq[key] = freq - 1
@@ -128,15 +128,6 @@ class S3FIFOCachePolicy(CachePolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._freq
-
-
-def _oldest_unprotected(
-    queue: OrderedDict[ChunkKey, None], protected: Collection[ChunkKey]
-) -> ChunkKey | None:
-    for key in queue:
-        if key not in protected:
-            return key
-    return None
 
 
 def _count_tracked(keys: Collection[ChunkKey], tracked: Collection[ChunkKey]) -> int:
