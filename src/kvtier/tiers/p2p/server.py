@@ -158,6 +158,11 @@ class PeerServer:
         self._primary = primary
         self._thread.start()
 
+    @property
+    def serving(self) -> bool:
+        """Whether :meth:`start` ran: the service answers requests."""
+        return self._primary is not None
+
     def close(self) -> None:
         """Stop accepting, cut every connection, and wait for their threads to end.
 
@@ -168,15 +173,14 @@ class PeerServer:
                 return
             self._closing = True
             active = list(self._active)
-        started = self._primary is not None
-        if started:
+        if self.serving:
             # Waits for serve_forever to return: it would wait forever if never started.
             self._listener.shutdown()
         for sock in active:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         self._listener.server_close()
-        if started:
+        if self.serving:
             self._thread.join()
 
     # Connections -----------------------------------------------------------

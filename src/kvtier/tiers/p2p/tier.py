@@ -142,7 +142,6 @@ class PeerTier(ThreadedTier):
         self._holders_lock = threading.Lock()
         # Bound now, so a bad or taken address stops the node's startup; serving
         # starts when the manager attaches the node's primary tier.
-        self._serving = False
         self._server: PeerServer | None = None
         if options.listen is not None:
             try:
@@ -184,9 +183,8 @@ class PeerTier(ThreadedTier):
 
     def on_attach(self, primary: PrimaryTier) -> None:
         """Start serving the node's primary tier on the bound listen address."""
-        if self._server is not None and not self._serving:
+        if self._server is not None and not self._server.serving:
             self._server.start(primary)
-            self._serving = True
 
     # Stores: peers pull, nobody pushes ------------------------------------------
 
@@ -272,7 +270,7 @@ class PeerTier(ThreadedTier):
             checks = [HealthCheck("listen", True, "serves nothing (listen: null)")]
         else:
             where = protocol.format_address(*self._server.address)
-            state = "serving" if self._serving else "bound, not serving yet"
+            state = "serving" if self._server.serving else "bound, not serving yet"
             checks = [HealthCheck("listen", True, f"{state} on {where}")]
         for client in self._clients:
             try:
