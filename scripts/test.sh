@@ -2,14 +2,15 @@
 # kvtier's whole test run: lint, types, the fast suite, the example tier
 # package, then the vLLM end-to-end suite in its own environment.
 #
-# Creates .venv with kvtier and every extra. The tests start (and stop) the
+# Creates .venv-test with kvtier and every extra (its own environment: the
+# README's .venv stays a plain install). The tests start (and stop) the
 # servers they need on loopback: redis-server (installed here from Debian's
 # packages when missing), moto's S3 server, kvtier peer nodes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m venv .venv
-. .venv/bin/activate
+python3 -m venv .venv-test
+. .venv-test/bin/activate
 python -m pip install --quiet --upgrade pip
 # torch's CPU build first, so that the transformers extra keeps it.
 python -m pip install --quiet torch==2.13.0

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from kvtier.cli import cli
@@ -48,3 +49,62 @@ def test_check_reports_config_errors_by_path(tmp_path: Path) -> None:
 def test_check_a_config_without_tiers(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["check", str(write(tmp_path, "chunk_tokens: 8\n"))])
     assert result.exit_code == 0 and "names no secondary tiers" in result.output
+    assert "warning:" in result.output and "secondary_tiers" in result.output
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--chunks", "0"), ("--chunks", "-3"), ("--chunk-kib", "-1"), ("--chunk-kib", "0")],
+)
+def test_check_refuses_probe_sizes_below_one(tmp_path: Path, option: str, value: str) -> None:
+    config = write(tmp_path, "chunk_tokens: 8\nsecondary_tiers: [{type: memory}]\n")
+    result = CliRunner().invoke(cli, ["check", str(config), option, value])
+    assert result.exit_code == 2
+    assert f"Invalid value for '{option}'" in result.output
+    assert "x>=1" in result.output  # says what is valid, not a capacity error
+    assert "cpu_bytes_to_use" not in result.output
+
+
+@pytest.mark.parametrize("size", ["lots", "12 bananas", "-5"])
+def test_a_bad_byte_size_shows_a_valid_one(tmp_path: Path, size: str) -> None:
+    result = CliRunner().invoke(
+        cli, ["check", str(write(tmp_path, f"cpu_bytes_to_use: {size!r}\n"))]
+    )
+    assert result.exit_code == 2
+    assert "cpu_bytes_to_use" in result.output and "8GiB" in result.output
+
+
+def test_check_prints_byte_counts_for_people(tmp_path: Path) -> None:
+    config = write(
+        tmp_path, "chunk_tokens: 8\nsecondary_tiers: [{type: memory, max_bytes: 1GiB}]\n"
+    )
+    result = CliRunner().invoke(cli, ["check", str(config), "--chunk-kib", "16"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert "max_bytes=1.0 GiB" in result.output
+    assert "of 1.0 GiB held" in result.output
+    assert "1073741824" not in result.output
+
+
+def test_check_gives_no_throughput_for_a_tier_that_keeps_no_stores(tmp_path: Path) -> None:
+    # A p2p node with no peers keeps no stores of its own: nothing to time.
+    config = write(
+        tmp_path,
+        "chunk_tokens: 8\nsecondary_tiers:\n"
+        "  - {type: p2p, listen: null, peers: [], secret: a-long-enough-test-secret}\n",
+    )
+    result = CliRunner().invoke(cli, ["check", str(config), "--chunk-kib", "16"], env=WIDE)
+    assert result.exit_code == 0, result.output
+    assert "lookups answered" in result.output
+    assert "0 MB/s" not in result.output
+
+
+def _commands() -> list[str]:
+    return sorted(cli.commands)
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_help_is_plain_text(command: str) -> None:
+    result = CliRunner().invoke(cli, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    for markup in ("``", ":func:", ":class:", ":meth:"):
+        assert markup not in result.output, f"kvtier {command} --help shows {markup!r}"

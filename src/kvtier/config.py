@@ -258,6 +258,8 @@ def _problems_from(
         elif "input" in error and error["type"] not in ("missing",):
             # Never echo a secret (a peer secret, a password) into logs.
             message += " (value hidden)" if _is_secret(model, loc) else f" (got {error['input']!r})"
+        if error["type"].startswith("byte_size"):
+            message += "; write a size such as 8GiB, 512MiB or 1073741824"
         problems.append((path, message))
     return problems
 

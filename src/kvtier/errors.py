@@ -50,7 +50,8 @@ class MissingDependencyError(KVTierError, ImportError):
         self.package = package
         self.extra = extra
         super().__init__(
-            f"{package!r} is not installed; install it with: pip install 'kvtier[{extra}]'"
+            f"{package!r} is not installed; install it with: pip install 'kvtier[{extra}]' "
+            f"(from a kvtier checkout: pip install '.[{extra}]')"
         )
 
 

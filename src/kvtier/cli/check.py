@@ -20,6 +20,7 @@ from kvtier.layout import KVLayout
 from kvtier.specs.factory import OffloadingSpecFactory
 from kvtier.tiers.base import HealthCheck, Lookup, SecondaryTier
 from kvtier.tiers.drive import resolve_lookup
+from kvtier.units import format_bytes
 
 
 @dataclass
@@ -53,6 +54,13 @@ def round_trip(
     return _Outcome(True, "byte-exact", sum(phase.nbytes for phase in moved) / seconds / 1e6)
 
 
+def _readable(name: str, value: object) -> object:
+    """Byte counts of a tier's description as people read them (``1.0 GiB``)."""
+    if name.endswith("bytes") and isinstance(value, int) and not isinstance(value, bool):
+        return format_bytes(value)
+    return value
+
+
 def _health(tier: SecondaryTier) -> list[HealthCheck]:
     """The tier's own checks; a hook that raises is one failed check."""
     try:
@@ -63,9 +71,27 @@ def _health(tier: SecondaryTier) -> list[HealthCheck]:
 
 @click.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--chunks", default=4, show_default=True, help="Chunks to round-trip per tier.")
-@click.option("--chunk-kib", default=256, show_default=True, help="Size of each probe chunk.")
-@click.option("--timeout", default=30.0, show_default=True, help="Seconds allowed per tier step.")
+@click.option(
+    "--chunks",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Chunks to round-trip per tier.",
+)
+@click.option(
+    "--chunk-kib",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Size of each probe chunk, in KiB.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds allowed per tier step.",
+)
 def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
     """Validate CONFIG, start every tier, run its health checks, and round-trip
     chunks through each one.
@@ -102,20 +128,32 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
                 outcome = round_trip(tier, slots, layout, slots.shape[0] // 2, timeout)
             except Exception as exc:
                 outcome = _Outcome(False, describe_error(exc))
-            detail = outcome.detail + (f", {outcome.mb_per_s:.0f} MB/s" if outcome.ok else "")
+            detail = outcome.detail + (
+                f", {outcome.mb_per_s:,.0f} MB/s" if outcome.mb_per_s else ""
+            )
             rows.append(("round trip", outcome.ok, detail))
             for name, ok, text in rows:
                 failures += not ok
                 result = "[green]ok[/green]" if ok else "[red]FAILED[/red]"
                 table.add_row(str(index), tier.tier_type, name, result, escape(text))
-            facts = ", ".join(f"{k}={v}" for k, v in tier.describe().items() if k != "type")
+            facts = ", ".join(
+                f"{name}={_readable(name, value)}"
+                for name, value in tier.describe().items()
+                if name != "type"
+            )
             if facts:
                 table.add_row(str(index), tier.tier_type, "backend", "", escape(facts))
             table.add_section()
     finally:
         manager.shutdown()
     if not manager.tiers:
-        console.print("configuration is valid; it names no secondary tiers")
+        console.print("configuration is valid")
+        click.echo(
+            f"warning: {config} names no secondary tiers, so chunks live only in each "
+            "process's CPU tier and are lost when it exits; add a secondary_tiers list "
+            "(see examples/local.yaml and examples/nvme.yaml)",
+            err=True,
+        )
     else:
         console.print(table)
     sys.exit(1 if failures else 0)
