@@ -39,6 +39,10 @@ class PluginLoadError(KVTierError, ImportError):
         self.plugin = name
 
 
+class PluginTypeError(KVTierError, TypeError):
+    """A class named for a tier, policy or spec does not derive from its base."""
+
+
 class UntrustedModuleError(PluginLoadError):
     """``module_path`` names a module outside ``KVTIER_ALLOWED_MODULES``."""
 

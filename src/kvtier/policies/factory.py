@@ -27,6 +27,12 @@ def register_policy(name: str, module_path: str, class_name: str) -> None:
 class CachePolicyFactory:
     """Resolves and builds cache policies named in configuration."""
 
+    @classmethod
+    def register_policy(cls, name: str, module_path: str, class_name: str) -> None:
+        """Register ``module_path.class_name`` under ``name`` (``ValueError`` if taken);
+        the same as the module-level :func:`register_policy`."""
+        register_policy(name, module_path, class_name)
+
     @staticmethod
     def get_cache_policy_class(
         name: str, module_path: str | None = None, *, entry: str = "eviction_policy"

@@ -37,6 +37,12 @@ def register_tier(tier_type: str, module_path: str, class_name: str) -> None:
 class SecondaryTierFactory:
     """Resolves and builds the secondary tiers named in configuration."""
 
+    @classmethod
+    def register_tier(cls, tier_type: str, module_path: str, class_name: str) -> None:
+        """Register ``module_path.class_name`` under ``tier_type`` (``ValueError`` if taken);
+        the same as the module-level :func:`register_tier`."""
+        register_tier(tier_type, module_path, class_name)
+
     @staticmethod
     def get_tier_class(tier_config: Mapping[str, Any], *, entry: str = "") -> type[SecondaryTier]:
         tier_type = tier_config.get("type")
