@@ -1,5 +1,8 @@
 """``kvtier check``: validates, starts every tier, round-trips chunks."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +111,49 @@ def test_help_is_plain_text(command: str) -> None:
     assert result.exit_code == 0, result.output
     for markup in ("``", ":func:", ":class:", ":meth:"):
         assert markup not in result.output, f"kvtier {command} --help shows {markup!r}"
+
+
+def _kvtier(*args: str) -> subprocess.CompletedProcess[str]:
+    # A process of its own: a check abandons a stuck tier by exiting at once.
+    command = [sys.executable, "-c", "from kvtier.cli import main; main()", *args]
+    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **WIDE})
+
+
+def test_check_bounds_a_tier_constructor_that_never_returns(tmp_path: Path) -> None:
+    config = write(
+        tmp_path,
+        "chunk_tokens: 8\nsecondary_tiers:\n  - {type: memory}\n"
+        "  - {type: FaultyTier, module_path: kvtier.testing.faults, hang_in: constructor}\n",
+    )
+    result = _kvtier("check", str(config), "--chunk-kib", "16", "--timeout", "0.5")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (
+        "secondary_tiers[1] (type 'FaultyTier') did not start within 0.5 s (--timeout)"
+        in result.stderr
+    )
+
+
+def test_check_bounds_a_health_check_that_never_returns(tmp_path: Path) -> None:
+    config = write(
+        tmp_path,
+        "chunk_tokens: 8\nsecondary_tiers:\n"
+        "  - {type: FaultyTier, module_path: kvtier.testing.faults, hang_in: health}\n",
+    )
+    result = _kvtier("check", str(config), "--chunk-kib", "16", "--timeout", "0.5")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "health() did not return within 0.5 s" in result.stdout
+    assert "byte-exact" in result.stdout  # the other steps still ran
+
+
+def test_a_constructor_error_names_the_entry(tmp_path: Path) -> None:
+    root = tmp_path / "file-not-dir"
+    root.write_text("")
+    config = write(
+        tmp_path,
+        "chunk_tokens: 8\nsecondary_tiers:\n  - {type: memory}\n"
+        f"  - {{type: fs, root_dir: {root}}}\n",
+    )
+    result = CliRunner().invoke(cli, ["check", str(config)], env=WIDE)
+    assert result.exit_code == 1
+    assert "cannot start the tiers" in result.output
+    assert "secondary_tiers[1]" in result.output

@@ -96,5 +96,7 @@ class PeerAuthError(PeerProtocolError):
 
 
 def describe_error(error: BaseException) -> str:
-    """``Type: message``, for logs and reports (some clients' ``repr`` hides the message)."""
-    return f"{type(error).__name__}: {error}"
+    """``Type: message``, for logs and reports (some clients' ``repr`` hides the message),
+    followed by the notes that say where it happened."""
+    notes = getattr(error, "__notes__", ())
+    return f"{type(error).__name__}: {error}" + "".join(f" ({note})" for note in notes)

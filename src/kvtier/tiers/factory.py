@@ -63,4 +63,10 @@ class SecondaryTierFactory:
         tier_type = options.pop("type")
         # A loading hint only: it never reaches the constructor.
         options.pop("module_path", None)
-        return cls(spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **options)
+        try:
+            return cls(spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **options)
+        except Exception as exc:
+            # Keep the type callers catch (OSError, ConfigError...), and say where.
+            if entry and entry not in str(exc):
+                exc.add_note(f"while starting {entry} (type {tier_type!r}, {cls.__qualname__})")
+            raise
