@@ -66,7 +66,7 @@ class PrimaryReplay:
             victims = policy.evict(shortfall, set(stored))
             if victims is None:  # the request alone fills the tier: it stores nothing
                 return hits
-            resident.difference_update(victims)  # type: ignore[arg-type]
+            resident.difference_update(victims)
         for key in new:
             resident.add(key)  # type: ignore[arg-type]
             policy.insert(key)

@@ -68,9 +68,7 @@ def chat_trace(seed: int, shape: ChatShape = ChatShape()) -> list[dict[str, obje
         )
         if turn + 1 < turns:
             again = at + rng.expovariate(1 / shape.think_s)
-            heapq.heappush(
-                pending, (again, conversation, turn + 1, prompt, length + output, turns)
-            )
+            heapq.heappush(pending, (again, conversation, turn + 1, prompt, length + output, turns))
     return records
 
 

@@ -75,7 +75,7 @@ def parse_records(
     """Requests of numbered records (``None`` for a blank line), checked as :func:`read_trace`."""
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    requests = []
+    requests: list[Request] = []
     for request in _iter_requests(records, source, block_size):
         if limit is not None and len(requests) >= limit:
             break
@@ -129,9 +129,10 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
     try:
         with path.open("rb") as probe:
             gzipped = probe.read(2) == b"\x1f\x8b"
-        opened = gzip.open(path, "rt", encoding="utf-8") if gzipped else path.open(encoding="utf-8")
-        with opened as lines:
-            for number, line in enumerate(lines, 1):  # noqa: B007 - read in the handler
+        with (
+            gzip.open(path, "rt", encoding="utf-8") if gzipped else path.open(encoding="utf-8")
+        ) as lines:
+            for number, line in enumerate(lines, 1):
                 yield number, line
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as exc:
         # The line being read when it failed: the one after the last good one.
@@ -159,7 +160,7 @@ def _parse(path: Path | str, number: int, line: str) -> dict[str, object] | None
 
 
 def _full_blocks(
-    path: Path, number: int, record: dict[str, object], ids: int, block_size: int
+    path: Path | str, number: int, record: dict[str, object], ids: int, block_size: int
 ) -> int:
     """Ids that hash a full block: all but a partial last one."""
     length = record.get("input_length")
