@@ -194,3 +194,7 @@ def test_policy_loaded_by_module_path_from_config(registries: None) -> None:
 def test_config_names_a_module_without_the_policy_class(registries: None) -> None:
     with pytest.raises(PluginLoadError, match=r"fifo_policy.*NoSuchPolicy"):
         CachePolicyFactory.get_cache_policy_class("NoSuchPolicy", "fifo_policy")
+
+
+class TestLeafFirstLRUContract(PolicyContractTests):
+    policy_name = "leaf-lru"
