@@ -41,8 +41,9 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         self._current: dict[ChunkKey, None] = {}
         #: Inserts still to join the current request's group.
         self._announced = 0
-        #: Whether the last call was a touch: an evict after one serves that request.
-        self._touched = False
+        #: The group the last touch opened, and its size then: while both hold, no
+        #: insert came since, so an evict serves the touching request.
+        self._touched: tuple[int, int] = (-1, -1)
 
     def _open(self, announced: bool = True) -> None:
         if not self._current:
@@ -63,10 +64,6 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             del self._groups[serial]
             self._unannounced.discard(serial)
 
-    def _join(self, key: ChunkKey) -> None:
-        self._group_of[key] = self._serial
-        self._current[key] = None
-
     def get(self, key: ChunkKey) -> bool:
         if key not in self._group_of:
             return False
@@ -74,48 +71,78 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         return True
 
     def insert(self, key: ChunkKey) -> None:
-        if key in self._group_of:
-            self._leave(key)
-        if self._announced > 0:
+        if self._announced:
             self._announced -= 1
         elif self._serial not in self._unannounced:
             self._open(announced=False)
-        self._touched = False
-        self._join(key)
+        serial = self._serial
+        old = self._group_of.setdefault(key, serial)
+        if old != serial:  # never from the primary tier, which inserts only new keys
+            self._group_of[key] = old
+            self._leave(key)
+            self._group_of[key] = serial
+        self._current[key] = None
 
     def remove(self, key: ChunkKey) -> None:
         if key in self._group_of:
             self._leave(key)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
+        keys = list(keys)
+        if self._touched == (self._serial, len(keys)) and list(self._current) == keys:
+            # The same hits touched again with nothing in between (a lookup, then
+            # the load of what it found): they already are the newest group.
+            return
         self._open()
         self._announced = 0
-        self._touched = True
+        # _leave and _join inlined: the primary tier touches every hit of every request.
+        group_of, groups, serial, current = (
+            self._group_of,
+            self._groups,
+            self._serial,
+            self._current,
+        )
         for key in keys:
-            if key in self._group_of:
-                self._leave(key)
-                self._join(key)
+            old = group_of.get(key)
+            if old is None:
+                continue
+            group = groups[old]
+            del group[key]
+            if not group and old != serial:
+                del groups[old]
+                self._unannounced.discard(old)
+            group_of[key] = serial
+            current[key] = None
+        self._touched = (serial, len(current))
 
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
         if n <= 0:
             return []
         victims: list[ChunkKey] = []
+        wanted, unannounced = n, self._unannounced
         for serial, group in self._groups.items():
-            order = group if serial in self._unannounced else reversed(group)
-            for key in order:
+            for key in group if serial in unannounced else reversed(group):
                 if key not in protected:
                     victims.append(key)
-                    if len(victims) == n:
+                    wanted -= 1
+                    if not wanted:
                         break
-            if len(victims) == n:
+            if not wanted:
                 break
         else:
             return None  # too few evictable: nothing changed
+        # _leave inlined: the primary tier evicts for most stores.
+        group_of, groups, current = self._group_of, self._groups, self._current
         for key in victims:
-            self._leave(key)
-        if not self._touched:
+            serial = group_of.pop(key)
+            group = groups[serial]
+            del group[key]
+            if not group and group is not current:
+                del groups[serial]
+                self._unannounced.discard(serial)
+        if self._touched != (self._serial, len(self._current)):
             self._open()  # a request that hit nothing: its new chunks start a group
-        self._touched = False
+        self._touched = (-1, -1)
         self._announced = n
         return victims
 
@@ -125,7 +152,7 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         self._unannounced.clear()
         self._current = {}
         self._announced = 0
-        self._touched = False
+        self._touched = (-1, -1)
 
     def __len__(self) -> int:
         return len(self._group_of)
