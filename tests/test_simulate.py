@@ -18,7 +18,7 @@ from kvtier.sim.synthetic import ChatShape, chat_trace
 from kvtier.sim.trace import Request, TraceFormatError, parse_records, read_trace
 from kvtier.testing import small_layout
 
-BUILT_IN = ["lru", "arc", "s3fifo"]
+BUILT_IN = ["lru", "leaf-lru", "arc", "s3fifo"]
 SMALL_CHAT = ChatShape(conversations=80, system_prompts=3, think_s=20.0)
 
 
