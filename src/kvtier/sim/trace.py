@@ -7,7 +7,8 @@ One request a line::
 ``hash_ids`` are prefix block ids, ``block_size`` tokens a block: equal ids
 mean equal prefixes up to the end of that block. When ``input_length`` is not
 a multiple of the block size the last id hashes a partial block, which kvtier
-never stores, so it is dropped. kvtier's recorder writes the same format.
+never stores, so it is dropped. kvtier's recorder writes the same format and
+adds each request's ``block_size``, which then overrides the one given.
 """
 
 from __future__ import annotations
@@ -100,7 +101,10 @@ def _iter_requests(
             raise TraceFormatError(path, number, f"'hash_ids' must be a list of ints, is {found}")
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TraceFormatError(path, number, "'hash_ids' holds a value that is not an int")
-        full = _full_blocks(path, number, record, len(ids), block_size)
+        own = record.get("block_size", block_size)  # kvtier's recorder writes its own
+        if not isinstance(own, int) or isinstance(own, bool) or own < 1:
+            raise TraceFormatError(path, number, "'block_size' must be a positive int")
+        full = _full_blocks(path, number, record, len(ids), own)
         blocks = tuple(ids[:full])
         parent = -1
         for block in blocks:
