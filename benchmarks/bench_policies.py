@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 from kvtier.cli.simulate import parse_capacity
@@ -58,8 +57,8 @@ def record(requests: list[Request], name: str, capacity: int) -> list[Call]:
     return recorder.calls
 
 
-def timed(calls: list[Call], make: Callable[[], CachePolicy]) -> float:
-    policy = make()
+def timed(calls: list[Call], name: str, capacity: int) -> float:
+    policy = CachePolicyFactory.create_cache_policy(name, capacity)
     touch, insert, evict = policy.touch, policy.insert, policy.evict
     started = time.perf_counter()
     for op, first, second in calls:
@@ -93,11 +92,7 @@ def main() -> None:
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in names:
-            seconds[name].append(
-                timed(
-                    calls[name], lambda n=name: CachePolicyFactory.create_cache_policy(n, capacity)
-                )
-            )
+            seconds[name].append(timed(calls[name], name, capacity))
     per_op = {name: [s / chunk_ops(calls[name]) for s in seconds[name]] for name in names}
     base = per_op.get("lru")
     print(f"{len(requests)} requests, {capacity} slots, median of {args.rounds} rounds")
