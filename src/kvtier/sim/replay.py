@@ -7,6 +7,7 @@ chunks of its prefix that are resident, up to the first that is not.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -98,20 +99,28 @@ def belady_min(
     O(log n) a chunk with a lazily pruned heap.
     """
     never = len(requests) + 1
-    # next_use[r][i]: the request after r that next holds requests[r].blocks[i].
-    next_use: list[list[int]] = [[] for _ in requests]
+    # next_use[offset[r] + i]: the request after r that next holds requests[r].blocks[i].
+    # One flat array of machine ints: 8 bytes a chunk, whatever the trace's length.
+    total = sum(len(request.blocks) for request in requests)
+    next_use = array("q", bytes(8 * total))
     upcoming: dict[int, int] = {}
+    end = total
     for index in range(len(requests) - 1, -1, -1):
         blocks = requests[index].blocks
-        next_use[index] = [upcoming.get(block, never) for block in blocks]
+        end -= len(blocks)
+        for position, block in enumerate(blocks, end):
+            next_use[position] = upcoming.get(block, never)
         for block in blocks:
             upcoming[block] = index
+    del upcoming
     resident: dict[int, int] = {}  # block -> its next use
+    depth_of: dict[int, int] = {}  # block -> its depth when last stored, to rebuild the heap
     # Max-heap on (next use, depth) as negated tuples; stale entries are skipped.
     heap: list[tuple[int, int, int]] = []
     hits = chunks = 0
-    for index, request in enumerate(requests):
+    for request in requests:
         blocks = request.blocks
+        start = chunks
         chunks += len(blocks)
         for block in blocks:
             if block not in resident:
@@ -131,13 +140,20 @@ def belady_min(
                 kept.append(entry)
                 continue
             del resident[block]
+            del depth_of[block]
             shortfall -= 1
         for entry in kept:
             heapq.heappush(heap, entry)
-        for depth, (block, upcoming_use) in enumerate(zip(stored, next_use[index], strict=False)):
+        for depth, block in enumerate(stored):
+            upcoming_use = next_use[start + depth]
             if resident.get(block) != upcoming_use:
                 resident[block] = upcoming_use
+                depth_of[block] = depth
                 heapq.heappush(heap, (-upcoming_use, -depth, block))
+        if len(heap) > 2 * len(resident) + 1024:
+            # Mostly stale entries: rebuild, so the heap stays bounded by the capacity.
+            heap = [(-use, -depth_of[block], block) for block, use in resident.items()]
+            heapq.heapify(heap)
         if advance is not None:
             advance()
     return CellResult("min", capacity, hits, chunks)

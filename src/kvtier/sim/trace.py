@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
+from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,9 +90,10 @@ def parse_records(
 def _iter_requests(
     records: Iterable[tuple[int, dict[str, object] | None]], path: Path | str, block_size: int
 ) -> Iterator[Request]:
-    # An id's parent is the id before it (-1 for a first block): one parent only.
-    parent_of: dict[int, int] = {}
+    # Ids renumbered densely from 1; parent_of[d] is the dense id before d (0: the
+    # start), one parent only. A flat array: 8 bytes a distinct block.
     dense: dict[int, int] = {}
+    parent_of = array("q", [0])
     for number, record in records:
         if record is None:
             continue
@@ -105,24 +107,28 @@ def _iter_requests(
         if not isinstance(own, int) or isinstance(own, bool) or own < 1:
             raise TraceFormatError(path, number, "'block_size' must be a positive int")
         full = _full_blocks(path, number, record, len(ids), own)
-        blocks = tuple(ids[:full])
-        parent = -1
-        for block in blocks:
-            known = parent_of.setdefault(block, parent)
-            if known != parent:
+        blocks: list[int] = []
+        parent = 0
+        for block in ids[:full]:
+            renumbered = dense.get(block)
+            if renumbered is None:
+                renumbered = dense[block] = len(dense) + 1
+                parent_of.append(parent)
+            elif parent_of[renumbered] != parent:
+                original = {v: k for k, v in dense.items()}  # only to say what was wrong
                 raise TraceFormatError(
                     path,
                     number,
-                    f"block {block} follows {_describe(parent)} here but {_describe(known)} "
-                    "earlier: ids are not prefix hashes",
+                    f"block {block} follows {_describe(original.get(parent))} here but "
+                    f"{_describe(original.get(parent_of[renumbered]))} earlier: "
+                    "ids are not prefix hashes",
                 )
-            parent = block
+            blocks.append(renumbered)
+            parent = renumbered
         timestamp = record.get("timestamp", 0)
         if not isinstance(timestamp, int | float) or isinstance(timestamp, bool):
             raise TraceFormatError(path, number, "'timestamp' must be a number")
-        yield Request(
-            float(timestamp), tuple(dense.setdefault(block, len(dense) + 1) for block in blocks)
-        )
+        yield Request(float(timestamp), tuple(blocks))
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -175,8 +181,8 @@ def _full_blocks(
     return min(ids, length // block_size)
 
 
-def _describe(parent: int) -> str:
-    return "the start" if parent == -1 else f"block {parent}"
+def _describe(parent: int | None) -> str:
+    return "the start" if parent is None else f"block {parent}"
 
 
 def distinct_blocks(requests: list[Request]) -> int:
