@@ -195,11 +195,23 @@ def test_simulate_replays_a_generated_chat_trace() -> None:
     assert report["requests"] == 300 and len(report["capacities"]) == 3
 
 
+def test_simulate_sizes_capacity_in_bytes_with_the_chunk_size() -> None:
+    args = ["--chat-seed", "4", "--limit", "200", "-p", "lru", "--json"]
+    by_size = json.loads(simulate(*args, "-c", "1MiB", "--chunk-bytes", "48KiB").stdout)
+    by_count = json.loads(simulate(*args, "-c", "21").stdout)
+    # 1 MiB of 48 KiB chunks: 21 whole slots, the same cell as asking for 21.
+    assert by_size["capacities"] == by_count["capacities"]
+    assert by_size["capacities"][0]["slots"] == 21
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["-c", "0%"], "neither a share"),
         (["-c", "lots"], "neither a share"),
+        (["-c", "8GiB"], "sizes need --chunk-bytes"),
+        (["-c", "1KiB", "--chunk-bytes", "2KiB"], "neither a share"),
+        (["--chunk-bytes", "lots"], "'lots' is not a size such as 2MiB"),
         (["-p", "nosuch"], "unknown cache policy 'nosuch'"),
     ],
 )

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -35,23 +36,34 @@ DEFAULT_POLICIES = ("lru", "arc", "s3fifo")
 DEFAULT_CAPACITIES = ("5%", "10%", "20%")
 
 
-def parse_capacity(text: str, distinct: int) -> int:
-    """Slots for ``text``: ``5%`` of the distinct chunks, or a chunk count such as ``2000``."""
+def parse_capacity(text: str, distinct: int, chunk_bytes: int | None = None) -> int:
+    """Slots for ``text``: ``5%`` of the distinct chunks, a chunk count such as ``2000``,
+    or, given ``chunk_bytes``, a size such as ``8GiB`` (rounded down to whole chunks)."""
     try:
         if text.endswith("%"):
             share = float(text[:-1]) / 100
             if not 0 < share <= 1:
                 raise ValueError
             return max(1, int(share * distinct))
-        slots = int(text)
+        if text.isdigit():
+            slots = int(text)
+        elif chunk_bytes is not None:
+            slots = _BYTES.validate_python(text) // chunk_bytes
+        else:
+            raise ValueError
         if slots < 1:
             raise ValueError
         return slots
-    except ValueError:
+    except (ValueError, ValidationError):
+        sizes = " or a size such as 8GiB" if chunk_bytes is not None else ""
         raise click.BadParameter(
-            f"{text!r} is neither a share such as 5% (0-100 %) nor a positive chunk count",
+            f"{text!r} is neither a share such as 5% (0-100 %), a positive chunk count{sizes}"
+            + ("" if chunk_bytes is not None else " (sizes need --chunk-bytes)"),
             param_hint="--capacity",
         ) from None
+
+
+_BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 
 
 @click.command()
@@ -75,8 +87,12 @@ def parse_capacity(text: str, distinct: int) -> int:
     "--capacity",
     "capacities",
     multiple=True,
-    help="Primary slots: a share of the distinct chunks (5%) or a count "
-    f"(repeatable; default {', '.join(DEFAULT_CAPACITIES)}).",
+    help="Primary slots: a share of the distinct chunks (5%), a count (2000), or with "
+    f"--chunk-bytes a size (8GiB) (repeatable; default {', '.join(DEFAULT_CAPACITIES)}).",
+)
+@click.option(
+    "--chunk-bytes",
+    help="Bytes of one chunk (the layout's slot bytes, e.g. 2MiB), for capacities given as sizes.",
 )
 @click.option(
     "--block-size",
@@ -92,6 +108,7 @@ def simulate(
     policies: tuple[str, ...],
     capacities: tuple[str, ...],
     block_size: int,
+    chunk_bytes: str | None,
     limit: int | None,
     as_json: bool,
 ) -> None:
@@ -119,13 +136,26 @@ def simulate(
         click.echo(f"kvtier simulate: {exc}", err=True)
         sys.exit(2)
     distinct = distinct_blocks(requests)
-    slots = [parse_capacity(text, distinct) for text in capacities or DEFAULT_CAPACITIES]
+    chunk = _chunk_bytes(chunk_bytes)
+    slots = [parse_capacity(text, distinct, chunk) for text in capacities or DEFAULT_CAPACITIES]
     report = run(requests, policies, slots, progress=not as_json)
     report["trace"] = str(trace) if trace is not None else f"chat seed {chat_seed}"
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         Console().print(_table(report))
+
+
+def _chunk_bytes(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        size = int(_BYTES.validate_python(text))
+    except ValidationError:
+        size = 0
+    if size < 1:
+        raise click.BadParameter(f"{text!r} is not a size such as 2MiB", param_hint="--chunk-bytes")
+    return size
 
 
 def _load(
