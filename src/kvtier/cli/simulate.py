@@ -164,10 +164,8 @@ def _load(
     if trace is not None:
         return read_trace(trace, block_size=block_size, limit=limit)
     assert chat_seed is not None
-    records = chat_trace(chat_seed)
-    source = f"chat trace (seed {chat_seed})"
-    # Generated traces hash their own block size; --block-size is for files.
-    return parse_records(enumerate(records, 1), source, block_size=256, limit=limit)
+    records = chat_trace(chat_seed)  # each names its own block size
+    return parse_records(enumerate(records, 1), f"chat trace (seed {chat_seed})", limit=limit)
 
 
 def run(

@@ -32,7 +32,8 @@ class ChatShape:
 
 
 def chat_trace(seed: int, shape: ChatShape = ChatShape()) -> list[dict[str, object]]:
-    """Requests in Mooncake's format (timestamp in ms), sorted by arrival."""
+    """Requests in Mooncake's format (timestamp in ms), sorted by arrival, each naming
+    its ``block_size`` as kvtier's recorder does."""
     rng = random.Random(seed)
     block = shape.block_size
     prompts = [rng.randint(*shape.system_tokens) for _ in range(shape.system_prompts)]
@@ -64,6 +65,7 @@ def chat_trace(seed: int, shape: ChatShape = ChatShape()) -> list[dict[str, obje
                 "input_length": length,
                 "output_length": output,
                 "hash_ids": hash_ids,
+                "block_size": block,
             }
         )
         if turn + 1 < turns:
