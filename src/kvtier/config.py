@@ -104,8 +104,9 @@ class KVTierConfig(BaseModel):
     cpu_bytes_to_use: ByteSize = Field(default=ByteSize(1 << 30), gt=0)
     """Size of the CPU primary tier (e.g. ``8GiB``); rounded down to whole chunks."""
 
-    eviction_policy: str = "lru"
-    """Cache policy of the primary tier: ``lru``, ``arc``, ``s3fifo`` or an out-of-tree name."""
+    eviction_policy: str = "leaf-lru"
+    """Cache policy of the primary tier: ``leaf-lru``, ``lru``, ``arc``, ``s3fifo`` or an
+    out-of-tree name."""
 
     cache_policy_module_path: str | None = None
     """Module to import an out-of-tree ``eviction_policy`` class from (trusted input)."""

@@ -17,6 +17,7 @@ policy_registry: PluginRegistry[CachePolicy] = PluginRegistry(
 policy_registry.register("lru", "kvtier.policies.lru", "LRUCachePolicy")
 policy_registry.register("arc", "kvtier.policies.arc", "ARCCachePolicy")
 policy_registry.register("s3fifo", "kvtier.policies.s3fifo", "S3FIFOCachePolicy")
+policy_registry.register("leaf-lru", "kvtier.policies.leaf_lru", "LeafFirstLRUCachePolicy")
 
 
 def register_policy(name: str, module_path: str, class_name: str) -> None:
