@@ -13,8 +13,10 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
+from kvtier.testing.outages import FakeClock, recover
 from kvtier.testing.servers import S3Server, free_port
 from kvtier.tiers.base import Lookup
+from kvtier.tiers.remote import RemoteTier
 
 
 class TestObjectStoreTierContract(TierContractTests):
@@ -113,17 +115,22 @@ def test_endpoint_outage_turns_into_misses_and_recovers(own_s3_server: S3Server)
     tokens = list(range(16))
     data = np.random.default_rng(5).integers(0, 256, (4, layout.slot_bytes), dtype=np.uint8)
     with KVCache(config, layout) as cache:
-        stats = cache.manager.tiers[0].stats
+        tier = cache.manager.tiers[0]
+        assert isinstance(tier, RemoteTier)
+        clock = FakeClock()
+        tier.breaker.clock = clock
+        stats = tier.stats
         server.stop()
         assert cache.store(tokens, data) == 4
         cache.drain()
         assert stats.store_failures == 4
-        assert stats.backend_outages == 1 and stats.backend_errors >= 1  # type: ignore[attr-defined]
+        assert stats.backend_errors >= 1  # type: ignore[attr-defined]
         cache.manager.reset()
         assert cache.cached_prefix(tokens) == 0
         assert stats.misses >= 1
         server.start()  # same port; moto keeps nothing, so the bucket comes back empty
         server.create_bucket(bucket)
+        assert recover(tier, clock)
         assert cache.store(tokens, data) == 4
         cache.drain()
         assert stats.chunks_stored == 4
@@ -138,9 +145,19 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
     server = own_s3_server
     bucket = server.create_bucket("kv-hung")
     harness = TierHarness(
-        {"type": "obj", **server.tier_options(bucket), "retries": 0, "read_timeout_s": 0.5},
+        {
+            "type": "obj",
+            **server.tier_options(bucket),
+            "retries": 0,
+            "read_timeout_s": 0.5,
+            "startup_timeout_s": 0.5,
+        },
         small_layout(),
     )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    clock = FakeClock()
+    tier.breaker.clock = clock
     try:
         keys = harness.keys(3)
         harness.fill(range(3))
@@ -149,10 +166,11 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
         # Without timeouts these would wait for ever; run_job would give up instead.
         assert not harness.load(keys, [3, 4, 5]).success
         assert harness.lookup(keys[0]) is Lookup.MISS
-        assert harness.tier.backend_down  # type: ignore[attr-defined]
-        assert [check.ok for check in harness.tier.health()] == [False]
-        assert [m.value for m in harness.tier.metrics() if m.name == "backend_up"] == [0.0]
+        assert tier.backend_down
+        assert [check.ok for check in tier.health()] == [False]
+        assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [0.0]
         server.resume()
+        assert recover(tier, clock)
         assert harness.load(keys, [3, 4, 5]).success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
         assert not harness.tier.backend_down  # type: ignore[attr-defined]
@@ -211,6 +229,10 @@ def test_an_erroring_endpoint_fails_chunks_and_recovers(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
     harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    clock = FakeClock()
+    tier.breaker.clock = clock
     client = s3_server.client()
     try:
         keys = harness.keys(3)
@@ -221,8 +243,10 @@ def test_an_erroring_endpoint_fails_chunks_and_recovers(
         client.delete_bucket(Bucket=s3_bucket)  # every request now answers NoSuchBucket
         assert not harness.store(keys[2:], [2]).success
         assert harness.load(keys[:2], [3, 4]).succeeded == frozenset()
+        assert harness.load(keys[:2], [3, 4]).succeeded == frozenset()
         assert harness.tier.backend_down  # type: ignore[attr-defined]
         client.create_bucket(Bucket=s3_bucket)
+        assert recover(tier, clock)
         assert harness.store(keys, [0, 1, 2]).success
         assert harness.load(keys, [3, 4, 5]).success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])

@@ -14,8 +14,10 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
+from kvtier.testing.outages import FakeClock, recover
 from kvtier.testing.servers import RedisClusterServers, RedisServer, ServerError, free_port
 from kvtier.tiers.base import Lookup
+from kvtier.tiers.remote import RemoteTier
 from tests.conftest import need_redis_server
 
 
@@ -134,15 +136,19 @@ def test_server_outage_turns_into_misses_and_recovers(
     config["secondary_tiers"][0]["url"] = server.url  # type: ignore[index]
     with KVCache(config, layout) as cache:
         tier = cache.manager.tiers[0]
+        assert isinstance(tier, RemoteTier)
+        clock = FakeClock()
+        tier.breaker.clock = clock
         server.stop()
         assert cache.store(tokens, data) == 4  # the primary tier takes them
         cache.drain()
         assert tier.stats.store_failures == 4
-        assert tier.stats.backend_outages == 1 and tier.stats.backend_errors >= 1  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors >= 1  # type: ignore[attr-defined]
         cache.manager.reset()
         assert cache.cached_prefix(tokens) == 0  # a miss, not an error
         assert tier.stats.misses >= 1
         server.start()  # same port, empty
+        assert recover(tier, clock)
         assert cache.store(tokens, data) == 4
         cache.drain()
         assert tier.stats.chunks_stored == 4
@@ -164,9 +170,14 @@ def test_a_hung_server_times_out_and_recovers(
             "key_prefix": key_prefix,
             "retries": 0,
             "socket_timeout_s": 0.5,
+            "startup_timeout_s": 0.5,
         },
         small_layout(),
     )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    clock = FakeClock()
+    tier.breaker.clock = clock
     try:
         keys = harness.keys(3)
         harness.fill(range(3))
@@ -176,10 +187,11 @@ def test_a_hung_server_times_out_and_recovers(
         assert not harness.load(keys, [3, 4, 5]).success
         assert harness.lookup(keys[0]) is Lookup.MISS
         assert not harness.store(harness.keys(1), [6]).success
-        assert harness.tier.backend_down  # type: ignore[attr-defined]
-        assert [check.ok for check in harness.tier.health()] == [False]
-        assert [m.value for m in harness.tier.metrics() if m.name == "backend_up"] == [0.0]
+        assert tier.backend_down
+        assert [check.ok for check in tier.health()] == [False]
+        assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [0.0]
         server.resume()
+        assert recover(tier, clock)
         result = harness.load(keys, [3, 4, 5])
         assert result.success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
@@ -256,16 +268,25 @@ def test_an_erroring_server_fails_chunks_and_recovers(
 ) -> None:
     server = own_redis_server
     harness = TierHarness(
-        {"type": "redis", "url": server.url, "key_prefix": key_prefix}, small_layout()
+        {"type": "redis", "url": server.url, "key_prefix": key_prefix, "breaker_failures": 2},
+        small_layout(),
     )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    clock = FakeClock()
+    tier.breaker.clock = clock
     try:
         keys = harness.keys(2)
         harness.fill([0, 1])
         server.command("CONFIG", "SET", "maxmemory", "1")  # every write now answers OOM
         result = harness.store(keys, [0, 1])
         assert not result.success and result.succeeded == frozenset()
-        assert harness.tier.backend_down  # type: ignore[attr-defined]
+        assert not tier.backend_down  # one failed call: not yet an outage
+        assert not harness.store(keys, [0, 1]).success
+        assert tier.backend_down  # two in a row (breaker_failures)
+        assert tier.stats.backend_errors == 4  # type: ignore[attr-defined]
         server.command("CONFIG", "SET", "maxmemory", "0")
+        assert recover(tier, clock)
         assert harness.store(keys, [0, 1]).success
         assert harness.load(keys, [2, 3]).success
         np.testing.assert_array_equal(harness.buffer.array[2:4], harness.buffer.array[0:2])

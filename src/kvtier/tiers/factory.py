@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvtier.errors import BackendUnavailableError
 from kvtier.plugins import PluginRegistry
 from kvtier.tiers.base import SecondaryTier
 
@@ -57,4 +58,9 @@ class SecondaryTierFactory:
         tier_type = options.pop("type")
         # A loading hint only: it never reaches the constructor.
         options.pop("module_path", None)
-        return cls(spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **options)
+        try:
+            return cls(spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **options)
+        except BackendUnavailableError as exc:
+            if not entry or exc.entry:
+                raise
+            raise exc.at(entry) from exc.__cause__
