@@ -275,3 +275,52 @@ def test_skip_existing_sends_only_missing_chunks(s3_server: S3Server, s3_bucket:
         np.testing.assert_array_equal(harness.buffer.array[2], harness.buffer.array[1])
     finally:
         harness.close()
+
+
+@pytest.mark.parametrize(
+    "url", ["minio:9000", "not a url", "http://[::1", "ftp://minio:9000", "http://", "http://h:0"]
+)
+def test_a_malformed_endpoint_fails_when_the_config_loads(url: str) -> None:
+    layout = small_layout()
+    config = {
+        "secondary_tiers": [
+            {"type": "memory"},
+            {"type": "obj", "bucket": "kv", "endpoint_url": url},
+        ]
+    }
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\]\.endpoint_url: ") as caught:
+        KVCache(config, layout)  # before any client library sees it
+    assert "write it as http://host:port" in str(caught.value)
+    assert repr(url) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://minio:9000", "https://s3.example.com", "http://[::1]:9000", "http://10.0.0.1"]
+)
+def test_well_formed_endpoints_load(url: str) -> None:
+    load_config({"secondary_tiers": [{"type": "obj", "bucket": "kv-bucket", "endpoint_url": url}]})
+
+
+def test_a_missing_bucket_names_its_entry(s3_server: S3Server) -> None:
+    layout = small_layout()
+    config = {
+        "chunk_tokens": layout.chunk_tokens,
+        "cpu_bytes_to_use": 4 * layout.slot_bytes,
+        "secondary_tiers": [{"type": "obj", **s3_server.tier_options("no-such-bucket")}],
+    }
+    with pytest.raises(BackendUnavailableError, match=r"^secondary_tiers\[0\]: .*does not exist"):
+        KVCache(config, layout)
+
+
+def test_a_job_is_split_over_the_workers(s3_server: S3Server, s3_bucket: str) -> None:
+    harness = TierHarness(
+        {"type": "obj", **s3_server.tier_options(s3_bucket), "io_threads": 4}, small_layout()
+    )
+    try:
+        tier = harness.tier
+        pending = [(key, slot) for slot, key in enumerate(harness.keys(10))]
+        batches = tier._split(pending)  # type: ignore[attr-defined]
+        assert [len(b) for b in batches] == [3, 3, 3, 1]
+        assert [pair for batch in batches for pair in batch] == pending
+    finally:
+        harness.close()

@@ -14,9 +14,9 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
-from kvtier.testing.outages import FakeClock, recover
+from kvtier.testing.outages import FakeClock, recover, wait_until
 from kvtier.testing.servers import RedisClusterServers, RedisServer, ServerError, free_port
-from kvtier.tiers.base import Lookup
+from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.remote import RemoteTier
 from tests.conftest import need_redis_server
 
@@ -342,3 +342,124 @@ def test_test_server_moves_to_fresh_ports_when_its_port_is_taken() -> None:
         with pytest.raises(ServerError, match=r"(?s)exited with .*Address already in use"):
             stubborn.start()
         stubborn.close()
+
+
+def test_a_value_of_the_wrong_type_is_a_corrupt_chunk_not_an_outage(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix, "ttl_s": 300},
+        small_layout(),
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    client = raw_client(redis_server.url)
+    try:
+        keys = harness.keys(2)
+        harness.fill([0, 1])
+        assert harness.store(keys, [0, 1]).success
+        name = tier.store_name(keys[0])
+        client.delete(name)
+        client.rpush(name, b"not", b"a", b"chunk")
+        for _ in range(3):  # as often as breaker_failures: still no outage
+            harness.buffer.array[2:4] = 5
+            result = harness.load(keys, [2, 3])
+            assert result.succeeded == frozenset([keys[1]])
+            assert (harness.buffer.array[2] == 5).all()
+            client.delete(name)
+            client.rpush(name, b"again")
+        assert tier.stats.corrupt_chunks == 3
+        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
+        assert tier.breaker.closed
+        assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [1.0]
+        client.delete(name)
+        client.hset(name, "field", "value")
+        assert not harness.load(keys[:1], [2]).success
+        assert client.exists(name) == 0  # deleted, like any corrupt chunk
+        assert harness.lookup(keys[0]) is Lookup.MISS
+    finally:
+        harness.close()
+
+
+class _MixedPipeline:
+    """A cluster pipeline where one name's node fails: per-item errors."""
+
+    def __init__(self, held: set[str], failing: str) -> None:
+        self.held = held
+        self.failing = failing
+        self.names: list[str] = []
+
+    def exists(self, name: str) -> None:
+        self.names.append(name)
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        import redis
+
+        return [
+            redis.ConnectionError("node down") if name == self.failing else int(name in self.held)
+            for name in self.names
+        ]
+
+
+def test_per_item_check_errors_never_flap_the_outage_state(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix}, small_layout()
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    changes: list[object] = []
+    tier.breaker.on_change = lambda old, new, why: changes.append(new)
+    try:
+        keys = harness.keys(3)
+        held = {tier.store_name(keys[0])}
+        failing = tier.store_name(keys[1])
+        tier._pipeline = lambda: _MixedPipeline(held, failing)  # type: ignore[method-assign]
+        ctx = LookupContext()
+        answers = []
+        for _ in range(tier.check_attempts + 1):
+            answers.append([tier.lookup(k, ctx) for k in keys])
+            tier.on_step_end()
+            wait_until(lambda: not tier._checking, what="checks done")
+        assert answers[0] == [Lookup.PENDING] * 3
+        assert answers[1] == [Lookup.HIT, Lookup.PENDING, Lookup.MISS]
+        # The key on the failing node is asked again, then given up as a miss.
+        assert [a[1] for a in answers] == [Lookup.PENDING] * 3 + [Lookup.MISS]
+        assert tier.stats.backend_errors == tier.check_attempts  # type: ignore[attr-defined]
+        assert changes == [] and tier.breaker.closed
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "localhost:6379",
+        "not a url",
+        "redis://[::1",
+        "http://h:6379/0",
+        "redis://h:1/db",
+        "redis://",
+    ],
+)
+def test_a_malformed_url_fails_when_the_config_loads(url: str) -> None:
+    layout = small_layout()
+    config = {"secondary_tiers": [{"type": "memory"}, {"type": "redis", "url": url}]}
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\]\.url: .*redis://") as caught:
+        KVCache(config, layout)
+    assert "write it as redis://" in str(caught.value)
+
+
+def test_a_malformed_url_never_shows_its_password() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({"secondary_tiers": [{"type": "redis", "url": "redis://u:hunter2@[::1"}]})
+    assert "hunter2" not in str(caught.value) and "***" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://h:6379/0", "rediss://user:pw@h:6380/2", "redis://[::1]:6379", "unix:///run/r.sock"],
+)
+def test_well_formed_urls_load(url: str) -> None:
+    load_config({"secondary_tiers": [{"type": "redis", "url": url}]})

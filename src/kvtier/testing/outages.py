@@ -6,7 +6,8 @@
   replies after a number of bytes. Switch :attr:`FaultProxy.mode` at any time;
   it applies to connections opened afterwards (and a stall to open ones too).
 * :class:`FakeClock` and :func:`recover`: drive a remote tier's circuit
-  breaker through its backoff without waiting for it.
+  breaker through its backoff without waiting for it; :func:`wait_until`
+  waits for a state, never asserting how long it took.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
@@ -55,6 +57,15 @@ def recover(tier: RemoteTier, clock: FakeClock, timeout: float = 30.0) -> bool:
     if probe is not None:
         probe.join(timeout)
     return tier.breaker.closed
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    """Poll ``condition`` until it holds; ``TimeoutError`` after ``timeout`` seconds."""
+    give_up = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > give_up:
+            raise TimeoutError(f"still not {what or 'true'} after {timeout}s")
+        time.sleep(0.005)
 
 
 class FaultProxy:
