@@ -9,6 +9,7 @@ many backend calls were made.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -382,3 +383,21 @@ def test_start_up_is_bounded_against_an_endpoint_that_never_answers(kind: str) -
         assert caught.value.entry == "secondary_tiers[1]"
         assert str(caught.value).startswith("secondary_tiers[1]: ")
         assert proxy.connections >= 1  # it connected: the endpoint accepts, never answers
+
+
+def test_a_missed_deadline_opens_the_breaker_only_when_nothing_answered(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    try:
+        started = time.perf_counter()
+        tier._answered()  # a slow backend: some call came back while the job ran
+        tier._missed_deadline("load job", since=started)
+        assert tier.breaker.closed and tier.stats.deadline_misses == 1  # type: ignore[attr-defined]
+        tier._missed_deadline("load job", since=time.perf_counter())  # nothing since: stalled
+        assert tier.breaker.state is BreakerState.OPEN
+        assert tier.stats.deadline_misses == 2  # type: ignore[attr-defined]
+    finally:
+        harness.close()

@@ -203,6 +203,7 @@ class ObjectStoreTier(RemoteTier):
                 if not self._is_absent(exc):
                     raise
                 found.append(False)
+            self._answered()
         return found
 
     def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
@@ -212,6 +213,7 @@ class ObjectStoreTier(RemoteTier):
             try:
                 self._client.put_object(Bucket=self._bucket, Key=name, Body=value)
                 errors.append(None)
+                self._answered()
             except self._client_error as exc:
                 errors.append(exc)
         return errors
@@ -226,6 +228,7 @@ class ObjectStoreTier(RemoteTier):
                 if not self._is_absent(exc):
                     raise
                 values.append(None)
+                self._answered()
                 continue
             body = reply["Body"]
             try:
@@ -241,6 +244,7 @@ class ObjectStoreTier(RemoteTier):
                     values.append(body.read())
             finally:
                 body.close()
+            self._answered()
         return values
 
     def _delete(self, name: str) -> None:

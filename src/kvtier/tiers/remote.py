@@ -15,7 +15,8 @@ write batched client calls:
 * outages, bounded: every job and existence check has one deadline
   (``deadline_s``). A job still running then is answered with what it has
   (its other chunks failed) and its slots are never touched again, however
-  long a worker stays stuck in a socket; the missed deadline opens the
+  long a worker stays stuck in a socket; a missed deadline with no answer
+  from the backend meanwhile opens the
   :class:`~kvtier.tiers.circuit.CircuitBreaker`, as do ``breaker_failures``
   failed calls in a row. While it is open, lookups answer MISS, stores are
   dropped and loads fail at once, without a call to the backend; a probe
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -146,6 +148,8 @@ class RemoteTier(ThreadedTier):
         self._names_prefix = ""
         self._worker_local = threading.local()
         self._probe_thread: threading.Thread | None = None
+        #: When a backend call last got an answer (``time.perf_counter``).
+        self._last_answer = time.perf_counter()
         self.stats = RemoteTierStats()
         self.breaker = CircuitBreaker(
             failures=options.breaker_failures,
@@ -257,6 +261,7 @@ class RemoteTier(ThreadedTier):
         except Exception as exc:
             self.breaker.record_failure(f"probe failed: {describe_error(exc)}")
         else:
+            self._answered()
             self.breaker.record_success()
         finally:
             done.set()
@@ -271,20 +276,30 @@ class RemoteTier(ThreadedTier):
             if state.reported:
                 return
             self._finish(state)
-        self._missed_deadline(f"{'load' if state.loading else 'store'} job {job_id}")
+        self._missed_deadline(
+            f"{'load' if state.loading else 'store'} job {job_id}", since=state.started
+        )
 
     def _watch(self, done: threading.Event, what: str) -> None:
         """Count a missed deadline (and open the breaker) unless ``done`` is set in time."""
+        since = time.perf_counter()
 
         def check() -> None:
             if not done.is_set():
-                self._missed_deadline(what)
+                self._missed_deadline(what, since)
 
         self._deadlines.after(self._deadline_s, check)
 
-    def _missed_deadline(self, what: str) -> None:
+    def _missed_deadline(self, what: str, since: float) -> None:
         self.count(deadline_misses=1)
-        self.breaker.trip(f"{what} missed its {self._deadline_s}s deadline")
+        # A backend that answered anything meanwhile is slow, not stalled:
+        # the late work is cut short, but the tier stays in service.
+        if self._last_answer < since:
+            self.breaker.trip(f"{what} missed its {self._deadline_s}s deadline")
+
+    def _answered(self) -> None:
+        """A backend call got an answer (backends with per-item requests call it per item)."""
+        self._last_answer = time.perf_counter()
 
     def _run_check(self, keys: list[ChunkKey]) -> Callable[[], None]:
         check = super()._run_check(keys)
@@ -421,6 +436,7 @@ class RemoteTier(ThreadedTier):
         if items and errors == items:
             self.breaker.record_failure(describe_error(first) if first else "a call failed")
         elif items:
+            self._answered()
             self.breaker.record_success()
 
     def _breaker_changed(self, old: BreakerState, new: BreakerState, reason: str) -> None:
