@@ -413,3 +413,42 @@ def test_a_missed_deadline_opens_the_breaker_only_when_nothing_answered(
         assert tier.stats.deadline_misses == 2  # type: ignore[attr-defined]
     finally:
         harness.close()
+
+
+def test_a_check_past_its_deadline_answers_miss_and_its_late_answer_serves_later(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    harness = TierHarness(
+        {"type": "obj", **s3_server.tier_options(s3_bucket), "deadline_s": 0.3}, small_layout()
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    try:
+        [key] = harness.keys(1)
+        harness.fill([0])
+        tier._deadline_s = 30.0  # the store is not under test
+        assert harness.store([key], [0]).success
+        tier._deadline_s = 0.3
+        real = tier._exists_many
+        started, release = threading.Event(), threading.Event()
+
+        def slow(names: Any) -> Any:
+            started.set()
+            tier._answered()  # slow, not stalled: other calls still come back
+            release.wait(60)
+            return real(names)
+
+        tier._exists_many = slow  # type: ignore[method-assign]
+        ctx = LookupContext()
+        assert tier.lookup(key, ctx) is Lookup.PENDING
+        tier.on_step_end()
+        assert started.wait(60)
+        wait_until(lambda: tier.stats.deadline_misses == 1, what="past the deadline")  # type: ignore[attr-defined]
+        assert tier.lookup(key, ctx) is Lookup.MISS  # the request waits no longer
+        assert tier.breaker.closed  # a slow backend stays in service
+        release.set()
+        wait_until(lambda: not tier._checking, what="the check done")
+        assert tier.lookup(key, ctx) is Lookup.HIT  # the late answer, for the next request
+    finally:
+        release.set()
+        harness.close()

@@ -280,15 +280,33 @@ class RemoteTier(ThreadedTier):
             f"{'load' if state.loading else 'store'} job {job_id}", since=state.started
         )
 
-    def _watch(self, done: threading.Event, what: str) -> None:
-        """Count a missed deadline (and open the breaker) unless ``done`` is set in time."""
+    def _watch(
+        self, done: threading.Event, what: str, then: Callable[[], None] | None = None
+    ) -> None:
+        """Unless ``done`` is set in time: count a missed deadline (which may
+        open the breaker), then call ``then``."""
         since = time.perf_counter()
 
         def check() -> None:
             if not done.is_set():
                 self._missed_deadline(what, since)
+                if then is not None:
+                    then()
 
         self._deadlines.after(self._deadline_s, check)
+
+    def shutdown(self) -> None:
+        """Drain and close within ``deadline_s``, whatever the backend does."""
+        if self._closed:
+            return
+        give_up = time.monotonic() + self._deadline_s
+        self.drain(timeout=self._deadline_s)
+        with self._lock:
+            late = list(self._jobs)
+        for job_id in late:  # answered now, their slots left alone from here on
+            self._answer_at_deadline(job_id)
+        self._join_timeout_s = max(0.0, give_up - time.monotonic())
+        super().shutdown()
 
     def _missed_deadline(self, what: str, since: float) -> None:
         self.count(deadline_misses=1)
@@ -311,8 +329,16 @@ class RemoteTier(ThreadedTier):
             finally:
                 done.set()
 
+        def answer_miss() -> None:
+            # The lookups waiting on it answer MISS from now on; a late
+            # answer replaces this one for the next request.
+            with self._lock:
+                for key in keys:
+                    if key in self._checking:
+                        self._checked[key] = False
+
         # Counted from when the step asked, as the lookups wait from then.
-        self._watch(done, f"existence check of {len(keys)} chunks")
+        self._watch(done, f"existence check of {len(keys)} chunks", answer_miss)
         return run
 
     # ThreadedTier hooks -------------------------------------------------------

@@ -248,6 +248,7 @@ class ThreadedTier(SecondaryTier):
                     self._checking.discard(key)
                     if present is None:  # unknown: the next lookup asks again
                         self._failed_checks[key] = self._failed_checks.get(key, 0) + 1
+                        self._checked.pop(key, None)
                     else:
                         self._failed_checks.pop(key, None)
                         self._checked[key] = present
