@@ -121,7 +121,8 @@ def test_a_frozen_backend_costs_one_deadline_then_nothing(frozen_capable: Backen
     )
     tier = harness.tier
     assert isinstance(tier, RemoteTier)
-    tier.breaker.clock = FakeClock()  # no probe unless the test moves it
+    clock = FakeClock()  # no probe unless the test moves it
+    tier.breaker.clock = clock
     stats = tier.stats
     keys = harness.keys(32)
     harness.fill(range(32))
@@ -162,6 +163,16 @@ def test_a_frozen_backend_costs_one_deadline_then_nothing(frozen_capable: Backen
         assert stats.outage_failed_loads == 80  # type: ignore[attr-defined]
         assert stats.outage_dropped_stores == 80  # type: ignore[attr-defined]
         assert stats.outage_skipped_lookups == 20  # type: ignore[attr-defined]
+
+        # After the backoff a probe goes out; it hangs too, and at its
+        # deadline the breaker opens again, for longer.
+        clock.advance(tier.breaker.max_backoff_s)
+        assert tier.lookup(keys[8], LookupContext()) is Lookup.MISS
+        assert stats.breaker_probes == 1  # type: ignore[attr-defined]
+        wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="open again")
+        assert tier.breaker.retry_at - clock() > tier.breaker.backoff_s
+        assert stats.backend_outages == 1  # type: ignore[attr-defined]
+        sent = calls.started
 
         # close() does not wait for the workers stuck in the frozen server.
         tier.shutdown()

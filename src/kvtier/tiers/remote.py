@@ -144,7 +144,6 @@ class RemoteTier(ThreadedTier):
         options: RemoteTierOptions = self.options  # type: ignore[assignment]
         self._skip_existing = options.skip_existing
         self._deadline_s = options.deadline_s
-        self._join_timeout_s = options.deadline_s
         self._names_prefix = ""
         self._worker_local = threading.local()
         self._probe_thread: threading.Thread | None = None
@@ -255,7 +254,9 @@ class RemoteTier(ThreadedTier):
 
     def _probe(self) -> None:
         done = threading.Event()
-        self._watch(done, "probe")
+        # A probe past its deadline failed, whatever else answered meanwhile:
+        # the breaker must not stay half-open on a probe that hangs.
+        self._watch(done, "probe", then=lambda: self.breaker.trip("probe missed its deadline"))
         try:
             self._ping()
         except Exception as exc:
