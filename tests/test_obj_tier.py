@@ -324,3 +324,23 @@ def test_a_job_is_split_over_the_workers(s3_server: S3Server, s3_bucket: str) ->
         assert [pair for batch in batches for pair in batch] == pending
     finally:
         harness.close()
+
+
+def test_an_empty_object_at_a_chunk_name_is_corrupt_not_an_outage(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    client = s3_server.client()
+    try:
+        [key] = harness.keys(1)
+        name = tier.store_name(key)
+        client.put_object(Bucket=s3_bucket, Key=name, Body=b"")
+        assert harness.lookup(key) is Lookup.HIT  # a ranged GET of 0 bytes: InvalidRange
+        assert not harness.load([key], [1]).success
+        assert tier.stats.corrupt_chunks == 1
+        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
+        assert client.list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
+    finally:
+        harness.close()

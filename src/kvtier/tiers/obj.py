@@ -186,10 +186,14 @@ class ObjectStoreTier(RemoteTier):
                 self.tier_type, self._target, f"endpoint unreachable: {describe_error(exc)}"
             ) from exc
 
-    def _is_absent(self, exc: Exception) -> bool:
+    def _error_code(self, exc: Exception) -> str | None:
+        """The S3 error code of a client error, ``None`` for any other failure."""
         if not isinstance(exc, self._client_error):
-            return False
-        return str(exc.response.get("Error", {}).get("Code", "")) in _ABSENT  # type: ignore[attr-defined]
+            return None
+        return str(exc.response.get("Error", {}).get("Code", ""))  # type: ignore[attr-defined]
+
+    def _is_absent(self, exc: Exception) -> bool:
+        return self._error_code(exc) in _ABSENT
 
     def _exists_many(self, names: Sequence[str]) -> list[Exists]:
         found: list[Exists] = []
@@ -200,9 +204,13 @@ class ObjectStoreTier(RemoteTier):
                 reply["Body"].close()
                 found.append(True)
             except Exception as exc:
-                if not self._is_absent(exc):
+                code = self._error_code(exc)
+                if code == "InvalidRange":  # an empty object: there, and corrupt when loaded
+                    found.append(True)
+                elif code in _ABSENT:
+                    found.append(False)
+                else:
                     raise
-                found.append(False)
             self._answered()
         return found
 
