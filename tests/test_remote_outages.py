@@ -167,10 +167,11 @@ def test_a_frozen_backend_costs_one_deadline_then_nothing(frozen_capable: Backen
         # After the backoff a probe goes out; it hangs too, and at its
         # deadline the breaker opens again, for longer.
         clock.advance(tier.breaker.max_backoff_s)
-        assert tier.lookup(keys[8], LookupContext()) is Lookup.MISS
+        assert tier.lookup(keys[8], LookupContext()) is Lookup.PENDING  # waits for the probe
         assert stats.breaker_probes == 1  # type: ignore[attr-defined]
         wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="open again")
         assert tier.breaker.retry_at - clock() > tier.breaker.backoff_s
+        assert tier.lookup(keys[8], LookupContext()) is Lookup.MISS
         assert stats.backend_outages == 1  # type: ignore[attr-defined]
         sent = calls.started
 
@@ -460,6 +461,41 @@ def test_a_check_past_its_deadline_answers_miss_and_its_late_answer_serves_later
         release.set()
         wait_until(lambda: not tier._checking, what="the check done")
         assert tier.lookup(key, ctx) is Lookup.HIT  # the late answer, for the next request
+    finally:
+        release.set()
+        harness.close()
+
+
+def test_lookups_wait_for_the_probe_so_the_first_request_after_recovery_hits(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    clock = FakeClock()
+    tier.breaker.clock = clock
+    try:
+        keys = harness.keys(2)
+        harness.fill([0, 1])
+        assert harness.store(keys, [0, 1]).success
+        tier.breaker.trip("injected outage")
+        ctx = LookupContext()
+        assert tier.lookup(keys[0], ctx) is Lookup.MISS  # open: no wait at all
+        real_ping, release = tier._ping, threading.Event()
+
+        def held_ping() -> None:
+            release.wait(60)
+            real_ping()
+
+        tier._ping = held_ping  # type: ignore[method-assign]
+        clock.advance(tier.breaker.max_backoff_s)
+        # Half-open while the probe runs: lookups wait instead of missing.
+        assert [tier.lookup(k, ctx) for k in keys] == [Lookup.PENDING] * 2
+        assert tier.breaker.state is BreakerState.HALF_OPEN
+        release.set()
+        wait_until(lambda: tier.breaker.closed, what="closed")
+        assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 2
+        assert tier.stats.outage_skipped_lookups == 1  # type: ignore[attr-defined]
     finally:
         release.set()
         harness.close()

@@ -90,13 +90,15 @@ class RemoteTierOptions(ThreadedTierOptions):
     missed deadline opens it at once). While open, lookups answer MISS and
     stores are dropped without a call to the backend."""
 
-    breaker_backoff_s: float = Field(default=0.5, gt=0)
+    breaker_backoff_s: float = Field(default=0.25, gt=0)
     """Seconds the breaker stays open before one probe; doubled after each
     failed probe up to ``breaker_max_backoff_s``, shortened by up to 20%
     of random jitter."""
 
-    breaker_max_backoff_s: float = Field(default=10.0, gt=0)
-    """Longest wait between two probes of a backend that stays down."""
+    breaker_max_backoff_s: float = Field(default=1.0, gt=0)
+    """Longest wait between two probes of a backend that stays down, and so
+    the longest a recovered backend goes unused. A probe is one cheap request
+    (``PING``, a bucket ``HEAD``)."""
 
     startup_timeout_s: float = Field(default=5.0, gt=0)
     """Most seconds the tier waits, when it starts, to connect and get a first
@@ -221,6 +223,10 @@ class RemoteTier(ThreadedTier):
 
     def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
         if not self._admit():
+            if self.breaker.state is BreakerState.HALF_OPEN:
+                # The probe answers within deadline_s: the first request
+                # after a recovery waits for it rather than missing.
+                return Lookup.PENDING
             self.count(outage_skipped_lookups=1)
             return Lookup.MISS
         return super().lookup(key, ctx)
@@ -259,7 +265,7 @@ class RemoteTier(ThreadedTier):
         self._watch(done, "probe", then=lambda: self.breaker.trip("probe missed its deadline"))
         try:
             self._ping()
-        except Exception as exc:
+        except BaseException as exc:  # whatever it is, the probe must end half-open
             self.breaker.record_failure(f"probe failed: {describe_error(exc)}")
         else:
             self._answered()
