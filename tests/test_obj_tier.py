@@ -150,7 +150,6 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
             **server.tier_options(bucket),
             "retries": 0,
             "read_timeout_s": 0.5,
-            "startup_timeout_s": 0.5,
         },
         small_layout(),
     )

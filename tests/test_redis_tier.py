@@ -170,7 +170,6 @@ def test_a_hung_server_times_out_and_recovers(
             "key_prefix": key_prefix,
             "retries": 0,
             "socket_timeout_s": 0.5,
-            "startup_timeout_s": 0.5,
         },
         small_layout(),
     )
