@@ -462,3 +462,36 @@ def test_a_malformed_url_never_shows_its_password() -> None:
 )
 def test_well_formed_urls_load(url: str) -> None:
     load_config({"secondary_tiers": [{"type": "redis", "url": url}]})
+
+
+def test_one_failing_cluster_node_costs_its_chunks_only(
+    redis_cluster: RedisClusterServers, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {"type": "redis", "startup_nodes": redis_cluster.startup_nodes, "key_prefix": key_prefix},
+        small_layout(),
+        num_slots=48,
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    full = redis_cluster.nodes[0]
+    try:
+        full.command("CONFIG", "SET", "maxmemory", "1")  # its writes answer OOM
+        keys = harness.keys(24)
+        harness.fill(range(24))
+        for _ in range(tier.breaker.failures + 1):
+            result = harness.store(keys, list(range(24)))
+            assert 0 < len(result.succeeded) < 24  # the other nodes took theirs
+        assert tier.breaker.closed and tier.stats.backend_outages == 0  # type: ignore[attr-defined]
+        failed_per_round = 24 - len(result.succeeded)
+        assert tier.stats.backend_errors == failed_per_round * (tier.breaker.failures + 1)  # type: ignore[attr-defined]
+        held = [k for k in keys if k in result.succeeded]
+        loaded = harness.load(held, list(range(24, 24 + len(held))))
+        assert loaded.success
+        rows = [keys.index(k) for k in held]
+        np.testing.assert_array_equal(
+            harness.buffer.array[24 : 24 + len(held)], harness.buffer.array[rows]
+        )
+    finally:
+        full.command("CONFIG", "SET", "maxmemory", "0")
+        harness.close()
