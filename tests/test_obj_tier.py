@@ -13,8 +13,10 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
+from kvtier.testing.outages import FakeClock, recover
 from kvtier.testing.servers import S3Server, free_port
 from kvtier.tiers.base import Lookup
+from kvtier.tiers.remote import RemoteTier
 
 
 class TestObjectStoreTierContract(TierContractTests):
@@ -113,17 +115,22 @@ def test_endpoint_outage_turns_into_misses_and_recovers(own_s3_server: S3Server)
     tokens = list(range(16))
     data = np.random.default_rng(5).integers(0, 256, (4, layout.slot_bytes), dtype=np.uint8)
     with KVCache(config, layout) as cache:
-        stats = cache.manager.tiers[0].stats
+        tier = cache.manager.tiers[0]
+        assert isinstance(tier, RemoteTier)
+        clock = FakeClock()
+        tier.breaker.clock = clock
+        stats = tier.stats
         server.stop()
         assert cache.store(tokens, data) == 4
         cache.drain()
         assert stats.store_failures == 4
-        assert stats.backend_outages == 1 and stats.backend_errors >= 1  # type: ignore[attr-defined]
+        assert stats.backend_errors >= 1  # type: ignore[attr-defined]
         cache.manager.reset()
         assert cache.cached_prefix(tokens) == 0
         assert stats.misses >= 1
         server.start()  # same port; moto keeps nothing, so the bucket comes back empty
         server.create_bucket(bucket)
+        assert recover(tier, clock)
         assert cache.store(tokens, data) == 4
         cache.drain()
         assert stats.chunks_stored == 4
@@ -138,9 +145,18 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
     server = own_s3_server
     bucket = server.create_bucket("kv-hung")
     harness = TierHarness(
-        {"type": "obj", **server.tier_options(bucket), "retries": 0, "read_timeout_s": 0.5},
+        {
+            "type": "obj",
+            **server.tier_options(bucket),
+            "retries": 0,
+            "read_timeout_s": 0.5,
+        },
         small_layout(),
     )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    clock = FakeClock()
+    tier.breaker.clock = clock
     try:
         keys = harness.keys(3)
         harness.fill(range(3))
@@ -149,10 +165,11 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
         # Without timeouts these would wait for ever; run_job would give up instead.
         assert not harness.load(keys, [3, 4, 5]).success
         assert harness.lookup(keys[0]) is Lookup.MISS
-        assert harness.tier.backend_down  # type: ignore[attr-defined]
-        assert [check.ok for check in harness.tier.health()] == [False]
-        assert [m.value for m in harness.tier.metrics() if m.name == "backend_up"] == [0.0]
+        assert tier.backend_down
+        assert [check.ok for check in tier.health()] == [False]
+        assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [0.0]
         server.resume()
+        assert recover(tier, clock)
         assert harness.load(keys, [3, 4, 5]).success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
         assert not harness.tier.backend_down  # type: ignore[attr-defined]
@@ -211,6 +228,10 @@ def test_an_erroring_endpoint_fails_chunks_and_recovers(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
     harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    clock = FakeClock()
+    tier.breaker.clock = clock
     client = s3_server.client()
     try:
         keys = harness.keys(3)
@@ -221,8 +242,10 @@ def test_an_erroring_endpoint_fails_chunks_and_recovers(
         client.delete_bucket(Bucket=s3_bucket)  # every request now answers NoSuchBucket
         assert not harness.store(keys[2:], [2]).success
         assert harness.load(keys[:2], [3, 4]).succeeded == frozenset()
+        assert harness.load(keys[:2], [3, 4]).succeeded == frozenset()
         assert harness.tier.backend_down  # type: ignore[attr-defined]
         client.create_bucket(Bucket=s3_bucket)
+        assert recover(tier, clock)
         assert harness.store(keys, [0, 1, 2]).success
         assert harness.load(keys, [3, 4, 5]).success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
@@ -249,5 +272,74 @@ def test_skip_existing_sends_only_missing_chunks(s3_server: S3Server, s3_bucket:
         assert body == b"marker"  # held already: not sent again
         assert harness.load(keys[1:], [2]).success
         np.testing.assert_array_equal(harness.buffer.array[2], harness.buffer.array[1])
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize(
+    "url", ["minio:9000", "not a url", "http://[::1", "ftp://minio:9000", "http://", "http://h:0"]
+)
+def test_a_malformed_endpoint_fails_when_the_config_loads(url: str) -> None:
+    layout = small_layout()
+    config = {
+        "secondary_tiers": [
+            {"type": "memory"},
+            {"type": "obj", "bucket": "kv", "endpoint_url": url},
+        ]
+    }
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\]\.endpoint_url: ") as caught:
+        KVCache(config, layout)  # before any client library sees it
+    assert "write it as http://host:port" in str(caught.value)
+    assert repr(url) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://minio:9000", "https://s3.example.com", "http://[::1]:9000", "http://10.0.0.1"]
+)
+def test_well_formed_endpoints_load(url: str) -> None:
+    load_config({"secondary_tiers": [{"type": "obj", "bucket": "kv-bucket", "endpoint_url": url}]})
+
+
+def test_a_missing_bucket_names_its_entry(s3_server: S3Server) -> None:
+    layout = small_layout()
+    config = {
+        "chunk_tokens": layout.chunk_tokens,
+        "cpu_bytes_to_use": 4 * layout.slot_bytes,
+        "secondary_tiers": [{"type": "obj", **s3_server.tier_options("no-such-bucket")}],
+    }
+    with pytest.raises(BackendUnavailableError, match=r"^secondary_tiers\[0\]: .*does not exist"):
+        KVCache(config, layout)
+
+
+def test_a_job_is_split_over_the_workers(s3_server: S3Server, s3_bucket: str) -> None:
+    harness = TierHarness(
+        {"type": "obj", **s3_server.tier_options(s3_bucket), "io_threads": 4}, small_layout()
+    )
+    try:
+        tier = harness.tier
+        pending = [(key, slot) for slot, key in enumerate(harness.keys(10))]
+        batches = tier._split(pending)  # type: ignore[attr-defined]
+        assert [len(b) for b in batches] == [3, 3, 3, 1]
+        assert [pair for batch in batches for pair in batch] == pending
+    finally:
+        harness.close()
+
+
+def test_an_empty_object_at_a_chunk_name_is_corrupt_not_an_outage(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    client = s3_server.client()
+    try:
+        [key] = harness.keys(1)
+        name = tier.store_name(key)
+        client.put_object(Bucket=s3_bucket, Key=name, Body=b"")
+        assert harness.lookup(key) is Lookup.HIT  # a ranged GET of 0 bytes: InvalidRange
+        assert not harness.load([key], [1]).success
+        assert tier.stats.corrupt_chunks == 1
+        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
+        assert client.list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
     finally:
         harness.close()

@@ -14,8 +14,10 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
+from kvtier.testing.outages import FakeClock, recover, wait_until
 from kvtier.testing.servers import RedisClusterServers, RedisServer, ServerError, free_port
-from kvtier.tiers.base import Lookup
+from kvtier.tiers.base import Lookup, LookupContext
+from kvtier.tiers.remote import RemoteTier
 from tests.conftest import need_redis_server
 
 
@@ -134,15 +136,19 @@ def test_server_outage_turns_into_misses_and_recovers(
     config["secondary_tiers"][0]["url"] = server.url  # type: ignore[index]
     with KVCache(config, layout) as cache:
         tier = cache.manager.tiers[0]
+        assert isinstance(tier, RemoteTier)
+        clock = FakeClock()
+        tier.breaker.clock = clock
         server.stop()
         assert cache.store(tokens, data) == 4  # the primary tier takes them
         cache.drain()
         assert tier.stats.store_failures == 4
-        assert tier.stats.backend_outages == 1 and tier.stats.backend_errors >= 1  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors >= 1  # type: ignore[attr-defined]
         cache.manager.reset()
         assert cache.cached_prefix(tokens) == 0  # a miss, not an error
         assert tier.stats.misses >= 1
         server.start()  # same port, empty
+        assert recover(tier, clock)
         assert cache.store(tokens, data) == 4
         cache.drain()
         assert tier.stats.chunks_stored == 4
@@ -167,6 +173,10 @@ def test_a_hung_server_times_out_and_recovers(
         },
         small_layout(),
     )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    clock = FakeClock()
+    tier.breaker.clock = clock
     try:
         keys = harness.keys(3)
         harness.fill(range(3))
@@ -176,10 +186,11 @@ def test_a_hung_server_times_out_and_recovers(
         assert not harness.load(keys, [3, 4, 5]).success
         assert harness.lookup(keys[0]) is Lookup.MISS
         assert not harness.store(harness.keys(1), [6]).success
-        assert harness.tier.backend_down  # type: ignore[attr-defined]
-        assert [check.ok for check in harness.tier.health()] == [False]
-        assert [m.value for m in harness.tier.metrics() if m.name == "backend_up"] == [0.0]
+        assert tier.backend_down
+        assert [check.ok for check in tier.health()] == [False]
+        assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [0.0]
         server.resume()
+        assert recover(tier, clock)
         result = harness.load(keys, [3, 4, 5])
         assert result.success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
@@ -256,16 +267,25 @@ def test_an_erroring_server_fails_chunks_and_recovers(
 ) -> None:
     server = own_redis_server
     harness = TierHarness(
-        {"type": "redis", "url": server.url, "key_prefix": key_prefix}, small_layout()
+        {"type": "redis", "url": server.url, "key_prefix": key_prefix, "breaker_failures": 2},
+        small_layout(),
     )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    clock = FakeClock()
+    tier.breaker.clock = clock
     try:
         keys = harness.keys(2)
         harness.fill([0, 1])
         server.command("CONFIG", "SET", "maxmemory", "1")  # every write now answers OOM
         result = harness.store(keys, [0, 1])
         assert not result.success and result.succeeded == frozenset()
-        assert harness.tier.backend_down  # type: ignore[attr-defined]
+        assert not tier.backend_down  # one failed call: not yet an outage
+        assert not harness.store(keys, [0, 1]).success
+        assert tier.backend_down  # two in a row (breaker_failures)
+        assert tier.stats.backend_errors == 4  # type: ignore[attr-defined]
         server.command("CONFIG", "SET", "maxmemory", "0")
+        assert recover(tier, clock)
         assert harness.store(keys, [0, 1]).success
         assert harness.load(keys, [2, 3]).success
         np.testing.assert_array_equal(harness.buffer.array[2:4], harness.buffer.array[0:2])
@@ -321,3 +341,157 @@ def test_test_server_moves_to_fresh_ports_when_its_port_is_taken() -> None:
         with pytest.raises(ServerError, match=r"(?s)exited with .*Address already in use"):
             stubborn.start()
         stubborn.close()
+
+
+def test_a_value_of_the_wrong_type_is_a_corrupt_chunk_not_an_outage(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix, "ttl_s": 300},
+        small_layout(),
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    client = raw_client(redis_server.url)
+    try:
+        keys = harness.keys(2)
+        harness.fill([0, 1])
+        assert harness.store(keys, [0, 1]).success
+        name = tier.store_name(keys[0])
+        client.delete(name)
+        client.rpush(name, b"not", b"a", b"chunk")
+        for _ in range(3):  # as often as breaker_failures: still no outage
+            harness.buffer.array[2:4] = 5
+            result = harness.load(keys, [2, 3])
+            assert result.succeeded == frozenset([keys[1]])
+            assert (harness.buffer.array[2] == 5).all()
+            client.delete(name)
+            client.rpush(name, b"again")
+        assert tier.stats.corrupt_chunks == 3
+        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
+        assert tier.breaker.closed
+        assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [1.0]
+        client.delete(name)
+        client.hset(name, "field", "value")
+        assert not harness.load(keys[:1], [2]).success
+        assert client.exists(name) == 0  # deleted, like any corrupt chunk
+        assert harness.lookup(keys[0]) is Lookup.MISS
+    finally:
+        harness.close()
+
+
+class _MixedPipeline:
+    """A cluster pipeline where one name's node fails: per-item errors."""
+
+    def __init__(self, held: set[str], failing: str) -> None:
+        self.held = held
+        self.failing = failing
+        self.names: list[str] = []
+
+    def exists(self, name: str) -> None:
+        self.names.append(name)
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        import redis
+
+        return [
+            redis.ConnectionError("node down") if name == self.failing else int(name in self.held)
+            for name in self.names
+        ]
+
+
+def test_per_item_check_errors_never_flap_the_outage_state(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix}, small_layout()
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    changes: list[object] = []
+    tier.breaker.on_change = lambda old, new, why: changes.append(new)
+    try:
+        keys = harness.keys(3)
+        held = {tier.store_name(keys[0])}
+        failing = tier.store_name(keys[1])
+        tier._pipeline = lambda: _MixedPipeline(held, failing)  # type: ignore[method-assign]
+        ctx = LookupContext()
+        answers = []
+        for _ in range(tier.check_attempts + 1):
+            answers.append([tier.lookup(k, ctx) for k in keys])
+            tier.on_step_end()
+            wait_until(lambda: not tier._checking, what="checks done")
+        assert answers[0] == [Lookup.PENDING] * 3
+        assert answers[1] == [Lookup.HIT, Lookup.PENDING, Lookup.MISS]
+        # The key on the failing node is asked again, then given up as a miss.
+        assert [a[1] for a in answers] == [Lookup.PENDING] * 3 + [Lookup.MISS]
+        assert tier.stats.backend_errors == tier.check_attempts  # type: ignore[attr-defined]
+        assert changes == [] and tier.breaker.closed
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "localhost:6379",
+        "not a url",
+        "redis://[::1",
+        "http://h:6379/0",
+        "redis://h:1/db",
+        "redis://",
+    ],
+)
+def test_a_malformed_url_fails_when_the_config_loads(url: str) -> None:
+    layout = small_layout()
+    config = {"secondary_tiers": [{"type": "memory"}, {"type": "redis", "url": url}]}
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\]\.url: .*redis://") as caught:
+        KVCache(config, layout)
+    assert "write it as redis://" in str(caught.value)
+
+
+def test_a_malformed_url_never_shows_its_password() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({"secondary_tiers": [{"type": "redis", "url": "redis://u:hunter2@[::1"}]})
+    assert "hunter2" not in str(caught.value) and "***" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://h:6379/0", "rediss://user:pw@h:6380/2", "redis://[::1]:6379", "unix:///run/r.sock"],
+)
+def test_well_formed_urls_load(url: str) -> None:
+    load_config({"secondary_tiers": [{"type": "redis", "url": url}]})
+
+
+def test_one_failing_cluster_node_costs_its_chunks_only(
+    redis_cluster: RedisClusterServers, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {"type": "redis", "startup_nodes": redis_cluster.startup_nodes, "key_prefix": key_prefix},
+        small_layout(),
+        num_slots=48,
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    full = redis_cluster.nodes[0]
+    try:
+        full.command("CONFIG", "SET", "maxmemory", "1")  # its writes answer OOM
+        keys = harness.keys(24)
+        harness.fill(range(24))
+        for _ in range(tier.breaker.failures + 1):
+            result = harness.store(keys, list(range(24)))
+            assert 0 < len(result.succeeded) < 24  # the other nodes took theirs
+        assert tier.breaker.closed and tier.stats.backend_outages == 0  # type: ignore[attr-defined]
+        failed_per_round = 24 - len(result.succeeded)
+        assert tier.stats.backend_errors == failed_per_round * (tier.breaker.failures + 1)  # type: ignore[attr-defined]
+        held = [k for k in keys if k in result.succeeded]
+        loaded = harness.load(held, list(range(24, 24 + len(held))))
+        assert loaded.success
+        rows = [keys.index(k) for k in held]
+        np.testing.assert_array_equal(
+            harness.buffer.array[24 : 24 + len(held)], harness.buffer.array[rows]
+        )
+    finally:
+        full.command("CONFIG", "SET", "maxmemory", "0")
+        harness.close()

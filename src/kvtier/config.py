@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -258,11 +259,24 @@ def _problems_from(
             message += f" Valid keys: {', '.join(sorted(valid))}."
         elif "input" in error and error["type"] not in ("missing",):
             # Never echo a secret (a peer secret, a password) into logs.
-            message += " (value hidden)" if _is_secret(model, loc) else f" (got {error['input']!r})"
+            shown = (
+                "(value hidden)"
+                if _is_secret(model, loc)
+                else f"(got {_redacted(error['input'])!r})"
+            )
+            message += " " + shown
         if error["type"].startswith("byte_size"):
             message += "; write a size such as 8GiB, 512MiB or 1073741824"
         problems.append((path, message))
     return problems
+
+
+_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` with the password of a URL in it (``redis://:pw@host``) masked."""
+    return _URL_PASSWORD.sub(r"\1***@", value) if isinstance(value, str) else value
 
 
 def _join(prefix: str, loc: tuple[int | str, ...]) -> str:

@@ -75,15 +75,22 @@ class BackendUnavailableError(KVTierError, ConnectionError):
     """A tier's backend cannot serve it at start: unreachable, missing or refusing.
 
     ``tier_type`` names the tier, ``target`` what it tried to reach (a URL, a
-    bucket) and ``reason`` what went wrong. Raised only while a tier starts;
+    bucket), ``reason`` what went wrong and ``entry`` the configuration entry
+    (``secondary_tiers[1]``) when known. Raised only while a tier starts;
     once running, backend failures become failed jobs and misses.
     """
 
-    def __init__(self, tier_type: str, target: str, reason: str):
+    def __init__(self, tier_type: str, target: str, reason: str, entry: str = ""):
         self.tier_type = tier_type
         self.target = target
         self.reason = reason
-        super().__init__(f"tier {tier_type!r}: cannot use {target}: {reason}")
+        self.entry = entry
+        where = f"{entry}: " if entry else ""
+        super().__init__(f"{where}tier {tier_type!r}: cannot use {target}: {reason}")
+
+    def at(self, entry: str) -> BackendUnavailableError:
+        """The same error, naming the configuration entry it came from."""
+        return BackendUnavailableError(self.tier_type, self.target, self.reason, entry)
 
 
 class PeerProtocolError(KVTierError, ConnectionError):

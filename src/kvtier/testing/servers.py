@@ -311,7 +311,12 @@ class S3Server(_Process):
         return name
 
     def tier_options(self, bucket: str) -> dict[str, Any]:
-        """Options of an ``obj`` tier on ``bucket`` of this server."""
+        """Options of an ``obj`` tier on ``bucket`` of this server.
+
+        The deadline is generous: moto is a Python server, slow on a loaded
+        machine, and a test of anything else must not see jobs cut short.
+        Tests of the deadline set their own.
+        """
         return {
             "bucket": bucket,
             "endpoint_url": self.endpoint_url,
@@ -319,4 +324,5 @@ class S3Server(_Process):
             "access_key_id": self.access_key_id,
             "secret_access_key": self.secret_access_key,
             "addressing_style": "path",
+            "deadline_s": 10,
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvtier.errors import BackendUnavailableError
 from kvtier.plugins import PluginRegistry
 from kvtier.tiers.base import SecondaryTier
 
@@ -65,6 +66,10 @@ class SecondaryTierFactory:
         options.pop("module_path", None)
         try:
             return cls(spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **options)
+        except BackendUnavailableError as exc:
+            if not entry or exc.entry:
+                raise
+            raise exc.at(entry) from exc.__cause__
         except Exception as exc:
             # Keep the type callers catch (OSError, ConfigError...), and say where.
             if entry and entry not in str(exc):

@@ -17,22 +17,30 @@ Checksums of the S3 client are left at "when required": every value carries
 kvtier's own checksum, verified before it reaches a slot.
 
 Concurrency is ``io_threads``: each worker runs one request at a time over a
-pool of as many connections. Existence checks are HEAD requests spread over
-the workers in small batches; listing by prefix is never used, as its cost
-grows with the bucket, not with the batch. At start the tier checks the
-bucket with one HEAD and fails at once, with a clear message, if the
-endpoint cannot be reached, the bucket is missing or access is denied.
-Afterwards every request is bounded by ``connect_timeout_s``,
-``read_timeout_s`` and ``retries``; failures become failed chunks, and the
-connection pool reconnects by itself when the endpoint comes back.
+pool of as many connections, and a job's chunks are split evenly over the
+workers (one task per worker, not one per chunk), each stopping as soon as the
+backend is known down. Existence checks are one-byte ranged GETs spread over
+the workers in small batches: unlike a HEAD, whose 404 has no body, a GET
+tells a missing object (``NoSuchKey``: absent) from a missing bucket
+(``NoSuchBucket``: the backend is down). Listing by prefix is never used, as
+its cost grows with the bucket, not with the batch. At start the tier checks
+the bucket with one HEAD, bounded by ``startup_timeout_s``, and fails with a
+clear message if the endpoint cannot be reached, does not answer, the bucket
+is missing or access is denied. Afterwards what a request waits is bounded by
+``deadline_s`` and the circuit breaker (see :mod:`kvtier.tiers.remote`);
+``connect_timeout_s``, ``read_timeout_s`` and ``retries`` only decide how
+long a worker stays in one request. The connection pool reconnects by itself
+when the endpoint comes back.
 """
 
 from __future__ import annotations
 
+import math
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from kvtier.errors import (
     BackendUnavailableError,
@@ -40,15 +48,19 @@ from kvtier.errors import (
     MissingDependencyError,
     describe_error,
 )
+from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.remote import (
+    Exists,
     Fetched,
     PutErrors,
     RemoteTier,
     RemoteTierOptions,
 )
 
-_ABSENT = frozenset({"404", "NoSuchKey", "NotFound"})
+#: Error codes of a GET on an object the bucket does not hold. A missing
+#: bucket (``NoSuchBucket``) is not among them: that is an outage.
+_ABSENT = frozenset({"NoSuchKey"})
 
 
 class ObjectStoreTierOptions(RemoteTierOptions):
@@ -91,6 +103,18 @@ class ObjectStoreTierOptions(RemoteTierOptions):
     retries: int = Field(default=2, ge=0, le=10)
     """Further attempts after a throttled, failed or timed-out request."""
 
+    @field_validator("endpoint_url")
+    @classmethod
+    def _check_endpoint(cls, url: str | None) -> str | None:
+        if url is not None:
+            problem = _endpoint_problem(url)
+            if problem:
+                raise ValueError(
+                    f"{problem}; write it as http://host:port or https://host "
+                    "(for example http://minio:9000), or leave it unset for AWS S3"
+                )
+        return url
+
     @model_validator(mode="after")
     def _check_credentials(self) -> ObjectStoreTierOptions:
         if (self.access_key_id is None) != (self.secret_access_key is None):
@@ -107,8 +131,8 @@ class ObjectStoreTier(RemoteTier):
 
     Options: ClassVar[type[TierOptions]] = ObjectStoreTierOptions
     name_separator: ClassVar[str] = "/"
-    #: One request per chunk: a job's chunks spread over all workers.
-    io_batch: ClassVar[int] = 1
+    #: Most chunks of one task; :meth:`_split` spreads a job over the workers.
+    io_batch: ClassVar[int] = 64
     #: HEADs per existence-check task: small, so a step's checks run in parallel.
     check_batch: ClassVar[int] = 4
 
@@ -127,11 +151,19 @@ class ObjectStoreTier(RemoteTier):
             self.shutdown()
             raise
 
+    def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
+        # One request per chunk, so a task per worker: a job's chunks run in
+        # parallel, and once the backend is known down each task stops
+        # sending instead of a queue of one-chunk tasks each paying a timeout.
+        options: ObjectStoreTierOptions = self.options  # type: ignore[assignment]
+        size = min(self.io_batch, max(1, math.ceil(len(pending) / options.io_threads)))
+        return [pending[i : i + size] for i in range(0, len(pending), size)]
+
     def _check_bucket(self) -> None:
         from botocore.exceptions import ClientError, NoCredentialsError
 
         try:
-            self._ping()
+            self._start(self._ping, lambda _: None, self._target)
         except NoCredentialsError as exc:
             raise BackendUnavailableError(
                 self.tier_type,
@@ -139,6 +171,8 @@ class ObjectStoreTier(RemoteTier):
                 "no credentials: set access_key_id and secret_access_key, or a profile, "
                 "or configure the standard AWS credential chain",
             ) from exc
+        except BackendUnavailableError:
+            raise
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             reason = {
@@ -152,29 +186,42 @@ class ObjectStoreTier(RemoteTier):
                 self.tier_type, self._target, f"endpoint unreachable: {describe_error(exc)}"
             ) from exc
 
-    def _is_absent(self, exc: Exception) -> bool:
+    def _error_code(self, exc: Exception) -> str | None:
+        """The S3 error code of a client error, ``None`` for any other failure."""
         if not isinstance(exc, self._client_error):
-            return False
-        return str(exc.response.get("Error", {}).get("Code", "")) in _ABSENT  # type: ignore[attr-defined]
+            return None
+        return str(exc.response.get("Error", {}).get("Code", ""))  # type: ignore[attr-defined]
 
-    def _exists_many(self, names: Sequence[str]) -> list[bool]:
-        found = []
+    def _is_absent(self, exc: Exception) -> bool:
+        return self._error_code(exc) in _ABSENT
+
+    def _exists_many(self, names: Sequence[str]) -> list[Exists]:
+        found: list[Exists] = []
         for name in names:
+            self._check_sending()
             try:
-                self._client.head_object(Bucket=self._bucket, Key=name)
+                reply = self._client.get_object(Bucket=self._bucket, Key=name, Range="bytes=0-0")
+                reply["Body"].close()
                 found.append(True)
             except Exception as exc:
-                if not self._is_absent(exc):
+                code = self._error_code(exc)
+                if code == "InvalidRange":  # an empty object: there, and corrupt when loaded
+                    found.append(True)
+                elif code in _ABSENT:
+                    found.append(False)
+                else:
                     raise
-                found.append(False)
+            self._answered()
         return found
 
     def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
         errors: PutErrors = []
         for name, value in zip(names, values, strict=True):
+            self._check_sending()
             try:
                 self._client.put_object(Bucket=self._bucket, Key=name, Body=value)
                 errors.append(None)
+                self._answered()
             except self._client_error as exc:
                 errors.append(exc)
         return errors
@@ -182,12 +229,14 @@ class ObjectStoreTier(RemoteTier):
     def _get_many(self, names: Sequence[str]) -> list[Fetched]:
         values: list[Fetched] = []
         for name in names:
+            self._check_sending()
             try:
                 reply = self._client.get_object(Bucket=self._bucket, Key=name)
             except Exception as exc:
                 if not self._is_absent(exc):
                     raise
                 values.append(None)
+                self._answered()
                 continue
             body = reply["Body"]
             try:
@@ -203,6 +252,7 @@ class ObjectStoreTier(RemoteTier):
                     values.append(body.read())
             finally:
                 body.close()
+            self._answered()
         return values
 
     def _delete(self, name: str) -> None:
@@ -212,6 +262,7 @@ class ObjectStoreTier(RemoteTier):
         self._client.head_bucket(Bucket=self._bucket)
 
     def _close(self) -> None:
+        super()._close()
         if self._client is not None:
             self._client.close()
 
@@ -224,6 +275,22 @@ class ObjectStoreTier(RemoteTier):
             "endpoint_url": options.endpoint_url,
             "region": self._client.meta.region_name if self._client is not None else None,
         }
+
+
+def _endpoint_problem(url: str) -> str | None:
+    """What is wrong with an S3 endpoint URL, or ``None``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"not a valid URL ({exc})"
+    if parts.scheme not in ("http", "https"):
+        return "the URL must start with http:// or https://"
+    if not parts.hostname:
+        return "the URL names no host"
+    if port == 0:
+        return "port 0 is not a server's port"
+    return None
 
 
 def _connect(options: ObjectStoreTierOptions) -> tuple[type[Exception], Any]:

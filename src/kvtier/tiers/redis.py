@@ -9,14 +9,17 @@ no multi-key command (``MGET``, multi-key ``EXISTS``) is ever sent, since those
 fail across slots. Keys carry no hash tag, so chunks spread over the cluster;
 a ``{...}`` in ``key_prefix`` would pin them all to one slot.
 
-Timeouts bound every call: ``connect_timeout_s`` and ``socket_timeout_s`` per
-attempt, ``retries`` further attempts with a short backoff, and the
-connection pool never waits longer than ``socket_timeout_s`` for a free
-connection. A batch that runs out of attempts fails its chunks; the pool
-reconnects on the next batch, so a server that comes back is used again
-without anyone stepping in. Memory bounds and eviction are the server's
-(``maxmemory``, ``maxmemory-policy allkeys-lru``); ``ttl_s`` adds expiry,
-refreshed whenever a chunk is read or stored again.
+What a request waits is bounded by ``deadline_s`` (see
+:mod:`kvtier.tiers.remote`): a stopped or frozen server costs a request at
+most that, then nothing while the circuit breaker is open. Below it, each
+call is bounded by ``connect_timeout_s`` and ``socket_timeout_s`` per attempt
+and ``retries`` further attempts; these only decide how long a worker stays
+stuck, not how long a request waits. The pool reconnects on the next batch,
+so a server that comes back is used again without anyone stepping in.
+Memory bounds and eviction are the server's (``maxmemory``,
+``maxmemory-policy allkeys-lru``); ``ttl_s`` adds expiry, refreshed whenever
+a chunk is read or stored again. A value that is not a string (a list, a
+hash) at a chunk's name is a corrupt chunk: counted and deleted.
 """
 
 from __future__ import annotations
@@ -25,16 +28,24 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
-from kvtier.errors import BackendUnavailableError, MissingDependencyError, describe_error
+from kvtier.errors import (
+    BackendUnavailableError,
+    CorruptChunkError,
+    MissingDependencyError,
+    describe_error,
+)
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.remote import (
+    Exists,
     Fetched,
     PutErrors,
     RemoteTier,
     RemoteTierOptions,
 )
+
+_URL_SCHEMES = ("redis", "rediss", "unix")
 
 
 class RedisTierOptions(RemoteTierOptions):
@@ -75,6 +86,18 @@ class RedisTierOptions(RemoteTierOptions):
     io_threads: int = Field(default=4, ge=1, le=64)
     """Worker threads, each running one pipeline at a time."""
 
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            problem = _url_problem(url)
+            if problem:
+                raise ValueError(
+                    f"{problem}; write it as redis://[user[:password]@]host:port/db "
+                    "(rediss:// for TLS, unix:///path/to.sock for a socket)"
+                )
+        return url
+
     @model_validator(mode="after")
     def _check_target(self) -> RedisTierOptions:
         if (self.url is None) == (not self.startup_nodes):
@@ -114,9 +137,10 @@ class RedisTier(RemoteTier):
         self._target = _target(options)
         self._client: Any = None
         try:
-            self._client = _connect(options)
-            self._ping()
-        except MissingDependencyError:
+            self._client = self._start(
+                lambda: _connected(options), lambda client: client.close(), self._target
+            )
+        except (MissingDependencyError, BackendUnavailableError):
             self.shutdown()
             raise
         except Exception as exc:
@@ -128,18 +152,15 @@ class RedisTier(RemoteTier):
     def _pipeline(self) -> Any:
         return self._client.pipeline(transaction=False)
 
-    def _exists_many(self, names: Sequence[str]) -> list[bool]:
+    def _exists_many(self, names: Sequence[str]) -> list[Exists]:
         pipe = self._pipeline()
         for name in names:
             pipe.exists(name)
-        found = []
-        for reply in pipe.execute(raise_on_error=False):
-            if isinstance(reply, BaseException):
-                self._failed(reply)  # that node's chunks are misses; the others still count
-                found.append(False)
-            else:
-                found.append(reply == 1)
-        return found
+        # Per item: on a cluster, one node's error leaves the others' answers good.
+        return [
+            reply if isinstance(reply, BaseException) else reply == 1
+            for reply in pipe.execute(raise_on_error=False)
+        ]
 
     def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
         pipe = self._pipeline()
@@ -155,8 +176,7 @@ class RedisTier(RemoteTier):
             if self._ttl_ms is not None:
                 pipe.pexpire(name, self._ttl_ms)
         replies = pipe.execute(raise_on_error=False)
-        values: list[Fetched] = replies[:: 1 if self._ttl_ms is None else 2]
-        return values
+        return [_wrong_type_is_corrupt(v) for v in replies[:: 1 if self._ttl_ms is None else 2]]
 
     def _refresh_many(self, names: Sequence[str]) -> None:
         if self._ttl_ms is None or not names:
@@ -173,6 +193,7 @@ class RedisTier(RemoteTier):
         self._client.ping()
 
     def _close(self) -> None:
+        super()._close()
         if self._client is not None:
             self._client.close()
 
@@ -185,6 +206,45 @@ class RedisTier(RemoteTier):
             "key_prefix": options.key_prefix,
             "ttl_s": options.ttl_s,
         }
+
+
+def _wrong_type_is_corrupt(reply: Any) -> Fetched:
+    """A GET of a list or hash: a corrupt chunk, not a failing server."""
+    if isinstance(reply, BaseException) and str(reply).startswith("WRONGTYPE"):
+        return CorruptChunkError(f"the value is not a string: {reply}")
+    return reply
+
+
+def _connected(options: RedisTierOptions) -> Any:
+    """A client for ``options`` that answered one ``PING``."""
+    client = _connect(options)
+    try:
+        client.ping()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def _url_problem(url: str) -> str | None:
+    """What is wrong with a Redis URL, or ``None``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"not a valid URL ({exc})"
+    if parts.scheme not in _URL_SCHEMES:
+        return f"the scheme must be one of {', '.join(s + '://' for s in _URL_SCHEMES)}"
+    if parts.scheme == "unix":
+        return None if parts.path else "a unix:// URL needs the socket's path"
+    if not parts.hostname:
+        return "the URL names no host"
+    if port == 0:
+        return "port 0 is not a server's port"
+    database = parts.path.strip("/")
+    if database and not database.isdigit():
+        return f"the database must be a number, got {database!r}"
+    return None
 
 
 def _connect(options: RedisTierOptions) -> Any:

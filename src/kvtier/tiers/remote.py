@@ -12,35 +12,63 @@ write batched client calls:
   buffers it keeps (``io_batch`` chunks' worth), so stores allocate nothing;
 * optional write deduplication (``skip_existing``): one batched existence
   check before a store, so chunks another engine already wrote are not sent again;
-* failures: a backend error fails the batch's chunks (misses for the
-  manager, which counts them), never reaches the caller's thread, and is
-  logged once when the backend goes away and once when it answers again.
-  Recovery needs nothing: the next batch simply tries again.
+* outages, bounded: every job and existence check has one deadline
+  (``deadline_s``). A job still running then is answered with what it has
+  (its other chunks failed) and its slots are never touched again, however
+  long a worker stays stuck in a socket; a missed deadline with no answer
+  from the backend meanwhile opens the
+  :class:`~kvtier.tiers.circuit.CircuitBreaker`, as do ``breaker_failures``
+  failed calls in a row. While it is open, lookups answer MISS, stores are
+  dropped and loads fail at once, without a call to the backend; a probe
+  (``_ping``) after a backoff closes it again when the backend answers;
+* start-up, bounded: connecting and the first ping must answer within
+  ``startup_timeout_s``, whatever the client's own timeouts and retries.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
+import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import Field, model_validator
 
 from kvtier import integrity
-from kvtier.errors import CorruptChunkError, describe_error
+from kvtier.errors import BackendUnavailableError, CorruptChunkError, describe_error
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions, TierStats
-from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
+from kvtier.tiers.base import (
+    HealthCheck,
+    JobResult,
+    Lookup,
+    LookupContext,
+    TierMetric,
+    TierOptions,
+    TierStats,
+    TransferJob,
+)
+from kvtier.tiers.circuit import BreakerState, CircuitBreaker
+from kvtier.tiers.deadlines import Deadlines
+from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions, _JobState
 
 logger = logging.getLogger(__name__)
 
 #: What a batched read gives back per name: the value, ``None`` when the store
 #: does not hold it, or the error that one item met.
 Fetched = bytes | memoryview | None | BaseException
+#: What a batched existence check gives back per name: held or not, or the error that item met.
+Exists = bool | BaseException
 #: What a batched write gives back per name: ``None``, or the error that item met.
 PutErrors = list[BaseException | None]
+
+T = TypeVar("T")
+
+
+class BackendSkipped(ConnectionError):
+    """A call not sent because the backend is known to be down (breaker open)."""
 
 
 class RemoteTierOptions(ThreadedTierOptions):
@@ -50,6 +78,41 @@ class RemoteTierOptions(ThreadedTierOptions):
     the same chunks at once; otherwise the extra round trip costs more than it
     saves, since the manager never writes a promoted chunk back to its tier."""
 
+    deadline_s: float = Field(default=0.75, gt=0, le=60)
+    """Most seconds one job (a request's loads or stores) or existence check
+    may take, whatever its number of chunks, threads and retries. A job still
+    running then is answered with the chunks done so far (the others fail, and
+    the request recomputes them), and the circuit breaker opens. Also bounds
+    how long ``shutdown`` waits for workers stuck in a backend call."""
+
+    breaker_failures: int = Field(default=3, ge=1)
+    """Failed backend calls in a row that open the circuit breaker (one
+    missed deadline opens it at once). While open, lookups answer MISS and
+    stores are dropped without a call to the backend."""
+
+    breaker_backoff_s: float = Field(default=0.25, gt=0)
+    """Seconds the breaker stays open before one probe; doubled after each
+    failed probe up to ``breaker_max_backoff_s``, shortened by up to 20%
+    of random jitter."""
+
+    breaker_max_backoff_s: float = Field(default=1.0, gt=0)
+    """Longest wait between two probes of a backend that stays down, and so
+    the longest a recovered backend goes unused. A probe is one cheap request
+    (``PING``, a bucket ``HEAD``)."""
+
+    startup_timeout_s: float = Field(default=5.0, gt=0)
+    """Most seconds the tier waits, when it starts, to connect and get a first
+    answer; an endpoint that accepts connections but never answers fails then."""
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> RemoteTierOptions:
+        if self.breaker_backoff_s > self.breaker_max_backoff_s:
+            raise ValueError(
+                f"breaker_backoff_s={self.breaker_backoff_s} is above "
+                f"breaker_max_backoff_s={self.breaker_max_backoff_s}"
+            )
+        return self
+
 
 @dataclass
 class RemoteTierStats(TierStats):
@@ -57,12 +120,22 @@ class RemoteTierStats(TierStats):
 
     #: Backend calls that failed: a whole batch, or one item of it.
     backend_errors: int = 0
-    #: Times the backend went from answering to failing.
+    #: Times the circuit breaker opened after the backend had been answering.
     backend_outages: int = 0
+    #: Jobs and existence checks still running at their deadline.
+    deadline_misses: int = 0
+    #: Probes sent to a backend whose breaker was open.
+    breaker_probes: int = 0
+    #: Lookups answered MISS without asking the backend (breaker open).
+    outage_skipped_lookups: int = 0
+    #: Chunks of store jobs dropped without a call to the backend (breaker open).
+    outage_dropped_stores: int = 0
+    #: Chunks of load jobs failed without a call to the backend (breaker open).
+    outage_failed_loads: int = 0
 
 
 class RemoteTier(ThreadedTier):
-    """Framing, verification, naming and failure handling over a batched remote store."""
+    """Framing, verification, naming and outage handling over a batched remote store."""
 
     Options: ClassVar[type[TierOptions]] = RemoteTierOptions
     #: Between the store's prefix and namespace digest and the key digest.
@@ -70,12 +143,22 @@ class RemoteTier(ThreadedTier):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._skip_existing = bool(getattr(self.options, "skip_existing", False))
+        options: RemoteTierOptions = self.options  # type: ignore[assignment]
+        self._skip_existing = options.skip_existing
+        self._deadline_s = options.deadline_s
         self._names_prefix = ""
-        self._health_lock = threading.Lock()
-        self._backend_down = False
         self._worker_local = threading.local()
+        self._probe_thread: threading.Thread | None = None
+        #: When a backend call last got an answer (``time.perf_counter``).
+        self._last_answer = time.perf_counter()
         self.stats = RemoteTierStats()
+        self.breaker = CircuitBreaker(
+            failures=options.breaker_failures,
+            backoff_s=options.breaker_backoff_s,
+            max_backoff_s=options.breaker_max_backoff_s,
+            on_change=self._breaker_changed,
+        )
+        self._deadlines = Deadlines(f"kvtier-{self.tier_type}-deadlines")
 
     def _set_name_prefix(self, prefix: str) -> None:
         self._names_prefix = f"{prefix}{self.namespace.hex()}{self.name_separator}"
@@ -86,8 +169,8 @@ class RemoteTier(ThreadedTier):
 
     @property
     def backend_down(self) -> bool:
-        """Whether the last call to the backend failed."""
-        return self._backend_down
+        """Whether calls skip the backend: the breaker is open or probing."""
+        return not self.breaker.closed
 
     @property
     def value_bytes(self) -> int:
@@ -97,8 +180,9 @@ class RemoteTier(ThreadedTier):
     # Backend hooks: blocking, batched, called on worker threads ----------
 
     @abstractmethod
-    def _exists_many(self, names: Sequence[str]) -> list[bool]:
-        """Whether the store holds each name; raise if the store cannot say."""
+    def _exists_many(self, names: Sequence[str]) -> list[Exists]:
+        """Whether the store holds each name (see :data:`Exists`); raise when
+        the whole batch failed."""
 
     @abstractmethod
     def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
@@ -109,7 +193,11 @@ class RemoteTier(ThreadedTier):
 
     @abstractmethod
     def _get_many(self, names: Sequence[str]) -> list[Fetched]:
-        """Read each value (see :data:`Fetched`); raise when the whole batch failed."""
+        """Read each value (see :data:`Fetched`); raise when the whole batch failed.
+
+        A value that cannot be a chunk (wrong size, wrong type) is a
+        :class:`CorruptChunkError` item: deleted and counted, not an outage.
+        """
 
     @abstractmethod
     def _delete(self, name: str) -> None:
@@ -122,39 +210,223 @@ class RemoteTier(ThreadedTier):
     def _ping(self) -> None:
         """One cheap request that raises unless the backend serves this tier."""
 
+    def _sending(self) -> bool:
+        """Whether to go on sending requests (backends check it between requests)."""
+        return self.breaker.closed and not self._closed
+
+    def _check_sending(self) -> None:
+        """Raise :class:`BackendSkipped` once the backend is known down."""
+        if not self._sending():
+            raise BackendSkipped("backend known down: request not sent")
+
+    # The contract: fail fast while the breaker is open ------------------------
+
+    def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
+        if not self._admit():
+            if self.breaker.state is BreakerState.HALF_OPEN:
+                # The probe answers within deadline_s: the first request
+                # after a recovery waits for it rather than missing.
+                return Lookup.PENDING
+            self.count(outage_skipped_lookups=1)
+            return Lookup.MISS
+        return super().lookup(key, ctx)
+
+    def _submit(self, job: TransferJob, *, loading: bool) -> None:
+        if not self._admit():
+            if loading:
+                self.count(outage_failed_loads=len(job.keys))
+            else:
+                self.count(outage_dropped_stores=len(job.keys))
+            with self._lock:
+                self._finished.append(
+                    JobResult(job.job_id, not job.keys, frozenset(), nbytes=0, seconds=0.0)
+                )
+            return
+        super()._submit(job, loading=loading)
+        self._deadlines.after(self._deadline_s, lambda: self._answer_at_deadline(job.job_id))
+
+    def _admit(self) -> bool:
+        """Whether a request may go to the backend; starts the probe when due."""
+        if self.breaker.closed:
+            return True
+        probe = self._probe_thread
+        if (probe is None or not probe.is_alive()) and self.breaker.take_probe():
+            self.count(breaker_probes=1)
+            self._probe_thread = threading.Thread(
+                target=self._probe, name=f"kvtier-{self.tier_type}-probe", daemon=True
+            )
+            self._probe_thread.start()
+        return False
+
+    def _probe(self) -> None:
+        done = threading.Event()
+        # A probe past its deadline failed, whatever else answered meanwhile:
+        # the breaker must not stay half-open on a probe that hangs.
+        self._watch(done, "probe", then=lambda: self.breaker.trip("probe missed its deadline"))
+        try:
+            self._ping()
+        except BaseException as exc:  # whatever it is, the probe must end half-open
+            self.breaker.record_failure(f"probe failed: {describe_error(exc)}")
+        else:
+            self._answered()
+            self.breaker.record_success()
+        finally:
+            done.set()
+
+    def _answer_at_deadline(self, job_id: int) -> None:
+        with self._lock:
+            state = self._jobs.get(job_id)
+        if state is None:
+            return
+        # A copy into or out of its slots ends first.
+        with state.slots_guard, self._lock:
+            if state.reported:
+                return
+            self._finish(state)
+        self._missed_deadline(
+            f"{'load' if state.loading else 'store'} job {job_id}", since=state.started
+        )
+
+    def _watch(
+        self, done: threading.Event, what: str, then: Callable[[], None] | None = None
+    ) -> None:
+        """Unless ``done`` is set in time: count a missed deadline (which may
+        open the breaker), then call ``then``."""
+        since = time.perf_counter()
+
+        def check() -> None:
+            if not done.is_set():
+                self._missed_deadline(what, since)
+                if then is not None:
+                    then()
+
+        self._deadlines.after(self._deadline_s, check)
+
+    def shutdown(self) -> None:
+        """Drain and close within ``deadline_s``, whatever the backend does."""
+        if self._closed:
+            return
+        give_up = time.monotonic() + self._deadline_s
+        self.drain(timeout=self._deadline_s)
+        with self._lock:
+            late = list(self._jobs)
+        for job_id in late:  # answered now, their slots left alone from here on
+            self._answer_at_deadline(job_id)
+        self._join_timeout_s = max(0.0, give_up - time.monotonic())
+        super().shutdown()
+
+    def _missed_deadline(self, what: str, since: float) -> None:
+        self.count(deadline_misses=1)
+        # A backend that answered anything meanwhile is slow, not stalled:
+        # the late work is cut short, but the tier stays in service.
+        if self._last_answer < since:
+            self.breaker.trip(f"{what} missed its {self._deadline_s}s deadline")
+
+    def _answered(self) -> None:
+        """A backend call got an answer (backends with per-item requests call it per item)."""
+        self._last_answer = time.perf_counter()
+
+    def _run_check(self, keys: list[ChunkKey]) -> Callable[[], None]:
+        check = super()._run_check(keys)
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                check()
+            finally:
+                done.set()
+
+        def answer_miss() -> None:
+            # The lookups waiting on it answer MISS from now on; a late
+            # answer replaces this one for the next request.
+            with self._lock:
+                for key in keys:
+                    if key in self._checking:
+                        self._checked[key] = False
+
+        # Counted from when the step asked, as the lookups wait from then.
+        self._watch(done, f"existence check of {len(keys)} chunks", answer_miss)
+        return run
+
     # ThreadedTier hooks -------------------------------------------------------
 
-    def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    def _contains(self, keys: Sequence[ChunkKey]) -> list[bool | None]:
+        if not self._sending():
+            return [None] * len(keys)  # unknown: asked again once the backend is back
         try:
             found = self._exists_many([self.store_name(k) for k in keys])
         except Exception as exc:
-            self._failed(exc)
-            return [False] * len(keys)
-        self._answered()
-        return found
+            self._outcome(len(keys), len(keys), exc)
+            return [None] * len(keys)
+        self._outcome_of(found)
+        return [None if isinstance(f, BaseException) else bool(f) for f in found]
 
-    def _store_batch(self, keys: Sequence[ChunkKey], payloads: Sequence[memoryview]) -> list[bool]:
-        names = [self.store_name(k) for k in keys]
-        try:
-            held = self._exists_many(names) if self._skip_existing else [False] * len(names)
-            todo = [i for i, present in enumerate(held) if not present]
-            values = self._scratch(len(todo))
-            for value, i in zip(values, todo, strict=False):
-                integrity.frame_into(value, self.namespace, keys[i], payloads[i])
-            errors = self._put_many([names[i] for i in todo], values[: len(todo)])
-            if len(todo) < len(names):
-                self._refresh_many([n for n, present in zip(names, held, strict=True) if present])
-        except Exception as exc:
-            self._failed(exc)
+    def _transfer(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+        if not self._sending():
             return [False] * len(keys)
+        try:
+            if state.loading:
+                return self._load(state, keys, slots)
+            return self._store(state, keys, slots)
+        except Exception as exc:
+            self._outcome(len(keys), len(keys), exc)
+            return [False] * len(keys)
+
+    def _store(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+        names = [self.store_name(k) for k in keys]
+        held = [False] * len(names)
+        if self._skip_existing:
+            # An item the store could not check is sent: a write is never wrong.
+            held = [f is True for f in self._exists_many(names)]
+        todo = [i for i, present in enumerate(held) if not present]
+        values = self._scratch(len(todo))
+        with state.slots_guard:
+            if state.reported:  # answered at its deadline: the slots may hold other chunks now
+                return [False] * len(keys)
+            for value, i in zip(values, todo, strict=False):
+                integrity.frame_into(value, self.namespace, keys[i], self.slot(slots[i]))
+        errors = self._put_many([names[i] for i in todo], values[: len(todo)])
+        if len(todo) < len(names):
+            self._refresh_many([n for n, present in zip(names, held, strict=True) if present])
+        self._outcome_of(errors)
         ok = [True] * len(keys)
         for index, error in zip(todo, errors, strict=True):
-            if error is not None:
-                ok[index] = False
-                self._failed(error)
-        if all(ok):
-            self._answered()
+            ok[index] = error is None
         return ok
+
+    def _load(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+        values = self._get_many([self.store_name(k) for k in keys])
+        self._outcome_of(values)
+        ok = [False] * len(keys)
+        corrupt: list[tuple[ChunkKey, CorruptChunkError]] = []
+        with state.slots_guard:
+            if state.reported:  # answered at its deadline: the slots may be another's now
+                return ok
+            for index, (key, value, slot) in enumerate(zip(keys, values, slots, strict=True)):
+                if value is None or (
+                    isinstance(value, BaseException) and not isinstance(value, CorruptChunkError)
+                ):
+                    continue  # absent, or that item's backend error (counted above)
+                try:
+                    if isinstance(value, CorruptChunkError):
+                        raise value
+                    integrity.unframe_into(
+                        value, self.slot(slot), namespace=self.namespace, key=key
+                    )
+                    ok[index] = True
+                except CorruptChunkError as exc:
+                    corrupt.append((key, exc))
+        for bad_key, error in corrupt:  # deletes are backend calls: outside the guard
+            self._discard_corrupt(bad_key, error)
+        return ok
+
+    # Every transfer goes through _transfer, which guards the slots; these
+    # per-chunk hooks of ThreadedTier have nothing left to do.
+    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
+        raise NotImplementedError("remote tiers store in _transfer")
+
+    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
+        raise NotImplementedError("remote tiers load in _transfer")
 
     def _scratch(self, count: int) -> list[bytearray]:
         """This worker's reusable value buffers, at least ``count`` of them.
@@ -169,84 +441,143 @@ class RemoteTier(ThreadedTier):
         self._worker_local.buffers = buffers
         return buffers
 
-    def _load_batch(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
-        try:
-            values = self._get_many([self.store_name(k) for k in keys])
-        except Exception as exc:
-            self._failed(exc)
-            return [False] * len(keys)
-        errors = [v for v in values if isinstance(v, Exception) and not _is_corrupt(v)]
-        if errors:
-            self._failed(errors[0])
-        else:
-            self._answered()
-        return [
-            self._attempt(functools.partial(self._verify_into, value), key, out)
-            for key, value, out in zip(keys, values, outs, strict=True)
-        ]
-
-    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        value = self._scratch(1)[0]
-        integrity.frame_into(value, self.namespace, key, payload)
-        [error] = self._put_many([self.store_name(key)], [value])
-        if error is not None:
-            raise error
-
-    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
-        [value] = self._get_many([self.store_name(key)])
-        self._verify_into(value, key, out)
-
     def _discard(self, key: ChunkKey) -> None:
         self._delete(self.store_name(key))
 
-    # Machinery ----------------------------------------------------------------
+    # Health -----------------------------------------------------------------
 
-    def _verify_into(self, value: Fetched, key: ChunkKey, out: memoryview) -> None:
-        if isinstance(value, BaseException):
-            raise value
-        if value is None:
-            raise KeyError("chunk not in the store")
-        integrity.unframe_into(value, out, namespace=self.namespace, key=key)
+    def _outcome_of(self, items: Sequence[object]) -> None:
+        """Account a batch by its per-item results (errors are ``BaseException`` items)."""
+        errors = [
+            item
+            for item in items
+            if isinstance(item, BaseException) and not isinstance(item, CorruptChunkError)
+        ]
+        self._outcome(len(errors), len(items), errors[0] if errors else None)
 
-    def _failed(self, exc: BaseException) -> None:
-        with self._health_lock:
-            was_down, self._backend_down = self._backend_down, True
-        self.count(backend_errors=1, backend_outages=0 if was_down else 1)
-        if not was_down:
+    def _outcome(self, errors: int, items: int, first: BaseException | None) -> None:
+        """One breaker verdict per batch, so mixed per-item results never flap.
+
+        A batch where every item failed is a failed call; one where any item
+        got an answer shows the backend serving. Errors are counted either way.
+        """
+        if isinstance(first, BackendSkipped):
+            return  # not a call: the breaker is open already
+        if errors:
+            self.count(backend_errors=errors)
+            logger.debug("tier %s: %d backend errors: %r", self.tier_type, errors, first)
+        if items and errors == items:
+            self.breaker.record_failure(describe_error(first) if first else "a call failed")
+        elif items:
+            self._answered()
+            self.breaker.record_success()
+
+    def _breaker_changed(self, old: BreakerState, new: BreakerState, reason: str) -> None:
+        if old is BreakerState.CLOSED:
+            self.count(backend_outages=1)
+        if self._closed:
+            return
+        if new is BreakerState.OPEN:
             logger.warning(
-                "tier %s: backend failing (%s); its chunks count as misses until it answers",
+                "tier %s: circuit breaker %s -> open (%s): lookups miss and stores are "
+                "dropped without calling the backend; probing again in %.2fs",
                 self.tier_type,
-                describe_error(exc),
+                old.name.lower(),
+                reason,
+                max(0.0, self.breaker.retry_at - self.breaker.clock()),
+            )
+        else:
+            logger.warning(
+                "tier %s: circuit breaker %s -> %s (%s)",
+                self.tier_type,
+                old.name.lower(),
+                new.name.lower().replace("_", "-"),
+                reason,
             )
 
-    def _answered(self) -> None:
-        if not self._backend_down:
-            return
-        with self._health_lock:
-            was_down, self._backend_down = self._backend_down, False
-        if was_down:
-            logger.warning("tier %s: backend answers again", self.tier_type)
+    def _bounded(self, call: Callable[[], T], timeout_s: float, dispose: Callable[[T], None]) -> T:
+        """``call()`` on a thread of its own, waiting at most ``timeout_s``.
+
+        Raises :class:`TimeoutError` when it does not end in time; a result
+        that comes later is handed to ``dispose`` (a client to close).
+        """
+        outcome: list[Any] = []
+        lock = threading.Lock()
+        abandoned = False
+
+        def run() -> None:
+            try:
+                result: tuple[bool, Any] = (True, call())
+            except BaseException as exc:
+                result = (False, exc)
+            with lock:
+                outcome.append(result)
+                late = abandoned
+            if late and result[0]:
+                try:
+                    dispose(result[1])
+                except Exception:
+                    logger.debug("tier %s: disposing a late result failed", self.tier_type)
+
+        thread = threading.Thread(target=run, name=f"kvtier-{self.tier_type}-call", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        with lock:
+            if not outcome:
+                abandoned = True
+                raise TimeoutError(f"no answer within {timeout_s}s")
+        succeeded, value = outcome[0]
+        if not succeeded:
+            raise value
+        return value
+
+    def _start(self, connect: Callable[[], T], dispose: Callable[[T], None], target: str) -> T:
+        """Connect and ping within ``startup_timeout_s``, or fail with a clear message.
+
+        ``connect`` builds the client and pings it; errors other than the
+        timeout propagate as they are, for the tier to explain.
+        """
+        options: RemoteTierOptions = self.options  # type: ignore[assignment]
+        try:
+            return self._bounded(connect, options.startup_timeout_s, dispose)
+        except TimeoutError as exc:
+            raise BackendUnavailableError(
+                self.tier_type,
+                target,
+                f"no answer within startup_timeout_s={options.startup_timeout_s}s: "
+                "the endpoint accepts connections but does not serve; check the address "
+                "and that the server is running and not overloaded",
+            ) from exc
+
+    def _close(self) -> None:
+        self._deadlines.close()
 
     def describe(self) -> dict[str, object]:
-        return {"type": self.tier_type, "backend_down": self._backend_down}
+        return {
+            "type": self.tier_type,
+            "backend_down": self.backend_down,
+            "breaker": self.breaker.state.name.lower(),
+        }
 
     def health(self) -> Sequence[HealthCheck]:
+        options: RemoteTierOptions = self.options  # type: ignore[assignment]
         try:
-            self._ping()
+            self._bounded(self._ping, options.startup_timeout_s, lambda _: None)
         except Exception as exc:
             return [HealthCheck("backend answers", False, describe_error(exc))]
         return [HealthCheck("backend answers", True)]
 
     def metrics(self) -> Sequence[TierMetric]:
+        state = self.breaker.state
         return [
             TierMetric(
                 "backend_up",
-                0.0 if self._backend_down else 1.0,
-                "1 while the tier's last call to its backend succeeded, else 0.",
-            )
+                1.0 if state is BreakerState.CLOSED else 0.0,
+                "1 while the tier sends requests to its backend (circuit breaker closed), else 0.",
+            ),
+            TierMetric(
+                "breaker_state",
+                float(state.value),
+                "Circuit breaker of the tier's backend: 0 closed, 1 half-open (probing), 2 open.",
+            ),
         ]
-
-
-def _is_corrupt(error: BaseException) -> bool:
-    """A bad value, not a failing backend."""
-    return isinstance(error, CorruptChunkError)

@@ -51,6 +51,12 @@ class _JobState:
     started: float
     succeeded: set[ChunkKey] = field(default_factory=set)
     nbytes: int = 0
+    #: Set once the job's result is out (all batches ended, or a tier with
+    #: deadlines answered early): its slots are no longer the tier's to touch.
+    reported: bool = False
+    #: Held while a worker touches the job's slots, so that a tier answering
+    #: early first waits for any copy in progress to end.
+    slots_guard: threading.Lock = field(default_factory=threading.Lock)
 
 
 class ThreadedTier(SecondaryTier):
@@ -63,6 +69,9 @@ class ThreadedTier(SecondaryTier):
     check_batch: ClassVar[int] = 256
     #: Answers kept for lookups that never came back (an aborted request).
     max_unclaimed_answers: ClassVar[int] = 65536
+    #: Existence checks of one key that may fail (backend error: "unknown")
+    #: before its lookup answers MISS instead of checking again.
+    check_attempts: ClassVar[int] = 3
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -77,7 +86,11 @@ class ThreadedTier(SecondaryTier):
         self._to_check: list[ChunkKey] = []
         self._checking: set[ChunkKey] = set()
         self._checked: dict[ChunkKey, bool] = {}
+        self._failed_checks: dict[ChunkKey, int] = {}
         self._closed = False
+        #: How long :meth:`shutdown` waits for workers still in a backend call
+        #: (``None``: for ever). Tiers that answer jobs at a deadline bound it.
+        self._join_timeout_s: float | None = None
         threads = getattr(self.options, "io_threads", 4)
         self._workers = [
             threading.Thread(target=self._work, name=f"kvtier-{self.tier_type}-{i}", daemon=True)
@@ -89,8 +102,12 @@ class ThreadedTier(SecondaryTier):
     # Backend hooks: blocking, called on worker threads -------------------
 
     @abstractmethod
-    def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Whether the backend holds each key."""
+    def _contains(self, keys: Sequence[ChunkKey]) -> Sequence[bool | None]:
+        """Whether the backend holds each key; ``None`` where it could not say.
+
+        An unknown key is checked again at its next lookup (up to
+        :attr:`check_attempts` times), never taken as absent.
+        """
 
     @abstractmethod
     def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
@@ -134,6 +151,9 @@ class ThreadedTier(SecondaryTier):
             found = self._checked.pop(key, None)
             if found is not None:
                 return Lookup.HIT if found else Lookup.MISS
+            if self._failed_checks.get(key, 0) >= self.check_attempts:
+                del self._failed_checks[key]
+                return Lookup.MISS  # the backend keeps failing for this key
             if key not in self._checking:
                 self._checking.add(key)
                 self._to_check.append(key)
@@ -167,8 +187,11 @@ class ThreadedTier(SecondaryTier):
         self._closed = True
         for _ in self._workers:
             self._queue.put((_STORE + 1, next(self._sequence), None))
+        give_up = None if self._join_timeout_s is None else time.monotonic() + self._join_timeout_s
         for worker in self._workers:
-            worker.join()
+            # A worker stuck in a backend call past the bound is left behind
+            # (a daemon thread): every job it held was answered already.
+            worker.join(None if give_up is None else max(0.0, give_up - time.monotonic()))
         self._close()
 
     # Machinery --------------------------------------------------------------
@@ -195,35 +218,46 @@ class ThreadedTier(SecondaryTier):
             operation(key, view)
             return True
         except CorruptChunkError as exc:
-            logger.warning(
-                "tier %s: discarding corrupt chunk %s: %s", self.tier_type, key.hex()[:16], exc
-            )
-            self.count(corrupt_chunks=1)
-            try:
-                self._discard(key)
-            except Exception:
-                logger.exception("tier %s: could not discard corrupt chunk", self.tier_type)
+            self._discard_corrupt(key, exc)
             return False
         except Exception as exc:
             logger.debug("tier %s: chunk %s failed: %r", self.tier_type, key.hex()[:16], exc)
             return False
 
+    def _discard_corrupt(self, key: ChunkKey, exc: CorruptChunkError) -> None:
+        """Log, count and delete a chunk that failed verification."""
+        logger.warning(
+            "tier %s: discarding corrupt chunk %s: %s", self.tier_type, key.hex()[:16], exc
+        )
+        self.count(corrupt_chunks=1)
+        try:
+            self._discard(key)
+        except Exception:
+            logger.exception("tier %s: could not discard corrupt chunk", self.tier_type)
+
     def _run_check(self, keys: list[ChunkKey]) -> Callable[[], None]:
         def check() -> None:
+            found: Sequence[bool | None]
             try:
                 found = self._contains(keys)
             except Exception as exc:
                 logger.warning("tier %s: existence check failed: %r", self.tier_type, exc)
-                found = [False] * len(keys)
+                found = [None] * len(keys)
             with self._lock:
                 for key, present in zip(keys, found, strict=True):
                     self._checking.discard(key)
-                    self._checked[key] = present
+                    if present is None:  # unknown: the next lookup asks again
+                        self._failed_checks[key] = self._failed_checks.get(key, 0) + 1
+                        self._checked.pop(key, None)
+                    else:
+                        self._failed_checks.pop(key, None)
+                        self._checked[key] = present
                 # Oldest answers first: nobody came back for them.
-                excess = len(self._checked) - self.max_unclaimed_answers
-                if excess > 0:
-                    for stale in list(itertools.islice(self._checked, excess)):
-                        del self._checked[stale]
+                for answers in (self._checked, self._failed_checks):
+                    excess = len(answers) - self.max_unclaimed_answers
+                    if excess > 0:
+                        for stale in list(itertools.islice(answers, excess)):
+                            del answers[stale]
 
         return check
 
@@ -235,7 +269,7 @@ class ThreadedTier(SecondaryTier):
                 state.succeeded.add(key)  # already held: nothing to write
             else:
                 pending.append((key, slot))
-        batches = [pending[i : i + self.io_batch] for i in range(0, len(pending), self.io_batch)]
+        batches = self._split(pending)
         with self._lock:
             state.remaining = len(batches)
             self._jobs[job.job_id] = state
@@ -245,31 +279,47 @@ class ThreadedTier(SecondaryTier):
         for batch in batches:
             self._enqueue(_LOAD if loading else _STORE, self._run_batch(state, batch))
 
+    def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
+        """A job's (key, slot) pairs in backend batches of :attr:`io_batch`."""
+        return [pending[i : i + self.io_batch] for i in range(0, len(pending), self.io_batch)]
+
+    def _transfer(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+        """Move one batch of ``state``'s job; whether each key made it.
+
+        Tiers that answer jobs before their batches end (at a deadline)
+        override this to touch slots only under ``state.slots_guard`` and
+        only while ``state.reported`` is false.
+        """
+        views = [self.slot(slot) for slot in slots]
+        if state.loading:
+            return self._load_batch(keys, views)
+        return self._store_batch(keys, views)
+
     def _run_batch(self, state: _JobState, batch: list[tuple[ChunkKey, int]]) -> Callable[[], None]:
         def run() -> None:
             keys = [key for key, _ in batch]
-            views = [self.slot(slot) for _, slot in batch]
-            try:
-                if state.loading:
-                    ok = self._load_batch(keys, views)
-                else:
-                    ok = self._store_batch(keys, views)
-            except Exception as exc:
-                logger.warning("tier %s: batch failed: %r", self.tier_type, exc)
-                ok = [False] * len(keys)
+            ok = [False] * len(keys)
+            if not state.reported:  # else answered already: nothing left to do
+                try:
+                    ok = self._transfer(state, keys, [slot for _, slot in batch])
+                except Exception as exc:
+                    logger.warning("tier %s: batch failed: %r", self.tier_type, exc)
             with self._lock:
+                state.remaining -= 1
+                if state.reported:
+                    return
                 for key, good in zip(keys, ok, strict=True):
                     if good:
                         state.succeeded.add(key)
                         state.nbytes += self.slot_bytes
-                state.remaining -= 1
                 if state.remaining == 0:
                     self._finish(state)
 
         return run
 
     def _finish(self, state: _JobState) -> None:
-        """Record a finished job; the caller holds the lock."""
+        """Report a job as it stands; the caller holds the lock."""
+        state.reported = True
         del self._jobs[state.job.job_id]
         self._finished.append(
             JobResult(

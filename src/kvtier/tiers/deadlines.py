@@ -1,0 +1,61 @@
+"""``Deadlines``: run callbacks when their time comes, on one thread per tier.
+
+A remote tier answers for every job within its deadline, even while its
+workers are stuck in a socket read: this thread fires the deadline and the
+tier reports the job then.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class Deadlines:
+    """A heap of ``(when, callback)`` served by one daemon thread."""
+
+    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._sequence = itertools.count()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def after(self, seconds: float, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on this thread) ``seconds`` from now."""
+        with self._wake:
+            heapq.heappush(self._heap, (self._clock() + seconds, next(self._sequence), callback))
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Stop; callbacks not yet due are dropped."""
+        with self._wake:
+            self._closed = True
+            self._heap.clear()
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed:
+                    now = self._clock()
+                    if self._heap and self._heap[0][0] <= now:
+                        break
+                    self._wake.wait(self._heap[0][0] - now if self._heap else None)
+                if self._closed:
+                    return
+                _, _, callback = heapq.heappop(self._heap)
+            try:
+                callback()
+            except Exception:  # the thread must outlive any callback
+                logger.exception("deadline callback failed")
