@@ -115,7 +115,7 @@ def simulate(
     """Replay TRACE through eviction policies at several primary-tier capacities.
 
     TRACE is JSON Lines, gzipped or not, one request a line with
-    ``hash_ids`` (prefix block ids) and ``input_length`` (tokens), as in
+    "hash_ids" (prefix block ids) and "input_length" (tokens), as in
     Mooncake's published traces and kvtier's recorder. Prints each policy's
     hit ratio (leading resident chunks / all chunks), its ratio to Belady's
     MIN, and the share of the LRU-to-MIN gap it closes.
