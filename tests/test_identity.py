@@ -19,6 +19,7 @@ from kvtier.identity import (
     weights_identity,
 )
 from kvtier.identity import weights as weights_module
+from kvtier.testing.hub import hub_snapshot
 
 # Tensors of a small "checkpoint": big enough that the file is sampled, not
 # read whole, and that every tensor has bytes outside its sampled windows.
@@ -249,21 +250,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def hub_cache(root: Path, model_dir: Path, commit: str = COMMIT) -> Path:
-    """A Hugging Face cache holding ``model_dir`` as ``org/tiny`` at ``commit``."""
-    repo = root / "models--org--tiny"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-    import hashlib
-
-    for file in sorted(model_dir.iterdir()):
-        data = file.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
-    return snapshot
+    return hub_snapshot(root, "org/tiny", model_dir, commit)
 
 
 def test_a_hub_snapshot_is_identified_by_revision_and_content_not_by_times(

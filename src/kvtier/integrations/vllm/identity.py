@@ -19,6 +19,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.identity import (
+    IGNORED_CONFIG_KEYS,
     ModelIdentity,
     config_digest,
     declared_weights,
@@ -97,11 +98,20 @@ FILE_LOAD_FORMATS = frozenset(
 
 
 def model_config_entries(model_config: Any, load_config: Any) -> dict[str, Any]:
-    """Every ``ModelConfig`` field that can change the KV bytes, and how weights load."""
+    """Every ``ModelConfig`` field that can change the KV bytes, and how weights load.
+
+    The Hugging Face config (after overrides) leaves out the bookkeeping that
+    :data:`~kvtier.identity.IGNORED_CONFIG_KEYS` names; the dtype vLLM
+    computes in is the resolved ``ModelConfig.dtype``.
+    """
     entries = {
         field.name: getattr(model_config, field.name, None)
         for field in dataclasses.fields(model_config)
         if field.name not in IGNORED_MODEL_FIELDS
+    }
+    hf_config = model_config.hf_config.to_dict()
+    entries["hf_config"] = {
+        key: value for key, value in hf_config.items() if key not in IGNORED_CONFIG_KEYS
     }
     entries["load_format"] = str(getattr(load_config, "load_format", "auto"))
     entries["model_loader_extra_config"] = getattr(load_config, "model_loader_extra_config", None)
@@ -117,7 +127,7 @@ def model_identity(
     of reading their files; ``full_read`` reads every byte of them.
     """
     model_config, load_config = vllm_config.model_config, vllm_config.load_config
-    config = config_digest(model_config_entries(model_config, load_config))
+    config = config_digest(model_config_entries(model_config, load_config), ignored=())
     if model_id is not None:
         return ModelIdentity(config, declared_weights(model_id))
     load_format = str(getattr(load_config, "load_format", "auto"))
@@ -125,24 +135,21 @@ def model_identity(
         # Random weights, for profiling: never shared with another engine.
         return ModelIdentity(config, f"dummy:{uuid.uuid4().hex}")
     model = str(getattr(model_config, "model_weights", "") or model_config.model)
-    path = None
-    if load_format in FILE_LOAD_FORMATS:
-        path = locate_model(
-            model,
-            revision=getattr(model_config, "revision", None),
-            cache_dirs=(getattr(load_config, "download_dir", None), None),
+    if load_format not in FILE_LOAD_FORMATS:
+        raise _undeclared(
+            f"load_format={load_format!r} loads the weights of {model!r} from "
+            "elsewhere than files kvtier can read"
         )
+    download_dir = getattr(load_config, "download_dir", None)
+    path = locate_model(
+        model,
+        revision=getattr(model_config, "revision", None),
+        cache_dirs=(download_dir, None) if download_dir else (None,),
+    )
     if path is None:
-        raise ConfigError(
-            [
-                (
-                    "kv_connector_extra_config.kvtier_model_id",
-                    f"kvtier cannot identify the weights of {model!r} (load_format="
-                    f"{load_format!r}): they are neither in a local directory nor in the "
-                    f"Hugging Face cache; set kvtier_model_id to a name that you change "
-                    f"whenever the weights change",
-                )
-            ]
+        raise _undeclared(
+            f"the weights of {model!r} are neither in a local directory nor in "
+            "the Hugging Face cache"
         )
     began = time.perf_counter()
     weights = weights_identity(path, full_read=full_read)
@@ -156,6 +163,18 @@ def model_identity(
         time.perf_counter() - began,
     )
     return ModelIdentity(config, weights.token)
+
+
+def _undeclared(reason: str) -> ConfigError:
+    return ConfigError(
+        [
+            (
+                "kv_connector_extra_config.kvtier_model_id",
+                f"kvtier cannot identify the model's weights: {reason}; set kvtier_model_id "
+                "to a name that you change whenever the weights change",
+            )
+        ]
+    )
 
 
 def model_name(model_config: Any) -> str:
