@@ -15,6 +15,7 @@ from kvtier.identity import (
     ModelIdentity,
     config_digest,
     hub_revision,
+    identify_weights,
     locate_model,
     weights_identity,
 )
@@ -283,6 +284,24 @@ def test_locate_model_finds_local_paths_and_cached_snapshots(
     assert locate_model("org/tiny", revision=COMMIT, cache_dirs=(cache,)) == found
     assert locate_model("org/absent", cache_dirs=(cache,)) is None
     assert locate_model("/no/such/model", cache_dirs=(cache,)) is None
+
+
+def test_identify_weights_locates_identifies_and_logs_the_cost(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("huggingface_hub")
+    cache = tmp_path / "hub"
+    hub_cache(cache, model_dir)
+    with caplog.at_level("INFO", logger="kvtier.identity"):
+        found = identify_weights("org/tiny", cache_dirs=(cache,))
+    assert found is not None and found == weights_identity(
+        locate_model("org/tiny", cache_dirs=(cache,))
+    )
+    assert found.revision == COMMIT
+    assert "weights of org/tiny identified from 3 files" in caplog.text
+    assert f"revision {COMMIT}" in caplog.text
+    assert identify_weights("org/absent", cache_dirs=(cache,)) is None
+    assert identify_weights(str(model_dir)) == weights_identity(model_dir)
 
 
 # Config ------------------------------------------------------------------------

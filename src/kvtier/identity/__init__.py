@@ -10,17 +10,22 @@ layout's namespace (see :attr:`kvtier.layout.KVLayout.extra`):
   files they were loaded from, a fingerprint of weights held in memory, or
   an identity the user declares and answers for.
 
-An integration calls it with a plain mapping and a model path::
+An integration (vLLM's, SGLang's) needs a plain mapping of its resolved
+configuration and the model's name or path::
 
-    identity = ModelIdentity(
-        config=config_digest(hf_config.to_dict() | {"dtype": "bfloat16"}),
-        weights=weights_identity(locate_model(model_path)).token,
-    )
+    weights = identify_weights(model_path, revision=revision)
+    if weights is None:
+        ...  # neither a local path nor a cached hub snapshot: ask the user for an id
+    identity = ModelIdentity(config_digest(resolved_config), weights.token)
     layout = KVLayout(..., extra=(*identity.layout_extra, ...))
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvtier.identity.config import IGNORED_CONFIG_KEYS, config_digest
@@ -43,6 +48,38 @@ class ModelIdentity:
         return (("config", self.config), ("weights", self.weights))
 
 
+logger = logging.getLogger(__name__)
+
+
+def identify_weights(
+    name_or_path: str,
+    *,
+    revision: str | None = None,
+    cache_dirs: Iterable[str | os.PathLike[str] | None] = (None,),
+    full_read: bool = False,
+) -> WeightsIdentity | None:
+    """:func:`weights_identity` of a model named by path or Hugging Face repository id.
+
+    Finds it with :func:`locate_model` (no network); ``None`` when it is in
+    neither place. Logs what it read and how long it took.
+    """
+    path = locate_model(name_or_path, revision=revision, cache_dirs=cache_dirs)
+    if path is None:
+        return None
+    began = time.perf_counter()
+    weights = weights_identity(path, full_read=full_read)
+    logger.info(
+        "kvtier: weights of %s identified from %d files (%.1f GB%s): read %.1f MB in %.2f s",
+        name_or_path,
+        weights.files,
+        weights.total_bytes / 1e9,
+        f", revision {weights.revision}" if weights.revision else "",
+        weights.bytes_read / 1e6,
+        time.perf_counter() - began,
+    )
+    return weights
+
+
 def declared_weights(model_id: str) -> str:
     """The weights identity of a model whose identity its user declares."""
     return f"declared:{model_id}"
@@ -55,6 +92,7 @@ __all__ = [
     "config_digest",
     "declared_weights",
     "hub_revision",
+    "identify_weights",
     "locate_model",
     "weights_identity",
 ]

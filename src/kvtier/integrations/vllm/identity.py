@@ -12,8 +12,6 @@ Hugging Face cache, unless the user declares one with ``kvtier_model_id``.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
 import uuid
 from typing import Any
 
@@ -23,11 +21,8 @@ from kvtier.identity import (
     ModelIdentity,
     config_digest,
     declared_weights,
-    locate_model,
-    weights_identity,
+    identify_weights,
 )
-
-logger = logging.getLogger(__name__)
 
 #: ``ModelConfig`` fields that cannot change the KV bytes of a token sequence:
 #: where the model lives (the weights identity covers what is there),
@@ -141,27 +136,17 @@ def model_identity(
             "elsewhere than files kvtier can read"
         )
     download_dir = getattr(load_config, "download_dir", None)
-    path = locate_model(
+    weights = identify_weights(
         model,
         revision=getattr(model_config, "revision", None),
         cache_dirs=(download_dir, None) if download_dir else (None,),
+        full_read=full_read,
     )
-    if path is None:
+    if weights is None:
         raise _undeclared(
             f"the weights of {model!r} are neither in a local directory nor in "
             "the Hugging Face cache"
         )
-    began = time.perf_counter()
-    weights = weights_identity(path, full_read=full_read)
-    logger.info(
-        "kvtier: weights of %s identified from %d files (%.1f GB%s): read %.1f MB in %.2f s",
-        model,
-        weights.files,
-        weights.total_bytes / 1e9,
-        f", revision {weights.revision}" if weights.revision else "",
-        weights.bytes_read / 1e6,
-        time.perf_counter() - began,
-    )
     return ModelIdentity(config, weights.token)
 
 
