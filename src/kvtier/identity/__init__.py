@@ -32,6 +32,8 @@ from kvtier.identity.config import IGNORED_CONFIG_KEYS, config_digest
 from kvtier.identity.hub import locate_model
 from kvtier.identity.weights import WeightsIdentity, hub_revision, weights_identity
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ModelIdentity:
@@ -46,9 +48,6 @@ class ModelIdentity:
     def layout_extra(self) -> tuple[tuple[str, str], ...]:
         """Entries for :attr:`kvtier.layout.KVLayout.extra`."""
         return (("config", self.config), ("weights", self.weights))
-
-
-logger = logging.getLogger(__name__)
 
 
 def identify_weights(
