@@ -134,6 +134,11 @@ class _ManagerCollector(Collector):
             "Chunks the cache policy evicted from the primary tier.",
             value=primary.evictions,
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_primary_hits",
+            "Chunks that lookups found ready in the primary (CPU) tier.",
+            value=primary.hits,
+        )
 
     def _extra(self, taken: Iterable[str]) -> Iterator[Metric]:
         """Families from the tiers' ``metrics()`` hooks, grouped by name."""
@@ -251,6 +256,7 @@ class KVTierMetrics:
             "primary": {
                 **self.manager.primary.busy_counts(),
                 "evictions": self.manager.primary.evictions,
+                "hits": self.manager.primary.hits,
             },
             "tiers": [
                 {"tier": index, "tier_type": tier.tier_type, **tier.stats.as_dict()}

@@ -185,6 +185,78 @@ def test_other_page_format_never_shares_chunks(
     assert fs["chunks_stored"] == 6
 
 
+def _scale_in_place(model: Path, factors: dict[str, float]) -> None:
+    """Scale some weights of ``model`` in place, keeping the file's size and time:
+    the hardest change to notice (a new checkpoint copied over the old one)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = model / "model.safetensors"
+    before = weights.stat()
+    tensors = load_file(weights)
+    scaled = 0
+    for name in tensors:
+        for part, factor in factors.items():
+            if part in name:
+                tensors[name] = tensors[name] * factor
+                scaled += 1
+    assert scaled >= len(factors)  # every named projection exists in the model
+    save_file(tensors, weights, metadata={"format": "pt"})
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert weights.stat().st_size == before.st_size
+
+
+def _no_stale_hits(result: dict[str, Any]) -> None:
+    """Nothing came from the fs tier: no chunk another model computed was served.
+
+    (Prompts of one engine may hit chunks that another of its prompts stored
+    first, as in the page format test; those are this model's own.)
+    """
+    fs = _fs_tier(result["stats"])
+    assert fs["hits"] == 0
+    assert fs["chunks_loaded"] == 0
+    assert result["stats"]["connector"]["hit_tokens"] == sum(result["cached"])
+    assert fs["chunks_stored"] == 6  # its own chunks, under its own namespace
+
+
+def test_weights_changed_in_place_never_get_the_old_weights_chunks(
+    model: Path, tmp_path: Path
+) -> None:
+    """Store, change the weights in place, restart on the same root: 0 hits, and
+    the outputs of an engine without kvtier on the new weights."""
+    import shutil
+
+    swapped = Path(shutil.copytree(model, tmp_path / "swapped-model"))
+    fs_dir = tmp_path / "fs"
+    tiers = [{"type": "fs", "root_dir": str(fs_dir)}]
+    old = _engine(tmp_path, "old", _spec(swapped, tmp_path, "old", tiers))
+    assert _fs_tier(old["stats"])["chunks_stored"] == 6
+
+    _scale_in_place(swapped, {"k_proj": 1.5, "v_proj": 1.5})
+    new = _engine(tmp_path, "new", _spec(swapped, tmp_path, "new", tiers, prefix_caching=False))
+    plain = _engine(tmp_path, "plain", _spec(swapped, tmp_path, "plain", None))
+
+    assert new["tokens"] == plain["tokens"]
+    assert plain["tokens"] != old["tokens"]  # the change matters: old KV would be wrong
+    _no_stale_hits(new)
+
+
+def test_a_changed_config_override_never_gets_the_other_configs_chunks(
+    model: Path, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """The first engine's chunks, on an engine whose rope settings are overridden."""
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}
+    tiers = [{"type": "fs", "root_dir": str(stored["fs_dir"])}]
+    spec = _spec(model, tmp_path, "rope", tiers, prefix_caching=False, hf_overrides=rope)
+    result = _engine(tmp_path, "rope", spec)
+    plain = _engine(
+        tmp_path, "rope-plain", _spec(model, tmp_path, "rope-plain", None, hf_overrides=rope)
+    )
+
+    assert result["tokens"] == plain["tokens"]
+    assert plain["tokens"] != stored["tokens"]  # the override matters
+    _no_stale_hits(result)
+
+
 # Pieces of the connector, without an engine ------------------------------------
 
 
@@ -224,10 +296,19 @@ def test_request_keys_are_the_prefix_chain_of_the_prompt_and_salted() -> None:
     assert request_keys(namespace, multimodal, CHUNK) is None
 
 
-def _engine_config(block_size: int, tp: int = 1) -> tuple[Any, Any]:
+def _model_config(model: Path, **options: Any) -> Any:
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=str(model), dtype=options.pop("dtype", "float32"), **options)
+
+
+def _engine_config(
+    block_size: int, tp: int = 1, *, model_config: Any, load_config: Any = None
+) -> tuple[Any, Any]:
     from types import SimpleNamespace
 
     import torch
+    from vllm.config import LoadConfig
 
     spec = SimpleNamespace(
         num_kv_heads=2,
@@ -238,7 +319,8 @@ def _engine_config(block_size: int, tp: int = 1) -> tuple[Any, Any]:
     )
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
-        model_config=SimpleNamespace(model="tiny"),
+        model_config=model_config,
+        load_config=load_config or LoadConfig(),
         cache_config=SimpleNamespace(cache_dtype="auto"),
     )
     kv_cache_config = SimpleNamespace(
@@ -248,29 +330,137 @@ def _engine_config(block_size: int, tp: int = 1) -> tuple[Any, Any]:
     return vllm_config, kv_cache_config
 
 
-def test_layout_slot_is_layers_times_blocks_times_pages_and_names_the_page_format() -> None:
+def test_layout_slot_is_layers_times_blocks_times_pages_and_names_the_page_format(
+    model: Path,
+) -> None:
     from kvtier.integrations.vllm.settings import kv_layout
 
-    layout, shape = kv_layout(*_engine_config(32), chunk_tokens=64)
+    model_config = _model_config(model)
+    layout, shape = kv_layout(*_engine_config(32, model_config=model_config), chunk_tokens=64)
     assert shape.blocks_per_chunk == 2
     assert layout.slot_bytes == 2 * 2 * shape.page_bytes
     extra = dict(layout.extra)
     assert extra["block_size"] == "32"
     assert extra["device"] == "cpu"
     assert extra["attention_backend"] == "CPU_ATTN"
-    other, _ = kv_layout(*_engine_config(64), chunk_tokens=64)
+    other, _ = kv_layout(*_engine_config(64, model_config=model_config), chunk_tokens=64)
     assert other.slot_bytes == layout.slot_bytes
     assert other.namespace != layout.namespace
 
 
-def test_chunk_tokens_must_be_whole_blocks_and_one_worker() -> None:
+def test_chunk_tokens_must_be_whole_blocks_and_one_worker(model: Path) -> None:
     from kvtier import ConfigError, LayoutMismatchError
     from kvtier.integrations.vllm.settings import kv_layout
 
+    model_config = _model_config(model)
     with pytest.raises(ConfigError, match=r"chunk_tokens.*multiple of vLLM's block_size=32"):
-        kv_layout(*_engine_config(32), chunk_tokens=48)
+        kv_layout(*_engine_config(32, model_config=model_config), chunk_tokens=48)
     with pytest.raises(LayoutMismatchError, match="tensor_parallel_size=2"):
-        kv_layout(*_engine_config(32, tp=2), chunk_tokens=64)
+        kv_layout(*_engine_config(32, tp=2, model_config=model_config), chunk_tokens=64)
+
+
+def _namespace(model_config: Any, load_config: Any = None, **options: Any) -> bytes:
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    engine = _engine_config(32, model_config=model_config, load_config=load_config)
+    layout, _ = kv_layout(*engine, chunk_tokens=64, **options)
+    return layout.namespace
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({"hf_overrides": {"rope_theta": 500000.0}}, id="rope_theta"),
+        pytest.param(
+            {"hf_overrides": {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}},
+            id="rope_parameters",
+        ),
+        pytest.param({"hf_overrides": {"max_position_embeddings": 4096}}, id="max_positions"),
+        pytest.param({"dtype": "bfloat16"}, id="dtype"),
+        pytest.param({"revision": "v2"}, id="revision"),
+        pytest.param({"model_impl": "transformers"}, id="model_impl"),
+    ],
+)
+def test_the_resolved_model_config_is_in_the_namespace(model: Path, options: Any) -> None:
+    base = _namespace(_model_config(model))
+    assert _namespace(_model_config(model)) == base
+    assert _namespace(_model_config(model, **options)) != base
+
+
+def test_the_weights_are_in_the_namespace_and_the_path_is_not(model: Path, tmp_path: Path) -> None:
+    import shutil
+
+    base = _namespace(_model_config(model))
+    copy = Path(shutil.copytree(model, tmp_path / "elsewhere"))  # keeps contents and times
+    assert _namespace(_model_config(copy)) == base
+    _scale_in_place(copy, {"k_proj": 1.5})
+    assert _namespace(_model_config(copy)) != base
+    # Reading every byte gives another identity, just as stable.
+    full = _namespace(_model_config(model), full_read=True)
+    assert full != base and _namespace(_model_config(model), full_read=True) == full
+
+
+def test_a_declared_model_id_stands_for_the_weights_but_not_for_the_config(
+    model: Path, tmp_path: Path
+) -> None:
+    """What a user takes on with ``kvtier_model_id``: changing it when the weights change."""
+    import shutil
+
+    declared = _namespace(_model_config(model), model_id="team/llama@v1")
+    assert declared != _namespace(_model_config(model))
+    copy = Path(shutil.copytree(model, tmp_path / "changed"))
+    _scale_in_place(copy, {"v_proj": 2.0})
+    assert _namespace(_model_config(copy), model_id="team/llama@v1") == declared
+    assert _namespace(_model_config(copy), model_id="team/llama@v2") != declared
+    rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}
+    overridden = _model_config(copy, hf_overrides=rope)
+    assert _namespace(overridden, model_id="team/llama@v1") != declared
+
+
+def test_a_repository_id_is_identified_by_its_snapshot_in_the_hub_cache(
+    model: Path, tmp_path: Path
+) -> None:
+    """``vllm serve org/name``: the weights are those of the cached snapshot."""
+    import copy
+    from types import SimpleNamespace
+
+    from kvtier import ConfigError
+    from kvtier.testing.hub import hub_snapshot
+
+    cache = tmp_path / "hub"
+    hub_snapshot(cache, "org/tiny", model, "a" * 40)
+    by_id = copy.copy(_model_config(model))
+    by_id.model = "org/tiny"
+    loads = SimpleNamespace(
+        load_format="auto", download_dir=str(cache), model_loader_extra_config={}
+    )
+    first = _namespace(by_id, loads)
+    assert _namespace(by_id, loads) == first
+    hub_snapshot(tmp_path / "other-hub", "org/tiny", model, "b" * 40)  # another revision
+    other = SimpleNamespace(load_format="auto", download_dir=str(tmp_path / "other-hub"),
+                            model_loader_extra_config={})  # fmt: skip
+    assert _namespace(by_id, other) != first
+    absent = SimpleNamespace(load_format="auto", download_dir=str(tmp_path / "empty"),
+                             model_loader_extra_config={})  # fmt: skip
+    by_id.model = "org/not-downloaded"
+    with pytest.raises(ConfigError, match=r"'org/not-downloaded' are neither in a local directory"):
+        _namespace(by_id, absent)
+
+
+def test_weights_kvtier_cannot_identify_need_a_declared_model_id(model: Path) -> None:
+    from types import SimpleNamespace
+
+    from kvtier import ConfigError
+
+    elsewhere = SimpleNamespace(load_format="tensorizer", model_loader_extra_config={})
+    with pytest.raises(ConfigError, match=r"kvtier_model_id.*load_format='tensorizer' loads"):
+        _namespace(_model_config(model), elsewhere)
+    assert _namespace(_model_config(model), elsewhere, model_id="mine") == _namespace(
+        _model_config(model), elsewhere, model_id="mine"
+    )
+    # Random weights are never shared, not even with the next engine.
+    dummy = SimpleNamespace(load_format="dummy", model_loader_extra_config={})
+    assert _namespace(_model_config(model), dummy) != _namespace(_model_config(model), dummy)
 
 
 def test_connector_options_take_one_config_source() -> None:

@@ -4,8 +4,8 @@
 
 SPEC holds ``model``, ``prompts`` (token id lists), ``max_tokens``,
 ``extra_config`` (the connector's ``kv_connector_extra_config``; ``null`` for
-no connector), ``block_size`` and ``multiprocessing``. RESULT receives the
-greedy tokens, vLLM's cached-token count per prompt, the time to first token
+no connector), ``block_size``, ``multiprocessing`` and ``hf_overrides``.
+RESULT receives the greedy tokens, vLLM's cached-token count per prompt, the time to first token
 per prompt when ``ttft`` is set, and the engine start time.
 
 Also builds the local model the tests (and, larger, the benchmark) use:
@@ -90,6 +90,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         max_num_seqs=4,
         enable_prefix_caching=spec.get("prefix_caching", True),
+        hf_overrides=spec.get("hf_overrides"),
     )
     start_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)

@@ -36,6 +36,8 @@ class PrimaryTier:
         # Pop from the end: low slot numbers are handed out first.
         self._free: list[int] = list(range(buffer.num_slots - 1, -1, -1))
         self.evictions = 0
+        #: Chunks that readers found ready here (see :meth:`touch`).
+        self.hits = 0
 
     @property
     def num_slots(self) -> int:
@@ -142,7 +144,14 @@ class PrimaryTier:
                     self._pinned.discard(key)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
+        """Record that readers found these chunks: the policy's recency, and :attr:`hits`.
+
+        The manager touches the leading chunks each lookup finds ready, so
+        ``hits`` counts the chunks lookups found in the primary tier.
+        """
+        keys = list(keys)
         with self._lock:
+            self.hits += sum(1 for key in keys if self._refs.get(key, WRITING) >= 0)
             self.policy.touch(keys)
 
     def remove_idle(self, keys: Iterable[ChunkKey]) -> int:

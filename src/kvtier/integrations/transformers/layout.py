@@ -8,14 +8,13 @@ different seeds, or a checkpoint and its fine-tune, never share chunks.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import torch
 import xxhash
 from transformers import PretrainedConfig, PreTrainedModel
 
+from kvtier import identity
 from kvtier.errors import LayoutMismatchError
 from kvtier.layout import KVLayout
 
@@ -24,29 +23,6 @@ _TORCH_DTYPES = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
 }
-
-# Config entries that never change the KV bytes of a given set of weights:
-# bookkeeping, output switches, training-only settings, and the dtype (which
-# the layout records from the weights themselves).
-_IGNORED_CONFIG_KEYS = frozenset(
-    {
-        "_name_or_path",
-        "transformers_version",
-        "architectures",
-        "dtype",
-        "torch_dtype",
-        "use_cache",
-        "return_dict",
-        "output_attentions",
-        "output_hidden_states",
-        "id2label",
-        "label2id",
-        "problem_type",
-        "initializer_range",
-        "attention_dropout",
-        "chunk_size_feed_forward",
-    }
-)
 
 #: Elements of each weight tensor hashed into the fingerprint (from each end).
 FINGERPRINT_ELEMENTS = 4096
@@ -59,14 +35,8 @@ def decoder_config(config: PretrainedConfig) -> PretrainedConfig:
 
 
 def config_digest(config: PretrainedConfig) -> str:
-    """A short digest of every config entry that can change the KV bytes."""
-    entries = {
-        key: value
-        for key, value in decoder_config(config).to_dict().items()
-        if key not in _IGNORED_CONFIG_KEYS and not key.startswith("_")
-    }
-    canonical = json.dumps(entries, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.blake2b(canonical.encode(), digest_size=12).hexdigest()
+    """A short digest of every entry of the text decoder's config that can change the KV bytes."""
+    return identity.config_digest(decoder_config(config).to_dict())
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -124,9 +94,12 @@ def layout_from_config(
     num_heads = _int_attr(text, "num_attention_heads")
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     head_dim = getattr(text, "head_dim", None) or _int_attr(text, "hidden_size") // num_heads
-    extra: list[tuple[str, str]] = [("config", config_digest(config))]
-    if weights is not None:
-        extra.append(("weights", weights))
+    config_id = config_digest(config)
+    extra = (
+        (("config", config_id),)
+        if weights is None
+        else identity.ModelIdentity(config_id, weights).layout_extra
+    )
     name = model_id or getattr(config, "name_or_path", "") or str(text.model_type)
     return KVLayout(
         model_id=name,
@@ -135,7 +108,7 @@ def layout_from_config(
         head_dim=int(head_dim),
         dtype=dtype if isinstance(dtype, str) else torch_dtype_name(dtype),
         chunk_tokens=chunk_tokens,
-        extra=tuple(extra),
+        extra=extra,
     )
 
 

@@ -53,7 +53,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self._deltas = StatsDeltas()
         if role == KVConnectorRole.SCHEDULER:
             layout, shape = kv_layout(
-                vllm_config, kv_cache_config, config.chunk_tokens, options.kvtier_model_id
+                vllm_config,
+                kv_cache_config,
+                config.chunk_tokens,
+                options.kvtier_model_id,
+                full_read=options.kvtier_weights_identity == "full",
             )
             config = with_shared_memory(config, transfer.engine_id)
             # KVCache builds the tiers and kvtier's own Prometheus metrics

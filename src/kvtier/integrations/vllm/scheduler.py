@@ -316,7 +316,11 @@ class SchedulerSide:
         return {
             "shared_memory_name": self.buffer.name,
             "connector": vars(self.counters).copy(),
-            "primary": dict(self.manager.primary.busy_counts()),
+            "primary": {
+                **self.manager.primary.busy_counts(),
+                "hits": self.manager.primary.hits,
+                "evictions": self.manager.primary.evictions,
+            },
             "tiers": [
                 {"type": tier.tier_type, **tier.stats.as_dict()} for tier in self.manager.tiers
             ],

@@ -11,13 +11,15 @@ import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.config import KVTierConfig, load_config, validate_options
 from kvtier.errors import ConfigError, LayoutMismatchError
 from kvtier.layout import KVLayout
+
+from .identity import model_identity, model_name
 
 
 class ConnectorOptions(BaseModel):
@@ -32,7 +34,12 @@ class ConnectorOptions(BaseModel):
     """Path of a JSON or YAML kvtier configuration (instead of ``kvtier``)."""
 
     kvtier_model_id: str | None = None
-    """Model identity in the chunk namespace; defaults to vLLM's ``model``."""
+    """Declares the weights' identity instead of reading their files; whoever sets
+    it must change it whenever the weights change (see docs/vllm.md)."""
+
+    kvtier_weights_identity: Literal["sampled", "full"] = "sampled"
+    """How the weight files are identified: sampled (sizes, times, headers and
+    windows of every tensor) or by reading every byte at start-up."""
 
     kvtier_lookup_timeout_s: float = Field(default=5.0, ge=0)
     """How long a request may wait for promotions from secondary tiers before it
@@ -140,13 +147,17 @@ def kv_layout(
     kv_cache_config: Any,
     chunk_tokens: int,
     model_id: str | None = None,
+    *,
+    full_read: bool = False,
 ) -> tuple[KVLayout, VllmGeometry]:
     """The :class:`KVLayout` of this engine's KV cache, and its chunk geometry.
 
     vLLM's page format depends on the platform, the attention backend and, on
     the CPU, the instruction set its kernels were picked for (which transposes
     keys inside a page); all of it goes into ``kv_order`` and ``extra`` so
-    that engines with incompatible page formats never share a chunk.
+    that engines with incompatible page formats never share a chunk. The
+    model's identity (resolved config and weights, or ``model_id`` declared
+    for the weights) goes into ``extra`` so that other weights never do either.
     """
     import torch
     import vllm
@@ -165,8 +176,9 @@ def kv_layout(
         )
     device, backend, isa = _page_format(vllm_config, spec, shape.block_size)
     major_minor = ".".join(str(vllm.__version__).split(".")[:2])
+    identity = model_identity(vllm_config, model_id=model_id, full_read=full_read)
     layout = KVLayout(
-        model_id=model_id or str(vllm_config.model_config.model),
+        model_id=model_id or model_name(vllm_config.model_config),
         num_layers=shape.num_layers,
         num_kv_heads=int(spec.num_kv_heads),
         head_dim=int(spec.head_size),
@@ -174,6 +186,7 @@ def kv_layout(
         chunk_tokens=chunk_tokens,
         kv_order=f"vllm-pages:layer,block[{shape.blocks_per_chunk}],page[{shape.page_bytes}]",
         extra=(
+            *identity.layout_extra,
             ("engine", f"vllm-{major_minor}"),
             ("device", device),
             ("attention_backend", backend),

@@ -3,8 +3,9 @@
 vLLM asks the scheduler-side connector for its stats every step, sums them
 across reports with :meth:`KVTierConnectorStats.aggregate`, and logs the
 total of each interval (``KV Transfer metrics: ...``). kvtier reports what
-changed since the previous report: the connector's own counters and, per
-tier, ``tier<i>_<type>_<counter>``.
+changed since the previous report: the connector's own counters, the
+primary tier's hits (``primary_hits``) and, per tier,
+``tier<i>_<type>_<counter>``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class KVTierConnectorStats(KVConnectorStats):
 def totals(connector: Mapping[str, int], manager: TieringManager) -> dict[str, int]:
     """Every reported counter's value since the engine started."""
     values = dict(connector)
+    values["primary_hits"] = manager.primary.hits
     for index, tier in enumerate(manager.tiers):
         for name, value in tier.stats.as_dict().items():
             values[f"tier{index}_{tier.tier_type}_{name}"] = value
