@@ -127,7 +127,7 @@ class KVCache:
                     self.manager.step()
                 time.sleep(poll_s)
         except BaseException:
-            self.unpin(keys[: len(slots)])
+            self._unpin(keys[: len(slots)])
             raise
         finally:
             if owned:
@@ -236,7 +236,7 @@ class KVCache:
         with self.lifecycle.running():
             self.manager.drain()
 
-    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+    def _unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Release chunks pinned for this cache's lookups (nothing to do once closed)."""
         if keys:
             with suppress(ClosedError), self.lifecycle.running():

@@ -104,7 +104,7 @@ class HeldPrefix:
                 return
             self._released = True
             if self._slots:
-                self._cache.unpin(self._keys)
+                self._cache._unpin(self._keys)
 
     def __enter__(self) -> HeldPrefix:
         return self

@@ -157,7 +157,8 @@ class PrimaryTier:
 
         Stops at the first chunk that is not ready (absent, evicted, or being
         written): never raises for a missing chunk, unlike :meth:`prepare_load`.
-        Unpin with :meth:`complete_load` of ``keys[:len(slots)]``.
+        Unpin with :meth:`complete_load` of ``keys[:len(slots)]``. Not an
+        access for the policy: the lookup that found the chunks counted it.
         """
         with self._lock:
             ready = []
@@ -169,7 +170,6 @@ class PrimaryTier:
             for key in ready:
                 self._refs[key] += 1
             self._pinned.update(ready)
-            self.policy.touch(ready)
             return [self._slot_of[key] for key in ready]
 
     def complete_load(self, keys: Iterable[ChunkKey]) -> None:
