@@ -239,3 +239,15 @@ def test_a_failed_copy_releases_every_reserved_slot(cache: KVCache) -> None:
     with pytest.raises(RuntimeError, match="engine copy failed"):
         cache.store(TOKENS, explode)
     assert len(cache.manager.primary) == 0
+
+
+def test_a_drained_slow_tier_has_reported_every_job(
+    data: np.ndarray, caplog: pytest.LogCaptureFixture
+) -> None:
+    slow = {"type": "FaultyTier", "module_path": "kvtier.testing.faults", "latency_s": 0.05}
+    with make_cache(slow) as cache:
+        cache.store(TOKENS, data)
+        cache.drain()
+        assert cache.manager.tiers[0].stats.chunks_stored == 4
+        assert not cache.manager.busy
+    assert not [r for r in caplog.records if "unreported" in r.getMessage()]

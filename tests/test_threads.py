@@ -310,7 +310,12 @@ def test_threads_sharing_one_cache_only_ever_load_the_right_bytes(
     caplog.set_level(logging.WARNING, logger="kvtier")
     prefixes = [[p * 1000 + i for i in range(24)] for p in range(8)]  # six chunks each
     tiers = [
-        {"type": "memory", "max_bytes": 12 * (LAYOUT.slot_bytes + 128), "io_threads": 2},
+        {
+            "type": "FaultyTier",
+            "module_path": "kvtier.testing.faults",
+            "fail_rate": 0.1,  # failed jobs too, from several threads
+            "inner": {"type": "memory", "max_bytes": 12 * (LAYOUT.slot_bytes + 128)},
+        },
         {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 20 * (LAYOUT.slot_bytes + 4096)},
     ]
     threads, rounds = 8, 60
@@ -357,6 +362,7 @@ def test_threads_sharing_one_cache_only_ever_load_the_right_bytes(
         # The run did what it is here for: loads, evictions, promotions from both tiers.
         assert sum(loaded_chunks) > 0 and cache.manager.primary.evictions > 0
         assert all(tier.stats.chunks_loaded > 0 for tier in cache.manager.tiers)
+        assert cache.manager.tiers[0].stats.load_failures > 0
         cache.drain()
         assert nothing_busy(cache)
         assert cache.manager.unapplied_results == 0
