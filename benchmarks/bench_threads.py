@@ -10,12 +10,14 @@ engine-side buffer (``found.load``), and stores the prompt's new full chunks
 * ``cpu+fs``: a CPU tier of a quarter of the working set in front of an fs
   tier, so lookups promote from disk.
 
-For each it prints requests per second and the ratio to one thread, plus
-what the manager's lock costs one uncontended call (a lookup of a 16-chunk
-prefix with and without the lock). Every loaded byte is checked, so a race
-shows up as a failure, not as a figure.
+For each it prints requests per second and its ratio to one thread, the
+requests per CPU-second of the process (what sharing costs in CPU, which
+load from other processes does not blur) and its ratio, plus what the
+manager's lock costs one uncontended call (a lookup of a 16-chunk prefix
+with and without the lock). Every loaded byte is checked, so a race shows
+up as a failure, not as a figure.
 
-Run: ``python benchmarks/bench_threads.py [--seconds 3] [--chunk-kib 256] [--json]``.
+Run: ``python benchmarks/bench_threads.py [--seconds 2] [--rounds 3] [--chunk-kib 256] [--json]``.
 """
 
 from __future__ import annotations
@@ -78,11 +80,19 @@ class Run:
     threads: int
     requests: int
     seconds: float
+    #: CPU seconds of the whole process (engine threads and tier workers).
+    cpu_seconds: float
     loaded_chunks: int
 
     @property
     def requests_per_s(self) -> float:
         return self.requests / self.seconds
+
+    @property
+    def requests_per_cpu_s(self) -> float:
+        """What a request costs in CPU, whoever else uses the machine: sharing
+        that cost nothing keeps this at the one-thread figure."""
+        return self.requests / max(self.cpu_seconds, 1e-9)
 
 
 def serve(cache: KVCache, workload: Workload, threads: int, seconds: float, seed: int) -> Run:
@@ -127,12 +137,12 @@ def serve(cache: KVCache, workload: Workload, threads: int, seconds: float, seed
     for worker in workers:
         worker.start()
     start.wait()
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), time.process_time()
     time.sleep(seconds)
     stop.set()
     for worker in workers:
         worker.join()
-    elapsed = time.perf_counter() - began
+    elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu_began
     if errors:
         raise errors[0]
     return Run(
@@ -140,6 +150,7 @@ def serve(cache: KVCache, workload: Workload, threads: int, seconds: float, seed
         threads,
         sum(r for r, _ in counts),
         elapsed,
+        cpu,
         sum(loaded for _, loaded in counts),
     )
 
@@ -186,34 +197,50 @@ def lock_cost(workload: Workload, calls: int = 2_000, rounds: int = 25) -> dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=3.0, help="per setup and thread count")
+    parser.add_argument("--seconds", type=float, default=2.0, help="per run")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per figure; the best counts")
     parser.add_argument("--chunk-kib", type=int, default=256)
     parser.add_argument("--threads", type=int, nargs="+", default=list(THREADS))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     workload = Workload(chunk_kib=args.chunk_kib)
-    runs: list[Run] = []
+    best: dict[tuple[str, int], Run] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-threads-") as root:
-        for setup, config in setups(workload, root).items():
-            for threads in args.threads:
-                with KVCache(config(), workload.layout) as cache:
-                    serve(cache, workload, threads, min(1.0, args.seconds), seed=1)  # warm
-                    run = serve(cache, workload, threads, args.seconds, seed=2)
-                run.setup = setup
-                runs.append(run)
+        # Rounds go over every thread count in turn, so a burst of load from
+        # elsewhere on the machine does not land on one count only.
+        for _ in range(args.rounds):
+            for setup, config in setups(workload, root).items():
+                for threads in args.threads:
+                    with KVCache(config(), workload.layout) as cache:
+                        serve(cache, workload, threads, min(1.0, args.seconds), seed=1)  # warm
+                        run = serve(cache, workload, threads, args.seconds, seed=2)
+                    run.setup = setup
+                    kept = best.get((setup, threads))
+                    if kept is None or run.requests_per_s > kept.requests_per_s:
+                        best[(setup, threads)] = run
+    runs = list(best.values())
     lock = lock_cost(workload)
     if args.json:
         print(json.dumps({"runs": [asdict(r) for r in runs], "lock": lock}, indent=1))
         return
-    print(f"cores: {os.cpu_count()}, chunk: {workload.chunk_kib} KiB, {args.seconds:g} s per run")
-    print(f"{'setup':8} {'threads':>7} {'requests/s':>11} {'ratio':>6} {'chunks loaded/req':>18}")
+    print(
+        f"cores: {os.cpu_count()}, chunk: {workload.chunk_kib} KiB, "
+        f"best of {args.rounds} runs of {args.seconds:g} s"
+    )
+    print(
+        f"{'setup':8} {'threads':>7} {'requests/s':>11} {'ratio':>6} "
+        f"{'requests/cpu-s':>15} {'ratio':>6} {'chunks loaded/req':>18}"
+    )
     for setup in dict.fromkeys(r.setup for r in runs):
         mine = [r for r in runs if r.setup == setup]
-        base = mine[0].requests_per_s
+        base = mine[0]
         for run in mine:
             print(
                 f"{setup:8} {run.threads:7d} {run.requests_per_s:11.0f} "
-                f"{run.requests_per_s / base:6.2f} {run.loaded_chunks / max(1, run.requests):18.1f}"
+                f"{run.requests_per_s / base.requests_per_s:6.2f} "
+                f"{run.requests_per_cpu_s:15.0f} "
+                f"{run.requests_per_cpu_s / base.requests_per_cpu_s:6.2f} "
+                f"{run.loaded_chunks / max(1, run.requests):18.1f}"
             )
     overhead = lock["locked"] - lock["unlocked"]
     print(
