@@ -257,3 +257,19 @@ def test_store_num_chunks_stores_exactly_the_leading_chunks(
     assert cache.store(TOKENS, data, num_chunks=0) == 0
     assert cache.store(TOKENS, data[:2], num_chunks=2) == 2
     assert cache.cached_prefix(TOKENS) == 8
+
+
+def test_close_from_inside_a_copy_is_refused_instead_of_waiting_for_itself(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    cache.store(TOKENS, data)
+
+    def closing_copier(index: int, chunk: np.ndarray) -> None:
+        cache.close()
+
+    with pytest.raises(KVTierError, match="from inside one of its own calls"):
+        cache.load(TOKENS, 4, closing_copier)
+    assert not cache.closed
+    assert cache.cached_prefix(TOKENS) == 16  # nothing was left pinned or half-closed
+    cache.drain()
+    assert cache.manager.primary.busy_counts()["pinned"] == 0
