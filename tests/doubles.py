@@ -1,8 +1,10 @@
 """Test doubles for manager tests: tiers whose timing the test controls."""
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from kvtier.tiers.base import TransferJob
+from kvtier.tiers.base import JobResult, TransferJob
 from kvtier.tiers.example import ExampleTier
 
 
@@ -45,3 +47,40 @@ class GatedTier(RecordingTier):
 
     def drain(self) -> None:
         self.release()
+
+
+class HookedTier(RecordingTier):
+    """The example tier, calling :attr:`after_submit` once each job is in the tier's hands.
+
+    The example tier finishes a job inside ``submit``, so a hook that
+    collects results sees it finished before ``submit`` returns.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.after_submit: Callable[[], None] | None = None
+
+    def submit_store(self, job: TransferJob) -> None:
+        super().submit_store(job)
+        if self.after_submit is not None:
+            self.after_submit()
+
+    def submit_load(self, job: TransferJob) -> None:
+        super().submit_load(job)
+        if self.after_submit is not None:
+            self.after_submit()
+
+
+class MalformingTier(RecordingTier):
+    """The example tier; while :attr:`malform` is set, the first result of each
+    batch it reports is malformed (``succeeded`` is not a set of keys)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.malform = False
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        results = super().get_finished_jobs()
+        if self.malform and results:
+            results[0] = replace(results[0], succeeded=None)  # type: ignore[arg-type]
+        return results

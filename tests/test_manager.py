@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier import KVCache, register_tier
+from kvtier import KVCache, LookupResult, register_tier
 from kvtier.backpressure import Backpressure
 from kvtier.config import BackpressureConfig
 from kvtier.testing import FaultyTier, small_layout
@@ -31,6 +31,11 @@ def make_cache(*tiers: dict[str, Any], slots: int = 8, **extra: Any) -> KVCache:
         **extra,
     }
     return KVCache(config, LAYOUT)
+
+
+def peek(cache: KVCache, tokens: list[int], request_id: str | None = None) -> LookupResult:
+    """The manager's non-blocking answer for ``tokens``."""
+    return cache.manager.lookup(cache.keys(tokens), request_id)
 
 
 @pytest.fixture
@@ -66,7 +71,7 @@ def test_secondary_hit_promotes_in_one_batch_per_tier_and_request(
     cache.drain()
     cache.manager.reset()
     first = cache.manager.tiers[0]
-    result = cache.lookup(TOKENS, request_id="r1")
+    result = peek(cache, TOKENS, "r1")
     assert result.hit_chunks == 0 and result.pending
     assert first.loads == []  # type: ignore[attr-defined]  # submitted at step end
     keys = cache.keys(TOKENS)
@@ -75,7 +80,7 @@ def test_secondary_hit_promotes_in_one_batch_per_tier_and_request(
     assert [job.keys for job in first.loads] == [tuple(keys)]  # type: ignore[attr-defined]
     assert first.loads[0].request_id == "r1"  # type: ignore[attr-defined]
     cache.step()  # collect
-    assert cache.lookup(TOKENS, request_id="r1").hit_chunks == 4
+    assert peek(cache, TOKENS, "r1").hit_chunks == 4
     out = np.zeros_like(data)
     cache.load(TOKENS, 16, out)
     np.testing.assert_array_equal(out, data)
@@ -86,8 +91,8 @@ def test_lookup_answers_the_leading_primary_hits_without_io(
     cache: KVCache, data: np.ndarray
 ) -> None:
     cache.store(TOKENS[:8], data[:2])
-    assert cache.lookup(TOKENS).hit_chunks == 2
-    assert not cache.lookup(TOKENS).pending
+    assert peek(cache, TOKENS).hit_chunks == 2
+    assert not peek(cache, TOKENS).pending
 
 
 def test_hit_in_a_slower_tier_warms_the_faster_tiers(cache: KVCache, data: np.ndarray) -> None:
@@ -110,7 +115,7 @@ def test_promotion_without_room_is_a_miss(data: np.ndarray) -> None:
         other = list(range(900, 916))
         cache.store(other, data)
         cache.manager.primary.prepare_load(cache.keys(other))  # pin everything
-        assert cache.lookup(TOKENS) == type(cache.lookup(TOKENS))(0, False)
+        assert peek(cache, TOKENS) == LookupResult(0, False)
     finally:
         cache.manager.primary.complete_load(cache.keys(list(range(900, 916))))
         cache.close()
@@ -181,7 +186,7 @@ def test_backpressure_drops_stores_to_a_tier_that_falls_behind(data: np.ndarray)
         cache.store(list(range(500, 504)), data[:1])
         assert not cache.manager.backpressure[0].admit()
         cache.manager.primary.remove_idle(cache.keys(TOKENS[:4]))
-        assert cache.lookup(TOKENS[:4]).pending
+        assert peek(cache, TOKENS[:4]).pending
         cache.step()
         assert len(gated.loads) == 1  # type: ignore[attr-defined]
     finally:
@@ -234,3 +239,15 @@ def test_a_failed_copy_releases_every_reserved_slot(cache: KVCache) -> None:
     with pytest.raises(RuntimeError, match="engine copy failed"):
         cache.store(TOKENS, explode)
     assert len(cache.manager.primary) == 0
+
+
+def test_a_drained_slow_tier_has_reported_every_job(
+    data: np.ndarray, caplog: pytest.LogCaptureFixture
+) -> None:
+    slow = {"type": "FaultyTier", "module_path": "kvtier.testing.faults", "latency_s": 0.05}
+    with make_cache(slow) as cache:
+        cache.store(TOKENS, data)
+        cache.drain()
+        assert cache.manager.tiers[0].stats.chunks_stored == 4
+        assert not cache.manager.busy
+    assert not [r for r in caplog.records if "unreported" in r.getMessage()]

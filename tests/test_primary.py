@@ -209,3 +209,44 @@ def test_closing_an_unlinked_buffer_leaves_a_new_one_of_its_name_alone() -> None
         SlotBuffer.attach(name, 1, 4096).close()  # still there
     finally:
         second.close()
+
+
+def test_complete_store_can_hand_chunks_over_already_pinned(primary: PrimaryTier) -> None:
+    keys = [key(1), key(2)]
+    slots = primary.prepare_store(keys)
+    assert slots is not None
+    assert primary.complete_store([*keys, key(9)], True, pins=2) == slots  # key 9: not written
+    assert [primary.refcount(k) for k in keys] == [2, 2]
+    # Ready and pinned in one step: no eviction can take them before their readers do.
+    assert primary.prepare_store([key(3), key(4), key(5)]) is None
+    primary.complete_load(keys)
+    primary.complete_load(keys)
+    assert primary.prepare_store([key(3), key(4), key(5)]) is not None
+    with pytest.raises(ValueError, match="pins must be >= 0"):
+        primary.complete_store(keys, True, pins=-1)
+
+
+def test_pin_prefix_pins_the_leading_ready_chunks_and_never_raises(primary: PrimaryTier) -> None:
+    first, second = stored(primary, 1, 2)
+    writing = key(3)
+    assert primary.prepare_store([writing]) is not None
+    chain = [first, second, writing, key(4)]
+    assert primary.pin_prefix(chain) == [primary.slot_of(first), primary.slot_of(second)]
+    assert [primary.refcount(k) for k in chain] == [1, 1, WRITING, None]
+    assert primary.pin_prefix([key(7), first]) == []  # a missing first chunk: nothing
+    assert primary.refcount(first) == 1
+    primary.complete_load([first, second])
+    assert primary.busy_counts()["pinned"] == 0
+
+
+def test_a_policy_that_raises_on_insert_loses_the_chunk_never_the_slot(
+    primary: PrimaryTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_insert(chunk: bytes) -> None:
+        raise RuntimeError("policy bug")
+
+    monkeypatch.setattr(primary.policy, "insert", broken_insert)
+    keys = [key(1), key(2)]
+    assert primary.prepare_store(keys) is not None
+    assert primary.complete_store(keys, True) == {}
+    assert len(primary) == 0 and primary.busy_counts()["free"] == 4

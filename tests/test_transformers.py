@@ -20,6 +20,7 @@ from kvtier.integrations.transformers import (  # noqa: E402
     layout_for_model,
     layout_from_config,
     prefill,
+    prefix_cache,
 )
 
 CHUNK = 16
@@ -251,3 +252,31 @@ def test_a_broken_tier_costs_the_reuse_never_the_answer() -> None:
         kv.manager.tiers[0].broken = False
     assert result.reused_tokens == 0
     assert result.tokens == expected
+
+
+def test_a_prefix_found_stays_loadable_while_another_request_fills_the_cpu_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = tiny_model("llama")
+    slot_bytes = layout_for_model(model, chunk_tokens=CHUNK).slot_bytes
+    shared, suffix = prompt(3 * CHUNK + 5), prompt(9, seed=2)
+    expected, _ = prefill(model, shared + suffix)
+    config = {"chunk_tokens": CHUNK, "cpu_bytes_to_use": 4 * slot_bytes}
+    with PrefixCache(model, config) as kv:
+        kv.prefill(shared)
+        interposed: list[int] = []
+
+        class ReaderAfterAnotherRequestStored(ChunkReader):
+            """Built between the lookup and the load: another request offloads four
+            chunks into a CPU tier of four slots first. It may not take the held three."""
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                rows = torch.zeros((4, slot_bytes), dtype=torch.uint8).numpy()
+                interposed.append(kv.kv.store(prompt(4 * CHUNK, seed=9), rows))
+                super().__init__(*args, **kwargs)
+
+        monkeypatch.setattr(prefix_cache, "ChunkReader", ReaderAfterAnotherRequestStored)
+        logits, reused = kv.prefill(shared + suffix, store=False)
+    assert interposed == [0]
+    assert reused.reused_tokens == 3 * CHUNK
+    assert (logits - expected).abs().max().item() <= 1e-5

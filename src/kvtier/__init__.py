@@ -2,6 +2,7 @@
 
 from kvtier.config import KVTierConfig, TierConfig, load_config
 from kvtier.errors import (
+    ClosedError,
     ConfigError,
     CorruptChunkError,
     KVTierError,
@@ -12,7 +13,7 @@ from kvtier.errors import (
     UnknownPluginError,
     UntrustedModuleError,
 )
-from kvtier.facade import KVCache
+from kvtier.facade import HeldPrefix, KVCache
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import FORMAT_VERSION, KVLayout
 from kvtier.manager import LookupResult, TieringManager
@@ -37,8 +38,10 @@ __all__ = [
     "CachePolicy",
     "CachePolicyFactory",
     "ChunkKey",
+    "ClosedError",
     "ConfigError",
     "CorruptChunkError",
+    "HeldPrefix",
     "JobResult",
     "KVCache",
     "KVLayout",

@@ -12,6 +12,7 @@ class Backpressure:
     above ``high_latency_s``, and stays so until it falls below
     ``low_latency_s``: the gap keeps it from flapping. A pressured tier with
     nothing in flight still takes one probe job, so the average can recover.
+    Not thread-safe on its own: the manager calls it under its lock.
     """
 
     def __init__(self, config: BackpressureConfig) -> None:
@@ -27,6 +28,10 @@ class Backpressure:
 
     def started(self) -> None:
         self.inflight += 1
+
+    def cancelled(self) -> None:
+        """A started job ended without a measurement (it failed to submit or to report)."""
+        self.inflight -= 1
 
     def finished(self, seconds_per_chunk: float) -> None:
         self.inflight -= 1

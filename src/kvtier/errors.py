@@ -67,6 +67,10 @@ class LayoutMismatchError(KVTierError, ValueError):
     """Two parts of kvtier disagree on the KV layout they were built for."""
 
 
+class ClosedError(KVTierError, RuntimeError):
+    """A closed :class:`~kvtier.KVCache` (or a released lookup) was used."""
+
+
 class UnknownPluginError(KVTierError, ValueError):
     """A tier, policy or spec name is neither registered nor given a module path."""
 

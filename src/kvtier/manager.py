@@ -1,19 +1,27 @@
 """The tiering manager: lookups across tiers, promotions, write-through cascades.
 
-Single-threaded by design: the engine's scheduler calls it, and
-:meth:`TieringManager.step` once per engine step collects finished jobs
-(before any eviction decision of the step) and submits batched promotions.
-Tiers do their I/O on their own workers. A tier that raises, fails jobs or
-falls behind only ever costs cache hits: its keys count as misses, its
-failures are counted, and the engine recomputes.
+The engine's scheduler calls it, and :meth:`TieringManager.step` once per
+engine step collects finished jobs (before any eviction decision of the
+step) and submits batched promotions. Tiers do their I/O on their own
+workers. A tier that raises, fails jobs or falls behind only ever costs
+cache hits: its keys count as misses, its failures are counted, and the
+engine recomputes.
+
+Thread-safe: one re-entrant lock serialises the manager's bookkeeping. It is
+held for that bookkeeping and for the tiers' non-blocking calls only, never
+while bytes are copied: the engine copies into and out of slots between
+``prepare_*`` and ``complete_*``, on its own thread, and the tiers on theirs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
 
 from kvtier.backpressure import Backpressure
 from kvtier.config import BackpressureConfig
@@ -30,6 +38,22 @@ _ANSWER_COUNTER = {Lookup.HIT: "hits", Lookup.MISS: "misses", Lookup.PENDING: "p
 #: :attr:`TieringManager.job_listeners`).
 JobListener = Callable[[int, bool, JobResult], None]
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _serialised(
+    method: Callable[Concatenate[TieringManager, _P], _R],
+) -> Callable[Concatenate[TieringManager, _P], _R]:
+    """Run ``method`` under the manager's lock."""
+
+    @functools.wraps(method)
+    def locked(self: TieringManager, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
 
 @dataclass(frozen=True)
 class LookupResult:
@@ -40,12 +64,37 @@ class LookupResult:
     pending: bool
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Job:
+    job_id: int
     tier_index: int
     loading: bool
     keys: tuple[ChunkKey, ...]
     request_id: str | None
+    #: Whether the job's slots were handed back (a load's slots completed, a
+    #: store's unpinned): exactly once, whatever else goes wrong.
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """A tier's :class:`JobResult`, checked against its job."""
+
+    good: list[ChunkKey]
+    bad: list[ChunkKey]
+    nbytes: int
+    seconds: float
+
+    @classmethod
+    def of(cls, job: _Job, result: JobResult) -> _Outcome:
+        """Raises ``TypeError`` or ``ValueError`` on a malformed result."""
+        succeeded = frozenset(result.succeeded)
+        return cls(
+            good=[key for key in job.keys if key in succeeded],
+            bad=[key for key in job.keys if key not in succeeded],
+            nbytes=int(result.nbytes),
+            seconds=float(result.seconds),
+        )
 
 
 class TieringManager:
@@ -61,6 +110,8 @@ class TieringManager:
         self.tiers = list(tiers)
         config = backpressure or BackpressureConfig()
         self.backpressure = [Backpressure(config) for _ in self.tiers]
+        # Re-entrant: drain and reset step, a listener may read the manager.
+        self._lock = threading.RLock()
         self._jobs: dict[tuple[int, int], _Job] = {}
         # (tier index, request id) -> [(key, slot)], submitted at step end.
         self._promotions: dict[tuple[int, str | None], list[tuple[ChunkKey, int]]] = defaultdict(
@@ -70,15 +121,18 @@ class TieringManager:
         # chunk; forgotten when the request finishes. Anonymous lookups retry.
         self._failed: dict[str, set[tuple[int, ChunkKey]]] = defaultdict(set)
         self._closed = False
-        #: Observers of finished jobs (metrics, engine statistics). Called on the
-        #: manager's thread once a result is applied; an observer that raises is
-        #: logged and never disturbs the manager.
+        #: Results a tier reported that could not be applied (each failed its job).
+        self.unapplied_results = 0
+        #: Observers of finished jobs (metrics, engine statistics). Called under
+        #: the manager's lock once a result is applied; an observer that raises
+        #: is logged and never disturbs the manager.
         self.job_listeners: list[JobListener] = []
         for tier in self.tiers:
             self._call(tier, "on_attach", primary)
 
     # Scheduler side -------------------------------------------------------
 
+    @_serialised
     def lookup(self, keys: Sequence[ChunkKey], request_id: str | None = None) -> LookupResult:
         """How many leading chunks are ready; starts promotions for the rest it finds."""
         hits = 0
@@ -127,33 +181,48 @@ class TieringManager:
         return None
 
     def prepare_load(self, keys: Sequence[ChunkKey]) -> list[int]:
-        """Pin ready chunks for the engine to copy out; returns their slots."""
+        """Pin ready chunks for the engine to copy out; returns their slots.
+
+        Raises ``KeyError`` if one is not ready; see :meth:`pin_prefix` for the
+        form that pins what is there.
+        """
         return self.primary.prepare_load(keys)
+
+    def pin_prefix(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """Pin the leading ready chunks of ``keys``; returns their slots (maybe fewer)."""
+        return self.primary.pin_prefix(keys)
 
     def complete_load(self, keys: Sequence[ChunkKey]) -> None:
         self.primary.complete_load(keys)
 
+    @_serialised
     def prepare_store(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, int] | None:
         """Slots for the chunks not yet resident, or ``None`` if there is no room."""
         return self.primary.prepare_store(keys)
 
+    @_serialised
     def complete_store(self, keys: Sequence[ChunkKey], success: bool = True) -> None:
         """The engine finished writing ``keys``; on success they cascade to the tiers."""
-        written = [k for k in keys if self.primary.is_writing(k)]
-        self.primary.complete_store(written, success)
-        if success and written:
-            self._cascade(written, range(len(self.tiers)))
+        written = [k for k in dict.fromkeys(keys) if self.primary.is_writing(k)]
+        if not success:
+            self.primary.complete_store(written, success=False)
+            return
+        targets = self._admit(range(len(self.tiers)), len(written)) if written else []
+        self._cascade(self.primary.complete_store(written, pins=len(targets)), targets)
 
+    @_serialised
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         self.primary.touch(keys)
         for tier in self.tiers:
             self._call(tier, "touch", keys)
 
+    @_serialised
     def on_request_finished(self, request_id: str) -> None:
         self._failed.pop(request_id, None)
         for tier in self.tiers:
             self._call(tier, "on_request_finished", request_id)
 
+    @_serialised
     def step(self) -> None:
         """Once per engine step: collect finished jobs, then submit batched promotions."""
         self._collect()
@@ -170,12 +239,17 @@ class TieringManager:
     @property
     def busy(self) -> bool:
         """Whether any job or promotion is still in flight."""
-        return bool(self._jobs or self._promotions)
+        with self._lock:
+            return bool(self._jobs or self._promotions)
 
     # Lifecycle -------------------------------------------------------------
 
+    @_serialised
     def drain(self) -> None:
-        """Wait for every in-flight job and apply its result."""
+        """Wait for every in-flight job and apply its result.
+
+        Other threads' calls wait meanwhile: a drain is for resets and shutdown.
+        """
         self.step()
         for tier in self.tiers:
             self._call(tier, "drain")
@@ -186,14 +260,16 @@ class TieringManager:
             tier = self.tiers[index]
             logger.error("tier %s: job %d unreported after drain; failed", tier.tier_type, job_id)
             del self._jobs[(index, job_id)]
-            self._apply(tier, job, JobResult(job_id, False, frozenset(), 0, 0.0))
+            self._finish(job, JobResult(job_id, False, frozenset(), 0, 0.0))
 
+    @_serialised
     def reset(self) -> None:
         """Drain, then empty the primary tier (the secondary tiers keep their chunks)."""
         self.drain()
         self._failed.clear()
         self.primary.clear()
 
+    @_serialised
     def shutdown(self) -> None:
         """Drain, stop every tier, release the primary buffer. Idempotent."""
         if self._closed:
@@ -206,28 +282,46 @@ class TieringManager:
 
     # Machinery -------------------------------------------------------------
 
-    def _cascade(self, keys: Sequence[ChunkKey], tier_indexes: range) -> None:
-        """Write-through: copy resident chunks out to tiers, pinned until each job ends."""
+    def _admit(self, tier_indexes: range, num_keys: int) -> list[int]:
+        """The tiers among ``tier_indexes`` whose backpressure takes a store job now."""
+        admitted = []
         for index in tier_indexes:
-            tier, pressure = self.tiers[index], self.backpressure[index]
-            if not pressure.admit():
-                tier.count(backpressure_drops=len(keys))
-                continue
-            slots = self.primary.prepare_load(keys)
-            if self._submit(index, TransferJob(tuple(keys), tuple(slots)), loading=False):
-                pressure.started()
+            if self.backpressure[index].admit():
+                admitted.append(index)
             else:
+                self.tiers[index].count(backpressure_drops=num_keys)
+        return admitted
+
+    def _cascade(self, ready: Mapping[ChunkKey, int], tier_indexes: Sequence[int]) -> None:
+        """Write-through: copy ready chunks (``{key: slot}``) out to tiers, pinned
+        until each job ends.
+
+        The chunks come pinned once per tier (:meth:`PrimaryTier.complete_store`
+        pinned them as they became ready); a job that cannot start unpins its share.
+        """
+        if not ready:
+            return
+        keys, slots = tuple(ready), tuple(ready.values())
+        for index in tier_indexes:
+            self.backpressure[index].started()
+            job = TransferJob(keys, slots)
+            if not self._submit(index, job, loading=False):
+                self.backpressure[index].cancelled()
                 self.primary.complete_load(keys)
 
     def _submit(self, index: int, job: TransferJob, *, loading: bool) -> bool:
         tier = self.tiers[index]
+        # Recorded before the tier sees it: a fast tier may report the job
+        # before submit returns, and its result must find the job.
+        self._jobs[(index, job.job_id)] = _Job(job.job_id, index, loading, job.keys, job.request_id)
         try:
             (tier.submit_load if loading else tier.submit_store)(job)
         except Exception:
             logger.exception("tier %s: submit raised; job %d failed", tier.tier_type, job.job_id)
+            if self._jobs.pop((index, job.job_id), None) is None:
+                return True  # it reported the job before raising: that result stands
             tier.count(**{"load_failures" if loading else "store_failures": len(job.keys)})
             return False
-        self._jobs[(index, job.job_id)] = _Job(index, loading, job.keys, job.request_id)
         return True
 
     def _collect(self) -> None:
@@ -244,28 +338,71 @@ class TieringManager:
                         "tier %s: result for unknown job %d", tier.tier_type, result.job_id
                     )
                     continue
-                self._apply(tier, job, result)
+                self._finish(job, result)
 
-    def _apply(self, tier: SecondaryTier, job: _Job, result: JobResult) -> None:
-        good = [key for key in job.keys if key in result.succeeded]
-        bad = [key for key in job.keys if key not in result.succeeded]
-        if job.loading:
-            self.primary.complete_store(good, success=True)
-            self.primary.complete_store(bad, success=False)
-            self._remember_failures(job.request_id, job.tier_index, bad)
-            tier.count(chunks_loaded=len(good), bytes_loaded=result.nbytes, load_failures=len(bad))
-            if good and job.tier_index:
-                # A hit in a slower tier warms the faster tiers in front of it.
-                self._cascade(good, range(job.tier_index))
-        else:
-            self.primary.complete_load(job.keys)
-            self.backpressure[job.tier_index].finished(result.seconds / max(1, len(job.keys)))
-            tier.count(chunks_stored=len(good), bytes_stored=result.nbytes, store_failures=len(bad))
+    def _finish(self, job: _Job, result: JobResult) -> None:
+        """Apply one finished job in isolation: a result that cannot be applied
+        fails its own job (counted, logged once), and its slots come back."""
+        tier = self.tiers[job.tier_index]
+        try:
+            self._apply(tier, job, _Outcome.of(job, result))
+        except Exception:
+            logger.exception(
+                "tier %s: the result of job %d could not be applied; the job failed",
+                tier.tier_type,
+                job.job_id,
+            )
+            self.unapplied_results += 1
+            if job.released:
+                return  # only its bookkeeping was lost
+            try:
+                self._release_failed(job)
+            except Exception:
+                logger.exception("tier %s: job %d: slots not released", tier.tier_type, job.job_id)
+            tier.count(**{"load_failures" if job.loading else "store_failures": len(job.keys)})
+            result = JobResult(job.job_id, False, frozenset(), 0, 0.0)
         for listener in self.job_listeners:
             try:
                 listener(job.tier_index, job.loading, result)
             except Exception:
                 logger.exception("job listener %r raised", listener)
+
+    def _apply(self, tier: SecondaryTier, job: _Job, outcome: _Outcome) -> None:
+        if job.loading:
+            # Slower tiers' hits warm the faster tiers in front of them; the
+            # chunks are pinned for that as they become ready.
+            targets = self._admit(range(job.tier_index), len(outcome.good)) if outcome.good else []
+            loaded = self.primary.complete_store(outcome.good, pins=len(targets))
+            self.primary.complete_store(outcome.bad, success=False)
+            job.released = True
+            self._remember_failures(job.request_id, job.tier_index, outcome.bad)
+            tier.count(
+                chunks_loaded=len(outcome.good),
+                bytes_loaded=outcome.nbytes,
+                load_failures=len(outcome.bad),
+            )
+            self._cascade(loaded, targets)
+        else:
+            self.primary.complete_load(job.keys)
+            job.released = True
+            pressure = self.backpressure[job.tier_index]
+            pressure.finished(outcome.seconds / max(1, len(job.keys)))
+            tier.count(
+                chunks_stored=len(outcome.good),
+                bytes_stored=outcome.nbytes,
+                store_failures=len(outcome.bad),
+            )
+
+    def _release_failed(self, job: _Job) -> None:
+        """Hand back the slots of a job that failed as a whole."""
+        if job.loading:
+            # Keys already ready stay (their bytes are whole); the rest are freed.
+            self.primary.complete_store(job.keys, success=False)
+            self._remember_failures(job.request_id, job.tier_index, job.keys)
+        else:
+            self.primary.complete_load(job.keys)
+            self.backpressure[job.tier_index].cancelled()
+        job.released = True
 
     def _remember_failures(
         self, request_id: str | None, index: int, keys: Sequence[ChunkKey]

@@ -104,7 +104,7 @@ def test_a_peer_killed_mid_transfer_fails_the_job_and_nothing_lands(spawn_peer: 
         key = c.keys(slow.tokens)[0]
 
         def promotion_submitted() -> bool:
-            c.lookup(slow.tokens)
+            c.manager.lookup(c.keys(slow.tokens))  # non-blocking: starts the promotion
             c.step()
             return primary.is_writing(key)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -9,6 +10,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from kvtier.keys import ChunkKey
 from kvtier.policies.base import CachePolicy
 from kvtier.primary.buffer import SlotBuffer
+
+logger = logging.getLogger(__name__)
 
 #: Reference count of a slot whose bytes are being written.
 WRITING = -1
@@ -19,9 +22,9 @@ class PrimaryTier:
 
     A slot's count is ``-1`` while a write into it is in flight, ``0`` while
     idle (and evictable), ``n > 0`` while pinned by ``n`` readers: an engine
-    load, a cascade to a secondary tier, a peer sending it. Only idle chunks
-    are known to the cache policy, so it can never pick a busy victim.
-    All methods are thread-safe.
+    load, a cascade to a secondary tier, a peer sending it. Chunks being
+    written are unknown to the cache policy and pinned ones are protected
+    from it, so it can never pick a busy victim. All methods are thread-safe.
     """
 
     def __init__(self, buffer: SlotBuffer, policy: CachePolicy) -> None:
@@ -97,18 +100,42 @@ class PrimaryTier:
                 reserved[key] = slot
             return reserved
 
-    def complete_store(self, keys: Iterable[ChunkKey], success: bool = True) -> None:
-        """End writes: on success the chunks become idle and evictable, else freed."""
+    def complete_store(
+        self, keys: Iterable[ChunkKey], success: bool = True, *, pins: int = 0
+    ) -> dict[ChunkKey, int]:
+        """End writes: on success the chunks become ready, else their slots are freed.
+
+        A ready chunk starts with ``pins`` readers (``0``: idle and evictable),
+        so a caller that reads it next (a cascade) holds it from the very
+        moment it is ready: no other thread's eviction can come in between.
+        Keys not being written are skipped. Returns ``{key: slot}`` of the keys made ready.
+        """
+        if pins < 0:
+            raise ValueError(f"pins must be >= 0, got {pins}")
+        completed = {}
         with self._lock:
-            for key in keys:
+            for key in dict.fromkeys(keys):
                 if self._refs.get(key) != WRITING:
                     continue
-                if success:
-                    self._refs[key] = 0
-                    self.policy.insert(key)
+                if success and self._track(key):
+                    self._refs[key] = pins
+                    if pins:
+                        self._pinned.add(key)
+                    completed[key] = self._slot_of[key]
                 else:
                     del self._refs[key]
                     self._free.append(self._slot_of.pop(key))
+        return completed
+
+    def _track(self, key: ChunkKey) -> bool:
+        """Hand a newly ready key to the policy; a policy that raises loses the chunk,
+        never the slot (a chunk the policy does not know could never be evicted)."""
+        try:
+            self.policy.insert(key)
+        except Exception:
+            logger.exception("cache policy %s: insert raised; chunk dropped", self.policy)
+            return False
+        return True
 
     def prepare_load(self, keys: Sequence[ChunkKey]) -> list[int]:
         """Pin ready chunks for reading and return their slots, in order.
@@ -126,6 +153,26 @@ class PrimaryTier:
             self._pinned.update(keys)
             self.policy.touch(keys)
             return [self._slot_of[key] for key in keys]
+
+    def pin_prefix(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """Pin the leading ready chunks of ``keys``; returns their slots, in order.
+
+        Stops at the first chunk that is not ready (absent, evicted, or being
+        written): never raises for a missing chunk, unlike :meth:`prepare_load`.
+        Unpin with :meth:`complete_load` of ``keys[:len(slots)]``. Not an
+        access for the policy: the lookup that found the chunks counted it.
+        """
+        with self._lock:
+            ready = []
+            for key in keys:
+                refs = self._refs.get(key)
+                if refs is None or refs < 0:
+                    break
+                ready.append(key)
+            for key in ready:
+                self._refs[key] += 1
+            self._pinned.update(ready)
+            return [self._slot_of[key] for key in ready]
 
     def complete_load(self, keys: Iterable[ChunkKey]) -> None:
         """Unpin chunks pinned by :meth:`prepare_load`.

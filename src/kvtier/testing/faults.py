@@ -110,7 +110,15 @@ class FaultyTier(SecondaryTier):
         return ready
 
     def drain(self) -> None:
+        """Drain the inner tier, then wait out the latency of every result it
+        reported: after a drain, all results are ready to collect."""
         self.inner.drain()
+        now = time.monotonic()
+        with self._lock:
+            self._held += [(now, r) for r in self.inner.get_finished_jobs()]
+            newest = max((t for t, _ in self._held), default=None)
+        if newest is not None:
+            time.sleep(max(0.0, newest + self.latency_s - time.monotonic()))
 
     def shutdown(self) -> None:
         self.inner.shutdown()

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.facade import KVCache
+from kvtier.inputs import token_array
 from kvtier.integrations.transformers.chunks import ChunkReader, ChunkWriter, new_cache
 from kvtier.integrations.transformers.generate import Generation, greedy_generate, prefill
 from kvtier.integrations.transformers.layout import layout_for_model
@@ -49,7 +50,9 @@ class PrefixCache:
 
     ``config`` is a kvtier configuration (dict, file, or ``None`` for a CPU
     tier alone). ``model_id`` names the model in the chunk namespace; the
-    default is the config's name or path. Not thread-safe: one request at a time.
+    default is the config's name or path. Requests may run on several threads
+    at once (the model permitting); ``promoted_chunks`` then also counts
+    promotions of requests running beside it.
     """
 
     def __init__(
@@ -83,13 +86,15 @@ class PrefixCache:
         ids = _as_ids(token_ids)
         self.kv.step()  # collect finished transfers first: they free primary slots
         before = self._promoted_so_far()
-        hit = self.kv.cached_prefix(ids)  # a request of its own, finished on return
-        reuse = min(hit, len(ids) - 1)
         cache: Cache = new_cache(self.model.config)
-        if reuse > 0:
-            reader = ChunkReader(self.layout, reuse, device=self.model.device)
-            self.kv.load(ids, reader.chunks * self.chunk_tokens, reader)
-            cache = reader.to_cache(self.model.config)
+        # Held from lookup to load: no other request's store can evict the prefix.
+        with self.kv.lookup(ids) as found:  # a request of its own, finished on return
+            hit = found.num_tokens
+            reuse = min(hit, len(ids) - 1)
+            if reuse > 0:
+                reader = ChunkReader(self.layout, reuse, device=self.model.device)
+                found.load(reader, reader.chunks * self.chunk_tokens)
+                cache = reader.to_cache(self.model.config)
         promoted = tuple(b - a for a, b in zip(before, self._promoted_so_far(), strict=True))
         return PrefixLoad(cache, reuse, hit, promoted)
 
@@ -174,16 +179,10 @@ class PrefixCache:
 
 
 def _as_ids(token_ids: TokenIds) -> list[int]:
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() == 2 and token_ids.shape[0] == 1:
-            token_ids = token_ids[0]
-        if token_ids.dim() != 1:
-            raise ValueError(
-                f"token ids of shape {tuple(token_ids.shape)}: expected one sequence (batch size 1)"
-            )
-        ids = [int(t) for t in token_ids.tolist()]
-    else:
-        ids = [int(t) for t in token_ids]
+    """Integer token ids of one sequence (a ``(1, n)`` tensor is a batch of one)."""
+    if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 2 and token_ids.shape[0] == 1:
+        token_ids = token_ids[0]
+    ids: list[int] = token_array(token_ids, "token_ids").tolist()
     if not ids:
         raise ValueError("token ids are empty: a prompt needs at least one token")
     return ids

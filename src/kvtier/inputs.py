@@ -1,0 +1,111 @@
+"""Checks on what callers hand :class:`~kvtier.KVCache`, done before anything changes.
+
+Each returns the value in the form kvtier uses, or raises ``TypeError`` /
+``ValueError`` saying what was wrong and where. Token ids must be integers:
+a float is refused rather than truncated (``1.2`` would otherwise share the
+key of ``1``), and so is a bool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.layout import KVLayout
+
+TokenIds = Sequence[int] | np.ndarray
+
+_TOKEN_DTYPE = np.dtype("<i8")
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def token_array(tokens: Any, where: str = "tokens") -> np.ndarray:
+    """``tokens`` (a sequence of ints, or a 1-D integer numpy array or torch
+    tensor) as a 1-D little-endian int64 array."""
+    if isinstance(tokens, str | bytes | bytearray) or not hasattr(tokens, "__len__"):
+        raise TypeError(
+            f"{where}: expected a sequence of int token ids, got {type(tokens).__name__}"
+        )
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        array = tokens
+    else:
+        # One pass over the types in C; the slow search only to name the culprit.
+        if any(t is bool or not issubclass(t, int | np.integer) for t in set(map(type, tokens))):
+            index, token = next(
+                (i, t)
+                for i, t in enumerate(tokens)
+                if isinstance(t, bool) or not isinstance(t, int | np.integer)
+            )
+            raise TypeError(
+                f"{where}[{index}] = {token!r} ({type(token).__name__}): token ids must be integers"
+            )
+        try:
+            array = np.asarray(tokens, dtype=_TOKEN_DTYPE)
+        except OverflowError:
+            raise ValueError(f"{where}: a token id does not fit in 64 bits") from None
+    if array.ndim != 1:
+        raise ValueError(f"{where}: expected one sequence (1-D), got shape {array.shape}")
+    if array.dtype.kind not in "iu" and array.size:
+        raise TypeError(f"{where}: token ids must be integers, got dtype {array.dtype}")
+    if array.dtype == np.uint64 and array.size and int(array.max()) > _INT64_MAX:
+        raise ValueError(f"{where}: a token id does not fit in 64 bits")
+    return array.astype(_TOKEN_DTYPE, copy=False)
+
+
+def count(value: Any, where: str) -> int:
+    """A non-negative int (``bool`` and ``float`` refused)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{where} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{where} must be >= 0, got {value}")
+    return int(value)
+
+
+def chunks_of(num_tokens: Any, chunk_tokens: int, available: int, where: str) -> int:
+    """Chunks in ``num_tokens``: a multiple of ``chunk_tokens``, at most ``available`` tokens."""
+    tokens = count(num_tokens, where)
+    if tokens % chunk_tokens:
+        raise ValueError(f"{where}={tokens} is not a multiple of chunk_tokens={chunk_tokens}")
+    if tokens > available:
+        raise ValueError(f"{where}={tokens} exceeds the {available} tokens available")
+    return tokens // chunk_tokens
+
+
+def chunk_rows(
+    array: Any, rows: int, layout: KVLayout, where: str, *, writable: bool
+) -> np.ndarray:
+    """``array`` viewed as ``(len(array), slot_bytes)`` bytes, one chunk per row.
+
+    Accepts ``(n, slot_bytes)`` ``uint8`` or ``(n, *chunk_shape)`` (or any
+    ``(n, ...)`` of the same size) in the layout's dtype, C-contiguous, with
+    ``n >= rows``. Anything else would be copied into whole slots as garbage.
+    """
+    if not isinstance(array, np.ndarray):
+        if writable or not hasattr(array, "__array__"):
+            raise TypeError(
+                f"{where}: expected a numpy array or a chunk copier, got {type(array).__name__}"
+            )
+        array = np.asarray(array)
+    expected = (
+        f"({rows}, {layout.slot_bytes}) uint8 or ({rows}, "
+        f"{', '.join(map(str, layout.chunk_shape))}) {layout.numpy_dtype}, C-contiguous, "
+        "one row per chunk"
+    )
+    row_items = int(np.prod(array.shape[1:])) if array.ndim >= 2 else 0
+    right_dtype = array.dtype in (np.dtype(np.uint8), layout.numpy_dtype)
+    if (
+        array.ndim < 2
+        or array.shape[0] < rows
+        or not right_dtype
+        or row_items * array.dtype.itemsize != layout.slot_bytes
+    ):
+        raise ValueError(f"{where}: shape {array.shape} {array.dtype}; expected {expected}")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{where}: the array is not C-contiguous; expected {expected}")
+    if writable and not array.flags.writeable:
+        raise ValueError(f"{where}: the array is read-only")
+    return array.reshape(array.shape[0], -1).view(np.uint8)

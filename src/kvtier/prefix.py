@@ -1,0 +1,117 @@
+"""``HeldPrefix``: the cached prefix a lookup found, held until released.
+
+    with cache.lookup(tokens) as found:
+        found.num_tokens        # tokens held, whole chunks
+        found.load(out)         # copy them into the engine: nothing can evict them
+
+Its chunks stay pinned in the primary tier until the block ends, the
+holder calls :meth:`HeldPrefix.release`, or the cache closes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.errors import ClosedError
+from kvtier.inputs import chunk_rows, chunks_of
+from kvtier.keys import ChunkKey
+
+if TYPE_CHECKING:
+    from kvtier.facade import KVCache
+
+#: Fills (for stores) or reads (for loads) one chunk: ``fn(chunk_index, slot_bytes_array)``.
+ChunkCopier = Callable[[int, np.ndarray], None]
+
+
+def copy_out(cache: KVCache, slots: Sequence[int], out: np.ndarray | ChunkCopier) -> None:
+    """Copy pinned ``slots``, in order, into ``out``'s rows (or hand them to a copier)."""
+    buffer = cache.manager.primary.buffer
+    if callable(out):
+        for index, slot in enumerate(slots):
+            out(index, buffer.slot(slot))
+        return
+    rows = chunk_rows(out, len(slots), cache.layout, "out", writable=True)
+    for index, slot in enumerate(slots):
+        rows[index] = buffer.slot(slot)
+
+
+class HeldPrefix:
+    """Leading chunks of a token sequence, pinned in the primary tier.
+
+    Made by :meth:`kvtier.KVCache.lookup`. While held, no eviction can take
+    them: :meth:`load` copies exactly :attr:`num_tokens` tokens' chunks.
+    Holding chunks keeps their slots from other uses, so hold briefly.
+    A holder may be used from any thread; release is idempotent.
+    """
+
+    def __init__(
+        self, cache: KVCache, keys: Sequence[ChunkKey], slots: Sequence[int], pending: bool
+    ) -> None:
+        self._cache = cache
+        self._keys = list(keys)
+        self._slots = list(slots)
+        self._released = False
+        # A load and a release of the same holder exclude each other: the
+        # chunks must stay pinned while they are copied.
+        self._lock = threading.Lock()
+        #: Whether more chunks were still on their way when the lookup stopped
+        #: waiting (its timeout ran out): a later lookup may find more.
+        self.pending = pending
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._slots)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held: whole chunks from the start of the sequence."""
+        return len(self._slots) * self._cache.chunk_tokens
+
+    @property
+    def keys(self) -> list[ChunkKey]:
+        return list(self._keys)
+
+    @property
+    def released(self) -> bool:
+        """Released by the holder, or by the cache closing."""
+        return self._released or self._cache.closed
+
+    def load(self, out: np.ndarray | ChunkCopier, num_tokens: int | None = None) -> int:
+        """Copy the first ``num_tokens`` held tokens (default: all) into ``out``.
+
+        ``out`` is an array of at least that many chunk rows (see
+        :meth:`kvtier.KVCache.load`) or a copier called as ``out(index, chunk)``.
+        Asking for more than is held is a ``ValueError``. Returns the tokens loaded.
+        """
+        wanted = self.num_tokens if num_tokens is None else num_tokens
+        chunks = chunks_of(wanted, self._cache.chunk_tokens, self.num_tokens, "num_tokens")
+        with self._cache.lifecycle.running(), self._lock:
+            if self._released:
+                raise ClosedError(
+                    f"this lookup of {self.num_chunks} chunks was released; look up again"
+                )
+            copy_out(self._cache, self._slots[:chunks], out)
+        return chunks * self._cache.chunk_tokens
+
+    def release(self) -> None:
+        """Unpin the chunks. Idempotent; nothing to do once the cache is closed."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            if self._slots:
+                self._cache._unpin(self._keys)
+
+    def __enter__(self) -> HeldPrefix:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"HeldPrefix(num_tokens={self.num_tokens}, pending={self.pending}, {state})"

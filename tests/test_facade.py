@@ -1,0 +1,275 @@
+"""``KVCache``'s API under misuse: every bad input is refused before anything changes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier import KVCache, KVTierError
+from kvtier.errors import ClosedError
+from kvtier.testing import small_layout
+
+LAYOUT = small_layout(chunk_tokens=4, head_dim=16)  # float16
+TOKENS = list(range(40, 56))  # four chunks
+
+
+@pytest.fixture
+def cache() -> Iterator[KVCache]:
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 8 * LAYOUT.slot_bytes,
+        "secondary_tiers": [{"type": "memory"}],
+    }
+    with KVCache(config, LAYOUT) as cache:
+        yield cache
+
+
+@pytest.fixture
+def data() -> np.ndarray:
+    return np.random.default_rng(3).integers(0, 256, (4, LAYOUT.slot_bytes), dtype=np.uint8)
+
+
+def untouched(cache: KVCache) -> bool:
+    """Nothing was stored, nothing cascaded."""
+    tier = cache.manager.tiers[0]
+    cache.drain()
+    return len(cache.manager.primary) == 0 and tier.stats.chunks_stored == 0
+
+
+# store: src is checked against the layout ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "src",
+    [
+        np.zeros((4, LAYOUT.slot_bytes // 2), np.uint8),  # rows too short: broadcast before
+        np.zeros((4, 1), np.uint8),
+        np.zeros((2, LAYOUT.slot_bytes), np.uint8),  # fewer rows than chunks
+        np.zeros(LAYOUT.slot_bytes, np.uint8),  # one flat row
+        np.uint8(7),
+        np.zeros((4, LAYOUT.slot_bytes // 4), np.float32),  # right size, wrong dtype
+        np.zeros((4, *LAYOUT.chunk_shape), np.float32),
+    ],
+    ids=["short-rows", "one-byte-rows", "too-few-rows", "flat", "scalar", "float32", "f32-shape"],
+)
+def test_store_refuses_a_src_of_the_wrong_shape_or_dtype(cache: KVCache, src: Any) -> None:
+    with pytest.raises(ValueError, match=rf"expected \(4, {LAYOUT.slot_bytes}\) uint8"):
+        cache.store(TOKENS, src)
+    assert untouched(cache)
+
+
+def test_store_refuses_a_src_that_is_not_contiguous(cache: KVCache) -> None:
+    strided = np.zeros((4, 2 * LAYOUT.slot_bytes), np.uint8)[:, ::2]
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        cache.store(TOKENS, strided)
+    with pytest.raises(TypeError, match="numpy array or a chunk copier"):
+        cache.store(TOKENS, "bytes")
+    assert untouched(cache)
+
+
+def test_store_takes_rows_of_bytes_or_of_the_layout_shape_and_dtype(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    typed = data.view(np.float16).reshape(4, *LAYOUT.chunk_shape)
+    assert cache.store(TOKENS, typed) == 4
+    out = np.zeros((4, *LAYOUT.chunk_shape), np.float16)
+    assert cache.load(TOKENS, 16, out) == 16
+    np.testing.assert_array_equal(out.view(np.uint8).reshape(4, -1), data)
+
+
+# load: never more than was there, never past the tokens given ----------------
+
+
+def test_load_past_the_cached_prefix_returns_what_it_loaded(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    cache.store(TOKENS[:8], data[:2])
+    out = np.zeros_like(data)
+    assert cache.load(TOKENS, 16, out) == 8
+    np.testing.assert_array_equal(out[:2], data[:2])
+    assert not out[2:].any()
+    fresh = np.zeros_like(data)
+    assert cache.load(list(range(500, 516)), 16, fresh) == 0  # never cached at all
+    assert not fresh.any()
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "error", "message"),
+    [
+        (20, ValueError, "exceeds the 16 tokens"),
+        (6, ValueError, "not a multiple of chunk_tokens=4"),
+        (-4, ValueError, ">= 0"),
+        (8.0, TypeError, "must be an int"),
+        (True, TypeError, "must be an int"),
+    ],
+)
+def test_load_refuses_a_bad_num_tokens(
+    cache: KVCache, data: np.ndarray, num_tokens: Any, error: type[Exception], message: str
+) -> None:
+    cache.store(TOKENS, data)
+    with pytest.raises(error, match=message):
+        cache.load(TOKENS, num_tokens, np.zeros_like(data))
+    with pytest.raises(ValueError, match="exceeds the 16 tokens"):
+        cache.load([*TOKENS, 1, 2, 3], 20, np.zeros((5, LAYOUT.slot_bytes), np.uint8))
+
+
+def test_load_refuses_an_out_it_could_not_fill(cache: KVCache, data: np.ndarray) -> None:
+    cache.store(TOKENS, data)
+    read_only = np.zeros_like(data)
+    read_only.flags.writeable = False
+    for out, message in [
+        (np.zeros((3, LAYOUT.slot_bytes), np.uint8), "expected"),
+        (np.zeros((4, LAYOUT.slot_bytes // 2), np.float32), "expected"),
+        (np.zeros((4, 2 * LAYOUT.slot_bytes), np.uint8)[:, ::2], "not C-contiguous"),
+        (read_only, "read-only"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cache.load(TOKENS, 16, out)
+    cache.drain()
+    assert cache.manager.primary.busy_counts()["pinned"] == 0
+
+
+def test_a_held_lookup_loads_at_most_what_it_holds(cache: KVCache, data: np.ndarray) -> None:
+    cache.store(TOKENS[:8], data[:2])
+    with cache.lookup(TOKENS) as found:
+        assert (found.num_tokens, found.num_chunks, found.pending) == (8, 2, False)
+        with pytest.raises(ValueError, match="exceeds the 8 tokens"):
+            found.load(np.zeros_like(data), 16)
+        out = np.zeros_like(data)
+        assert found.load(out, 4) == 4
+        np.testing.assert_array_equal(out[0], data[0])
+        assert not out[1:].any()
+    assert found.released
+    with pytest.raises(ClosedError, match="released"):
+        found.load(out)
+
+
+# close: every later call raises one clear error ------------------------------
+
+CALLS: dict[str, Callable[[KVCache], object]] = {
+    "lookup": lambda c: c.lookup(TOKENS),
+    "cached_prefix": lambda c: c.cached_prefix(TOKENS),
+    "load": lambda c: c.load(TOKENS, 16, np.zeros((4, LAYOUT.slot_bytes), np.uint8)),
+    "store": lambda c: c.store(TOKENS, np.zeros((4, LAYOUT.slot_bytes), np.uint8)),
+    "keys": lambda c: c.keys(TOKENS),
+    "step": lambda c: c.step(),
+    "drain": lambda c: c.drain(),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_every_call_after_close_raises_closed_error(call: str, data: np.ndarray) -> None:
+    cache = KVCache({"chunk_tokens": 4, "cpu_bytes_to_use": 8 * LAYOUT.slot_bytes}, LAYOUT)
+    cache.store(TOKENS, data)
+    held = cache.lookup(TOKENS)
+    cache.close()
+    with pytest.raises(ClosedError, match="KVCache is closed") as raised:
+        CALLS[call](cache)
+    assert isinstance(raised.value, KVTierError)
+    with pytest.raises(ClosedError, match="KVCache is closed"):
+        held.load(np.zeros_like(data))
+    held.release()  # the chunks went with the cache: nothing to do, no error
+    cache.close()  # idempotent
+
+
+# token ids and counts are validated, never truncated -------------------------
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [1.2] * 16,
+        [1.0] * 16,
+        [*range(15), 2.5],
+        np.full(16, 1.2),
+        [True] * 16,
+        [*range(15), True],
+        np.ones(16, dtype=bool),
+        [[1] * 16],
+        "abcdefghijklmnop",
+        [None] * 16,
+    ],
+    ids=[
+        "floats",
+        "integral-floats",
+        "one-float",
+        "float-array",
+        "bools",
+        "one-bool",
+        "bool-array",
+        "2-d",
+        "str",
+        "none",
+    ],
+)
+def test_token_ids_that_are_not_integers_are_refused(
+    cache: KVCache, data: np.ndarray, tokens: Any
+) -> None:
+    for call in (
+        lambda: cache.store(tokens, data),
+        lambda: cache.keys(tokens),
+        lambda: cache.cached_prefix(tokens),
+        lambda: cache.load(tokens, 16, np.zeros_like(data)),
+    ):
+        with pytest.raises((TypeError, ValueError), match=r"tokens|1-D"):
+            call()
+    assert untouched(cache)
+
+
+def test_integer_arrays_of_any_width_give_the_keys_of_the_same_list(cache: KVCache) -> None:
+    torch = pytest.importorskip("torch")
+    expected = cache.keys(TOKENS)
+    for tokens in (
+        np.array(TOKENS, dtype=np.int32),
+        np.array(TOKENS, dtype=np.uint16),
+        [np.int64(t) for t in TOKENS],
+        tuple(TOKENS),
+        torch.tensor(TOKENS),
+        torch.tensor(TOKENS, dtype=torch.int32),
+    ):
+        assert cache.keys(tokens) == expected
+    assert cache.keys([1] * 16) != cache.keys([2] * 16)
+
+
+@pytest.mark.parametrize(
+    ("num_chunks", "error", "message"),
+    [
+        (-1, ValueError, ">= 0"),
+        (5, ValueError, "exceeds the 4 full chunks"),
+        (True, TypeError, "must be an int"),
+        (2.0, TypeError, "must be an int"),
+    ],
+)
+def test_store_refuses_a_bad_num_chunks(
+    cache: KVCache, data: np.ndarray, num_chunks: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        cache.store(TOKENS, data, num_chunks=num_chunks)
+    assert untouched(cache)
+
+
+def test_store_num_chunks_stores_exactly_the_leading_chunks(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    assert cache.store(TOKENS, data, num_chunks=0) == 0
+    assert cache.store(TOKENS, data[:2], num_chunks=2) == 2
+    assert cache.cached_prefix(TOKENS) == 8
+
+
+def test_close_from_inside_a_copy_is_refused_instead_of_waiting_for_itself(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    cache.store(TOKENS, data)
+
+    def closing_copier(index: int, chunk: np.ndarray) -> None:
+        cache.close()
+
+    with pytest.raises(KVTierError, match="from inside one of its own calls"):
+        cache.load(TOKENS, 4, closing_copier)
+    assert not cache.closed
+    assert cache.cached_prefix(TOKENS) == 16  # nothing was left pinned or half-closed
+    cache.drain()
+    assert cache.manager.primary.busy_counts()["pinned"] == 0
