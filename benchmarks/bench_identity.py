@@ -20,6 +20,7 @@ import shutil
 import statistics
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvtier.identity import weights
@@ -33,7 +34,9 @@ PRESETS = {
 }
 
 
-def tensors(layers: int, hidden: int, inter: int, kv: int, head: int, vocab: int, experts: int):
+def tensors(
+    layers: int, hidden: int, inter: int, kv: int, head: int, vocab: int, experts: int
+) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every weight of a Llama-like (or MoE) decoder, bf16."""
     yield "model.embed_tokens.weight", (vocab, hidden)
     for layer in range(layers):

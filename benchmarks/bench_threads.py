@@ -29,7 +29,7 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -67,7 +67,7 @@ def chunk_bytes(key: bytes, slot_bytes: int) -> np.ndarray:
     return row
 
 
-def filler(keys: list[bytes], slot_bytes: int) -> Callable[[int, np.ndarray], None]:
+def filler(keys: Sequence[bytes], slot_bytes: int) -> Callable[[int, np.ndarray], None]:
     def fill(index: int, slot: np.ndarray) -> None:
         slot[:] = chunk_bytes(keys[index], slot_bytes)
 

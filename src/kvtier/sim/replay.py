@@ -36,8 +36,8 @@ class CellResult:
 class PrimaryReplay:
     """Drives a policy with exactly the calls ``KVCache`` makes on a primary tier alone.
 
-    Per request: ``cached_prefix`` touches the leading resident chunks,
-    ``load`` touches them again, and ``store`` evicts what the chunks it lacks
+    Per request: ``cached_prefix`` touches the leading resident chunks once
+    (``load`` pins them without another touch), and ``store`` evicts what the chunks it lacks
     need (never a chunk of the request itself), then inserts them in order.
     A test replays traces through a real ``KVCache`` to hold this to it.
     """
@@ -58,8 +58,7 @@ class PrimaryReplay:
             hits += 1
         if hits:
             leading = keys[:hits]
-            policy.touch(leading)  # lookup
-            policy.touch(leading)  # load
+            policy.touch(leading)  # the lookup; a load pins without touching
         stored = keys[: self.slots]
         new = [key for key in dict.fromkeys(stored) if key not in resident]
         shortfall = len(resident) + len(new) - self.slots
