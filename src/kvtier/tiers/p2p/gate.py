@@ -40,8 +40,8 @@ _TLS_RECORD_HANDSHAKE = 0x16
 
 
 class Stage(enum.Enum):
-    TLS = "the TLS handshake"
-    HELLO = "sending HELLO"
+    TLS = "TLS handshake"
+    HELLO = "HELLO"
     AUTH = "authentication"
 
 
@@ -210,7 +210,11 @@ class HandshakeGate:
                         self._advance(key.data)
                 now = self._clock()
                 for late in self.budget.expired(now):
-                    self._end(late, "timed_out", f"no {late.stage.value} within {self._timeout}s")
+                    self._end(
+                        late,
+                        "timed_out",
+                        f"handshake not done within {self._timeout}s (stuck in {late.stage.value})",
+                    )
                 if self._accept_paused_until is not None and now >= self._accept_paused_until:
                     self._accept_paused_until = None
                     self._selector.register(self._listener, selectors.EVENT_READ, None)
