@@ -1,0 +1,73 @@
+"""Starvation attacks on a node with default settings: an honest peer still gets its chunks.
+
+The honest peer opens a fresh connection for every fetch, so each one has to
+get through the handshake budget while the attack runs. Loops are bounded by
+counts, never by time; the attack is known to be under way (the node has
+logged its effect) before the honest fetches start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvtier.errors import KVTierError
+from kvtier.integrity import HEADER_BYTES
+from kvtier.tiers.p2p import protocol
+from kvtier.tiers.p2p.protocol import MessageType
+from tests.p2p.attackers import Slowloris, Trickler
+from tests.p2p.p2p_nodes import PeerProcess, authenticate, connect, spawner, wait_until
+
+HONEST_FETCHES = 40
+
+
+@pytest.fixture(scope="module")
+def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerProcess]:
+    spawn, started = spawner(tmp_path_factory.mktemp("attacks"))
+    try:
+        yield spawn("V", seed=31, chunks=2, chunk_kib=16)
+    finally:
+        for peer in started:
+            peer.stop()
+
+
+def honest_fetch(peer: PeerProcess, index: int) -> bool:
+    """One chunk over a new connection; whether it arrived whole and right."""
+    chunk = index % len(peer.keys)
+    try:
+        with connect(peer) as sock:
+            authenticate(sock)
+            protocol.send_message(sock, MessageType.FETCH, peer.keys[chunk])
+            length = protocol.chunk_length(peer.layout.slot_bytes)
+            frame = protocol.read_frame(sock, {MessageType.CHUNK: (length, length)})
+            body = protocol.recv_exact(sock, frame.length)
+    except (OSError, KVTierError):
+        return False
+    return body[HEADER_BYTES:] == peer.data[chunk].tobytes()
+
+
+def honest_share(peer: PeerProcess) -> float:
+    return sum(honest_fetch(peer, i) for i in range(HONEST_FETCHES)) / HONEST_FETCHES
+
+
+def test_silent_connections_do_not_starve_an_honest_peer(victim: PeerProcess) -> None:
+    # More silent connections than one source may keep in its handshake; each
+    # is reopened as soon as the node drops it.
+    with Slowloris(victim, count=200, source="127.0.0.2") as attack:
+        wait_until(lambda: "displaced by a newer connection" in victim.log(), "the attack to bite")
+        share = honest_share(victim)
+        assert attack.closed_by_node > 0
+    assert share >= 0.95
+    assert victim.alive()
+
+
+def test_trickled_handshakes_do_not_starve_an_honest_peer(victim: PeerProcess) -> None:
+    # A valid AUTH, one byte per 0.2 s: far slower than the 1 s handshake deadline allows.
+    with Trickler(victim, count=64, source="127.0.0.3") as attack:
+        wait_until(lambda: "stuck in authentication" in victim.log(), "the attack to bite")
+        share = honest_share(victim)
+        assert attack.closed_by_node > 0
+    assert share >= 0.95
+    assert attack.welcomed == 0  # no trickled handshake got through
+    assert victim.alive()
