@@ -144,11 +144,13 @@ def read_to_end_or(sock: socket.socket, size: int) -> bytes:
 
 def test_an_idle_session_gives_way_to_a_newcomer() -> None:
     with served(max_connections=1) as node:
-        with node.connect() as first, node.connect() as second:
+        with node.connect() as first:
             authenticate(first)
-            authenticate(second)  # the budget is full, but first sits idle
-            assert read_to_end(first) == b""
-            fetch_header(second, node.key)
+            wait_until(lambda: node.server.idle_connections == 1, "first to wait for requests")
+            with node.connect() as second:
+                authenticate(second)  # the budget is full, but first sits idle
+                assert read_to_end(first) == b""
+                fetch_header(second, node.key)
         assert node.server.counters.idle_closed == 1
         assert node.server.counters.refused == 0
 

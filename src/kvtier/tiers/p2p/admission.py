@@ -125,6 +125,11 @@ class SessionBudget(Generic[C]):
         self._idle_since[conn] = None
         return True, displaced
 
+    @property
+    def idle_count(self) -> int:
+        """Sessions waiting for their peer's next request."""
+        return sum(since is not None for since in self._idle_since.values())
+
     def idle(self, conn: C, now: float) -> None:
         if conn in self._idle_since:
             self._idle_since[conn] = now

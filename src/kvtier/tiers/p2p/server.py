@@ -143,6 +143,12 @@ class PeerServer:
         return len(self._sessions)
 
     @property
+    def idle_connections(self) -> int:
+        """Authenticated connections waiting for their peer's next request."""
+        with self._lock:
+            return self._sessions.idle_count
+
+    @property
     def open_handshakes(self) -> int:
         """Connections accepted and not authenticated yet."""
         return len(self._gate.budget)
