@@ -7,13 +7,17 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
+import pytest
 
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.primary import PrimaryTier, SlotBuffer
+from kvtier.tiers.p2p import client as client_module
 from kvtier.tiers.p2p import protocol
+from kvtier.tiers.p2p.client import PeerClient
 from kvtier.tiers.p2p.protocol import MessageType
 from kvtier.tiers.p2p.server import PeerServer
 from tests.p2p.p2p_nodes import SAFETY_S, SECRET, authenticate, layout_of, read_to_end, wait_until
@@ -243,3 +247,51 @@ def test_close_cuts_idle_connections_and_returns() -> None:
     node.close()  # would hang if it waited for the idle connection to end by itself
     assert read_to_end(sock) == b""
     sock.close()
+
+
+def peer_client(node: Served, **options: Any) -> PeerClient:
+    settings: dict[str, Any] = {
+        "secret": SECRET.encode(),
+        "namespace": node.layout.namespace,
+        "slot_bytes": node.layout.slot_bytes,
+        "connect_timeout": SAFETY_S,
+        "request_timeout": SAFETY_S,
+        "retry_after": 3600.0,
+        "max_message_bytes": 4096,
+        **options,
+    }
+    return PeerClient(node.server.address, **settings)
+
+
+def test_a_request_on_a_connection_the_peer_closed_is_repeated_on_a_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with served(idle_timeout=0.2) as node:
+        client = peer_client(node, idle_timeout=3600.0)
+        try:
+            assert client.query([node.key, node.other]) == [True, False]
+            wait_until(lambda: node.server.counters.idle_closed == 1, "the idle close")
+            # The close may reach the client just after its staleness check: skip the check.
+            monkeypatch.setattr(client_module.select, "select", lambda *args: ([], [], []))
+            assert client.query([node.key]) == [True]
+            assert client.counters.as_dict() == {"connects": 2, "idle_closed": 0, "reconnects": 1}
+            assert client.available()  # not counted as a failure of the peer
+        finally:
+            client.close()
+
+
+def test_a_client_closes_connections_unused_for_half_the_idle_timeout() -> None:
+    now = [0.0]
+    with served() as node:
+        client = peer_client(node, idle_timeout=10.0, clock=lambda: now[0])
+        try:
+            assert client.query([node.key]) == [True]
+            now[0] = 4.9
+            assert client.query([node.key]) == [True]  # reused
+            assert client.counters.connects == 1
+            now[0] = 10.0
+            assert client.query([node.key]) == [True]
+            assert client.counters.as_dict() == {"connects": 2, "idle_closed": 1, "reconnects": 0}
+            wait_until(lambda: node.server.open_connections == 1, "the server to see the close")
+        finally:
+            client.close()

@@ -296,6 +296,6 @@ class HandshakeGate:
 
     def _end(self, handshake: Handshake, outcome: str, reason: str) -> None:
         self._forget(handshake)
+        self._counters.add(**{outcome: 1})  # before the peer can see the close
         handshake.sock.close()
-        self._counters.add(**{outcome: 1})
         self._warnings.warning(outcome, "peer service: refused %s: %s", handshake.name, reason)
