@@ -85,13 +85,20 @@ def test_twenty_nodes_each_fetch_everything_from_every_other(tmp_path: Path) -> 
     for report in reports:
         fetched = report["fetched"]
         assert len(fetched) == NODES - 1
-        assert all(count == CHUNKS for count in fetched.values()), report
-    for counters in served:
-        # Nobody was turned away, timed out, or dropped along the way.
-        assert counters["refused"] == counters["timed_out"] == counters["dropped"] == 0, counters
+        assert all(count == CHUNKS for count in fetched.values()), (
+            report,
+            (tmp_path / f"node{report['index']}.log").read_text(),
+        )
+    for node, counters in zip(nodes, served, strict=True):
+        assert counters["dropped"] == 0, counters
         assert counters["chunks_served"] >= (NODES - 1) * CHUNKS
+        # No budget turned anyone away. (On a loaded machine a handshake may
+        # still miss its deadline: the client then tries again.)
+        log = node.log_path.read_text()
+        assert "displaced by a newer connection" not in log
+        assert "authenticated connections are busy" not in log
     # Connections were reused: fewer were opened than requests were answered.
-    connects = sum(report["fetcher"]["client"]["connects"] for report in reports)
+    connects = sum(report["fetcher"]["client_connects"] for report in reports)
     requests = sum(counters["chunks_served"] + counters["queries"] for counters in served)
     assert connects < requests
     assert all(node.process.returncode == 0 for node in nodes)

@@ -33,6 +33,13 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: Handshakes tried per new connection when one is cut short (see ``_connect``).
+CONNECT_ATTEMPTS = 3
+
+
+class _HandshakeCut(PeerAuthError):
+    """The peer closed the connection before WELCOME: a wrong secret, no room, or its deadline."""
+
 
 class PeerClient:
     """Connections to one peer, opened on demand and reused."""
@@ -193,6 +200,24 @@ class PeerClient:
         return stale
 
     def _connect(self) -> socket.socket:
+        """A new authenticated connection; a handshake cut short is tried again.
+
+        On a loaded machine a handshake can miss its deadline on either side;
+        that is worth another try, up to :data:`CONNECT_ATTEMPTS` in all. A
+        refusal that says something definite (nothing listens, another
+        layout, a TLS or proof failure) is not.
+        """
+        attempt = 1
+        while True:
+            try:
+                return self._connect_once()
+            except (OSError, PeerProtocolError) as exc:
+                if attempt == CONNECT_ATTEMPTS or not _cut_short(exc):
+                    raise
+                attempt += 1
+                logger.debug("p2p: handshake with %s cut short (%r); trying again", self.name, exc)
+
+    def _connect_once(self) -> socket.socket:
         deadline = time.monotonic() + self._connect_timeout
         sock = socket.create_connection(self.address, timeout=self._connect_timeout)
         try:
@@ -234,9 +259,9 @@ class PeerClient:
         except ConnectionError as exc:
             if isinstance(exc, PeerProtocolError):
                 raise
-            raise PeerAuthError(
+            raise _HandshakeCut(
                 "peer closed the connection during authentication (do the secrets differ, "
-                "or is the peer at its connection limit?)"
+                "is the peer at its connection limit, or too loaded to answer in time?)"
             ) from None
         protocol.check_server_proof(self._secret, hello_body, nonce, welcome)
 
@@ -252,3 +277,12 @@ def _closed_by_peer(exc: BaseException) -> bool:
     if isinstance(exc, PeerProtocolError):
         return False
     return isinstance(exc, (ConnectionError, ssl.SSLEOFError))
+
+
+def _cut_short(exc: BaseException) -> bool:
+    """Whether a failed handshake may just have been too slow (worth another try)."""
+    if isinstance(exc, (_HandshakeCut, TimeoutError, ssl.SSLEOFError)):
+        return True
+    return isinstance(exc, ConnectionError) and not isinstance(
+        exc, (PeerProtocolError, ConnectionRefusedError)
+    )

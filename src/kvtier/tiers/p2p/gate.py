@@ -244,7 +244,12 @@ class HandshakeGate:
                 self._selector.unregister(self._listener)
                 self._accept_paused_until = self._clock() + _ACCEPT_PAUSE_S
                 return
-            self._start(sock, address)
+            try:
+                self._start(sock, address)
+            except OSError as exc:  # reset before its handshake began
+                sock.close()
+                self._counters.add(refused=1)
+                logger.debug("peer service: connection from %s lost at once: %r", address, exc)
 
     def _start(self, sock: socket.socket, address: tuple[str, int]) -> None:
         sock.setblocking(False)
@@ -276,6 +281,10 @@ class HandshakeGate:
             return
         except OSError:
             self._end(handshake, "refused", "closed before authenticating")
+            return
+        except Exception:  # a bug must cost one connection, never the whole service
+            logger.exception("peer service: handshake with %s failed", handshake.name)
+            self._end(handshake, "refused", "internal error")
             return
         if step is Step.VERIFIED:
             self._forget(handshake)

@@ -215,7 +215,15 @@ class PeerServer:
                 target=self._serve_session, args=(session,), name="kvtier-p2p-session", daemon=True
             )
             self._threads[session] = thread
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as exc:  # out of threads: refuse this one, keep serving the rest
+            with self._lock:
+                self._sessions.remove(session)
+                del self._threads[session]
+            self.counters.add(refused=1)
+            self._warnings.warning("no thread", "peer service: refused %s: %s", name, exc)
+            return False
         return True
 
     def _serve_session(self, session: _Session) -> None:

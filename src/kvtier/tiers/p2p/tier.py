@@ -37,7 +37,7 @@ from kvtier.errors import CorruptChunkError, KVTierError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, JobResult, TierMetric, TierOptions, TransferJob
 from kvtier.tiers.p2p import protocol
-from kvtier.tiers.p2p.client import PeerClient
+from kvtier.tiers.p2p.client import CONNECT_ATTEMPTS, PeerClient
 from kvtier.tiers.p2p.counters import ClientCounters
 from kvtier.tiers.p2p.flow import ByteBudget
 from kvtier.tiers.p2p.server import PeerServer
@@ -67,7 +67,8 @@ class PeerTierOptions(ThreadedTierOptions):
     """``host:port`` of every peer to fetch from."""
 
     connect_timeout_s: float = Field(default=1.0, gt=0, le=300)
-    """Seconds to connect to a peer: TCP, TLS and authentication, all together."""
+    """Seconds to connect to a peer: TCP, TLS and authentication, all together.
+    A handshake that times out or is cut short is tried again, three times in all."""
 
     handshake_timeout_s: float = Field(default=1.0, gt=0, le=300)
     """Seconds an incoming connection has, from its accept, to finish TLS and
@@ -76,7 +77,8 @@ class PeerTierOptions(ThreadedTierOptions):
     request_timeout_s: float = Field(default=5.0, gt=0, le=3600)
     """Seconds a peer may stay silent while answering a request (and the peer
     service's limit for receiving a whole request); a lookup gives all peers
-    together connect + request timeout."""
+    together 3 × connect (a handshake cut short is tried again, three times
+    in all) + request timeout."""
 
     idle_timeout_s: float = Field(default=60.0, gt=0, le=86400)
     """The peer service closes an authenticated connection idle this long;
@@ -319,9 +321,8 @@ class PeerTier(ThreadedTier):
         if not live or not keys:
             return holders
         futures = {self._fanout.submit(client.query, keys): client for client in live}
-        done, _ = wait(
-            futures, timeout=self._settings.connect_timeout_s + self._settings.request_timeout_s
-        )
+        connecting = CONNECT_ATTEMPTS * self._settings.connect_timeout_s
+        done, _ = wait(futures, timeout=connecting + self._settings.request_timeout_s)
         for future in done:
             if future.exception() is not None:
                 continue  # the client logged it and sits the peer out
@@ -473,7 +474,7 @@ class PeerTier(ThreadedTier):
             "peers": list(self._settings.peers),
             "peers_reachable": sum(client.available() for client in self._clients),
             "tls": self._settings.tls,
-            "client": self._client_counters.as_dict(),
+            **{f"client_{name}": n for name, n in self._client_counters.as_dict().items()},
         }
         if self._server is not None:
             facts.update(self._server.counters.as_dict())
