@@ -1,7 +1,8 @@
 """Starvation attacks on a node with default settings: an honest peer still gets its chunks.
 
-The honest peer opens a fresh connection for every fetch, so each one has to
-get through the handshake budget while the attack runs. Loops are bounded by
+The honest peer is a kvtier client (default timeouts) made anew for every
+fetch, so each fetch has to get a new connection through the handshake
+budget while the attack runs. Loops are bounded by
 counts, never by time; the attack is known to be under way (the node has
 logged its effect) before the honest fetches start.
 """
@@ -10,14 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from kvtier.errors import KVTierError
-from kvtier.integrity import HEADER_BYTES
-from kvtier.tiers.p2p import protocol
-from kvtier.tiers.p2p.protocol import MessageType
+from kvtier.tiers.p2p.client import PeerClient
 from tests.p2p.attackers import Slowloris, Trickler
-from tests.p2p.p2p_nodes import PeerProcess, authenticate, connect, spawner, wait_until
+from tests.p2p.p2p_nodes import SECRET, PeerProcess, spawner, wait_until
 
 HONEST_FETCHES = 40
 
@@ -33,18 +33,26 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerProcess]:
 
 
 def honest_fetch(peer: PeerProcess, index: int) -> bool:
-    """One chunk over a new connection; whether it arrived whole and right."""
+    """One chunk through a new kvtier client (default timeouts), so over a new connection."""
     chunk = index % len(peer.keys)
+    client = PeerClient(
+        (peer.host, peer.port),
+        secret=SECRET.encode(),
+        namespace=peer.layout.namespace,
+        slot_bytes=peer.layout.slot_bytes,
+        connect_timeout=1.0,
+        request_timeout=5.0,
+        retry_after=0.0,
+        max_message_bytes=64 << 10,
+    )
+    out = np.zeros(peer.layout.slot_bytes, dtype=np.uint8)
     try:
-        with connect(peer) as sock:
-            authenticate(sock)
-            protocol.send_message(sock, MessageType.FETCH, peer.keys[chunk])
-            length = protocol.chunk_length(peer.layout.slot_bytes)
-            frame = protocol.read_frame(sock, {MessageType.CHUNK: (length, length)})
-            body = protocol.recv_exact(sock, frame.length)
+        fetched = client.fetch_into(peer.keys[chunk], memoryview(out))
     except (OSError, KVTierError):
         return False
-    return body[HEADER_BYTES:] == peer.data[chunk].tobytes()
+    finally:
+        client.close()
+    return fetched and client.counters.connects == 1 and np.array_equal(out, peer.data[chunk])
 
 
 def honest_share(peer: PeerProcess) -> float:
