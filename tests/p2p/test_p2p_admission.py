@@ -6,6 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvtier.config import load_config
+from kvtier.errors import ConfigError
+from kvtier.tiers.p2p import PeerTierOptions
 from kvtier.tiers.p2p.admission import HandshakeBudget, SessionBudget
 
 
@@ -78,3 +81,17 @@ def test_a_full_session_budget_takes_the_longest_idle_place() -> None:
     assert budget.add("fourth") == (False, None)
     budget.remove("third")
     assert budget.add("fourth") == (True, None)
+
+
+def test_the_per_source_limit_defaults_to_half_the_handshake_budget() -> None:
+    def options(**entry: object) -> PeerTierOptions:
+        config = load_config({"secondary_tiers": [{"type": "p2p", "secret": "x" * 16, **entry}]})
+        options = config.secondary_tiers[0].options
+        assert isinstance(options, PeerTierOptions)
+        return options
+
+    assert options().handshakes_per_source == 128
+    assert options(max_handshakes=10).handshakes_per_source == 5
+    assert options(max_handshakes=10, max_handshakes_per_source=10).handshakes_per_source == 10
+    with pytest.raises(ConfigError, match=r"max_handshakes_per_source \(11\) exceeds"):
+        options(max_handshakes=10, max_handshakes_per_source=11)

@@ -104,9 +104,10 @@ class PeerTierOptions(ThreadedTierOptions):
     """Incoming connections still in their handshake, all sources together
     (no thread each); beyond it, the oldest of the source holding most is closed."""
 
-    max_handshakes_per_source: int = Field(default=128, ge=1, le=65536)
+    max_handshakes_per_source: int | None = Field(default=None, ge=1, le=65536)
     """Incoming connections in their handshake from one IP address; beyond
-    it, that address's oldest is closed. At most ``max_handshakes``."""
+    it, that address's oldest is closed. At most ``max_handshakes``;
+    ``null``: half of it (128 by default)."""
 
     max_send_rate: ByteSize | None = Field(default=None, gt=0)
     """Bytes per second the peer service sends, all connections together; ``null``: no cap."""
@@ -159,7 +160,7 @@ class PeerTierOptions(ThreadedTierOptions):
 
     @model_validator(mode="after")
     def _check_limits_and_tls(self) -> PeerTierOptions:
-        if self.max_handshakes_per_source > self.max_handshakes:
+        if self.handshakes_per_source > self.max_handshakes:
             raise ValueError(
                 f"max_handshakes_per_source ({self.max_handshakes_per_source}) exceeds "
                 f"max_handshakes ({self.max_handshakes})"
@@ -185,6 +186,13 @@ class PeerTierOptions(ThreadedTierOptions):
         except (ssl.SSLError, OSError, ValueError) as exc:
             raise ValueError(f"cannot load the TLS files: {exc}") from None
         return self
+
+    @property
+    def handshakes_per_source(self) -> int:
+        """``max_handshakes_per_source``, its default resolved."""
+        if self.max_handshakes_per_source is not None:
+            return self.max_handshakes_per_source
+        return max(1, self.max_handshakes // 2)
 
     def tls_settings(self) -> TLSSettings | None:
         """The TLS part of these options; ``None`` without ``tls``."""
@@ -264,7 +272,7 @@ class PeerTier(ThreadedTier):
             max_inflight_bytes=int(self._settings.max_inflight_bytes),
             max_connections=self._settings.max_connections,
             max_handshakes=self._settings.max_handshakes,
-            max_handshakes_per_source=self._settings.max_handshakes_per_source,
+            max_handshakes_per_source=self._settings.handshakes_per_source,
             max_send_rate=float(self._settings.max_send_rate or 0) or None,
             tls=self._server_tls,
         )
