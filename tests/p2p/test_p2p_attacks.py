@@ -9,6 +9,7 @@ logged its effect) before the honest fetches start.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -66,6 +67,20 @@ def test_silent_connections_do_not_starve_an_honest_peer(victim: PeerProcess) ->
         wait_until(lambda: "displaced by a newer connection" in victim.log(), "the attack to bite")
         share = honest_share(victim)
         assert attack.closed_by_node > 0
+    assert share >= 0.95
+    assert victim.alive()
+
+
+def test_silent_connections_from_many_sources_do_not_starve_an_honest_peer(
+    victim: PeerProcess,
+) -> None:
+    # 4 x 100 silent connections: more than the whole handshake budget (256).
+    sources = [f"127.0.0.{i}" for i in range(4, 8)]
+    with contextlib.ExitStack() as stack:
+        attacks = [stack.enter_context(Slowloris(victim, 100, source)) for source in sources]
+        wait_until(lambda: "256 in all" in victim.log(), "the budget to fill")
+        share = honest_share(victim)
+        assert sum(attack.closed_by_node for attack in attacks) > 0
     assert share >= 0.95
     assert victim.alive()
 
