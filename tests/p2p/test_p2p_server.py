@@ -5,75 +5,23 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
-import numpy as np
 import pytest
 
-from kvtier.keys import ChunkKey, chunk_keys
-from kvtier.policies.lru import LRUCachePolicy
-from kvtier.primary import PrimaryTier, SlotBuffer
+from kvtier.keys import ChunkKey
 from kvtier.tiers.p2p import client as client_module
 from kvtier.tiers.p2p import protocol
-from kvtier.tiers.p2p.client import PeerClient
 from kvtier.tiers.p2p.protocol import MessageType
-from kvtier.tiers.p2p.server import PeerServer
-from tests.p2p.p2p_nodes import SAFETY_S, SECRET, authenticate, layout_of, read_to_end, wait_until
-
-
-class Served:
-    """A primary tier of ``slots`` slots holding one chunk, and a service over it."""
-
-    def __init__(self, chunk_kib: int, slots: int, **server_options: object) -> None:
-        self.layout = layout_of(chunk_kib)
-        self.buffer = SlotBuffer(slots, self.layout.slot_bytes)
-        self.primary = PrimaryTier(self.buffer, LRUCachePolicy(slots))
-        tokens = np.arange(self.layout.chunk_tokens * 2)
-        self.key, self.other = chunk_keys(self.layout.namespace, tokens, self.layout.chunk_tokens)
-        reserved = self.primary.prepare_store([self.key])
-        assert reserved is not None
-        self.buffer.array[reserved[self.key]] = np.arange(self.layout.slot_bytes) % 253
-        self.primary.complete_store([self.key])
-        self._flat = self.buffer.view.cast("B")
-        size = self.layout.slot_bytes
-        options: dict[str, object] = {
-            "handshake_timeout": SAFETY_S,
-            "request_timeout": SAFETY_S,
-            "max_message_bytes": 4096,
-            "max_inflight_bytes": 64 << 20,
-            "max_connections": 8,
-            **server_options,
-        }
-        self.server = PeerServer(
-            address=("127.0.0.1", 0),
-            slot_view=lambda i: self._flat[i * size : (i + 1) * size],
-            slot_bytes=size,
-            namespace=self.layout.namespace,
-            secret=SECRET.encode(),
-            **options,  # type: ignore[arg-type]
-        )
-        self.server.start(self.primary)
-
-    def connect(self) -> socket.socket:
-        sock = socket.create_connection(self.server.address, timeout=SAFETY_S)
-        sock.settimeout(SAFETY_S)
-        return sock
-
-    def close(self) -> None:
-        self.server.close()
-        self._flat.release()
-        self.buffer.close()
-
-
-@contextmanager
-def served(chunk_kib: int = 64, slots: int = 2, **options: object) -> Iterator[Served]:
-    node = Served(chunk_kib, slots, **options)
-    try:
-        yield node
-    finally:
-        node.close()
+from tests.p2p.p2p_nodes import (
+    SAFETY_S,
+    SECRET,
+    Served,
+    authenticate,
+    peer_client,
+    read_to_end,
+    served,
+    wait_until,
+)
 
 
 def fetch_header(sock: socket.socket, key: ChunkKey) -> protocol.Frame:
@@ -247,20 +195,6 @@ def test_close_cuts_idle_connections_and_returns() -> None:
     node.close()  # would hang if it waited for the idle connection to end by itself
     assert read_to_end(sock) == b""
     sock.close()
-
-
-def peer_client(node: Served, **options: Any) -> PeerClient:
-    settings: dict[str, Any] = {
-        "secret": SECRET.encode(),
-        "namespace": node.layout.namespace,
-        "slot_bytes": node.layout.slot_bytes,
-        "connect_timeout": SAFETY_S,
-        "request_timeout": SAFETY_S,
-        "retry_after": 3600.0,
-        "max_message_bytes": 4096,
-        **options,
-    }
-    return PeerClient(node.server.address, **settings)
 
 
 def test_a_request_on_a_connection_the_peer_closed_is_repeated_on_a_new_one(

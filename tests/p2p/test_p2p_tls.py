@@ -11,6 +11,7 @@ import pytest
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
+from kvtier.tiers.p2p.tls import TLSSettings
 from tests.p2p.certs import PKI, make_pki
 from tests.p2p.p2p_nodes import (
     PeerProcess,
@@ -18,7 +19,9 @@ from tests.p2p.p2p_nodes import (
     connect,
     load_all,
     node,
+    peer_client,
     read_to_end,
+    served,
     spawner,
     wait_until,
 )
@@ -143,3 +146,17 @@ def test_tls_options_are_checked_at_startup(pki: PKI, tmp_path: Path) -> None:
         )
     load_config(tier_config(**server_tls(pki)))
     load_config(tier_config(**client_tls(pki)))
+
+
+def test_idle_tls_sessions_are_closed_and_clients_reconnect(pki: PKI) -> None:
+    settings = TLSSettings(pki.node.cert, pki.node.key, pki.ca)
+    with served(idle_timeout=0.2, tls=settings.server_context()) as node:
+        client = peer_client(node, idle_timeout=3600.0, tls=settings.client_context())
+        try:
+            assert client.query([node.key, node.other]) == [True, False]
+            wait_until(lambda: node.server.counters.idle_closed == 1, "the idle close")
+            assert client.query([node.key]) == [True]  # over a new connection
+            assert client.counters.connects == 2
+            assert node.server.counters.refused == node.server.counters.timed_out == 0
+        finally:
+            client.close()
