@@ -142,7 +142,7 @@ class P2PClient:
         layout = probe_layout(CHUNK_TOKENS, chunk_kib)
         tokens, self.expected = synthetic_chunks(layout, chunks, seed=1)
         self.keys = chunk_keys(layout.namespace, tokens, CHUNK_TOKENS)
-        entry = {
+        entry: dict[str, object] = {
             "type": "p2p",
             "secret": SECRET,
             "listen": None,
