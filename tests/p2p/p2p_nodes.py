@@ -1,4 +1,4 @@
-"""Peer nodes for the p2p tests: ``kvtier peer`` processes and in-process nodes."""
+"""Peer nodes for the p2p tests: ``kvtier peer`` processes, in-process nodes and services."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,14 @@ import numpy as np
 from kvtier import KVCache
 from kvtier.cli.peer import synthetic_chunks
 from kvtier.cli.probe import probe_layout
+from kvtier.keys import chunk_keys
 from kvtier.layout import KVLayout
+from kvtier.policies.lru import LRUCachePolicy
+from kvtier.primary import PrimaryTier, SlotBuffer
 from kvtier.tiers.p2p import protocol
+from kvtier.tiers.p2p.client import PeerClient
 from kvtier.tiers.p2p.protocol import MessageType
+from kvtier.tiers.p2p.server import PeerServer
 
 SECRET = "kvtier-test-secret-0123456789"
 CHUNK_TOKENS = 16
@@ -99,8 +105,6 @@ class PeerProcess:
 
     @property
     def keys(self) -> list[bytes]:
-        from kvtier.keys import chunk_keys
-
         return list(chunk_keys(self.layout.namespace, self.tokens, CHUNK_TOKENS))
 
     def alive(self) -> bool:
@@ -214,3 +218,70 @@ def spawner(workdir: Path) -> tuple[Spawn, list[PeerProcess]]:
         return peer
 
     return spawn, started
+
+
+class Served:
+    """A primary tier of ``slots`` slots holding one chunk, and a service over it."""
+
+    def __init__(self, chunk_kib: int, slots: int, **server_options: object) -> None:
+        self.layout = layout_of(chunk_kib)
+        self.buffer = SlotBuffer(slots, self.layout.slot_bytes)
+        self.primary = PrimaryTier(self.buffer, LRUCachePolicy(slots))
+        tokens = np.arange(self.layout.chunk_tokens * 2)
+        self.key, self.other = chunk_keys(self.layout.namespace, tokens, self.layout.chunk_tokens)
+        reserved = self.primary.prepare_store([self.key])
+        assert reserved is not None
+        self.buffer.array[reserved[self.key]] = np.arange(self.layout.slot_bytes) % 253
+        self.primary.complete_store([self.key])
+        self._flat = self.buffer.view.cast("B")
+        size = self.layout.slot_bytes
+        options: dict[str, object] = {
+            "handshake_timeout": SAFETY_S,
+            "request_timeout": SAFETY_S,
+            "max_message_bytes": 4096,
+            "max_inflight_bytes": 64 << 20,
+            "max_connections": 8,
+            **server_options,
+        }
+        self.server = PeerServer(
+            address=("127.0.0.1", 0),
+            slot_view=lambda i: self._flat[i * size : (i + 1) * size],
+            slot_bytes=size,
+            namespace=self.layout.namespace,
+            secret=SECRET.encode(),
+            **options,  # type: ignore[arg-type]
+        )
+        self.server.start(self.primary)
+
+    def connect(self) -> socket.socket:
+        sock = socket.create_connection(self.server.address, timeout=SAFETY_S)
+        sock.settimeout(SAFETY_S)
+        return sock
+
+    def close(self) -> None:
+        self.server.close()
+        self._flat.release()
+        self.buffer.close()
+
+
+@contextmanager
+def served(chunk_kib: int = 64, slots: int = 2, **options: object) -> Iterator[Served]:
+    node = Served(chunk_kib, slots, **options)
+    try:
+        yield node
+    finally:
+        node.close()
+
+
+def peer_client(node: Served, **options: Any) -> PeerClient:
+    settings: dict[str, Any] = {
+        "secret": SECRET.encode(),
+        "namespace": node.layout.namespace,
+        "slot_bytes": node.layout.slot_bytes,
+        "connect_timeout": SAFETY_S,
+        "request_timeout": SAFETY_S,
+        "retry_after": 3600.0,
+        "max_message_bytes": 4096,
+        **options,
+    }
+    return PeerClient(node.server.address, **settings)

@@ -39,10 +39,16 @@ a wrong MAC, a message of another type, a malformed header — drops the
 connection. After the handshake the client sends QUERY or FETCH requests
 one at a time and reads each reply before the next request.
 
-The handshake authenticates peers; it does not encrypt. Chunk bytes carry the
-integrity header (namespace, key, checksum) and are verified on arrival, but
-the checksum is not a MAC: on a network where an attacker sits on the path,
-run peers over an encrypted tunnel.
+The handshake authenticates peers; by itself it does not encrypt. With the
+tier's ``tls`` option every connection first runs a TLS handshake and all the
+frames above travel inside it (see :mod:`~kvtier.tiers.p2p.tls`). Chunk bytes
+carry the integrity header (namespace, key, checksum) and are verified on
+arrival, but the checksum is not a MAC: without TLS, on a network where an
+attacker sits on the path, run peers over an encrypted tunnel.
+
+Timeouts bound whole exchanges, not single reads: :func:`recv_exact` takes a
+deadline, so a peer that trickles one byte at a time cannot stretch a
+handshake or a request beyond its limit.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import ipaddress
 import secrets
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 from kvtier.errors import PeerAuthError, PeerProtocolError
@@ -216,25 +223,44 @@ def check_server_proof(secret: bytes, hello: bytes, client_nonce: bytes, body: b
 # Socket helpers -----------------------------------------------------------------
 
 
-def recv_exact(sock: socket.socket, size: int) -> bytes:
-    """Read exactly ``size`` bytes, or raise ``ConnectionError`` at end of stream."""
+def recv_exact(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
+    """Read exactly ``size`` bytes, or raise ``ConnectionError`` at end of stream.
+
+    With a ``deadline`` (a :func:`time.monotonic` instant) all of it must
+    arrive by then, or ``TimeoutError``; without one, the socket's own
+    timeout applies to each read.
+    """
     buffer = bytearray(size)
-    recv_into_exact(sock, memoryview(buffer))
+    recv_into_exact(sock, memoryview(buffer), deadline)
     return bytes(buffer)
 
 
-def recv_into_exact(sock: socket.socket, out: memoryview) -> None:
+def recv_into_exact(sock: socket.socket, out: memoryview, deadline: float | None = None) -> None:
     """Fill ``out`` from the socket, or raise ``ConnectionError`` at end of stream."""
     filled = 0
     while filled < len(out):
+        if deadline is not None:
+            sock.settimeout(time_left(deadline))
         got = sock.recv_into(out[filled:])
         if got == 0:
             raise ConnectionError(f"peer closed the connection after {filled}/{len(out)} bytes")
         filled += got
 
 
-def read_frame(sock: socket.socket, allowed: dict[MessageType, tuple[int, int]]) -> Frame:
-    return decode_frame(recv_exact(sock, FRAME_BYTES), allowed)
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline``; ``TimeoutError`` once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    return left
+
+
+def read_frame(
+    sock: socket.socket,
+    allowed: dict[MessageType, tuple[int, int]],
+    deadline: float | None = None,
+) -> Frame:
+    return decode_frame(recv_exact(sock, FRAME_BYTES, deadline), allowed)
 
 
 def send_message(sock: socket.socket, kind: MessageType, body: bytes = b"") -> None:

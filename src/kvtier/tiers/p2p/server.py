@@ -1,10 +1,19 @@
 """The peer service: answers other nodes' queries and streams chunks from the primary tier.
 
-One thread per connection (bounded by ``max_connections``). A connection must
-authenticate within the handshake timeout; after that it may send QUERY and
-FETCH requests. A chunk is pinned in the primary tier while its bytes go out,
-so eviction can never reuse the slot under a send, and every chunk is framed
-with the integrity header, so the receiver can verify it.
+Two stages, with budgets of their own (:mod:`~kvtier.tiers.p2p.admission`):
+
+* **Handshakes** run on the gate's one thread (:mod:`~kvtier.tiers.p2p.gate`):
+  at most ``max_handshakes`` at once, ``max_handshakes_per_source`` from one
+  address, each within ``handshake_timeout`` from accept to authenticated.
+* **Sessions** of authenticated peers get a thread each, at most
+  ``max_connections`` of them. A session idle for ``idle_timeout`` is
+  closed, and when the budget is full the session idle longest gives way to
+  a newcomer (its client reconnects on its next request). A request, once
+  its first byte arrived, must arrive whole within ``request_timeout``.
+
+A chunk is pinned in the primary tier while its bytes go out, so eviction can
+never reuse the slot under a send, and every chunk is framed with the
+integrity header, so the receiver can verify it.
 """
 
 from __future__ import annotations
@@ -12,80 +21,49 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import socketserver
+import ssl
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from kvtier.errors import PeerAuthError, PeerProtocolError
+from kvtier.errors import PeerProtocolError
 from kvtier.integrity import pack_header
 from kvtier.keys import ChunkKey
 from kvtier.layout import KEY_BYTES
 from kvtier.primary import PrimaryTier
 from kvtier.tiers.p2p import protocol
+from kvtier.tiers.p2p.admission import HandshakeBudget, SessionBudget
+from kvtier.tiers.p2p.counters import ServerCounters
 from kvtier.tiers.p2p.flow import ByteBudget, SendPacer
+from kvtier.tiers.p2p.gate import HandshakeGate, ThrottledLog
 from kvtier.tiers.p2p.protocol import MessageType
 
 logger = logging.getLogger(__name__)
 
 #: Bytes handed to one ``sendall`` when the send rate is capped.
 _PACE_PIECE = 256 * 1024
+#: Connections the kernel queues while the gate is busy (many peers reconnect after a restart).
+_BACKLOG = 512
 
 
-@dataclass
-class ServerCounters:
-    """What the peer service did, for ``describe`` and logs."""
+class _Session:
+    """An authenticated connection; hashed by identity."""
 
-    connections: int = 0
-    refused: int = 0
-    dropped: int = 0
-    queries: int = 0
-    chunks_served: int = 0
-    bytes_served: int = 0
-    misses_served: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **deltas: int) -> None:
-        with self.lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def as_dict(self) -> dict[str, int]:
-        with self.lock:
-            return {
-                name: getattr(self, name)
-                for name in (
-                    "connections",
-                    "refused",
-                    "dropped",
-                    "queries",
-                    "chunks_served",
-                    "bytes_served",
-                    "misses_served",
-                )
-            }
+    def __init__(self, sock: socket.socket, name: str, welcome: bytes) -> None:
+        self.sock = sock
+        self.name = name
+        self.welcome = welcome
+        self.displaced = False
 
 
-class _Listener(socketserver.ThreadingTCPServer):
-    daemon_threads = False
-    block_on_close = True  # server_close() joins every connection thread
-    allow_reuse_address = True
-    request_queue_size = 128  # many peers may connect at once after a restart
+def _cut(sock: socket.socket) -> None:
+    """Wake a thread blocked on ``sock`` with end-of-stream.
 
-    def __init__(self, address: tuple[str, int], owner: PeerServer) -> None:
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.owner = owner
-        super().__init__(address, _Handler)
-
-    def verify_request(self, request: socket.socket, client_address: object) -> bool:  # type: ignore[override]
-        return self.owner.admit(client_address)
-
-
-class _Handler(socketserver.BaseRequestHandler):
-    server: _Listener
-
-    def handle(self) -> None:
-        self.server.owner.serve_connection(self.request, self.client_address)
+    ``socket.shutdown`` of the plain socket: ``SSLSocket.shutdown`` would
+    also drop the TLS state under the thread still reading through it.
+    """
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 class PeerServer:
@@ -104,16 +82,18 @@ class PeerServer:
         max_message_bytes: int,
         max_inflight_bytes: int,
         max_connections: int,
+        idle_timeout: float = 60.0,
+        max_handshakes: int = 256,
+        max_handshakes_per_source: int = 128,
         max_send_rate: float | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._primary: PrimaryTier | None = None
         self._slot_view = slot_view
         self._namespace = namespace
         self._slot_bytes = slot_bytes
-        self._secret = secret
-        self._handshake_timeout = handshake_timeout
         self._request_timeout = request_timeout
-        self._max_connections = max_connections
+        self._idle_timeout = idle_timeout
         self._budget = ByteBudget(max_inflight_bytes)
         self._pacer = SendPacer(max_send_rate) if max_send_rate else None
         self._requests = {
@@ -121,32 +101,57 @@ class PeerServer:
             MessageType.FETCH: (KEY_BYTES, KEY_BYTES),
         }
         self.counters = ServerCounters()
+        self._warnings = ThrottledLog()
         self._lock = threading.Lock()
-        self._active: set[socket.socket] = set()
-        self._admitted = 0
+        self._sessions: SessionBudget[_Session] = SessionBudget(max_connections)
+        self._threads: dict[_Session, threading.Thread] = {}
         self._closing = False
+        host = address[0]
         try:
-            self._listener = _Listener(address, self)
+            listener = socket.create_server(
+                address,
+                family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                backlog=_BACKLOG,
+            )
         except OSError as exc:
             where = protocol.format_address(*address)
             raise OSError(exc.errno, f"p2p: cannot listen on {where}: {exc.strerror}") from exc
-        self._thread = threading.Thread(
-            target=self._listener.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name="kvtier-p2p-accept",
-            daemon=True,
+        self._address = listener.getsockname()[:2]
+        self._gate = HandshakeGate(
+            listener,
+            secret=secret,
+            hello=lambda: protocol.Hello(protocol.new_nonce(), namespace, slot_bytes).encode(),
+            timeout=handshake_timeout,
+            budget=HandshakeBudget(max_handshakes, max_handshakes_per_source),
+            on_authenticated=self._admit,
+            counters=self.counters,
+            warnings=self._warnings,
+            tls=tls,
+        )
+        self._gate_thread = threading.Thread(
+            target=self._gate.run, name="kvtier-p2p-gate", daemon=True
         )
 
     @property
     def address(self) -> tuple[str, int]:
         """The bound ``(host, port)``: the real port when configured with port 0."""
-        host, port = self._listener.server_address[:2]
-        return str(host), int(port)
+        return str(self._address[0]), int(self._address[1])
 
     @property
     def open_connections(self) -> int:
-        """Connections accepted and not yet ended."""
-        return self._admitted
+        """Authenticated connections (sessions) open now."""
+        return len(self._sessions)
+
+    @property
+    def idle_connections(self) -> int:
+        """Authenticated connections waiting for their peer's next request."""
+        with self._lock:
+            return self._sessions.idle_count
+
+    @property
+    def open_handshakes(self) -> int:
+        """Connections accepted and not authenticated yet."""
+        return len(self._gate.budget)
 
     def start(self, primary: PrimaryTier) -> None:
         """Serve ``primary``'s ready chunks; connections made before wait in the backlog."""
@@ -156,7 +161,7 @@ class PeerServer:
                 f"the peer service was built for {self._slot_bytes}"
             )
         self._primary = primary
-        self._thread.start()
+        self._gate_thread.start()
 
     @property
     def serving(self) -> bool:
@@ -172,118 +177,111 @@ class PeerServer:
             if self._closing:
                 return
             self._closing = True
-            active = list(self._active)
+        self._gate.close()
         if self.serving:
-            # Waits for serve_forever to return: it would wait forever if never started.
-            self._listener.shutdown()
-        for sock in active:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        self._listener.server_close()
-        if self.serving:
-            self._thread.join()
-
-    # Connections -----------------------------------------------------------
-
-    def admit(self, client_address: object) -> bool:
-        """Called on the accept thread: refuse connections beyond the cap."""
+            self._gate_thread.join()  # it closes the listener and every handshake
+        else:
+            self._gate.run()  # returns at once, closing the listener and the gate's sockets
         with self._lock:
-            if self._closing or self._admitted >= self._max_connections:
-                logger.warning(
-                    "peer service: refused connection from %s: %d connections already open",
-                    _peer_name(client_address),
-                    self._admitted,
-                )
-                self.counters.add(refused=1)
+            sessions = dict(self._threads)
+        for session, thread in sessions.items():
+            _cut(session.sock)
+            thread.join()
+
+    # Sessions ----------------------------------------------------------------
+
+    def _admit(self, sock: socket.socket, name: str, welcome: bytes) -> bool:
+        """On the gate's thread: give an authenticated connection a session, or refuse it."""
+        session = _Session(sock, name, welcome)
+        with self._lock:
+            if self._closing:
                 return False
-            self._admitted += 1
-            return True
+            admitted, displaced = self._sessions.add(session)
+            if not admitted:
+                self.counters.add(refused=1)
+                self._warnings.warning(
+                    "sessions full",
+                    "peer service: refused %s: all %d authenticated connections are busy",
+                    name,
+                    self._sessions.limit,
+                )
+                return False
+            if displaced is not None:
+                displaced.displaced = True
+                _cut(displaced.sock)
+                self.counters.add(idle_closed=1)
+                logger.debug("peer service: %s closed idle for %s", displaced.name, name)
+            thread = threading.Thread(
+                target=self._serve_session, args=(session,), name="kvtier-p2p-session", daemon=True
+            )
+            self._threads[session] = thread
+        try:
+            thread.start()
+        except RuntimeError as exc:  # out of threads: refuse this one, keep serving the rest
+            with self._lock:
+                self._sessions.remove(session)
+                del self._threads[session]
+            self.counters.add(refused=1)
+            self._warnings.warning("no thread", "peer service: refused %s: %s", name, exc)
+            return False
+        return True
 
-    def serve_connection(self, sock: socket.socket, client_address: object) -> None:
-        peer = _peer_name(client_address)
-        with self._lock:
-            self._active.add(sock)
-            closing = self._closing
-        authenticated = False
+    def _serve_session(self, session: _Session) -> None:
+        sock, peer = session.sock, session.name
         primary = self._primary
         try:
-            if closing or primary is None:
+            if primary is None:
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self._handshake_timeout)
-            self._handshake(sock)
-            authenticated = True
-            self.counters.add(connections=1)
+            sock.settimeout(self._request_timeout)
+            self.counters.add(connections=1)  # before the peer can see it
+            protocol.send_message(sock, MessageType.WELCOME, session.welcome)
             logger.debug("peer service: %s authenticated", peer)
-            while self._serve_request(sock, primary):
+            while self._serve_request(session, primary):
                 pass
-        except PeerAuthError as exc:
-            logger.warning("peer service: refused %s: %s", peer, exc)
-            self.counters.add(refused=1)
         except PeerProtocolError as exc:
-            if authenticated:
-                logger.warning("peer service: dropped connection from %s: %s", peer, exc)
-                self.counters.add(dropped=1)
-            else:
-                logger.warning("peer service: refused %s: %s", peer, exc)
-                self.counters.add(refused=1)
+            logger.warning("peer service: dropped connection from %s: %s", peer, exc)
+            self.counters.add(dropped=1)
         except TimeoutError:
-            if authenticated:
-                logger.warning(
-                    "peer service: dropped connection from %s: stalled for over %.1fs",
-                    peer,
-                    self._request_timeout,
-                )
-                self.counters.add(dropped=1)
-            else:
-                logger.warning(
-                    "peer service: refused %s: no authentication within %.1fs",
-                    peer,
-                    self._handshake_timeout,
-                )
-                self.counters.add(refused=1)
-        except OSError as exc:  # the peer went away, or close() cut the connection
-            if not authenticated:
-                logger.warning("peer service: refused %s: closed before authenticating", peer)
-                self.counters.add(refused=1)
-            else:
-                logger.debug("peer service: %s disconnected: %r", peer, exc)
+            logger.warning(
+                "peer service: dropped connection from %s: a request stalled for over %.1fs",
+                peer,
+                self._request_timeout,
+            )
+            self.counters.add(timed_out=1)
+        except OSError as exc:  # the peer went away, or close() or a newcomer cut it
+            logger.debug("peer service: %s disconnected: %r", peer, exc)
         finally:
+            sock.close()
             with self._lock:
-                self._active.discard(sock)
-                self._admitted -= 1
+                self._sessions.remove(session)
+                self._threads.pop(session, None)
 
-    def _handshake(self, sock: socket.socket) -> None:
-        hello = protocol.Hello(protocol.new_nonce(), self._namespace, self._slot_bytes).encode()
-        protocol.send_message(sock, MessageType.HELLO, hello)
-        frame = protocol.read_frame(
-            sock, {MessageType.AUTH: (protocol.AUTH_BYTES, protocol.AUTH_BYTES)}
-        )
+    def _serve_request(self, session: _Session, primary: PrimaryTier) -> bool:
+        """Answer one request; ``False`` when the session ends quietly."""
+        sock = session.sock
+        with self._lock:
+            self._sessions.idle(session, time.monotonic())
+        sock.settimeout(self._idle_timeout)
         try:
-            body = protocol.recv_exact(sock, frame.length)
-        except ConnectionError as exc:
-            raise PeerProtocolError(f"AUTH message cut short: {exc}") from None
-        welcome = protocol.check_client_proof(self._secret, hello, body)
-        protocol.send_message(sock, MessageType.WELCOME, welcome)
-
-    def _serve_request(self, sock: socket.socket, primary: PrimaryTier) -> bool:
-        """Answer one request; ``False`` when the peer closed the connection."""
-        # An authenticated connection may idle between requests, but once a
-        # message starts, all of it must arrive within the request timeout.
-        sock.settimeout(None)
-        first = sock.recv(1)
-        if not first:
+            first = sock.recv(1)
+        except TimeoutError:
+            self.counters.add(idle_closed=1)
+            logger.debug("peer service: %s idle for %.0fs", session.name, self._idle_timeout)
             return False
+        with self._lock:
+            if not first or not self._sessions.busy(session):
+                return False  # the peer closed it, or it gave way to a newcomer
+        # Once a message starts, all of it must arrive within the request timeout.
+        deadline = time.monotonic() + self._request_timeout
+        try:
+            header = first + protocol.recv_exact(sock, protocol.FRAME_BYTES - 1, deadline)
+            frame = protocol.decode_frame(header, self._requests)
+            body = protocol.recv_exact(sock, frame.length, deadline)
+        except ConnectionError as exc:
+            if isinstance(exc, PeerProtocolError):
+                raise
+            raise PeerProtocolError(f"request cut short: {exc}") from None
         sock.settimeout(self._request_timeout)
-        try:
-            header = first + protocol.recv_exact(sock, protocol.FRAME_BYTES - 1)
-        except ConnectionError as exc:
-            raise PeerProtocolError(f"frame header cut short: {exc}") from None
-        frame = protocol.decode_frame(header, self._requests)
-        try:
-            body = protocol.recv_exact(sock, frame.length)
-        except ConnectionError as exc:
-            raise PeerProtocolError(f"{frame.kind.name} message cut short: {exc}") from None
         if frame.kind is MessageType.QUERY:
             keys = protocol.decode_keys(body)
             found = [primary.is_ready(ChunkKey(key)) for key in keys]
@@ -319,9 +317,3 @@ class PeerServer:
             piece = payload[start : start + _PACE_PIECE]
             self._pacer.wait(len(piece))
             sock.sendall(piece)
-
-
-def _peer_name(client_address: object) -> str:
-    if isinstance(client_address, tuple) and len(client_address) >= 2:
-        return protocol.format_address(str(client_address[0]), int(client_address[1]))
-    return str(client_address)

@@ -16,27 +16,32 @@ serves its own primary tier, and asks the ``peers`` it is configured with:
   primary tier.
 
 Every connection is authenticated with a challenge-response over the shared
-``secret`` (see :mod:`kvtier.tiers.p2p.protocol`); traffic is not encrypted.
+``secret`` (see :mod:`kvtier.tiers.p2p.protocol`); with ``tls`` it also runs
+inside TLS (:mod:`kvtier.tiers.p2p.tls`). The peer service's limits and
+timeouts are described in :mod:`kvtier.tiers.p2p.server`.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from pydantic import ByteSize, Field, SecretStr, field_validator
+from pydantic import ByteSize, Field, FilePath, SecretStr, field_validator, model_validator
 
 from kvtier.errors import CorruptChunkError, KVTierError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, JobResult, TierMetric, TierOptions, TransferJob
 from kvtier.tiers.p2p import protocol
-from kvtier.tiers.p2p.client import PeerClient
+from kvtier.tiers.p2p.client import CONNECT_ATTEMPTS, PeerClient
+from kvtier.tiers.p2p.counters import ClientCounters
 from kvtier.tiers.p2p.flow import ByteBudget
 from kvtier.tiers.p2p.server import PeerServer
+from kvtier.tiers.p2p.tls import TLSSettings
 from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
 
 if TYPE_CHECKING:
@@ -62,12 +67,23 @@ class PeerTierOptions(ThreadedTierOptions):
     """``host:port`` of every peer to fetch from."""
 
     connect_timeout_s: float = Field(default=1.0, gt=0, le=300)
-    """Seconds to connect to a peer and complete the handshake (also the time
-    an incoming connection has to authenticate)."""
+    """Seconds to connect to a peer: TCP, TLS and authentication, all together.
+    A handshake that times out or is cut short is tried again, three times in all."""
+
+    handshake_timeout_s: float = Field(default=1.0, gt=0, le=300)
+    """Seconds an incoming connection has, from its accept, to finish TLS and
+    authentication: the whole handshake, however its bytes are paced."""
 
     request_timeout_s: float = Field(default=5.0, gt=0, le=3600)
-    """Seconds a peer may stay silent while answering a request; a lookup
-    gives all peers together connect + request timeout."""
+    """Seconds a peer may stay silent while answering a request (and the peer
+    service's limit for receiving a whole request); a lookup gives all peers
+    together 3 × connect (a handshake cut short is tried again, three times
+    in all) + request timeout."""
+
+    idle_timeout_s: float = Field(default=60.0, gt=0, le=86400)
+    """The peer service closes an authenticated connection idle this long;
+    clients close pooled connections unused for half of it, and reconnect
+    transparently when a peer closed one first."""
 
     retry_after_s: float = Field(default=2.0, ge=0, le=3600)
     """After a peer fails, seconds before it is asked again."""
@@ -78,11 +94,46 @@ class PeerTierOptions(ThreadedTierOptions):
     max_message_bytes: ByteSize = Field(default=ByteSize(64 << 10), ge=1024, le=64 << 20)
     """Largest control message (a query) accepted or sent; chunks are bounded by the slot size."""
 
-    max_connections: int = Field(default=64, ge=1, le=65536)
-    """Incoming connections the peer service keeps open at once."""
+    max_connections: int = Field(default=256, ge=1, le=65536)
+    """Authenticated connections the peer service keeps open at once, a thread
+    each; when all are taken, the one idle longest gives way to a newcomer.
+    The default serves 32 nodes that all fetch from each other with up to
+    ``io_threads + 1`` connections per pair."""
+
+    max_handshakes: int = Field(default=256, ge=1, le=65536)
+    """Incoming connections still in their handshake, all sources together
+    (no thread each); beyond it, the oldest of the source holding most is closed."""
+
+    max_handshakes_per_source: int | None = Field(default=None, ge=1, le=65536)
+    """Incoming connections in their handshake from one IP address; beyond
+    it, that address's oldest is closed. At most ``max_handshakes``;
+    ``null``: half of it (128 by default)."""
 
     max_send_rate: ByteSize | None = Field(default=None, gt=0)
     """Bytes per second the peer service sends, all connections together; ``null``: no cap."""
+
+    tls: bool = False
+    """Run every peer connection inside TLS (on top of the shared secret). All
+    nodes of a fleet must agree: a TLS node refuses plaintext peers and the reverse."""
+
+    tls_cert_file: FilePath | None = None
+    """PEM certificate (chain) of this node, presented by its peer service and
+    to peers that require client certificates. Needed with ``tls`` and ``listen``."""
+
+    tls_key_file: FilePath | None = None
+    """PEM private key of ``tls_cert_file``; ``null``: the key is in ``tls_cert_file``."""
+
+    tls_ca_file: FilePath | None = None
+    """PEM certificates that peers' certificates must chain to; ``null``: the
+    system's trusted CAs. A self-signed certificate is its own CA."""
+
+    tls_require_client_cert: bool = False
+    """The peer service requires clients to present a certificate that chains
+    to ``tls_ca_file``."""
+
+    tls_check_hostname: bool = True
+    """Peers' certificates must name the host of their ``peers`` address
+    (an IP address needs an IP entry in the certificate's subjectAltName)."""
 
     @field_validator("secret")
     @classmethod
@@ -107,6 +158,55 @@ class PeerTierOptions(ThreadedTierOptions):
             protocol.parse_address(peer)
         return value
 
+    @model_validator(mode="after")
+    def _check_limits_and_tls(self) -> PeerTierOptions:
+        if self.handshakes_per_source > self.max_handshakes:
+            raise ValueError(
+                f"max_handshakes_per_source ({self.max_handshakes_per_source}) exceeds "
+                f"max_handshakes ({self.max_handshakes})"
+            )
+        tls_options = [
+            name
+            for name in ("tls_cert_file", "tls_key_file", "tls_ca_file")
+            if getattr(self, name) is not None
+        ]
+        if self.tls_require_client_cert:
+            tls_options.append("tls_require_client_cert")
+        if not self.tls:
+            if tls_options:
+                raise ValueError(f"{', '.join(tls_options)} set, but tls is off: set tls: true")
+            return self
+        if self.listen is not None and self.tls_cert_file is None:
+            raise ValueError("tls with a listen address needs tls_cert_file (and its key)")
+        settings = self._tls_files()
+        try:
+            settings.client_context()
+            if self.listen is not None:
+                settings.server_context()
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise ValueError(f"cannot load the TLS files: {exc}") from None
+        return self
+
+    @property
+    def handshakes_per_source(self) -> int:
+        """``max_handshakes_per_source``, its default resolved."""
+        if self.max_handshakes_per_source is not None:
+            return self.max_handshakes_per_source
+        return max(1, self.max_handshakes // 2)
+
+    def tls_settings(self) -> TLSSettings | None:
+        """The TLS part of these options; ``None`` without ``tls``."""
+        return self._tls_files() if self.tls else None
+
+    def _tls_files(self) -> TLSSettings:
+        return TLSSettings(
+            cert_file=self.tls_cert_file,
+            key_file=self.tls_key_file,
+            ca_file=self.tls_ca_file,
+            require_client_cert=self.tls_require_client_cert,
+            check_hostname=self.tls_check_hostname,
+        )
+
 
 class PeerTier(ThreadedTier):
     """Chunks fetched from other kvtier nodes' primary tiers; serves its own."""
@@ -119,6 +219,10 @@ class PeerTier(ThreadedTier):
         options = cast(PeerTierOptions, self.options)
         self._settings = options
         self._secret = options.secret.get_secret_value().encode()
+        tls = options.tls_settings()
+        self._client_counters = ClientCounters()
+        client_tls = tls.client_context() if tls else None
+        self._server_tls = tls.server_context() if tls and options.listen is not None else None
         self._clients = [
             PeerClient(
                 protocol.parse_address(peer),
@@ -129,6 +233,9 @@ class PeerTier(ThreadedTier):
                 request_timeout=options.request_timeout_s,
                 retry_after=options.retry_after_s,
                 max_message_bytes=int(options.max_message_bytes),
+                idle_timeout=options.idle_timeout_s,
+                tls=client_tls,
+                counters=self._client_counters,
             )
             for peer in options.peers
         ]
@@ -158,20 +265,26 @@ class PeerTier(ThreadedTier):
             slot_bytes=self.slot_bytes,
             namespace=self.namespace,
             secret=self._secret,
-            handshake_timeout=self._settings.connect_timeout_s,
+            handshake_timeout=self._settings.handshake_timeout_s,
             request_timeout=self._settings.request_timeout_s,
+            idle_timeout=self._settings.idle_timeout_s,
             max_message_bytes=int(self._settings.max_message_bytes),
             max_inflight_bytes=int(self._settings.max_inflight_bytes),
             max_connections=self._settings.max_connections,
+            max_handshakes=self._settings.max_handshakes,
+            max_handshakes_per_source=self._settings.handshakes_per_source,
             max_send_rate=float(self._settings.max_send_rate or 0) or None,
+            tls=self._server_tls,
         )
         where = protocol.format_address(*server.address)
-        if protocol.is_loopback(host):
-            logger.info("p2p: peer service bound to %s", where)
+        if protocol.is_loopback(host) or self._server_tls is not None:
+            logger.info(
+                "p2p: peer service bound to %s%s", where, " (TLS)" if self._server_tls else ""
+            )
         else:
             logger.warning(
                 "p2p: peer service bound to %s, reachable beyond this machine; "
-                "connections are authenticated but not encrypted",
+                "connections are authenticated but not encrypted (see the tls option)",
                 where,
             )
         return server
@@ -216,9 +329,8 @@ class PeerTier(ThreadedTier):
         if not live or not keys:
             return holders
         futures = {self._fanout.submit(client.query, keys): client for client in live}
-        done, _ = wait(
-            futures, timeout=self._settings.connect_timeout_s + self._settings.request_timeout_s
-        )
+        connecting = CONNECT_ATTEMPTS * self._settings.connect_timeout_s
+        done, _ = wait(futures, timeout=connecting + self._settings.request_timeout_s)
         for future in done:
             if future.exception() is not None:
                 continue  # the client logged it and sits the peer out
@@ -293,7 +405,7 @@ class PeerTier(ThreadedTier):
                 TierMetric(
                     "peer_connections_open",
                     self._server.open_connections,
-                    "Connections the peer service holds open.",
+                    "Authenticated connections the peer service holds open.",
                 ),
                 TierMetric(
                     "peer_chunks_served",
@@ -308,9 +420,29 @@ class PeerTier(ThreadedTier):
                     counter=True,
                 ),
                 TierMetric(
+                    "peer_handshakes_open",
+                    self._server.open_handshakes,
+                    "Incoming connections accepted and not authenticated yet.",
+                ),
+                TierMetric(
                     "peer_refused",
                     served["refused"],
-                    "Connections refused: failed authentication, over the cap.",
+                    "Incoming connections refused: failed authentication or TLS, "
+                    "displaced from a full handshake budget, no room among the sessions.",
+                    counter=True,
+                ),
+                TierMetric(
+                    "peer_timed_out",
+                    served["timed_out"],
+                    "Incoming connections ended because a handshake or a request "
+                    "outlived its timeout.",
+                    counter=True,
+                ),
+                TierMetric(
+                    "peer_idle_closed",
+                    served["idle_closed"],
+                    "Authenticated incoming connections closed idle (idle timeout, "
+                    "or to make room for a newcomer).",
                     counter=True,
                 ),
                 TierMetric(
@@ -320,6 +452,27 @@ class PeerTier(ThreadedTier):
                     counter=True,
                 ),
             ]
+        client = self._client_counters.as_dict()
+        values += [
+            TierMetric(
+                "peer_client_connects",
+                client["connects"],
+                "Connections this node opened to its peers.",
+                counter=True,
+            ),
+            TierMetric(
+                "peer_client_idle_closed",
+                client["idle_closed"],
+                "Pooled connections to peers closed unused after half the idle timeout.",
+                counter=True,
+            ),
+            TierMetric(
+                "peer_client_reconnects",
+                client["reconnects"],
+                "Requests repeated on a new connection because a peer had closed the pooled one.",
+                counter=True,
+            ),
+        ]
         return values
 
     def describe(self) -> dict[str, object]:
@@ -328,6 +481,8 @@ class PeerTier(ThreadedTier):
             "listen": protocol.format_address(*self.address) if self.address else None,
             "peers": list(self._settings.peers),
             "peers_reachable": sum(client.available() for client in self._clients),
+            "tls": self._settings.tls,
+            **{f"client_{name}": n for name, n in self._client_counters.as_dict().items()},
         }
         if self._server is not None:
             facts.update(self._server.counters.as_dict())
