@@ -19,12 +19,14 @@ python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
 python -m pip install --quiet -e '.[test]'
 python -m pip install --quiet --no-deps "sglang==0.5.23"
+# Naming torch again keeps it where it is while these resolve.
 python -m pip install --quiet "torch==2.14.1" \
-    "transformers==5.19.0" "apache-tvm-ffi==0.1.11" triton \
-    aiohttp dill ipython msgspec orjson pillow psutil pybase64 "pyzmq>=25.1.2" starlette tqdm
+    "transformers==5.19.0" "apache-tvm-ffi==0.1.11" "compressed-tensors==0.18.0" \
+    "sentencepiece==0.2.1" gguf triton aiohttp dill ipython msgspec orjson pillow psutil \
+    pybase64 "pyzmq>=25.1.2" starlette tqdm
 python -c "
 import sglang
-from sglang.srt.mem_cache.memory_pool_host import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 import kvtier.integrations.sglang
 print('sglang', sglang.__version__)
