@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
@@ -53,6 +54,34 @@ def host_pool(layout: str = "layer_first", *, heads: int = HEADS, page: int = PA
         device_capacity_tokens=device.size,
         start_layer=0,
         end_layer=LAYERS,
+    )
+
+
+def mla_host_pool(layout: str = "layer_first") -> Any:
+    """SGLang's MLA device pool on the CPU and its host pool (one latent vector per token)."""
+    device = MLATokenToKVPool(
+        size=DEVICE_TOKENS,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    return MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        host_to_device_ratio=2.0,
+        host_size=0,
+        page_size=PAGE,
+        layout=layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device.size,
+        start_layer=0,
+        end_layer=LAYERS,
+        target_layer_num=LAYERS,
+        override_kv_cache_dim=device.kv_cache_dim,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from sglang_pages import (
     attach,
     extra_config,
     host_pool,
+    mla_host_pool,
     page_digest,
     page_hashes,
 )
@@ -335,5 +337,81 @@ def test_a_page_of_the_wrong_size_is_refused_and_nothing_is_stored(tmp_path: Pat
         assert backend.batch_exists(keys) == 0
         assert backend.batch_set_v1(keys, indices(0, 1)) == [False, False]
         assert backend.batch_exists(keys) == 0
+    finally:
+        backend.close()
+
+
+def test_mla_pages_round_trip_and_are_shared_by_tp_ranks(tmp_path: Path) -> None:
+    """An MLA page is the same on every TP rank, so rank 1 finds rank 0's pages."""
+    root = tmp_path / "kv"
+    pool = mla_host_pool()
+    fill(pool, seed=7)
+    keys = page_hashes(TOKENS)
+    written = [page_digest(pool, page * PAGE) for page in range(len(keys))]
+    backend = attach(pool, extra_config(fs_config(root)), mla=True, tp_rank=0, tp_size=2)
+    try:
+        assert backend.kv.layout.slot_bytes == pool.get_dummy_flat_data_page().numel() * 2
+        assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
+    finally:
+        backend.close()
+    other_rank = mla_host_pool()
+    backend = attach(other_rank, extra_config(fs_config(root)), mla=True, tp_rank=1, tp_size=2)
+    try:
+        assert backend.batch_get_v1(keys, indices(0, len(keys))) == [True] * len(keys)
+        assert [page_digest(other_rank, page * PAGE) for page in range(len(keys))] == written
+    finally:
+        backend.close()
+    # An MHA deployment of the same model name reads none of them.
+    mha = attach(host_pool(), extra_config(fs_config(root)))
+    try:
+        assert mha.batch_exists(keys) == 0
+    finally:
+        mha.close()
+
+
+def test_prefetch_and_backup_threads_at_once_read_only_whole_written_pages(
+    tmp_path: Path,
+) -> None:
+    """SGLang calls a backend from its backup and prefetch threads together:
+    whatever the interleaving, a page read back is the page written."""
+    pool = host_pool()
+    fill(pool, seed=8)
+    tokens = list(range(5000, 5000 + 12 * PAGE))
+    keys = page_hashes(tokens)
+    written = [page_digest(pool, page * PAGE) for page in range(len(keys))]
+    backend = attach(pool, extra_config(fs_config(tmp_path, cpu_bytes_to_use="6KiB")))
+    errors: list[BaseException] = []
+    reads: list[int] = []
+
+    def backup() -> None:
+        try:
+            for page, key in enumerate(keys):
+                assert backend.batch_set_v1([key], indices(page, 1)) == [True]
+        except BaseException as exc:
+            errors.append(exc)
+
+    def prefetch() -> None:
+        try:
+            for _ in range(30):
+                found = backend.batch_exists(keys)
+                # Into pages 20 on: pages 0 to 11 are the backup's source.
+                loaded = backend.batch_get_v1(keys[:found], indices(20, found))
+                got = sum(loaded)
+                for page in range(got):
+                    assert page_digest(pool, (20 + page) * PAGE) == written[page]
+                reads.append(got)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert len(reads) == 30
+        assert backend.batch_get_v1(keys, indices(20, len(keys))) == [True] * len(keys)
+        assert [page_digest(pool, (20 + page) * PAGE) for page in range(len(keys))] == written
     finally:
         backend.close()

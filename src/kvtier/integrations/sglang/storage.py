@@ -141,6 +141,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
     ) -> list[torch.Tensor | None]:
         """The leading pages kvtier holds, copied into ``target_locations``
         (flat page tensors) or new ones; ``None`` from the first missing page on."""
+        page_keys = self.page_keys(keys)
         targets = list(target_locations or [None] * len(keys))
         if len(targets) != len(keys):
             raise ValueError(f"batch_get: {len(keys)} keys but {len(targets)} target locations")
@@ -155,7 +156,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         def into_target(index: int, slot: np.ndarray) -> None:
             _bytes_of(targets[index])[:] = slot
 
-        found = self._read(self.page_keys(keys), into_target)
+        found = self._read(page_keys, into_target)
         return [targets[i] if i < found else None for i in range(len(keys))]
 
     def set(
@@ -175,6 +176,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         target_sizes: Any = None,
     ) -> bool:
         """Store flat page tensors; ``True`` when kvtier holds every page afterwards."""
+        page_keys = self.page_keys(keys)
         pages = list(values or [])
         if len(pages) != len(keys):
             raise ValueError(f"batch_set: {len(keys)} keys but {len(pages)} values")
@@ -184,7 +186,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         def from_value(index: int, slot: np.ndarray) -> None:
             slot[:] = _bytes_of(pages[index])
 
-        return all(self._write(self.page_keys(keys), from_value))
+        return all(self._write(page_keys, from_value))
 
     # Zero-copy API (``"interface_v1": 1``) ------------------------------------
 
