@@ -277,12 +277,12 @@ def test_a_kvtier_config_file_is_read(tmp_path: Path) -> None:
         ),
         (
             extra_config({"secondary_tiers": [{"type": "fs", "root_dri": "/tmp/x"}]}),
-            "secondary_tiers[0].root_dri",
+            "hicache_storage_backend_extra_config.kvtier.secondary_tiers[0].root_dri",
             "did you mean 'root_dir'",
         ),
         (
             extra_config({"cpu_bytes_to_use": "lots"}),
-            "cpu_bytes_to_use",
+            "hicache_storage_backend_extra_config.kvtier.cpu_bytes_to_use",
             "write a size such as 8GiB",
         ),
         (

@@ -85,8 +85,15 @@ def kvtier_config(options: StorageOptions) -> KVTierConfig:
             [(EXTRA_CONFIG, "set either 'kvtier' (inline) or 'kvtier_config_file', not both")]
         )
     if options.kvtier_config_file is not None:
-        return load_config(options.kvtier_config_file)
-    return load_config(options.kvtier or {})
+        return load_config(options.kvtier_config_file)  # errors name the file
+    try:
+        return load_config(options.kvtier or {})
+    except ConfigError as error:
+        # Inline, the document sits under the ``kvtier`` key of SGLang's flag.
+        where = f"{EXTRA_CONFIG}.kvtier"
+        raise ConfigError(
+            [(f"{where}.{path}" if path else where, message) for path, message in error.problems]
+        ) from None
 
 
 def with_page_tokens(config: KVTierConfig, page_tokens: int) -> KVTierConfig:
