@@ -78,7 +78,6 @@ class KVTierHiCacheStorage(HiCacheStorage):
             layout = page_layout(mem_pool_host, self.storage_config, self.model_id)
             self._kv = KVCache(with_page_tokens(self.config, layout.chunk_tokens), layout)
             self.mem_pool_host = mem_pool_host
-            self.layout = layout
             self._dtype = mem_pool_host.dtype
             # Pages go through the primary tier a window at a time, so a batch
             # larger than the primary tier still goes through, and half the
