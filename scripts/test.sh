@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # kvtier's whole test run: lint, types, the fast suite, the example tier
-# package, then the vLLM end-to-end suite in its own environment.
+# package, then the vLLM end-to-end suite and the SGLang suite, each in its own
+# environment.
 #
 # Creates .venv-test with kvtier and every extra (its own environment: the
 # README's .venv stays a plain install). The tests start (and stop) the
@@ -31,11 +32,13 @@ ruff format --check src tests benchmarks examples
 mypy
 mypy examples/acme-kvtier/src examples/acme-kvtier/tests
 mypy benchmarks/*.py
-# The vLLM suite needs its own environment: it runs below, not here.
-pytest -q -m "not slow" --ignore=tests/integrations/test_vllm.py
+# The vLLM and SGLang suites need their own environments: they run below, not here.
+pytest -q -m "not slow" --ignore=tests/integrations/test_vllm.py \
+    --ignore=tests/integrations/test_sglang.py
 pytest -q examples/acme-kvtier/tests
 # The trace simulator end to end, on a small generated trace.
 kvtier simulate --chat-seed 1 --limit 800 -p lru -p leaf-lru -c 5% -c 20% --json >/dev/null
 deactivate
 
 ./scripts/test-vllm.sh
+./scripts/test-sglang.sh

@@ -1,0 +1,225 @@
+"""What the storage backend reads from SGLang: its options, kvtier's config, the page layout.
+
+SGLang hands a backend its ``--hicache-storage-backend-extra-config`` dict
+(``HiCacheStorageConfig.extra_config``), which also carries SGLang's own keys
+(``backend_name``, ``module_path``, ``interface_v1``, ...). The backend's own
+keys all start with ``kvtier``; a misspelt one fails at start with the
+nearest valid key instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any, cast
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtier.config import KVTierConfig, load_config, validate_options
+from kvtier.errors import ConfigError, LayoutMismatchError
+from kvtier.layout import KVLayout
+
+#: Where SGLang's users write these keys, for error paths.
+EXTRA_CONFIG = "hicache_storage_backend_extra_config"
+
+#: Keys of the extra config that SGLang itself (or its dynamic factory) reads.
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "tp_lcm_size",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+    }
+)
+
+
+class StorageOptions(BaseModel):
+    """The backend's own keys in SGLang's storage backend extra config."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
+
+    kvtier: dict[str, Any] | None = None
+    """The kvtier configuration document, inline."""
+
+    kvtier_config_file: str | None = None
+    """Path of a JSON or YAML kvtier configuration (instead of ``kvtier``)."""
+
+    kvtier_model_id: str | None = None
+    """Model identity in the page namespace; defaults to SGLang's model name."""
+
+    kvtier_lookup_timeout_s: float = Field(default=5.0, ge=0)
+    """How long an existence check may wait for promotions from secondary tiers
+    before it reports the pages that are ready (the rest count as misses)."""
+
+
+def storage_options(extra_config: Mapping[str, Any] | None) -> StorageOptions:
+    """Validate the backend's keys of ``extra_config``; SGLang's own keys pass through."""
+    extra = dict(extra_config or {})
+    own = set(StorageOptions.model_fields)
+    problems = []
+    for key in sorted(set(extra) - own - SGLANG_KEYS, key=str):
+        close = difflib.get_close_matches(str(key), sorted(own), n=1)
+        if str(key).startswith("kvtier") or close:
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(
+                (
+                    f"{EXTRA_CONFIG}.{key}",
+                    f"unknown key{hint} Valid keys: {', '.join(sorted(own))}.",
+                )
+            )
+    if problems:
+        raise ConfigError(problems)
+    options = validate_options(StorageOptions, extra, EXTRA_CONFIG)
+    return cast(StorageOptions, options)
+
+
+def kvtier_config(options: StorageOptions) -> KVTierConfig:
+    """The kvtier configuration the options name (defaults if none), validated."""
+    if options.kvtier is not None and options.kvtier_config_file is not None:
+        raise ConfigError(
+            [(EXTRA_CONFIG, "set either 'kvtier' (inline) or 'kvtier_config_file', not both")]
+        )
+    if options.kvtier_config_file is not None:
+        return load_config(options.kvtier_config_file)  # errors name the file
+    try:
+        return load_config(options.kvtier or {})
+    except ConfigError as error:
+        # Inline, the document sits under the ``kvtier`` key of SGLang's flag.
+        where = f"{EXTRA_CONFIG}.kvtier"
+        raise ConfigError(
+            [(f"{where}.{path}" if path else where, message) for path, message in error.problems]
+        ) from None
+
+
+def with_page_tokens(config: KVTierConfig, page_tokens: int) -> KVTierConfig:
+    """``config`` with one kvtier chunk per SGLang page.
+
+    A chunk is the unit of lookup and transfer and SGLang's page is the unit
+    it asks for, so they must be the same; an explicit ``chunk_tokens`` that
+    differs is an error, not silently replaced.
+    """
+    if "chunk_tokens" in config.model_fields_set and config.chunk_tokens != page_tokens:
+        raise ConfigError(
+            [
+                (
+                    "chunk_tokens",
+                    f"{config.chunk_tokens} differs from SGLang's page size of {page_tokens} "
+                    f"tokens; leave chunk_tokens unset or set it to {page_tokens}",
+                )
+            ]
+        )
+    return config.model_copy(update={"chunk_tokens": page_tokens})
+
+
+def _model_identity(storage_config: Any) -> str:
+    """The model part of the page namespace, from what SGLang's storage config says.
+
+    SGLang gives the model name or path it serves, tagged with the host
+    pool's page format where the pool has one of its own.
+    """
+    name = getattr(storage_config, "model_name", None)
+    if not name:
+        raise ConfigError(
+            [
+                (
+                    f"{EXTRA_CONFIG}.kvtier_model_id",
+                    "SGLang gave no model name; set kvtier_model_id so that pages of "
+                    "different models can never be mixed",
+                )
+            ]
+        )
+    return str(name)
+
+
+def shard_facts(storage_config: Any) -> tuple[tuple[str, str], ...]:
+    """Which slice of the model's KV this rank holds.
+
+    Every TP rank holds other heads of an MHA model, so the TP rank and size
+    are part of the namespace; an MLA model's KV is the same on every TP rank
+    (SGLang's ``is_mla_model``), so its ranks share pages. Pipeline stages
+    hold other layers; context-parallel ranks other slices of each page.
+    """
+    config = storage_config
+    facts = [("pp", f"{config.pp_rank}/{config.pp_size}")]
+    if not config.is_mla_model:
+        facts.append(("tp", f"{config.tp_rank}/{config.tp_size}"))
+    if getattr(config, "attn_cp_size", 1) > 1:
+        facts.append(("attn_cp", f"{config.attn_cp_rank}/{config.attn_cp_size}"))
+    if getattr(config, "dcp_size", 1) > 1:
+        facts.append(("dcp", f"{config.dcp_rank}/{config.dcp_size}"))
+        facts.append(("tp_size", str(config.tp_size)))
+        facts.append(("logical_page_size", str(config.logical_page_size)))
+    return tuple(facts)
+
+
+def page_bytes(host_pool: Any) -> int:
+    """Bytes of one page as the host pool reads and writes it flat."""
+    page = host_pool.get_dummy_flat_data_page()
+    return int(page.numel() * page.element_size())
+
+
+def page_layout(host_pool: Any, storage_config: Any, model_id: str) -> KVLayout:
+    """The :class:`KVLayout` of one SGLang page: a kvtier chunk is one page.
+
+    The host pool's layout (``layer_first``, ``page_first``, ...) decides the
+    byte order of a flat page, so it goes into the namespace with the pool
+    class, the dtype and this rank's shard: two deployments that differ in
+    any of them share nothing. An MHA pool is described by its real geometry;
+    other pools (MLA, ...) by their page size in bytes.
+    """
+    import sglang
+
+    tokens = int(host_pool.page_size)
+    nbytes = page_bytes(host_pool)
+    dtype = str(host_pool.dtype).removeprefix("torch.")
+    layout_name = str(host_pool.layout)
+    major_minor = ".".join(str(sglang.__version__).split(".")[:2])
+    extra = (
+        ("engine", f"sglang-{major_minor}"),
+        ("host_pool", type(host_pool).__name__),
+        ("host_layout", layout_name),
+        ("page_dtype", dtype),
+        ("page_bytes", str(nbytes)),
+        *shard_facts(storage_config),
+    )
+    heads = getattr(host_pool, "head_num", None)
+    head_dim = getattr(host_pool, "head_dim", None)
+    if heads and head_dim and head_dim == getattr(host_pool, "v_head_dim", None):
+        try:
+            layout = KVLayout(
+                model_id=model_id,
+                num_layers=int(host_pool.layer_num),
+                num_kv_heads=int(heads),
+                head_dim=int(head_dim),
+                dtype=dtype,
+                chunk_tokens=tokens,
+                kv_order=f"sglang-page:{layout_name}",
+                extra=extra,
+            )
+        except ValueError:  # a dtype kvtier does not name: the bytes path below
+            pass
+        else:
+            if layout.slot_bytes == nbytes:
+                return layout
+    if nbytes % (2 * tokens):
+        raise LayoutMismatchError(
+            f"SGLang's {type(host_pool).__name__} pages are {nbytes} bytes, which kvtier "
+            f"cannot split into K and V halves of {tokens} tokens"
+        )
+    # Not plain K/V heads: the page travels as opaque bytes, described by the
+    # facts above rather than interpreted.
+    return KVLayout(
+        model_id=model_id,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=nbytes // (2 * tokens),
+        dtype="uint8",
+        chunk_tokens=tokens,
+        kv_order=f"sglang-page-bytes:{layout_name}",
+        extra=extra,
+    )
