@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +87,33 @@ def mla_host_pool(layout: str = "layer_first") -> Any:
     )
 
 
+def write_weights(directory: Path, values: bytes) -> None:
+    """A one-tensor ``model.safetensors`` holding ``values`` (a multiple of 4 bytes)."""
+    header = json.dumps(
+        {"w": {"dtype": "F32", "shape": [len(values) // 4], "data_offsets": [0, len(values)]}}
+    ).encode()
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + values)
+
+
+def model_dir(name: str = "tiny-llama") -> str:
+    """A local model directory SGLang would serve: ``config.json`` and weights.
+
+    The same ``name`` gives the same files in every process (a fresh rank of
+    the same deployment finds the same model); another name, other weights.
+    """
+    directory = Path(tempfile.gettempdir()) / "kvtier-sglang-models" / name
+    if not (directory / "config.json").is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        write_weights(directory, hashlib.sha256(name.encode()).digest())
+        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "name": name}
+        (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
 def storage_config(
     extra: dict[str, Any],
     *,
-    model: str | None = "acme/tiny-llama",
+    model: str | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
     mla: bool = False,
@@ -104,7 +129,7 @@ def storage_config(
         is_mla_model=mla,
         enable_storage_metrics=False,
         is_page_first_layout=False,
-        model_name=model,
+        model_name=model_dir() if model is None else model or None,
         extra_config=extra,
     )
 

@@ -10,6 +10,7 @@ tiers (``memory``, ``fs``) and come back byte for byte.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -28,8 +29,10 @@ from sglang_pages import (
     extra_config,
     host_pool,
     mla_host_pool,
+    model_dir,
     page_digest,
     page_hashes,
+    write_weights,
 )
 
 from kvtier.errors import ConfigError
@@ -215,7 +218,7 @@ def test_a_new_process_finds_the_pages_on_the_same_fs_root(tmp_path: Path) -> No
     ("name", "layout", "config"),
     [
         ("page layout", "page_first", {}),
-        ("model", "layer_first", {"model": "acme/other-model"}),
+        ("model", "layer_first", {"model": model_dir("other-model")}),
         ("tp rank", "layer_first", {"tp_rank": 1, "tp_size": 2}),
     ],
 )
@@ -314,16 +317,48 @@ def test_sglangs_own_keys_pass_and_a_page_size_mismatch_fails(tmp_path: Path) ->
     backend.close()
 
 
-def test_a_model_without_a_name_needs_kvtier_model_id(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["", "acme/not-on-this-machine"])
+def test_a_model_kvtier_cannot_identify_needs_kvtier_model_id(tmp_path: Path, model: str) -> None:
     with pytest.raises(ConfigError, match="kvtier_model_id"):
-        attach(host_pool(), extra_config(fs_config(tmp_path)), model=None)
+        attach(host_pool(), extra_config(fs_config(tmp_path)), model=model)
     backend = attach(
-        host_pool(), extra_config(fs_config(tmp_path), kvtier_model_id="acme/tiny"), model=None
+        host_pool(), extra_config(fs_config(tmp_path), kvtier_model_id="acme/tiny"), model=model
     )
     try:
         assert backend.kv.layout.model_id == "acme/tiny"
     finally:
         backend.close()
+
+
+def test_weights_changed_in_place_share_nothing(tmp_path: Path) -> None:
+    """New weights at the same path (size and time kept) never read the old pages."""
+    model = Path(tmp_path / "model")
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    write_weights(model, bytes(64))
+    root = tmp_path / "kv"
+    keys = page_hashes(TOKENS)
+    pool = host_pool()
+    fill(pool, seed=8)
+    backend = attach(pool, extra_config(fs_config(root)), model=str(model))
+    try:
+        assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
+    finally:
+        backend.close()
+    same = attach(host_pool(), extra_config(fs_config(root)), model=str(model))
+    try:
+        assert same.batch_exists(keys) == len(keys)  # the same weights find their pages
+    finally:
+        same.close()
+    weights = model / "model.safetensors"
+    stat = weights.stat()
+    write_weights(model, bytes(range(64)))  # k/v projections scaled, say
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    changed = attach(host_pool(), extra_config(fs_config(root)), model=str(model))
+    try:
+        assert changed.batch_exists(keys) == 0
+    finally:
+        changed.close()
 
 
 def test_a_page_of_the_wrong_size_is_refused_and_nothing_is_stored(tmp_path: Path) -> None:

@@ -10,13 +10,22 @@ nearest valid key instead of being silently ignored.
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.config import KVTierConfig, load_config, validate_options
 from kvtier.errors import ConfigError, LayoutMismatchError
+from kvtier.identity import (
+    ModelIdentity,
+    config_digest,
+    declared_weights,
+    identify_weights,
+    locate_model,
+)
 from kvtier.layout import KVLayout
 
 #: Where SGLang's users write these keys, for error paths.
@@ -116,24 +125,54 @@ def with_page_tokens(config: KVTierConfig, page_tokens: int) -> KVTierConfig:
     return config.model_copy(update={"chunk_tokens": page_tokens})
 
 
-def _model_identity(storage_config: Any) -> str:
-    """The model part of the page namespace, from what SGLang's storage config says.
+@dataclass(frozen=True)
+class ModelFacts:
+    """The model part of the page namespace: a name, and what identifies its KV."""
 
-    SGLang gives the model name or path it serves, tagged with the host
-    pool's page format where the pool has one of its own.
+    #: A readable name: the declared ``kvtier_model_id``, else the architecture.
+    name: str
+    #: ``config`` and ``weights`` entries of the layout (:class:`ModelIdentity`).
+    extra: tuple[tuple[str, str], ...]
+
+
+def model_facts(storage_config: Any, host_pool: Any, declared_id: str | None) -> ModelFacts:
+    """What identifies the KV of the model SGLang serves, the same way for every
+    integration (:mod:`kvtier.identity`): a digest of the model's ``config.json``
+    and an identity of its weights files, found from SGLang's model path.
+
+    SGLang hands storage backends its model path (tagged with the host pool's
+    page format, which the layout records anyway). A model kvtier cannot find
+    on disk (or in the hub cache) fails closed: without ``kvtier_model_id``
+    nothing would tell its weights apart after an in-place update.
     """
     name = getattr(storage_config, "model_name", None)
-    if not name:
-        raise ConfigError(
-            [
-                (
-                    f"{EXTRA_CONFIG}.kvtier_model_id",
-                    "SGLang gave no model name; set kvtier_model_id so that pages of "
-                    "different models can never be mixed",
-                )
-            ]
-        )
-    return str(name)
+    tag = getattr(host_pool, "storage_format_tag", None)
+    if name and tag and name.endswith(f"-{tag}"):
+        name = name[: -len(tag) - 1]
+    directory = locate_model(name) if name else None
+    config: dict[str, Any] = {}
+    if directory is not None and (directory / "config.json").is_file():
+        config = json.loads((directory / "config.json").read_text())
+    if declared_id is not None:
+        weights = declared_weights(declared_id)
+    else:
+        found = identify_weights(name) if directory is not None and name else None
+        if found is None:
+            what = f"{name!r} is neither a local model directory nor a cached hub snapshot"
+            raise ConfigError(
+                [
+                    (
+                        f"{EXTRA_CONFIG}.kvtier_model_id",
+                        f"SGLang's model {what if name else 'has no name'}, so kvtier cannot "
+                        "tell when its weights change; set kvtier_model_id (and change it "
+                        "whenever the weights change)",
+                    )
+                ]
+            )
+        weights = found.token
+    architectures = config.get("architectures") or ["model"]
+    identity = ModelIdentity(config_digest(config), weights)
+    return ModelFacts(declared_id or str(architectures[0]), identity.layout_extra)
 
 
 def shard_facts(storage_config: Any) -> tuple[tuple[str, str], ...]:
@@ -163,7 +202,7 @@ def page_bytes(host_pool: Any) -> int:
     return int(page.numel() * page.element_size())
 
 
-def page_layout(host_pool: Any, storage_config: Any, model_id: str) -> KVLayout:
+def page_layout(host_pool: Any, storage_config: Any, model: ModelFacts) -> KVLayout:
     """The :class:`KVLayout` of one SGLang page: a kvtier chunk is one page.
 
     The host pool's layout (``layer_first``, ``page_first``, ...) decides the
@@ -180,6 +219,7 @@ def page_layout(host_pool: Any, storage_config: Any, model_id: str) -> KVLayout:
     layout_name = str(host_pool.layout)
     major_minor = ".".join(str(sglang.__version__).split(".")[:2])
     extra = (
+        *model.extra,
         ("engine", f"sglang-{major_minor}"),
         ("host_pool", type(host_pool).__name__),
         ("host_layout", layout_name),
@@ -192,7 +232,7 @@ def page_layout(host_pool: Any, storage_config: Any, model_id: str) -> KVLayout:
     if heads and head_dim and head_dim == getattr(host_pool, "v_head_dim", None):
         try:
             layout = KVLayout(
-                model_id=model_id,
+                model_id=model.name,
                 num_layers=int(host_pool.layer_num),
                 num_kv_heads=int(heads),
                 head_dim=int(head_dim),
@@ -214,7 +254,7 @@ def page_layout(host_pool: Any, storage_config: Any, model_id: str) -> KVLayout:
     # Not plain K/V heads: the page travels as opaque bytes, described by the
     # facts above rather than interpreted.
     return KVLayout(
-        model_id=model_id,
+        model_id=model.name,
         num_layers=1,
         num_kv_heads=1,
         head_dim=nbytes // (2 * tokens),

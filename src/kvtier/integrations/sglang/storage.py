@@ -30,8 +30,8 @@ from kvtier.keys import ChunkKey, chain_key
 from kvtier.manager import TieringManager
 
 from .settings import (
-    _model_identity,
     kvtier_config,
+    model_facts,
     page_layout,
     storage_options,
     with_page_tokens,
@@ -63,7 +63,6 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.options = storage_options(storage_config.extra_config)
         self.config = kvtier_config(self.options)
-        self.model_id = self.options.kvtier_model_id or _model_identity(storage_config)
         self._lock = threading.RLock()
         self._kv: KVCache | None = None
         self.mem_pool_host: Any = None
@@ -75,7 +74,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         with self._lock:
             if self._kv is not None:
                 raise RuntimeError("kvtier: a host pool is already registered with this backend")
-            layout = page_layout(mem_pool_host, self.storage_config, self.model_id)
+            model = model_facts(self.storage_config, mem_pool_host, self.options.kvtier_model_id)
+            layout = page_layout(mem_pool_host, self.storage_config, model)
             self._kv = KVCache(with_page_tokens(self.config, layout.chunk_tokens), layout)
             self.mem_pool_host = mem_pool_host
             self._dtype = mem_pool_host.dtype
