@@ -37,6 +37,7 @@ from kvtier.lifecycle import Lifecycle
 from kvtier.manager import TieringManager
 from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.prefix import ChunkCopier, HeldPrefix, copy_out
+from kvtier.sim.record import TraceRecorder
 from kvtier.specs.factory import OffloadingSpecFactory
 
 __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
@@ -65,6 +66,9 @@ class KVCache:
         except BaseException:
             self.manager.shutdown()
             raise
+        self.manager.trace_recorder = TraceRecorder.from_config(
+            self.config.trace_recording, layout.chunk_tokens
+        )
         #: Admits calls until :meth:`close`, which waits for the copies in progress.
         self.lifecycle = Lifecycle("KVCache")
         self._close_lock = threading.Lock()
@@ -109,6 +113,9 @@ class KVCache:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         keys = self._keys(array)
+        recorder = self.manager.trace_recorder
+        if recorder is not None and not self.closed:  # one record a lookup: what simulate replays
+            recorder.record(keys, len(array))
         owned = request_id is None
         request = f"kvtier-{uuid.uuid4().hex}" if request_id is None else request_id
         deadline = time.monotonic() + timeout
