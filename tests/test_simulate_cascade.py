@@ -112,3 +112,11 @@ def test_simulate_reports_hits_per_tier_with_a_secondary_tier() -> None:
     )
     assert table.exit_code == 0, table.output
     assert "secondary" in table.output
+
+
+def test_a_bad_secondary_capacity_is_named() -> None:
+    result = CliRunner().invoke(
+        cli, ["simulate", "--chat-seed", "1", "--limit", "50", "-p", "lru", "-s", "8GiB"]
+    )
+    assert result.exit_code == 2
+    assert "--secondary" in result.output and "--chunk-bytes" in result.output

@@ -60,15 +60,16 @@ class KVCache:
         self.spec = OffloadingSpecFactory.create_spec(self.config, layout)
         self.manager: TieringManager = self.spec.build_manager()
         try:
+            # Owned by the manager from here: its shutdown closes the recorder.
+            self.manager.trace_recorder = TraceRecorder.from_config(
+                self.config.trace_recording, layout.chunk_tokens
+            )
             self.metrics: KVTierMetrics = attach_metrics(
                 self.manager, self.config.metrics, metrics_registry
             )
         except BaseException:
             self.manager.shutdown()
             raise
-        self.manager.trace_recorder = TraceRecorder.from_config(
-            self.config.trace_recording, layout.chunk_tokens
-        )
         #: Admits calls until :meth:`close`, which waits for the copies in progress.
         self.lifecycle = Lifecycle("KVCache")
         self._close_lock = threading.Lock()
