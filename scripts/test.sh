@@ -37,7 +37,7 @@ pytest -q -m "not slow" --ignore=tests/integrations/test_vllm.py \
     --ignore=tests/integrations/test_sglang.py
 pytest -q examples/acme-kvtier/tests
 # The trace simulator end to end, on a small generated trace.
-kvtier simulate --chat-seed 1 --limit 800 -p lru -p leaf-lru -c 5% -c 20% --json >/dev/null
+kvtier simulate --chat-seed 1 --limit 800 -p lru -p leaf-lru -c 5% -c 20% --secondary 30% --json >/dev/null
 deactivate
 
 ./scripts/test-vllm.sh

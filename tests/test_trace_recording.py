@@ -10,13 +10,25 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from kvtier import KVCache
 from kvtier.cli import cli
+from kvtier.config import load_config
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, chunk_keys
+from kvtier.policies import CachePolicyFactory
 from kvtier.sim.record import TraceRecorder
-from kvtier.sim.trace import read_trace
+from kvtier.sim.replay import PrimaryReplay
+from kvtier.sim.synthetic import ChatShape, chat_trace
+from kvtier.sim.trace import Request, parse_records, read_trace
+from kvtier.testing import small_layout
 
 BLOCK = 4
 NAMESPACE = b"kvtier-test-namespace"
+
+
+def chat_trace_requests(seed: int) -> list[Request]:
+    shape = ChatShape(conversations=80, system_prompts=3, think_s=20.0)
+    return parse_records(enumerate(chat_trace(seed, shape), 1), "chat", block_size=256)
 
 
 def prompts() -> list[list[int]]:
@@ -115,3 +127,120 @@ def test_an_unwritable_path_is_logged_once_and_counted(
     assert recorder.failed_writes == len(prompts()) and recorder.written == 0
     warnings = [r for r in caplog.records if "cannot write trace" in r.getMessage()]
     assert len(warnings) == 1 and str(path) in warnings[0].getMessage()
+
+
+# Recording through KVCache (and so the transformers integration) ---------------
+
+
+def replayed_hits(path: Path, policy: str, slots: int) -> list[int]:
+    """Per-request hits of ``policy`` replaying the trace at ``path``, as simulate does."""
+    simulated = PrimaryReplay(CachePolicyFactory.create_cache_policy(policy, slots))
+    return [simulated.request(request.blocks) for request in read_trace(path)]
+
+
+@pytest.mark.parametrize("policy", ["leaf-lru", "lru"])
+def test_a_recording_made_through_kvcache_replays_to_the_same_hits(
+    tmp_path: Path, policy: str
+) -> None:
+    requests = chat_trace_requests(seed=5)[:200]
+    slots = 40
+    layout = small_layout(chunk_tokens=4, head_dim=4)
+    path = tmp_path / "traffic.jsonl"
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": slots * layout.slot_bytes,
+        "eviction_policy": policy,
+        "trace_recording": {"path": str(path)},
+    }
+    real_hits = []
+    with KVCache(config, layout) as cache:
+        for number, request in enumerate(requests):
+            # Block b is four tokens equal to b, plus a partial chunk on odd requests.
+            tokens = [block for block in request.blocks for _ in range(4)] + [7] * (number % 2)
+            hit = cache.cached_prefix(tokens)
+            cache.store(tokens, lambda index, chunk: None)
+            real_hits.append(hit // 4)
+        recorder = cache.manager.trace_recorder
+        assert recorder is not None
+        recorder.flush()
+        assert cache.metrics.registry.get_sample_value(
+            "kvtier_trace_requests_recorded_total"
+        ) == len(requests)
+        assert (
+            cache.metrics.registry.get_sample_value(
+                "kvtier_trace_requests_dropped_total", {"reason": "queue_full"}
+            )
+            == 0
+        )
+    # Closing the cache closed the recorder: everything is on disk.
+    assert len(path.read_text().splitlines()) == len(requests)
+    assert sum(real_hits) > 0
+    assert replayed_hits(path, policy, slots) == real_hits
+    result = CliRunner().invoke(
+        cli, ["simulate", str(path), "-c", str(slots), "-p", policy, "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    cell = json.loads(result.stdout)["capacities"][0]["policies"][policy]
+    chunks = sum(len(request.blocks) for request in requests)
+    assert cell["hit_ratio"] == pytest.approx(sum(real_hits) / chunks)
+
+
+def test_recording_is_off_by_default_and_dropped_requests_are_counted(tmp_path: Path) -> None:
+    layout = small_layout(chunk_tokens=4, head_dim=4)
+    with KVCache({"chunk_tokens": 4}, layout) as cache:
+        assert cache.manager.trace_recorder is None
+        cache.cached_prefix(list(range(16)))
+        assert (
+            cache.metrics.registry.get_sample_value("kvtier_trace_requests_recorded_total") is None
+        )
+    path = tmp_path / "traffic.jsonl"
+    config = {"chunk_tokens": 4, "trace_recording": {"path": str(path), "queue_size": 1}}
+    with KVCache(config, layout) as cache:
+        recorder = cache.manager.trace_recorder
+        assert recorder is not None
+        entered, release = threading.Event(), threading.Event()
+        write = recorder._write
+
+        def held_write(item: tuple[tuple[ChunkKey, ...], int, int, int]) -> None:
+            entered.set()
+            release.wait()
+            write(item)
+
+        recorder._write = held_write  # type: ignore[method-assign]
+        cache.cached_prefix(list(range(16)))
+        assert entered.wait(10)
+        for _ in range(3):  # one fills the queue, two are dropped, none waits
+            assert cache.cached_prefix(list(range(16))) == 0
+        assert (
+            cache.metrics.registry.get_sample_value(
+                "kvtier_trace_requests_dropped_total", {"reason": "queue_full"}
+            )
+            == 2
+        )
+        release.set()
+    assert len(path.read_text().splitlines()) == 2
+
+
+def test_an_unwritable_trace_path_never_stops_the_cache(tmp_path: Path) -> None:
+    layout = small_layout(chunk_tokens=4, head_dim=4)
+    path = tmp_path / "missing-dir" / "traffic.jsonl"
+    with KVCache({"chunk_tokens": 4, "trace_recording": {"path": str(path)}}, layout) as cache:
+        tokens = list(range(16))
+        cache.store(tokens, lambda index, chunk: None)
+        assert cache.cached_prefix(tokens) == 16
+        recorder = cache.manager.trace_recorder
+        assert recorder is not None
+        recorder.flush()
+        assert (
+            cache.metrics.registry.get_sample_value(
+                "kvtier_trace_requests_dropped_total", {"reason": "write_failed"}
+            )
+            == 1
+        )
+
+
+def test_a_bad_trace_recording_option_names_its_path() -> None:
+    with pytest.raises(ConfigError, match=r"trace_recording\.max_bytes"):
+        load_config({"trace_recording": {"path": "t.jsonl", "max_bytes": 0}})
+    with pytest.raises(ConfigError, match=r"trace_recording\.pth"):
+        load_config({"trace_recording": {"pth": "t.jsonl"}})

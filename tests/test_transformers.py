@@ -280,3 +280,20 @@ def test_a_prefix_found_stays_loadable_while_another_request_fills_the_cpu_tier(
     assert interposed == [0]
     assert reused.reused_tokens == 3 * CHUNK
     assert (logits - expected).abs().max().item() <= 1e-5
+
+
+def test_trace_recording_records_each_prefill_and_replays(tmp_path: Path) -> None:
+    from kvtier.sim.trace import read_trace
+
+    path = tmp_path / "traffic.jsonl"
+    shared = prompt(3 * CHUNK)
+    turns = [shared + prompt(CHUNK + 5, seed=2), shared + prompt(2 * CHUNK, seed=3)]
+    model = tiny_model("llama")
+    with PrefixCache(model, {**kv_config(), "trace_recording": {"path": str(path)}}) as kv:
+        for turn in turns:
+            kv.prefill(turn)
+    requests = read_trace(path)
+    # One record per request, its full prompt chunks; the second shares the first three.
+    assert [len(r.blocks) for r in requests] == [len(t) // CHUNK for t in turns]
+    assert requests[0].blocks[:3] == requests[1].blocks[:3]
+    assert requests[0].blocks[3] != requests[1].blocks[3]

@@ -72,6 +72,21 @@ class MetricsConfig(BaseModel):
     process) instead of a registry of the cache's own."""
 
 
+class TraceRecordingConfig(BaseModel):
+    """Recording each request's chunk keys, anonymised, for ``kvtier simulate``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    path: str | None = None
+    """Append one JSON line per request to this file; unset: nothing is recorded."""
+
+    max_bytes: ByteSize = Field(default=ByteSize(1 << 30), gt=0)
+    """Size at which the file is rotated to ``PATH.1`` (the previous ``.1`` is dropped)."""
+
+    queue_size: int = Field(default=4096, ge=1)
+    """Requests waiting for the writer thread; past it, requests are dropped and counted."""
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """One validated ``secondary_tiers`` entry."""
@@ -129,6 +144,9 @@ class KVTierConfig(BaseModel):
 
     metrics: MetricsConfig = MetricsConfig()
     """Prometheus metrics and their optional HTTP endpoint."""
+
+    trace_recording: TraceRecordingConfig = TraceRecordingConfig()
+    """A trace of the requests' prefixes, off the request path (off by default)."""
 
     def policy_class(self) -> type[CachePolicy]:
         return policy_registry.resolve(self.eviction_policy, self.cache_policy_module_path)

@@ -37,6 +37,7 @@ from kvtier.lifecycle import Lifecycle
 from kvtier.manager import TieringManager
 from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.prefix import ChunkCopier, HeldPrefix, copy_out
+from kvtier.sim.record import TraceRecorder
 from kvtier.specs.factory import OffloadingSpecFactory
 
 __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
@@ -59,6 +60,10 @@ class KVCache:
         self.spec = OffloadingSpecFactory.create_spec(self.config, layout)
         self.manager: TieringManager = self.spec.build_manager()
         try:
+            # Owned by the manager from here: its shutdown closes the recorder.
+            self.manager.trace_recorder = TraceRecorder.from_config(
+                self.config.trace_recording, layout.chunk_tokens
+            )
             self.metrics: KVTierMetrics = attach_metrics(
                 self.manager, self.config.metrics, metrics_registry
             )
@@ -109,6 +114,9 @@ class KVCache:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
         keys = self._keys(array)
+        recorder = self.manager.trace_recorder
+        if recorder is not None and not self.closed:  # one record a lookup: what simulate replays
+            recorder.record(keys, len(array))
         owned = request_id is None
         request = f"kvtier-{uuid.uuid4().hex}" if request_id is None else request_id
         deadline = time.monotonic() + timeout

@@ -114,6 +114,25 @@ class _ManagerCollector(Collector):
         yield inflight
         yield pressured
         yield from self._extra(families.keys())
+        yield from self._trace()
+
+    def _trace(self) -> Iterator[Metric]:
+        recorder = self.manager.trace_recorder
+        if recorder is None:
+            return
+        yield CounterMetricFamily(
+            f"{PREFIX}_trace_requests_recorded",
+            "Requests written to the trace (trace_recording).",
+            value=recorder.written,
+        )
+        dropped = CounterMetricFamily(
+            f"{PREFIX}_trace_requests_dropped",
+            "Requests left out of the trace: the writer's queue was full, or the write failed.",
+            labels=["reason"],
+        )
+        dropped.add_metric(["queue_full"], recorder.dropped)
+        dropped.add_metric(["write_failed"], recorder.failed_writes)
+        yield dropped
 
     def _primary(self) -> Iterator[Metric]:
         primary = self.manager.primary

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from kvtier.errors import KVTierError
 from kvtier.policies.factory import CachePolicyFactory, policy_registry
+from kvtier.sim.cascade import CascadeResult, replay_cascade
 from kvtier.sim.replay import CellResult, belady_min, replay
 from kvtier.sim.synthetic import chat_trace
 from kvtier.sim.trace import (
@@ -36,7 +37,9 @@ DEFAULT_POLICIES = ("lru", "arc", "s3fifo")
 DEFAULT_CAPACITIES = ("5%", "10%", "20%")
 
 
-def parse_capacity(text: str, distinct: int, chunk_bytes: int | None = None) -> int:
+def parse_capacity(
+    text: str, distinct: int, chunk_bytes: int | None = None, option: str = "--capacity"
+) -> int:
     """Slots for ``text``: ``5%`` of the distinct chunks, a chunk count such as ``2000``,
     or, given ``chunk_bytes``, a size such as ``8GiB`` (rounded down to whole chunks)."""
     try:
@@ -59,7 +62,7 @@ def parse_capacity(text: str, distinct: int, chunk_bytes: int | None = None) -> 
         raise click.BadParameter(
             f"{text!r} is neither a share such as 5% (0-100 %), a positive chunk count{sizes}"
             + ("" if chunk_bytes is not None else " (sizes need --chunk-bytes)"),
-            param_hint="--capacity",
+            param_hint=option,
         ) from None
 
 
@@ -100,6 +103,12 @@ _BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
     show_default=True,
     help="Tokens per block of the trace (its chunk size).",
 )
+@click.option(
+    "-s",
+    "--secondary",
+    help="Also replay each policy with one evicting secondary tier of this capacity behind "
+    "the primary (same units as --capacity), and report hits per tier.",
+)
 @click.option("--limit", type=int, help="Replay only the first N requests.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def simulate(
@@ -109,6 +118,7 @@ def simulate(
     capacities: tuple[str, ...],
     block_size: int,
     chunk_bytes: str | None,
+    secondary: str | None,
     limit: int | None,
     as_json: bool,
 ) -> None:
@@ -118,7 +128,9 @@ def simulate(
     "hash_ids" (prefix block ids) and "input_length" (tokens), as in
     Mooncake's published traces and kvtier's recorder. Prints each policy's
     hit ratio (leading resident chunks / all chunks), its ratio to Belady's
-    MIN, and the share of the LRU-to-MIN gap it closes.
+    MIN, and the share of the LRU-to-MIN gap it closes. With --secondary,
+    also the hits each tier serves when an LRU-evicting secondary tier sits
+    behind the primary one (every transfer done before the next request).
     """
     if (trace is None) == (chat_seed is None):
         raise click.UsageError("give a TRACE file or --chat-seed, not both or neither")
@@ -138,7 +150,10 @@ def simulate(
     distinct = distinct_blocks(requests)
     chunk = _chunk_bytes(chunk_bytes)
     slots = [parse_capacity(text, distinct, chunk) for text in capacities or DEFAULT_CAPACITIES]
-    report = run(requests, policies, slots, progress=not as_json)
+    secondary_slots = (
+        None if secondary is None else parse_capacity(secondary, distinct, chunk, "--secondary")
+    )
+    report = run(requests, policies, slots, progress=not as_json, secondary=secondary_slots)
     report["trace"] = str(trace) if trace is not None else f"chat seed {chat_seed}"
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -169,9 +184,15 @@ def _load(
 
 
 def run(
-    requests: list[Request], policies: tuple[str, ...], slots: list[int], *, progress: bool
+    requests: list[Request],
+    policies: tuple[str, ...],
+    slots: list[int],
+    *,
+    progress: bool,
+    secondary: int | None = None,
 ) -> dict[str, Any]:
-    """Every policy and MIN at every capacity: the report ``--json`` prints."""
+    """Every policy and MIN at every capacity (and with a ``secondary`` tier of that
+    many chunks behind the primary): the report ``--json`` prints."""
     distinct = distinct_blocks(requests)
     bar = Progress(
         TextColumn("{task.description}"),
@@ -184,7 +205,8 @@ def run(
     )
     cells: list[dict[str, Any]] = []
     with bar:
-        task = bar.add_task("replaying", total=len(requests) * len(slots) * (len(policies) + 1))
+        runs = len(slots) * (len(policies) * (1 if secondary is None else 2) + 1)
+        task = bar.add_task("replaying", total=len(requests) * runs)
 
         def advance() -> None:
             bar.advance(task)
@@ -200,7 +222,18 @@ def run(
                 )
                 for name in policies
             ]
-            cells.append(_cell(capacity, distinct, optimum, results))
+            cell = _cell(capacity, distinct, optimum, results)
+            if secondary is not None:
+                for name in policies:
+                    cascade = replay_cascade(
+                        requests,
+                        CachePolicyFactory.create_cache_policy(name, capacity),
+                        name,
+                        secondary,
+                        advance,
+                    )
+                    cell["policies"][name]["with_secondary"] = _cascade_entry(cascade)
+            cells.append(cell)
     return {
         "requests": len(requests),
         "chunks": sum(len(request.blocks) for request in requests),
@@ -233,12 +266,28 @@ def _cell(
     }
 
 
+def _cascade_entry(result: CascadeResult) -> dict[str, Any]:
+    return {
+        "secondary_slots": result.secondary_capacity,
+        "hit_ratio": result.hit_ratio,
+        "primary_hit_ratio": result.primary_hit_ratio,
+        "secondary_hit_ratio": result.secondary_hit_ratio,
+    }
+
+
 def _table(report: dict[str, Any]) -> Table:
-    table = Table(
-        title=f"kvtier simulate {report['trace']}: {report['requests']} requests, "
+    title = (
+        f"kvtier simulate {report['trace']}: {report['requests']} requests, "
         f"{report['chunks']} chunks, {report['distinct_chunks']} distinct"
     )
-    for column in ("slots", "share", "policy", "hit ratio", "of MIN", "LRU-to-MIN gap closed"):
+    columns = ["slots", "share", "policy", "hit ratio", "of MIN", "LRU-to-MIN gap closed"]
+    first_cell = report["capacities"][0]["policies"]
+    secondary = next(iter(first_cell.values())).get("with_secondary")
+    if secondary is not None:
+        title += f"; with a secondary tier of {secondary['secondary_slots']} chunks:"
+        columns += ["CPU hits", "secondary hits", "both"]
+    table = Table(title=title)
+    for column in columns:
         table.add_column(column, justify="left" if column == "policy" else "right")
     for cell in report["capacities"]:
         first = True
@@ -246,14 +295,26 @@ def _table(report: dict[str, Any]) -> Table:
         rows.append(("MIN", {"hit_ratio": cell["min_hit_ratio"], "of_min": 1.0}))
         for name, entry in rows:
             closed = entry.get("gap_closed")
-            table.add_row(
+            row = [
                 str(cell["slots"]) if first else "",
                 f"{cell['share']:.1%}" if first else "",
                 name,
                 f"{entry['hit_ratio']:.3f}",
                 f"{entry['of_min']:.2f}" if entry["of_min"] is not None else "-",
                 f"{closed:.1%}" if closed is not None else "-",
-            )
+            ]
+            if secondary is not None:
+                tiers = entry.get("with_secondary")
+                row += (
+                    ["-"] * 3
+                    if tiers is None
+                    else [
+                        f"{tiers['primary_hit_ratio']:.3f}",
+                        f"{tiers['secondary_hit_ratio']:.3f}",
+                        f"{tiers['hit_ratio']:.3f}",
+                    ]
+                )
+            table.add_row(*row)
             first = False
         table.add_section()
     return table

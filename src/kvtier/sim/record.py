@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
+from kvtier.config import TraceRecordingConfig
 from kvtier.keys import ChunkKey
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class TraceRecorder:
         self._clock = clock
         self._started = clock()
         self._queue: queue.Queue[object] = queue.Queue(queue_size)
+        # Requests come from any thread: the drop count takes a lock (only when dropping).
+        self._drop_lock = threading.Lock()
         #: Requests dropped because the queue was full, and writes that failed.
         self.dropped = 0
         self.failed_writes = 0
@@ -77,10 +80,23 @@ class TraceRecorder:
         try:
             self._queue.put_nowait((tuple(keys), input_length, output_length, timestamp))
         except queue.Full:
-            self.dropped += 1
+            with self._drop_lock:
+                self.dropped += 1
             self._warn_once(
                 "full", "trace queue full: requests are dropped (counted), not waited for"
             )
+
+    @classmethod
+    def from_config(cls, config: TraceRecordingConfig, block_size: int) -> TraceRecorder | None:
+        """The recorder ``config`` asks for, or ``None`` when recording is off."""
+        if config.path is None:
+            return None
+        return cls(
+            config.path,
+            block_size=block_size,
+            max_bytes=int(config.max_bytes),
+            queue_size=config.queue_size,
+        )
 
     def flush(self) -> None:
         """Wait until every queued request is written (or has failed)."""

@@ -59,18 +59,24 @@ class PrimaryReplay:
         if hits:
             leading = keys[:hits]
             policy.touch(leading)  # the lookup; a load pins without touching
-        stored = keys[: self.slots]
-        new = [key for key in dict.fromkeys(stored) if key not in resident]
+        self.store(blocks)
+        return hits
+
+    def store(self, blocks: Sequence[int]) -> list[int]:
+        """``KVCache.store`` of a request: returns the chunks written (none if no room)."""
+        policy, resident = self.policy, self.resident
+        stored = blocks[: self.slots]
+        new = [block for block in dict.fromkeys(stored) if block not in resident]
         shortfall = len(resident) + len(new) - self.slots
         if shortfall > 0:
-            victims = policy.evict(shortfall, set(stored))
+            victims = policy.evict(shortfall, set(stored))  # type: ignore[arg-type]
             if victims is None:  # the request alone fills the tier: it stores nothing
-                return hits
+                return []
             resident.difference_update(victims)
-        for key in new:
-            resident.add(key)  # type: ignore[arg-type]
-            policy.insert(key)
-        return hits
+        for block in new:
+            resident.add(block)
+            policy.insert(block)  # type: ignore[arg-type]
+        return new
 
 
 def replay(

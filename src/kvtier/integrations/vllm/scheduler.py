@@ -303,6 +303,8 @@ class SchedulerSide:
         if state is None:
             keys = request_keys(self.layout.namespace, request, self.chunk_tokens)
             state = self._requests[request.request_id] = _Request(request, keys)
+            if keys is not None and self.manager.trace_recorder is not None:  # once a request
+                self.manager.trace_recorder.record(keys, len(request.prompt_token_ids))
         return state
 
     def _release_name(self) -> None:
