@@ -32,9 +32,9 @@ ruff format --check src tests benchmarks examples
 mypy
 mypy examples/acme-kvtier/src examples/acme-kvtier/tests
 mypy benchmarks/*.py
-# The vLLM and SGLang suites need their own environments: they run below, not here.
-pytest -q -m "not slow" --ignore=tests/integrations/test_vllm.py \
-    --ignore=tests/integrations/test_sglang.py
+# The vLLM and SGLang suites (tests/integrations) need their own environments:
+# they run below, not here.
+pytest -q -m "not slow" --ignore=tests/integrations
 pytest -q examples/acme-kvtier/tests
 # The trace simulator end to end, on a small generated trace.
 kvtier simulate --chat-seed 1 --limit 800 -p lru -p leaf-lru -c 5% -c 20% --secondary 30% --json >/dev/null
