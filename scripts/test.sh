@@ -2,14 +2,15 @@
 # kvtier's whole test run: lint, types, the fast suite, the example tier
 # package, then the vLLM end-to-end suite in its own environment.
 #
-# Creates .venv with kvtier and every extra. The tests start (and stop) the
+# Creates .venv-test with kvtier and every extra (its own environment: the
+# README's .venv stays a plain install). The tests start (and stop) the
 # servers they need on loopback: redis-server (installed here from Debian's
 # packages when missing), moto's S3 server, kvtier peer nodes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m venv .venv
-. .venv/bin/activate
+python3 -m venv .venv-test
+. .venv-test/bin/activate
 python -m pip install --quiet --upgrade pip
 # torch's CPU build first, so that the transformers extra keeps it.
 python -m pip install --quiet torch==2.13.0
@@ -33,6 +34,8 @@ mypy benchmarks/*.py
 # The vLLM suite needs its own environment: it runs below, not here.
 pytest -q -m "not slow" --ignore=tests/integrations/test_vllm.py
 pytest -q examples/acme-kvtier/tests
+# The trace simulator end to end, on a small generated trace.
+kvtier simulate --chat-seed 1 --limit 800 -p lru -p leaf-lru -c 5% -c 20% --json >/dev/null
 deactivate
 
 ./scripts/test-vllm.sh

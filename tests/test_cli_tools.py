@@ -83,9 +83,18 @@ def test_bench_reports_a_failing_tier_and_exits_non_zero(tmp_path: Path) -> None
 
 def test_bench_table_and_bad_tier_index(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"type": "memory"})
-    shown = CliRunner().invoke(cli, ["bench", config, "--chunks", "4", "--chunk-kib", "16"])
+    shown = CliRunner().invoke(
+        cli, ["bench", config, "--chunks", "4", "--chunk-kib", "16"], env={"COLUMNS": "80"}
+    )
     assert shown.exit_code == 0, shown.output
-    assert "store" in shown.stdout and "load" in shown.stdout and "p99 ms" in shown.stdout
+    assert (
+        "store" in shown.stdout and "load" in shown.stdout and "latency of one job" in shown.stdout
+    )
+    # At 80 columns every header and cell is whole: nothing is cut to an ellipsis.
+    assert "…" not in shown.stdout
+    assert max(len(line) for line in shown.stdout.splitlines()) <= 80
+    for header in ("chunks/s", "MB/s", "×copy", "p50", "p90", "p99", "fail"):
+        assert header in shown.stdout
     wrong = CliRunner().invoke(cli, ["bench", config, "--tier", "3"])
     assert wrong.exit_code == 2 and "no tier 3" in wrong.output
 

@@ -18,7 +18,7 @@ def problems(document: object) -> dict[str, str]:
 
 def test_defaults_are_valid() -> None:
     config = load_config(None)
-    assert config.chunk_tokens == 256 and config.eviction_policy == "lru"
+    assert config.chunk_tokens == 256 and config.eviction_policy == "leaf-lru"
     assert config.secondary_tiers == ()
 
 

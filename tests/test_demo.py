@@ -14,7 +14,7 @@ pytest.importorskip("transformers", reason="needs the 'transformers' extra")
 
 from kvtier.cli import cli
 from kvtier.demo.model import SIZES, ByteTokenizer
-from kvtier.demo.workload import chat_workload
+from kvtier.demo.workload import RequestRecord, chat_workload
 
 WIDE = {"COLUMNS": "160"}
 
@@ -144,3 +144,77 @@ def test_a_request_is_labelled_by_where_its_prefix_came_from(
 
     record = RequestRecord(0, 0, 40, 2, hit_chunks, reused, promoted, 0, 0.1, [1])
     assert record.source(["fs"]) == expected
+
+
+def test_a_directory_without_a_model_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("no model here")
+    result = CliRunner().invoke(cli, ["demo", "--quick", "--model", str(tmp_path)], env=WIDE)
+    assert result.exit_code == 2
+    assert f"cannot load a model from {tmp_path}" in result.output
+    assert "Traceback" not in result.output and result.exception is not None
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_a_vocabulary_too_small_for_byte_tokens_is_a_clear_error(tmp_path: Path) -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    result = CliRunner().invoke(
+        cli, ["demo", "--quick", "--model", str(tmp_path / "model")], env=WIDE
+    )
+    assert result.exit_code == 2
+    assert "too small for byte tokens" in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def _record(conversation: int, turn: int, ttft_s: float, reused: int) -> RequestRecord:
+    return RequestRecord(conversation, turn, 64, 4, reused // 16, reused, (0,), 0, ttft_s, [1])
+
+
+def test_each_rows_speed_up_agrees_with_its_columns() -> None:
+    from kvtier.demo.report import summarise
+    from kvtier.demo.workload import DemoRun
+
+    # The first baseline request is slow (say a cold start) and is a kvtier miss:
+    # the miss row compares it with itself, not with the baseline's overall mean.
+    baseline = [_record(0, 0, 6.0, 0), _record(0, 1, 2.0, 0), _record(1, 1, 2.0, 0)]
+    kvtier = [_record(0, 0, 5.0, 0), _record(0, 1, 0.5, 48), _record(1, 1, 1.0, 48)]
+    rows = {row.label: row for row in summarise(DemoRun(baseline, kvtier, None), ["fs"])}
+    miss = rows["kvtier: miss, prefill + store"]
+    assert miss.baseline_ttft_s == 6.0 and miss.mean_ttft_s == 5.0
+    assert miss.speedup == pytest.approx(1.2)
+    hit = rows["kvtier: CPU-tier hit"]
+    assert hit.baseline_ttft_s == 2.0 and hit.mean_ttft_s == 0.75
+    assert hit.speedup == pytest.approx(hit.baseline_ttft_s / hit.mean_ttft_s)
+
+
+def test_hits_slower_than_a_prefill_are_explained() -> None:
+    from kvtier.demo.report import slow_hits_note, summarise
+    from kvtier.demo.workload import DemoRun
+
+    baseline = [_record(0, 0, 0.002, 0), _record(0, 1, 0.002, 0)]
+    slow = [_record(0, 0, 0.003, 0), _record(0, 1, 0.004, 48)]
+    note = slow_hits_note(summarise(DemoRun(baseline, slow, None), []))
+    assert note is not None and "did not pay off" in note and "--quick" in note
+    fast = [_record(0, 0, 0.003, 0), _record(0, 1, 0.001, 48)]
+    assert slow_hits_note(summarise(DemoRun(baseline, fast, None), [])) is None
+
+
+def test_the_quick_demo_says_why_its_hits_do_not_pay(tmp_path: Path) -> None:
+    output = run_demo("--dir", str(tmp_path))
+    speedups = [
+        float(line.split("│")[-2].strip().rstrip("×"))
+        for line in output.splitlines()
+        if "-tier hit" in line
+    ]
+    assert speedups, output
+    # Whatever this machine measures, a hit slower than a prefill never goes unexplained.
+    assert ("did not pay off" in output) == any(s < 1 for s in speedups)

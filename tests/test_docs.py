@@ -153,3 +153,28 @@ def test_generating_the_reference_imports_no_backend_client() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_install_commands_in_the_docs_work_from_a_checkout() -> None:
+    """kvtier is not on the package index yet: a bare ``pip install kvtier`` fails."""
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    bare = re.compile(r"^\s*pip install (?:-U )?['\"]?kvtier(?:\[[^\]]*\])?['\"]?\s*(?:#.*)?$")
+    for page in pages:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            assert not bare.match(line), f"{page.name}:{number}: {line.strip()}"
+
+
+def test_the_test_script_keeps_its_own_environment() -> None:
+    """The README's first command makes a plain ``.venv``; the tests must not rebuild it."""
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "scripts" / "test.sh").read_text()
+    created = re.findall(r"python3 -m venv (\S+)", script)
+    assert created and ".venv" not in created
+    assert "python3 -m venv .venv " in (root / "README.md").read_text()
+
+
+def test_a_missing_extra_names_the_command_for_a_checkout_and_for_a_release() -> None:
+    message = str(MissingDependencyError("redis", "redis"))
+    assert "pip install 'kvtier[redis]'" in message
+    assert "pip install '.[redis]'" in message

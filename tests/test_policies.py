@@ -13,6 +13,9 @@ from kvtier.keys import ChunkKey
 from kvtier.policies import CachePolicy, CachePolicyFactory
 from kvtier.policies.arc import ARCCachePolicy
 from kvtier.primary import PrimaryTier, SlotBuffer
+from kvtier.sim.replay import PrimaryReplay
+from kvtier.sim.synthetic import ChatShape, chat_trace
+from kvtier.sim.trace import parse_records
 from kvtier.testing import PolicyContractTests
 from kvtier.testing.policy_suite import key
 
@@ -194,3 +197,56 @@ def test_policy_loaded_by_module_path_from_config(registries: None) -> None:
 def test_config_names_a_module_without_the_policy_class(registries: None) -> None:
     with pytest.raises(PluginLoadError, match=r"fifo_policy.*NoSuchPolicy"):
         CachePolicyFactory.get_cache_policy_class("NoSuchPolicy", "fifo_policy")
+
+
+class TestLeafFirstLRUContract(PolicyContractTests):
+    policy_name = "leaf-lru"
+
+
+def test_leaf_lru_gives_up_a_requests_deepest_chunks_first() -> None:
+    policy = make("leaf-lru", 8)
+    k = [key(i) for i in range(7)]
+    for chunk in k[:4]:  # the tier filling: no request boundaries to read, so LRU order
+        policy.insert(chunk)
+    # A request hits k0 k1 (the lookup's touch, then the load's) and stores k4 k5.
+    policy.touch(k[:2])
+    policy.touch(k[:2])
+    assert policy.evict(2, set(k[:2] + k[4:6])) == [k[2], k[3]]
+    policy.insert(k[4])
+    policy.insert(k[5])
+    # A request that hits nothing stores k6: the older request goes, leaves first.
+    assert policy.evict(1, {k[6]}) == [k[5]]
+    policy.insert(k[6])
+    assert policy.evict(3, ()) == [k[4], k[1], k[0]]
+    assert policy.evict(1, ()) == [k[6]]
+
+
+def replay_hits(name: str, capacity: int, requests: list[tuple[int, ...]]) -> int:
+    primary = PrimaryReplay(make(name, capacity))
+    return sum(primary.request(blocks) for blocks in requests)
+
+
+def test_leaf_lru_keeps_the_prefix_lru_strands() -> None:
+    # Three slots. The second request re-reads 1 2 3; the third needs one slot.
+    # LRU gives up 1, the root, so the last request hits nothing; leaf-lru gives up 3.
+    requests = [(1, 2, 3), (1, 2, 3), (4,), (1, 2, 3)]
+    assert replay_hits("lru", 3, requests) == 3
+    assert replay_hits("leaf-lru", 3, requests) == 3 + 2
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_leaf_lru_never_hits_less_than_lru_on_chat_traces(seed: int) -> None:
+    shape = ChatShape(conversations=150, system_prompts=4, think_s=15.0)
+    records = enumerate(chat_trace(seed, shape), 1)
+    requests = [r.blocks for r in parse_records(records, "chat", block_size=shape.block_size)]
+    distinct = len({b for blocks in requests for b in blocks})
+    gained = 0
+    for share in (0.05, 0.1, 0.2):
+        capacity = int(share * distinct)
+        lru, leaf = (
+            replay_hits("lru", capacity, requests),
+            replay_hits("leaf-lru", capacity, requests),
+        )
+        assert leaf >= lru
+        gained += leaf - lru
+    assert gained > 0

@@ -8,6 +8,7 @@ from kvtier.errors import (
     LayoutMismatchError,
     MissingDependencyError,
     PluginLoadError,
+    PluginTypeError,
     UnknownPluginError,
     UntrustedModuleError,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "OffloadingSpec",
     "OffloadingSpecFactory",
     "PluginLoadError",
+    "PluginTypeError",
     "SecondaryTier",
     "SecondaryTierFactory",
     "ThreadedTier",

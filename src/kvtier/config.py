@@ -105,8 +105,9 @@ class KVTierConfig(BaseModel):
     cpu_bytes_to_use: ByteSize = Field(default=ByteSize(1 << 30), gt=0)
     """Size of the CPU primary tier (e.g. ``8GiB``); rounded down to whole chunks."""
 
-    eviction_policy: str = "lru"
-    """Cache policy of the primary tier: ``lru``, ``arc``, ``s3fifo`` or an out-of-tree name."""
+    eviction_policy: str = "leaf-lru"
+    """Cache policy of the primary tier: ``leaf-lru``, ``lru``, ``arc``, ``s3fifo`` or an
+    out-of-tree name."""
 
     cache_policy_module_path: str | None = None
     """Module to import an out-of-tree ``eviction_policy`` class from (trusted input)."""
@@ -264,6 +265,8 @@ def _problems_from(
                 else f"(got {_redacted(error['input'])!r})"
             )
             message += " " + shown
+        if error["type"].startswith("byte_size"):
+            message += "; write a size such as 8GiB, 512MiB or 1073741824"
         problems.append((path, message))
     return problems
 

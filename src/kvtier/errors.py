@@ -39,6 +39,10 @@ class PluginLoadError(KVTierError, ImportError):
         self.plugin = name
 
 
+class PluginTypeError(KVTierError, TypeError):
+    """A class named for a tier, policy or spec does not derive from its base."""
+
+
 class UntrustedModuleError(PluginLoadError):
     """``module_path`` names a module outside ``KVTIER_ALLOWED_MODULES``."""
 
@@ -50,7 +54,8 @@ class MissingDependencyError(KVTierError, ImportError):
         self.package = package
         self.extra = extra
         super().__init__(
-            f"{package!r} is not installed; install it with: pip install 'kvtier[{extra}]'"
+            f"{package!r} is not installed; install it with: pip install 'kvtier[{extra}]' "
+            f"(from a kvtier checkout: pip install '.[{extra}]')"
         )
 
 
@@ -98,5 +103,7 @@ class PeerAuthError(PeerProtocolError):
 
 
 def describe_error(error: BaseException) -> str:
-    """``Type: message``, for logs and reports (some clients' ``repr`` hides the message)."""
-    return f"{type(error).__name__}: {error}"
+    """``Type: message``, for logs and reports (some clients' ``repr`` hides the message),
+    followed by the notes that say where it happened."""
+    notes = getattr(error, "__notes__", ())
+    return f"{type(error).__name__}: {error}" + "".join(f" ({note})" for note in notes)

@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar, cast
 
 from kvtier.errors import (
     PluginLoadError,
+    PluginTypeError,
     UnknownPluginError,
     UntrustedModuleError,
     describe_error,
@@ -42,6 +43,14 @@ ALLOWED_MODULES_ENV = "KVTIER_ALLOWED_MODULES"
 class _LazyClass:
     module: str
     class_name: str
+
+
+@dataclass(frozen=True)
+class RegistrySnapshot:
+    """What :meth:`PluginRegistry.restore` puts back (from :meth:`~PluginRegistry.snapshot`)."""
+
+    registry: dict[str, _LazyClass]
+    warned: frozenset[str]
 
 
 def module_is_allowed(module_path: str) -> bool:
@@ -71,7 +80,8 @@ class PluginRegistry(Generic[T]):
         self.module_key = module_key
         self.entry_point_group = entry_point_group
         self._registry: dict[str, _LazyClass] = {}
-        self._warned_out_of_tree = False
+        # Once-per-process warnings already given, by topic.
+        self._warned: set[str] = set()
 
     def register(self, name: str, module_path: str, class_name: str) -> None:
         """Make ``name`` resolve to ``module_path.class_name``, imported on first use."""
@@ -82,6 +92,20 @@ class PluginRegistry(Generic[T]):
     def unregister(self, name: str) -> None:
         """Forget ``name`` (for tests and for plugins replacing themselves)."""
         del self._registry[name]
+
+    def snapshot(self) -> RegistrySnapshot:
+        """The registrations and given warnings, for :meth:`restore` (tests use it)."""
+        return RegistrySnapshot(dict(self._registry), frozenset(self._warned))
+
+    def restore(self, snapshot: RegistrySnapshot, *, forget_warnings: bool = False) -> None:
+        """Put back what :meth:`snapshot` saw; ``forget_warnings`` as a new process has."""
+        self._registry = dict(snapshot.registry)
+        self._warned = set() if forget_warnings else set(snapshot.warned)
+
+    def _warn_once(self, topic: str, message: str, *args: object) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            logger.warning(message, *args)
 
     def registered_names(self) -> list[str]:
         """Names in the registry itself (built-ins and ``register`` calls), sorted."""
@@ -102,10 +126,28 @@ class PluginRegistry(Generic[T]):
         where = f"{entry}: " if entry else ""
         lazy = self._registry.get(name)
         if lazy is not None:
+            self._ignored_module_path(name, module_path, lazy.module, lazy.class_name)
             return self._load(lazy.module, lazy.class_name, name, entry, out_of_tree=False)
-        for ep in entry_points(group=self.entry_point_group, name=name):
-            module, _, attr = ep.value.partition(":")
-            return self._load(module.strip(), attr.strip() or name, name, entry, out_of_tree=True)
+        # The same package seen twice (an editable install beside a wheel) is one entry.
+        declared = entry_points(group=self.entry_point_group, name=name)
+        installed = list({ep.value: ep for ep in declared}.values())
+        if installed:
+            chosen = installed[0]
+            if len(installed) > 1:
+                self._warn_once(
+                    f"duplicate:{name}",
+                    "%s %r is declared by %d installed entry points (%s); using %s. "
+                    "Uninstall one, or name the class with a %s of its own.",
+                    self.kind,
+                    name,
+                    len(installed),
+                    ", ".join(ep.value for ep in installed),
+                    chosen.value,
+                    self.name_key,
+                )
+            module, _, attr = (part.strip() for part in chosen.value.partition(":"))
+            self._ignored_module_path(name, module_path, module, attr or name)
+            return self._load(module, attr or name, name, entry, out_of_tree=True)
         if module_path is None:
             raise UnknownPluginError(
                 f"{where}unknown {self.kind} {name!r}. Supported: {', '.join(self.names())}. "
@@ -121,18 +163,34 @@ class PluginRegistry(Generic[T]):
             )
         return self._load(module_path, name, name, entry, out_of_tree=True)
 
+    def _ignored_module_path(
+        self, name: str, module_path: str | None, module: str, class_name: str
+    ) -> None:
+        """Warn when configuration names a module that a registered name overrides."""
+        if module_path is not None and module_path != module:
+            target = f"{module}.{class_name}"
+            self._warn_once(
+                f"ignored:{name}:{module_path}",
+                "%s %r is already registered (%s): its %s %r is ignored. "
+                "Give the out-of-tree class another name to load it.",
+                self.kind,
+                name,
+                target,
+                self.module_key,
+                module_path,
+            )
+
     def _load(
         self, module_path: str, class_name: str, name: str, entry: str, *, out_of_tree: bool
     ) -> type[T]:
         where = f"{entry}: " if entry else ""
         if out_of_tree:
-            if not self._warned_out_of_tree:
-                self._warned_out_of_tree = True
-                logger.warning(
-                    "Loading an out-of-tree %s. This interface is experimental and may "
-                    "change in future kvtier releases.",
-                    self.kind,
-                )
+            self._warn_once(
+                "out-of-tree",
+                "Loading an out-of-tree %s. This interface is experimental and may "
+                "change in future kvtier releases.",
+                self.kind,
+            )
             logger.info(
                 "Loading out-of-tree %s %r from module %r", self.kind, class_name, module_path
             )
@@ -156,10 +214,14 @@ class PluginRegistry(Generic[T]):
                 module=module_path,
                 name=name,
             ) from None
-        # An explicit check, not an assert: asserts vanish under ``python -O``.
-        if not (isinstance(loaded, type) and issubclass(loaded, self.base)):
-            raise TypeError(
+        # An explicit check, not an assert: asserts vanish under ``python -O``. The base
+        # must be in the MRO: a virtual subclass (``Base.register(cls)``) passes
+        # ``issubclass`` but inherits none of the base's methods.
+        if not (isinstance(loaded, type) and self.base in loaded.__mro__):
+            virtual = isinstance(loaded, type) and issubclass(loaded, self.base)
+            raise PluginTypeError(
                 f"{where}{module_path}.{class_name} is not a subclass of "
                 f"{self.base.__module__}.{self.base.__qualname__}"
+                + (" (registered as a virtual subclass only: inherit from it)" if virtual else "")
             )
         return cast("type[T]", loaded)

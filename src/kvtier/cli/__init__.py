@@ -13,6 +13,7 @@ from kvtier.cli.demo import demo
 from kvtier.cli.inspect import inspect
 from kvtier.cli.peer import peer
 from kvtier.cli.reference import reference
+from kvtier.cli.simulate import simulate
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,6 +31,7 @@ cli.add_command(peer)
 cli.add_command(reference)
 cli.add_command(demo)
 cli.add_command(inspect)
+cli.add_command(simulate)
 
 
 def main() -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn, TypeVar, cast
 
 import click
 import numpy as np
@@ -20,6 +24,9 @@ from kvtier.layout import KVLayout
 from kvtier.specs.factory import OffloadingSpecFactory
 from kvtier.tiers.base import HealthCheck, Lookup, SecondaryTier
 from kvtier.tiers.drive import resolve_lookup
+from kvtier.units import format_bytes
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -53,19 +60,83 @@ def round_trip(
     return _Outcome(True, "byte-exact", sum(phase.nbytes for phase in moved) / seconds / 1e6)
 
 
-def _health(tier: SecondaryTier) -> list[HealthCheck]:
-    """The tier's own checks; a hook that raises is one failed check."""
+def _readable(name: str, value: object) -> object:
+    """Byte counts of a tier's description as people read them (``1.0 GiB``)."""
+    if name.endswith("bytes") and isinstance(value, int) and not isinstance(value, bool):
+        return format_bytes(value)
+    return value
+
+
+class _StepTimeout(Exception):
+    pass
+
+
+def _bounded(step: Callable[[], T], timeout: float) -> T:
+    """``step()``, or :class:`_StepTimeout` if it has not returned within ``timeout`` s.
+
+    The step runs on a daemon thread: a tier stuck in a call that never returns
+    cannot be interrupted, only left behind (the command then exits at once).
+    """
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, step()))
+        except BaseException as exc:
+            outcome.append((False, exc))
+
+    worker = threading.Thread(target=run, name="kvtier-check-step", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not outcome:
+        raise _StepTimeout
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return cast(T, value)
+
+
+def _health(tier: SecondaryTier, timeout: float) -> list[HealthCheck]:
+    """The tier's own checks; a hook that raises or hangs is one failed check."""
     try:
-        return list(tier.health())
+        return _bounded(lambda: list(tier.health()), timeout)
+    except _StepTimeout:
+        return [HealthCheck("health", False, f"health() did not return within {timeout:g} s")]
     except Exception as exc:
         return [HealthCheck("health", False, describe_error(exc))]
 
 
+def _abandon(message: str) -> NoReturn:
+    """Exit now, leaving a stuck tier's threads behind (waiting for them would hang)."""
+    click.echo(message, err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 @click.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--chunks", default=4, show_default=True, help="Chunks to round-trip per tier.")
-@click.option("--chunk-kib", default=256, show_default=True, help="Size of each probe chunk.")
-@click.option("--timeout", default=30.0, show_default=True, help="Seconds allowed per tier step.")
+@click.option(
+    "--chunks",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Chunks to round-trip per tier.",
+)
+@click.option(
+    "--chunk-kib",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Size of each probe chunk, in KiB.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="Seconds allowed per tier step: start-up, health checks, each transfer, shutdown.",
+)
 def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
     """Validate CONFIG, start every tier, run its health checks, and round-trip
     chunks through each one.
@@ -86,7 +157,11 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
         update={"cpu_bytes_to_use": 2 * chunks * layout.slot_bytes, "shared_memory_name": None}
     )
     try:
-        manager = OffloadingSpecFactory.create_spec(settings, layout).build_manager()
+        spec = OffloadingSpecFactory.create_spec(settings, layout)
+        manager = _bounded(spec.build_manager, timeout)
+    except _StepTimeout:
+        where = getattr(spec, "starting", None) or "the tiers"
+        _abandon(f"cannot start the tiers: {where} did not start within {timeout:g} s (--timeout)")
     except Exception as exc:
         click.echo(f"cannot start the tiers: {describe_error(exc)}", err=True)
         sys.exit(1)
@@ -97,25 +172,41 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
     try:
         slots = manager.primary.buffer.array
         for index, tier in enumerate(manager.tiers):
-            rows = [(c.name, c.ok, c.detail) for c in _health(tier)]
+            rows = [(c.name, c.ok, c.detail) for c in _health(tier, timeout)]
             try:
                 outcome = round_trip(tier, slots, layout, slots.shape[0] // 2, timeout)
             except Exception as exc:
                 outcome = _Outcome(False, describe_error(exc))
-            detail = outcome.detail + (f", {outcome.mb_per_s:.0f} MB/s" if outcome.ok else "")
+            detail = outcome.detail + (
+                f", {outcome.mb_per_s:,.0f} MB/s" if outcome.mb_per_s else ""
+            )
             rows.append(("round trip", outcome.ok, detail))
             for name, ok, text in rows:
                 failures += not ok
                 result = "[green]ok[/green]" if ok else "[red]FAILED[/red]"
                 table.add_row(str(index), tier.tier_type, name, result, escape(text))
-            facts = ", ".join(f"{k}={v}" for k, v in tier.describe().items() if k != "type")
+            facts = ", ".join(
+                f"{name}={_readable(name, value)}"
+                for name, value in tier.describe().items()
+                if name != "type"
+            )
             if facts:
                 table.add_row(str(index), tier.tier_type, "backend", "", escape(facts))
             table.add_section()
     finally:
-        manager.shutdown()
+        try:
+            _bounded(manager.shutdown, timeout)
+        except _StepTimeout:
+            console.print(table)
+            _abandon(f"the tiers did not shut down within {timeout:g} s (--timeout)")
     if not manager.tiers:
-        console.print("configuration is valid; it names no secondary tiers")
+        console.print("configuration is valid")
+        click.echo(
+            f"warning: {config} names no secondary tiers, so chunks live only in each "
+            "process's CPU tier and are lost when it exits; add a secondary_tiers list "
+            "(see examples/local.yaml and examples/nvme.yaml)",
+            err=True,
+        )
     else:
         console.print(table)
     sys.exit(1 if failures else 0)

@@ -124,7 +124,17 @@ def demo(
         model_id = f"kvtier-demo-llama-{size.name}"
         origin = "built locally from a fixed seed"
     else:
-        model, tokenizer = load_local_model(model_path, torch_dtype)
+        try:
+            model, tokenizer = load_local_model(model_path, torch_dtype)
+        except Exception as exc:  # transformers raises OSError, ValueError, KeyError...
+            click.echo(
+                f"cannot load a model from {model_path}: {describe_error(exc)}\n"
+                "--model takes a local Hugging Face causal-LM directory (config.json and "
+                "its weights, e.g. what save_pretrained() writes); leave it out to run "
+                "the built-in model",
+                err=True,
+            )
+            sys.exit(2)
         model_id = str(model_path.resolve())
         origin = f"loaded from {model_path}"
     workload = chat_workload(
@@ -201,10 +211,14 @@ def _run_with_progress(console: Console, kv: PrefixCache, workload: ChatWorkload
 
 
 def _report(console: Console, run: DemoRun, kv: PrefixCache) -> None:
-    from kvtier.demo.report import summarise, tier_table, ttft_table
+    from kvtier.demo.report import slow_hits_note, summarise, tier_table, ttft_table
 
     tier_types = [tier.tier_type for tier in kv.manager.tiers]
-    console.print(ttft_table(summarise(run, tier_types)))
+    rows = summarise(run, tier_types)
+    console.print(ttft_table(rows))
+    note = slow_hits_note(rows)
+    if note:
+        console.print(f"[bold yellow]note:[/bold yellow] {note}")
     console.print(tier_table(run, kv.manager, kv.layout.slot_bytes))
     records = run.kvtier + (run.refetch or [])
     reused = sum(r.reused_tokens for r in records)

@@ -83,7 +83,7 @@ def peer(
     """Serve this node's chunks to its peers until SIGINT or SIGTERM.
 
     CONFIG must configure a p2p tier. Prints one line per peer service,
-    ``listening on HOST:PORT``, once it accepts connections.
+    "listening on HOST:PORT", once it accepts connections.
     """
     try:
         settings = load_config(config)

@@ -26,8 +26,17 @@ class PathSummary:
     prompt_tokens: int
     reused_tokens: int
     mean_ttft_s: float
-    #: Baseline time to first token of the same requests over this one's (sums).
-    speedup: float
+    #: Mean time to first token of the same requests without kvtier.
+    baseline_ttft_s: float
+
+    @property
+    def speedup(self) -> float:
+        """How many times faster than the same requests without kvtier (means)."""
+        return self.baseline_ttft_s / self.mean_ttft_s if self.mean_ttft_s else float("inf")
+
+    @property
+    def is_hit(self) -> bool:
+        return self.reused_tokens > 0
 
 
 def summarise(run: DemoRun, tier_types: list[str]) -> list[PathSummary]:
@@ -58,17 +67,18 @@ def _summary(
         prompt_tokens=sum(r.prompt_tokens for r in records),
         reused_tokens=sum(r.reused_tokens for r in records),
         mean_ttft_s=ttft / len(records),
-        speedup=reference / ttft if ttft else float("inf"),
+        baseline_ttft_s=reference / len(records),
     )
 
 
 def ttft_table(rows: list[PathSummary]) -> Table:
     table = Table(
         title="Time to first token",
-        caption="* the CPU tier was empty: every reused chunk came from that tier",
+        caption="speed-up: mean TTFT of the same requests without kvtier ÷ with it\n"
+        "* the CPU tier was empty: every reused chunk came from that tier",
     )
     table.add_column("path")
-    for column in ("requests", "tokens reused", "mean TTFT", "speed-up"):
+    for column in ("requests", "tokens reused", "mean TTFT", "without kvtier", "speed-up"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
@@ -76,9 +86,24 @@ def ttft_table(rows: list[PathSummary]) -> Table:
             str(row.requests),
             f"{row.reused_tokens:,} of {row.prompt_tokens:,}",
             _seconds(row.mean_ttft_s),
+            _seconds(row.baseline_ttft_s),
             f"{row.speedup:.1f}×",
         )
     return table
+
+
+def slow_hits_note(rows: list[PathSummary]) -> str | None:
+    """Why reuse can lose on a model this small, when it did; ``None`` otherwise."""
+    slow = [row for row in rows if row.is_hit and row.speedup < 1]
+    if not slow:
+        return None
+    fastest = min(row.baseline_ttft_s for row in rows)
+    return (
+        f"reuse did not pay off on this model: a full prefill takes about "
+        f"{_seconds(fastest)}, less than finding and copying its chunks. The --quick "
+        "model is that small so the demo runs in seconds; the default model (or "
+        "--model with a real one) shows what reuse saves."
+    )
 
 
 def tier_table(run: DemoRun, manager: TieringManager, slot_bytes: int) -> Table:

@@ -17,6 +17,7 @@ policy_registry: PluginRegistry[CachePolicy] = PluginRegistry(
 policy_registry.register("lru", "kvtier.policies.lru", "LRUCachePolicy")
 policy_registry.register("arc", "kvtier.policies.arc", "ARCCachePolicy")
 policy_registry.register("s3fifo", "kvtier.policies.s3fifo", "S3FIFOCachePolicy")
+policy_registry.register("leaf-lru", "kvtier.policies.leaf_lru", "LeafFirstLRUCachePolicy")
 
 
 def register_policy(name: str, module_path: str, class_name: str) -> None:
@@ -26,6 +27,12 @@ def register_policy(name: str, module_path: str, class_name: str) -> None:
 
 class CachePolicyFactory:
     """Resolves and builds cache policies named in configuration."""
+
+    @classmethod
+    def register_policy(cls, name: str, module_path: str, class_name: str) -> None:
+        """Register ``module_path.class_name`` under ``name`` (``ValueError`` if taken);
+        the same as the module-level :func:`register_policy`."""
+        register_policy(name, module_path, class_name)
 
     @staticmethod
     def get_cache_policy_class(

@@ -25,6 +25,12 @@ def register_spec(name: str, module_path: str, class_name: str) -> None:
 class OffloadingSpecFactory:
     """Resolves and builds the offloading spec named in configuration."""
 
+    @classmethod
+    def register_spec(cls, name: str, module_path: str, class_name: str) -> None:
+        """Register ``module_path.class_name`` under ``name`` (``ValueError`` if taken);
+        the same as the module-level :func:`register_spec`."""
+        register_spec(name, module_path, class_name)
+
     @staticmethod
     def get_spec_class(name: str, module_path: str | None = None) -> type[OffloadingSpec]:
         return spec_registry.resolve(name, module_path, entry="spec_name")

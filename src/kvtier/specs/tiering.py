@@ -18,6 +18,10 @@ class TieringSpec(OffloadingSpec):
     """Builds the tiers in configuration order; a tier that fails to start
     stops the startup and releases the tiers already built."""
 
+    #: The configuration entry whose tier is being built, while one is (tools
+    #: that bound start-up name it when a constructor does not return).
+    starting: str | None = None
+
     def build_manager(self) -> TieringManager:
         slot_bytes = self.layout.slot_bytes
         num_slots = int(self.config.cpu_bytes_to_use) // slot_bytes
@@ -36,6 +40,7 @@ class TieringSpec(OffloadingSpec):
         tiers: list[SecondaryTier] = []
         try:
             for index, tier_config in enumerate(self.config.secondary_tiers):
+                self.starting = f"secondary_tiers[{index}] (type {tier_config.tier_type!r})"
                 tiers.append(
                     SecondaryTierFactory.create_secondary_tier(
                         tier_config.as_dict(), buffer.view, self, entry=f"secondary_tiers[{index}]"
@@ -46,6 +51,7 @@ class TieringSpec(OffloadingSpec):
                 tier.shutdown()
             buffer.close()
             raise
+        self.starting = None
         logger.info(
             "kvtier: %d primary slots of %d bytes, policy %s, tiers %s",
             num_slots,

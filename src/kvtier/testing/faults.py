@@ -16,12 +16,13 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import (
+    HealthCheck,
     JobResult,
     Lookup,
     LookupContext,
@@ -45,6 +46,9 @@ class FaultyTierOptions(TierOptions):
     seed: int = 0
     """Seed of the failure dice."""
 
+    hang_in: Literal["constructor", "health"] | None = None
+    """Block forever in that step, as a tier stuck on an unanswering backend would."""
+
 
 class FaultyTier(SecondaryTier):
     """A tier that fails on purpose."""
@@ -54,6 +58,9 @@ class FaultyTier(SecondaryTier):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         options: FaultyTierOptions = self.options  # type: ignore[assignment]
+        self.hang_in = options.hang_in
+        if self.hang_in == "constructor":
+            threading.Event().wait()
         self.inner = SecondaryTierFactory.create_secondary_tier(
             options.inner, self.primary_kv_view, self.spec, entry=f"{self.tier_type}.inner"
         )
@@ -114,3 +121,8 @@ class FaultyTier(SecondaryTier):
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         self.inner.touch(keys)
+
+    def health(self) -> Sequence[HealthCheck]:
+        if self.hang_in == "health":
+            threading.Event().wait()
+        return self.inner.health()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,13 +16,11 @@ _REGISTRIES = (tier_registry, policy_registry, spec_registry)
 def restore_registries() -> Iterator[None]:
     """Snapshot every registry, and start the block as a fresh process would:
     with the once-per-process warnings not yet given."""
-    saved = [(r, copy.copy(r.__dict__)) for r in _REGISTRIES]
-    for registry, state in saved:
-        state["_registry"] = dict(state["_registry"])
-        registry._warned_out_of_tree = False
+    saved = [(registry, registry.snapshot()) for registry in _REGISTRIES]
+    for registry, snapshot in saved:
+        registry.restore(snapshot, forget_warnings=True)
     try:
         yield
     finally:
-        for registry, state in saved:
-            registry.__dict__.clear()
-            registry.__dict__.update(state)
+        for registry, snapshot in saved:
+            registry.restore(snapshot)

@@ -38,6 +38,12 @@ def register_tier(tier_type: str, module_path: str, class_name: str) -> None:
 class SecondaryTierFactory:
     """Resolves and builds the secondary tiers named in configuration."""
 
+    @classmethod
+    def register_tier(cls, tier_type: str, module_path: str, class_name: str) -> None:
+        """Register ``module_path.class_name`` under ``tier_type`` (``ValueError`` if taken);
+        the same as the module-level :func:`register_tier`."""
+        register_tier(tier_type, module_path, class_name)
+
     @staticmethod
     def get_tier_class(tier_config: Mapping[str, Any], *, entry: str = "") -> type[SecondaryTier]:
         tier_type = tier_config.get("type")
@@ -64,3 +70,8 @@ class SecondaryTierFactory:
             if not entry or exc.entry:
                 raise
             raise exc.at(entry) from exc.__cause__
+        except Exception as exc:
+            # Keep the type callers catch (OSError, ConfigError...), and say where.
+            if entry and entry not in str(exc):
+                exc.add_note(f"while starting {entry} (type {tier_type!r}, {cls.__qualname__})")
+            raise

@@ -18,6 +18,7 @@ from kvtier import integrity
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
 from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
+from kvtier.units import format_bytes
 
 
 class MemoryTierOptions(ThreadedTierOptions):
@@ -98,7 +99,8 @@ class MemoryTier(ThreadedTier):
             HealthCheck(
                 "capacity",
                 True,
-                f"{self._held_bytes} of {self.max_bytes} bytes held in this process",
+                f"{format_bytes(self._held_bytes)} of {format_bytes(self.max_bytes)} "
+                "held in this process",
             ),
         )
 

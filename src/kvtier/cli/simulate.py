@@ -1,0 +1,259 @@
+"""``kvtier simulate TRACE``: hit ratio of each policy at each capacity, against Belady's MIN.
+
+Replays a trace through kvtier's real policy objects, making exactly the
+calls ``KVCache`` makes on its primary tier, and sets each result against
+Belady's MIN at the same capacity: the share of the LRU-to-MIN gap a policy
+closes says how much better eviction could still do.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import ByteSize, TypeAdapter, ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtier.errors import KVTierError
+from kvtier.policies.factory import CachePolicyFactory, policy_registry
+from kvtier.sim.replay import CellResult, belady_min, replay
+from kvtier.sim.synthetic import chat_trace
+from kvtier.sim.trace import (
+    DEFAULT_BLOCK_SIZE,
+    Request,
+    TraceFormatError,
+    distinct_blocks,
+    parse_records,
+    read_trace,
+)
+
+DEFAULT_POLICIES = ("lru", "arc", "s3fifo")
+DEFAULT_CAPACITIES = ("5%", "10%", "20%")
+
+
+def parse_capacity(text: str, distinct: int, chunk_bytes: int | None = None) -> int:
+    """Slots for ``text``: ``5%`` of the distinct chunks, a chunk count such as ``2000``,
+    or, given ``chunk_bytes``, a size such as ``8GiB`` (rounded down to whole chunks)."""
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1]) / 100
+            if not 0 < share <= 1:
+                raise ValueError
+            return max(1, int(share * distinct))
+        if text.isdigit():
+            slots = int(text)
+        elif chunk_bytes is not None:
+            slots = _BYTES.validate_python(text) // chunk_bytes
+        else:
+            raise ValueError
+        if slots < 1:
+            raise ValueError
+        return slots
+    except (ValueError, ValidationError):
+        sizes = " or a size such as 8GiB" if chunk_bytes is not None else ""
+        raise click.BadParameter(
+            f"{text!r} is neither a share such as 5% (0-100 %), a positive chunk count{sizes}"
+            + ("" if chunk_bytes is not None else " (sizes need --chunk-bytes)"),
+            param_hint="--capacity",
+        ) from None
+
+
+_BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
+
+
+@click.command()
+@click.argument(
+    "trace", required=False, type=click.Path(dir_okay=False, path_type=Path), metavar="[TRACE]"
+)
+@click.option(
+    "--chat-seed",
+    type=int,
+    help="Replay a generated multi-turn chat trace (this seed) instead of a file.",
+)
+@click.option(
+    "-p",
+    "--policy",
+    "policies",
+    multiple=True,
+    help=f"Policy to replay (repeatable; default {', '.join(DEFAULT_POLICIES)}).",
+)
+@click.option(
+    "-c",
+    "--capacity",
+    "capacities",
+    multiple=True,
+    help="Primary slots: a share of the distinct chunks (5%), a count (2000), or with "
+    f"--chunk-bytes a size (8GiB) (repeatable; default {', '.join(DEFAULT_CAPACITIES)}).",
+)
+@click.option(
+    "--chunk-bytes",
+    help="Bytes of one chunk (the layout's slot bytes, e.g. 2MiB), for capacities given as sizes.",
+)
+@click.option(
+    "--block-size",
+    default=DEFAULT_BLOCK_SIZE,
+    show_default=True,
+    help="Tokens per block of the trace (its chunk size).",
+)
+@click.option("--limit", type=int, help="Replay only the first N requests.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def simulate(
+    trace: Path | None,
+    chat_seed: int | None,
+    policies: tuple[str, ...],
+    capacities: tuple[str, ...],
+    block_size: int,
+    chunk_bytes: str | None,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """Replay TRACE through eviction policies at several primary-tier capacities.
+
+    TRACE is JSON Lines, gzipped or not, one request a line with
+    ``hash_ids`` (prefix block ids) and ``input_length`` (tokens), as in
+    Mooncake's published traces and kvtier's recorder. Prints each policy's
+    hit ratio (leading resident chunks / all chunks), its ratio to Belady's
+    MIN, and the share of the LRU-to-MIN gap it closes.
+    """
+    if (trace is None) == (chat_seed is None):
+        raise click.UsageError("give a TRACE file or --chat-seed, not both or neither")
+    if block_size < 1 or (limit is not None and limit < 1):
+        raise click.BadParameter("--block-size and --limit must be positive")
+    policies = tuple(dict.fromkeys(policies or DEFAULT_POLICIES))
+    for name in policies:
+        try:
+            policy_registry.resolve(name, None, entry="--policy")
+        except KVTierError as exc:
+            raise click.BadParameter(str(exc), param_hint="--policy") from None
+    try:
+        requests = _load(trace, chat_seed, block_size, limit)
+    except TraceFormatError as exc:
+        click.echo(f"kvtier simulate: {exc}", err=True)
+        sys.exit(2)
+    distinct = distinct_blocks(requests)
+    chunk = _chunk_bytes(chunk_bytes)
+    slots = [parse_capacity(text, distinct, chunk) for text in capacities or DEFAULT_CAPACITIES]
+    report = run(requests, policies, slots, progress=not as_json)
+    report["trace"] = str(trace) if trace is not None else f"chat seed {chat_seed}"
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        Console().print(_table(report))
+
+
+def _chunk_bytes(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        size = int(_BYTES.validate_python(text))
+    except ValidationError:
+        size = 0
+    if size < 1:
+        raise click.BadParameter(f"{text!r} is not a size such as 2MiB", param_hint="--chunk-bytes")
+    return size
+
+
+def _load(
+    trace: Path | None, chat_seed: int | None, block_size: int, limit: int | None
+) -> list[Request]:
+    if trace is not None:
+        return read_trace(trace, block_size=block_size, limit=limit)
+    assert chat_seed is not None
+    records = chat_trace(chat_seed)  # each names its own block size
+    return parse_records(enumerate(records, 1), f"chat trace (seed {chat_seed})", limit=limit)
+
+
+def run(
+    requests: list[Request], policies: tuple[str, ...], slots: list[int], *, progress: bool
+) -> dict[str, Any]:
+    """Every policy and MIN at every capacity: the report ``--json`` prints."""
+    distinct = distinct_blocks(requests)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not progress,
+        transient=True,
+    )
+    cells: list[dict[str, Any]] = []
+    with bar:
+        task = bar.add_task("replaying", total=len(requests) * len(slots) * (len(policies) + 1))
+
+        def advance() -> None:
+            bar.advance(task)
+
+        for capacity in slots:
+            optimum = belady_min(requests, capacity, advance)
+            results = [
+                replay(
+                    requests,
+                    CachePolicyFactory.create_cache_policy(name, capacity),
+                    name,
+                    advance,
+                )
+                for name in policies
+            ]
+            cells.append(_cell(capacity, distinct, optimum, results))
+    return {
+        "requests": len(requests),
+        "chunks": sum(len(request.blocks) for request in requests),
+        "distinct_chunks": distinct,
+        "capacities": cells,
+    }
+
+
+def _cell(
+    capacity: int, distinct: int, optimum: CellResult, results: list[CellResult]
+) -> dict[str, Any]:
+    by_name = {result.policy: result.hit_ratio for result in results}
+    lru = by_name.get("lru")
+    policies = {}
+    for name, ratio in by_name.items():
+        entry: dict[str, Any] = {
+            "hit_ratio": ratio,
+            "of_min": ratio / optimum.hit_ratio if optimum.hit_ratio else None,
+        }
+        if lru is not None:
+            gap = optimum.hit_ratio - lru
+            # With no gap (MIN no better than lru) there is nothing to close.
+            entry["gap_closed"] = (ratio - lru) / gap if gap > 0 else None
+        policies[name] = entry
+    return {
+        "slots": capacity,
+        "share": capacity / distinct,
+        "min_hit_ratio": optimum.hit_ratio,
+        "policies": policies,
+    }
+
+
+def _table(report: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"kvtier simulate {report['trace']}: {report['requests']} requests, "
+        f"{report['chunks']} chunks, {report['distinct_chunks']} distinct"
+    )
+    for column in ("slots", "share", "policy", "hit ratio", "of MIN", "LRU-to-MIN gap closed"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for cell in report["capacities"]:
+        first = True
+        rows = [(name, entry) for name, entry in cell["policies"].items()]
+        rows.append(("MIN", {"hit_ratio": cell["min_hit_ratio"], "of_min": 1.0}))
+        for name, entry in rows:
+            closed = entry.get("gap_closed")
+            table.add_row(
+                str(cell["slots"]) if first else "",
+                f"{cell['share']:.1%}" if first else "",
+                name,
+                f"{entry['hit_ratio']:.3f}",
+                f"{entry['of_min']:.2f}" if entry["of_min"] is not None else "-",
+                f"{closed:.1%}" if closed is not None else "-",
+            )
+            first = False
+        table.add_section()
+    return table

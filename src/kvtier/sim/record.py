@@ -1,0 +1,169 @@
+"""Recording a workload as a trace ``kvtier simulate`` replays: keys anonymised.
+
+A :class:`TraceRecorder` takes each request's chunk keys and token count and
+appends one JSON line, in Mooncake's format plus the block size::
+
+    {"timestamp": 1520, "input_length": 700, "output_length": 0,
+     "hash_ids": [0, 1], "block_size": 256}
+
+(one line in the file).
+Keys become small integers in order of first sight, so a trace holds no
+tokens and no key digests: only which requests shared which prefixes. The
+request path only enqueues; a writer thread does the rest. When the queue is
+full the request is dropped and counted, never waited for. Each file is
+capped in bytes; a full one is rotated to ``PATH.1`` (the previous ``.1`` is
+dropped) and the next starts a fresh numbering, so every file replays alone
+and the memory for the numbering stays bounded; a file left by an earlier
+process is rotated away the same way before the first write. A write that fails (full
+disk, unwritable path) is logged once and counted; recording resumes with
+the next request that can be written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
+
+from kvtier.keys import ChunkKey
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class TraceRecorder:
+    """Appends requests' chunk keys, anonymised, to a JSONL trace off the request path."""
+
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        block_size: int,
+        max_bytes: int = 1 << 30,
+        queue_size: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_size < 1 or max_bytes < 1 or queue_size < 1:
+            raise ValueError("block_size, max_bytes and queue_size must be positive")
+        self.path = Path(path)
+        self.block_size = block_size
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._started = clock()
+        self._queue: queue.Queue[object] = queue.Queue(queue_size)
+        #: Requests dropped because the queue was full, and writes that failed.
+        self.dropped = 0
+        self.failed_writes = 0
+        #: Requests written, and files rotated away.
+        self.written = 0
+        self.rotations = 0
+        self._ids: dict[ChunkKey, int] = {}
+        self._file: IO[str] | None = None
+        self._size = 0
+        self._warned: set[str] = set()
+        self._writer = threading.Thread(target=self._run, name="kvtier-trace", daemon=True)
+        self._writer.start()
+
+    def record(self, keys: Sequence[ChunkKey], input_length: int, output_length: int = 0) -> None:
+        """Queue one request: its full chunks' keys, in order, and its tokens. Never blocks."""
+        timestamp = int((self._clock() - self._started) * 1000)
+        try:
+            self._queue.put_nowait((tuple(keys), input_length, output_length, timestamp))
+        except queue.Full:
+            self.dropped += 1
+            self._warn_once(
+                "full", "trace queue full: requests are dropped (counted), not waited for"
+            )
+
+    def flush(self) -> None:
+        """Wait until every queued request is written (or has failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer and close the file."""
+        self._queue.put(_STOP)
+        self._writer.join()
+
+    def __enter__(self) -> TraceRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the writer thread -------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    if self._file is not None:
+                        self._file.close()
+                    return
+                self._write(item)  # type: ignore[arg-type]
+            finally:
+                self._queue.task_done()
+
+    def _write(self, item: tuple[tuple[ChunkKey, ...], int, int, int]) -> None:
+        keys, input_length, output_length, timestamp = item
+        if self._file is not None and self._size >= self.max_bytes:
+            self._rotate()
+        ids = self._ids
+        line = json.dumps(
+            {
+                "timestamp": timestamp,
+                "input_length": input_length,
+                "output_length": output_length,
+                "hash_ids": [ids.setdefault(key, len(ids)) for key in keys],
+                "block_size": self.block_size,
+            }
+        )
+        try:
+            file = self._file if self._file is not None else self._open()
+            file.write(line + "\n")
+            file.flush()
+        except OSError as exc:
+            self.failed_writes += 1
+            self._warn_once(
+                "write", f"cannot write trace {self.path}: {exc}; requests are counted as failed"
+            )
+            self._close_quietly()
+            return
+        self._size += len(line) + 1
+        self.written += 1
+
+    def _open(self) -> IO[str]:
+        if not self.written and self.path.exists() and self.path.stat().st_size:
+            # Another process numbered that file: its ids mean nothing to ours.
+            self._rotate()
+        self._file = self.path.open("a", encoding="utf-8")
+        self._size = self.path.stat().st_size
+        return self._file
+
+    def _rotate(self) -> None:
+        self._close_quietly()
+        try:
+            self.path.replace(self.path.with_name(self.path.name + ".1"))
+        except OSError as exc:
+            self._warn_once("rotate", f"cannot rotate trace {self.path}: {exc}")
+        self.rotations += 1
+        # A fresh file numbers afresh, so it replays alone and the map stays bounded.
+        self._ids.clear()
+
+    def _close_quietly(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning("%s", message)
