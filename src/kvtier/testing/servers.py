@@ -400,6 +400,7 @@ class MooncakeMaster(_Process):
             )
         super().__init__()
         self.binary = master
+        self._storage_bytes = storage_bytes
         self._storage = _MooncakeStorage(str(storage), "", storage_bytes) if storage_bytes else None
         self._pick_ports()
 
@@ -427,11 +428,32 @@ class MooncakeMaster(_Process):
             return True
 
     def start(self) -> Self:
+        """Start (or restart) the master; with storage, return once the pool
+        has its memory again (the storage process mounts it on a new master
+        by itself, within a few heartbeats)."""
         super().start()
         if self._storage is not None:
             self._storage.master_address = self.address
             self._storage.start()
+            process = self.process
+            if process is None:
+                raise ServerError("mooncake_master is not running")
+            _wait(
+                lambda: self.capacity_bytes() >= self._storage_bytes,
+                process,
+                "mooncake storage mounting its segment",
+                os.path.join(self._storage.workdir, "output.log"),
+            )
         return self
+
+    def capacity_bytes(self) -> int:
+        """Memory the pool has: the segments its clients lend, mounted now."""
+        url = f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith("master_total_capacity_bytes "):
+                    return int(float(line.split()[1]))
+        return 0
 
     def close(self) -> None:
         if self._storage is not None:
