@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import socket
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -231,12 +232,30 @@ def _address(buffer: ValueBuffer) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
+def _reach(address: str, timeout_s: float) -> None:
+    """Raise unless something accepts TCP connections at ``address``.
+
+    Mooncake's ``setup`` holds the interpreter lock while it retries an
+    unreachable master (about 90 s): no thread could give up on it, so the
+    master must be known to listen before it is called.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConnectionError(
+            f"mooncake_master does not listen there ({describe_error(exc)})"
+        ) from exc
+
+
 def _connected(options: MooncakeTierOptions) -> Any:
     """A ``MooncakeDistributedStore`` set up for ``options`` whose master answered."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
         raise MissingDependencyError("mooncake-transfer-engine", "mooncake") from exc
+    _reach(options.master_server_address, options.startup_timeout_s)
     store = MooncakeDistributedStore()
     code = store.setup(
         {
