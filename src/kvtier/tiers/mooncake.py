@@ -25,6 +25,7 @@ their segments again by themselves and the tier serves anew.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import socket
 from collections.abc import Sequence
@@ -47,6 +48,8 @@ from kvtier.tiers.remote import (
     RemoteTierOptions,
     ValueBuffer,
 )
+
+logger = logging.getLogger(__name__)
 
 #: Mooncake's error codes the tier tells apart (``mooncake-store/include/types.h``).
 OBJECT_NOT_FOUND = -704
@@ -207,6 +210,17 @@ class MooncakeTier(RemoteTier):
         super()._close()
         client, self._client = self._client, None
         if client is None:
+            return
+        probe = self._probe_thread
+        stuck = [t for t in [*self._workers, probe] if t is not None and t.is_alive()]
+        if stuck:
+            # Closing the client under a call still in it (a frozen master)
+            # could crash the process: it is left open for the process to end.
+            logger.warning(
+                "tier %s: %d threads still in a Mooncake call at shutdown; leaving its client open",
+                self.tier_type,
+                len(stuck),
+            )
             return
         with self._lock:
             registered, self._registered = self._registered, []
