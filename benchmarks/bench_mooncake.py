@@ -55,6 +55,10 @@ class Result:
     tier_load_mib_s: float
     store_ratio_paired: float
     load_ratio_paired: float
+    #: This process's CPU seconds (client threads, tier workers, Mooncake's
+    #: own threads) per GiB moved, over the counted rounds: steadier than wall
+    #: time on a busy machine, and the cost framing and checksums add.
+    cpu_s_per_gib: dict[str, float]
 
 
 def layout_for(chunk_bytes: int) -> KVLayout:
@@ -137,10 +141,11 @@ def run_job(tier: MooncakeTier, keys: list[ChunkKey], *, loading: bool) -> None:
         raise RuntimeError(f"tier {'load' if loading else 'store'} failed")
 
 
-def timed(action: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def timed(action: Callable[[], object]) -> tuple[float, float]:
+    """Wall and CPU seconds of ``action()``."""
+    start, cpu = time.perf_counter(), time.process_time()
     action()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def measure(master: MooncakeMaster, chunk_bytes: int, volume: int, repeat: int) -> Result:
@@ -154,6 +159,7 @@ def measure(master: MooncakeMaster, chunk_bytes: int, volume: int, repeat: int) 
     threads = tier.options.io_threads  # type: ignore[attr-defined]
     raw = RawMooncake(master, threads, tier.io_batch, chunk_bytes)
     seconds: dict[str, list[float]] = {k: [] for k in ("raw_s", "tier_s", "raw_l", "tier_l")}
+    cpu: dict[str, float] = dict.fromkeys(seconds, 0.0)
     try:
         harness.fill(range(chunks))
         for round_ in range(repeat + 1):  # the first round warms both up and is not counted
@@ -173,8 +179,10 @@ def measure(master: MooncakeMaster, chunk_bytes: int, volume: int, repeat: int) 
             timings = {phase: timed(actions[phase]) for phase in order}
             raw.remove(names)
             raw.remove([tier.store_name(k) for k in keys])
-            for phase, spent in timings.items():
-                seconds[phase].append(spent)
+            for phase, (wall, cpu_spent) in timings.items():
+                seconds[phase].append(wall)
+                if round_:
+                    cpu[phase] += cpu_spent
     finally:
         raw.close()
         harness.close()
@@ -197,6 +205,7 @@ def measure(master: MooncakeMaster, chunk_bytes: int, volume: int, repeat: int) 
         tier_load_mib_s=round(best("tier_l"), 1),
         store_ratio_paired=round(paired("raw_s", "tier_s"), 3),
         load_ratio_paired=round(paired("raw_l", "tier_l"), 3),
+        cpu_s_per_gib={k: round(v / (mib * repeat / 1024), 3) for k, v in cpu.items()},
     )
 
 
@@ -226,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r.chunk_bytes // 1024:>6}KiB {r.raw_store_mib_s:>10} {r.tier_store_mib_s:>10}"
             f" {r.store_ratio_paired:>6} {r.raw_load_mib_s:>9} {r.tier_load_mib_s:>9}"
-            f" {r.load_ratio_paired:>6}"
+            f" {r.load_ratio_paired:>6}   CPU s/GiB {r.cpu_s_per_gib}"
         )
     return 0
 
