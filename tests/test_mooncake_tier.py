@@ -334,3 +334,10 @@ def test_missing_client_library_raises_missing_dependency(
     monkeypatch.setitem(sys.modules, "mooncake.store", None)
     with pytest.raises(MissingDependencyError, match=r"kvtier\[mooncake\]"):
         TierHarness({"type": "mooncake", "master_server_address": "127.0.0.1:1"}, small_layout())
+
+
+def test_the_example_configuration_loads() -> None:
+    example = Path(__file__).parents[1] / "examples" / "mooncake.yaml"
+    [tier] = load_config(example).secondary_tiers
+    assert tier.tier_class is MooncakeTier
+    assert tier.options.global_segment_size == 16 << 30  # type: ignore[attr-defined]
