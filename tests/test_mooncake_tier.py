@@ -18,7 +18,7 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
-from kvtier.testing.outages import FakeClock, recover
+from kvtier.testing.outages import FakeClock, recover, wait_until
 from kvtier.testing.servers import MooncakeMaster, free_port
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.mooncake import MooncakeTier
@@ -246,6 +246,36 @@ def test_a_frozen_master_costs_a_deadline_then_recovers(
         assert harness.store(fresh, [6, 7]).success
     finally:
         master.resume()
+        harness.close()
+
+
+def test_a_dead_storage_process_costs_its_chunks_never_an_outage(
+    own_mooncake_master: MooncakeMaster, key_prefix: str
+) -> None:
+    master = own_mooncake_master
+    harness = TierHarness(pool_tier(master, key_prefix), small_layout())
+    tier = harness.tier
+    assert isinstance(tier, MooncakeTier)
+    try:
+        keys = harness.keys(4)
+        harness.fill(range(4))
+        assert harness.store(keys, [0, 1, 2, 3]).success
+        master.kill_storage()
+        harness.buffer.array[4:8] = 7
+        result = harness.load(keys, [4, 5, 6, 7])
+        assert not result.success and not result.succeeded
+        assert (harness.buffer.array[4:8] == 7).all()
+        assert tier.stats.backend_errors >= 1
+        # The master still answers: the tier stays in service, and the chunks
+        # turn into misses once the master drops the dead client's segment.
+        assert not tier.backend_down
+        wait_until(
+            lambda: harness.lookup(keys[0]) is Lookup.MISS,
+            timeout=120,
+            what="the master dropping the dead segment",
+        )
+        assert tier.stats.backend_outages == 0
+    finally:
         harness.close()
 
 

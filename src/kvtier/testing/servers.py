@@ -446,6 +446,12 @@ class MooncakeMaster(_Process):
             )
         return self
 
+    def kill_storage(self) -> None:
+        """Kill the storage process (SIGKILL): its segment and chunks are lost."""
+        if self._storage is not None and self._storage.process is not None:
+            self._storage.process.kill()
+            self._storage.stop()
+
     def capacity_bytes(self) -> int:
         """Memory the pool has: the segments its clients lend, mounted now."""
         url = f"http://{LOOPBACK}:{self.metrics_port}/metrics"
