@@ -12,7 +12,9 @@ buffer registered with the transfer engine, which sends them with
 ``batch_put_from`` and reads them back into it with ``batch_get_into``; a read
 value is verified there before its payload is copied into the primary slot,
 so a corrupt, torn or foreign value never reaches it (it is a miss, removed
-and counted). Existence checks are one ``batch_is_exist`` per batch.
+and counted). Existence checks are one ``batch_is_exist`` per batch. No call
+reads or writes a primary slot itself: a job answered at its deadline gives
+its slots back while the call may still be running.
 
 Outages are :class:`~kvtier.tiers.remote.RemoteTier`'s: a stopped master makes
 calls fail at once, a frozen one makes them block in the client library until
