@@ -148,8 +148,9 @@ class MooncakeTier(RemoteTier):
     # Registered value buffers --------------------------------------------
 
     def _allocate_values(self, count: int) -> list[ValueBuffer]:
-        # One page-aligned mapping per worker, registered once: the
-        # transfer engine moves values straight out of it and into it.
+        # One page-aligned mapping per worker, for a whole batch, registered
+        # once: the transfer engine moves values straight out of it and into it.
+        count = max(count, self.io_batch)
         size = count * self.value_bytes
         mapping = mmap.mmap(-1, size)
         address = _address(memoryview(mapping))

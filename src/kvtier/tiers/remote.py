@@ -439,14 +439,15 @@ class RemoteTier(ThreadedTier):
         """
         buffers: list[ValueBuffer] = getattr(self._worker_local, "buffers", [])
         if len(buffers) < count:
-            buffers = buffers + self._allocate_values(max(count, self.io_batch) - len(buffers))
+            buffers = buffers + self._allocate_values(count - len(buffers))
             self._worker_local.buffers = buffers
         return buffers
 
     def _allocate_values(self, count: int) -> list[ValueBuffer]:
-        """``count`` new value buffers of :attr:`value_bytes` each, for the
-        calling worker to keep. Backends that move values from memory they
-        registered (RDMA, shared segments) override it to hand out that memory."""
+        """At least ``count`` new value buffers of :attr:`value_bytes` each,
+        for the calling worker to keep. Backends that move values from memory
+        they registered (RDMA, shared segments) override it to hand out that
+        memory, in as few registrations as they like."""
         return [bytearray(self.value_bytes) for _ in range(count)]
 
     def _discard(self, key: ChunkKey) -> None:
