@@ -371,3 +371,22 @@ def test_the_example_configuration_loads() -> None:
     [tier] = load_config(example).secondary_tiers
     assert tier.tier_class is MooncakeTier
     assert tier.options.global_segment_size == 16 << 30  # type: ignore[attr-defined]
+
+
+def test_a_loopback_local_hostname_with_a_remote_master_is_warned_about(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvtier.tiers.mooncake as mooncake_tier
+
+    need_mooncake()
+
+    def unreachable(address: str, timeout_s: float) -> None:
+        raise ConnectionError(f"not dialled in tests: {address}")  # nothing leaves loopback
+
+    monkeypatch.setattr(mooncake_tier, "_reach", unreachable)
+    for master, warned in (("10.0.0.5", True), ("127.0.0.1", False)):
+        caplog.clear()
+        options = {"type": "mooncake", "master_server_address": f"{master}:50051"}
+        with pytest.raises(BackendUnavailableError, match="not dialled"):
+            TierHarness(options, small_layout())
+        assert ("cannot reach this one" in caplog.text) is warned

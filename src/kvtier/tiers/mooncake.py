@@ -27,6 +27,7 @@ their segments again by themselves and the tier serves anew.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import logging
 import mmap
 import socket
@@ -129,6 +130,16 @@ class MooncakeTier(RemoteTier):
         options: MooncakeTierOptions = self.options  # type: ignore[assignment]
         self._set_name_prefix(options.key_prefix)
         self._target = f"mooncake master {options.master_server_address}"
+        master_host = options.master_server_address.rpartition(":")[0]
+        if _loopback(options.local_hostname) and not _loopback(master_host):
+            logger.warning(
+                "tier %s: local_hostname=%s while the master is at %s: clients on other "
+                "machines cannot reach this one; set local_hostname to this machine's "
+                "address in the cluster",
+                self.tier_type,
+                options.local_hostname,
+                master_host,
+            )
         #: Registered memory: (mapping, address), unregistered at close.
         self._registered: list[tuple[mmap.mmap, int]] = []
         self._client: Any = None
@@ -242,6 +253,13 @@ class MooncakeTier(RemoteTier):
             "global_segment_size": int(options.global_segment_size),
             "key_prefix": options.key_prefix,
         }
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: where it points is not ours to resolve here
 
 
 def _address(buffer: ValueBuffer) -> int:
