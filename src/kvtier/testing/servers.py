@@ -432,7 +432,9 @@ class MooncakeMaster(_Process):
         has its memory again (the storage process mounts it on a new master
         by itself, within a few heartbeats)."""
         super().start()
-        if self._storage is not None:
+        if self._storage is None:
+            return self
+        try:
             self._storage.master_address = self.address
             self._storage.start()
             process = self.process
@@ -444,6 +446,11 @@ class MooncakeMaster(_Process):
                 "mooncake storage mounting its segment",
                 os.path.join(self._storage.workdir, "output.log"),
             )
+        except BaseException:
+            # Outside any ``with`` block yet: leave no process behind.
+            self._storage.stop()
+            self.stop()
+            raise
         return self
 
     def kill_storage(self) -> None:
