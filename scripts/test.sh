@@ -6,7 +6,9 @@
 # Creates .venv-test with kvtier and every extra (its own environment: the
 # README's .venv stays a plain install). The tests start (and stop) the
 # servers they need on loopback: redis-server (installed here from Debian's
-# packages when missing), moto's S3 server, kvtier peer nodes.
+# packages when missing), moto's S3 server, mooncake_master (from the
+# mooncake extra; Debian's libibverbs1 installed here when missing), kvtier
+# peer nodes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +25,11 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends redis-server
     # The tests start their own servers; leave no system service behind.
     $SUDO service redis-server stop >/dev/null 2>&1 || true
+fi
+# Mooncake's wheel links libibverbs even for TCP; its tests start mooncake_master.
+if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends libibverbs1
 fi
 # mkdocs-material prints a notice about a future mkdocs at every build.
 export NO_MKDOCS_2_WARNING=1

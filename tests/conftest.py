@@ -1,7 +1,7 @@
 """Fixtures shared by kvtier's tests.
 
 The shared-tier tests talk to real servers (redis-server, a Redis Cluster,
-moto's S3 server) on loopback, started and stopped here.
+moto's S3 server, a Mooncake master) on loopback, started and stopped here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.testing import restore_registries
-from kvtier.testing.servers import RedisClusterServers, RedisServer, S3Server
+from kvtier.testing.servers import (
+    MooncakeMaster,
+    RedisClusterServers,
+    RedisServer,
+    S3Server,
+    mooncake_binary,
+)
 from kvtier.tiers.fs import io as fs_io
 
 
@@ -46,6 +52,35 @@ def need_s3_server() -> None:
     for module, hint in (("moto", "moto[server]"), ("boto3", "kvtier[obj]")):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} not installed: pip install '{hint}'")
+
+
+def need_mooncake() -> None:
+    if importlib.util.find_spec("mooncake") is None or mooncake_binary("mooncake_master") is None:
+        pytest.skip(
+            "Mooncake not installed: pip install 'kvtier[mooncake]' "
+            "(Debian also needs: apt-get install libibverbs1)"
+        )
+
+
+#: Memory the standalone storage process of the shared Mooncake pool lends it.
+MOONCAKE_POOL_BYTES = 256 << 20
+
+
+@pytest.fixture(scope="session")
+def mooncake_master() -> Iterator[MooncakeMaster]:
+    """A Mooncake master with a storage process of its own: chunks outlive tiers."""
+    need_mooncake()
+    with MooncakeMaster(storage_bytes=MOONCAKE_POOL_BYTES) as master:
+        yield master
+
+
+@pytest.fixture
+def own_mooncake_master() -> Iterator[MooncakeMaster]:
+    """A Mooncake master (and storage process) of this test's own, free to
+    stop, restart or freeze."""
+    need_mooncake()
+    with MooncakeMaster(storage_bytes=64 << 20) as master:
+        yield master
 
 
 @pytest.fixture(scope="session")

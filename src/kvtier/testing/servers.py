@@ -8,7 +8,10 @@ temporary directory, without persistence, and is stopped by :meth:`stop`
 * :class:`RedisClusterServers`: three such servers joined into a Redis Cluster
   with ``redis-cli --cluster create``;
 * :class:`S3Server`: moto's standalone S3 server (``pip install 'moto[server]'``),
-  spoken to over HTTP exactly like S3.
+  spoken to over HTTP exactly like S3;
+* :class:`MooncakeMaster`: ``mooncake_master`` from the Mooncake wheel
+  (``pip install 'kvtier[mooncake]'``), optionally with a standalone storage
+  process (``mooncake_client``) lending the pool memory of its own.
 
 :meth:`stop` then :meth:`start` again keeps the port, to test outages;
 :meth:`pause` and :meth:`resume` freeze the process, to test a hung server.
@@ -324,5 +327,163 @@ class S3Server(_Process):
             "access_key_id": self.access_key_id,
             "secret_access_key": self.secret_access_key,
             "addressing_style": "path",
+            "deadline_s": 10,
+        }
+
+
+def mooncake_binary(name: str) -> str | None:
+    """Path of a program the Mooncake wheel installs (``mooncake_master``,
+    ``mooncake_client``): beside this Python, on ``PATH``, or in the package."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import mooncake
+    except ImportError:
+        return None
+    packaged = os.path.join(os.path.dirname(mooncake.__file__), name)
+    return packaged if os.access(packaged, os.X_OK) else None
+
+
+class _MooncakeStorage(_Process):
+    """``mooncake_client`` lending the pool ``segment_size`` bytes of its memory."""
+
+    name = "mooncake-storage"
+
+    def __init__(self, binary: str, master_address: str, segment_size: int) -> None:
+        super().__init__()
+        self.binary = binary
+        self.master_address = master_address
+        self.segment_size = segment_size
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        self.port = free_port()
+
+    def _command(self) -> list[str]:
+        return [
+            self.binary,
+            "-host", LOOPBACK,
+            "-port", str(self.port),
+            "-master_server_address", self.master_address,
+            "-metadata_server", "P2PHANDSHAKE",
+            "-protocol", "tcp",
+            "-global_segment_size", str(self.segment_size),
+        ]  # fmt: skip
+
+    def _ready(self) -> bool:
+        with socket.create_connection((LOOPBACK, self.port), timeout=2):
+            return True
+
+
+class MooncakeMaster(_Process):
+    """``mooncake_master`` on loopback, its metadata in memory (P2P handshake).
+
+    ``storage_bytes`` starts a ``mooncake_client`` lending the pool that much
+    memory, so that chunks outlive the tiers that stored them (a tier lends
+    its own ``global_segment_size`` otherwise). Stopping the master leaves the
+    storage process running: it mounts its segment again on a restarted one.
+    """
+
+    name = "mooncake-master"
+
+    def __init__(self, *, storage_bytes: int = 0) -> None:
+        master = mooncake_binary("mooncake_master")
+        storage = mooncake_binary("mooncake_client")
+        if master is None or (storage_bytes and storage is None):
+            raise ServerError(
+                "mooncake_master/mooncake_client not found: pip install 'kvtier[mooncake]' "
+                "(and, on Debian, apt-get install libibverbs1)"
+            )
+        super().__init__()
+        self.binary = master
+        self._storage_bytes = storage_bytes
+        self._storage = _MooncakeStorage(str(storage), "", storage_bytes) if storage_bytes else None
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the master's RPC service: a tier's ``master_server_address``."""
+        return f"{LOOPBACK}:{self.port}"
+
+    def _command(self) -> list[str]:
+        return [
+            self.binary,
+            "-rpc_address", LOOPBACK,
+            "-rpc_port", str(self.port),
+            "-metrics_host", LOOPBACK,
+            "-metrics_port", str(self.metrics_port),
+            "-enable_http_metadata_server=false",
+        ]  # fmt: skip
+
+    def _ready(self) -> bool:
+        with socket.create_connection((LOOPBACK, self.port), timeout=2):
+            return True
+
+    def start(self) -> Self:
+        """Start (or restart) the master; with storage, return once the pool
+        has its memory again (the storage process mounts it on a new master
+        by itself, within a few heartbeats)."""
+        super().start()
+        if self._storage is None:
+            return self
+        try:
+            self._storage.master_address = self.address
+            self._storage.start()
+            process = self.process
+            if process is None:
+                raise ServerError("mooncake_master is not running")
+            _wait(
+                lambda: self.capacity_bytes() >= self._storage_bytes,
+                process,
+                "mooncake storage mounting its segment",
+                os.path.join(self._storage.workdir, "output.log"),
+            )
+        except BaseException:
+            # Outside any ``with`` block yet: leave no process behind.
+            self._storage.stop()
+            self.stop()
+            raise
+        return self
+
+    def kill_storage(self) -> None:
+        """Kill the storage process (SIGKILL): its segment and chunks are lost."""
+        if self._storage is not None and self._storage.process is not None:
+            self._storage.process.kill()
+            self._storage.stop()
+
+    def capacity_bytes(self) -> int:
+        """Memory the pool has: the segments its clients lend, mounted now."""
+        url = f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith("master_total_capacity_bytes "):
+                    return int(float(line.split()[1]))
+        return 0
+
+    def close(self) -> None:
+        if self._storage is not None:
+            self._storage.close()
+        super().close()
+
+    def tier_options(self, key_prefix: str = "kvtier:") -> dict[str, Any]:
+        """Options of a ``mooncake`` tier on this master, lending a small segment.
+
+        The deadline is generous: a test of anything else must not see jobs
+        cut short on a loaded machine. Tests of the deadline set their own.
+        """
+        return {
+            "type": "mooncake",
+            "master_server_address": self.address,
+            "global_segment_size": "32MiB",
+            "local_buffer_size": "4MiB",
+            "key_prefix": key_prefix,
             "deadline_s": 10,
         }

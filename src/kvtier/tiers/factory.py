@@ -26,6 +26,7 @@ for _name, _module, _cls in [
     ("redis", "kvtier.tiers.redis", "RedisTier"),
     ("obj", "kvtier.tiers.obj", "ObjectStoreTier"),
     ("p2p", "kvtier.tiers.p2p", "PeerTier"),
+    ("mooncake", "kvtier.tiers.mooncake", "MooncakeTier"),
 ]:
     tier_registry.register(_name, _module, _cls)
 

@@ -56,6 +56,7 @@ from kvtier.tiers.remote import (
     PutErrors,
     RemoteTier,
     RemoteTierOptions,
+    ValueBuffer,
 )
 
 #: Error codes of a GET on an object the bucket does not hold. A missing
@@ -214,7 +215,7 @@ class ObjectStoreTier(RemoteTier):
             self._answered()
         return found
 
-    def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
+    def _put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
         errors: PutErrors = []
         for name, value in zip(names, values, strict=True):
             self._check_sending()

@@ -43,6 +43,7 @@ from kvtier.tiers.remote import (
     PutErrors,
     RemoteTier,
     RemoteTierOptions,
+    ValueBuffer,
 )
 
 _URL_SCHEMES = ("redis", "rediss", "unix")
@@ -162,7 +163,7 @@ class RedisTier(RemoteTier):
             for reply in pipe.execute(raise_on_error=False)
         ]
 
-    def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
+    def _put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
         pipe = self._pipeline()
         for name, value in zip(names, values, strict=True):
             pipe.set(name, value, px=self._ttl_ms)

@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 Fetched = bytes | memoryview | None | BaseException
 #: What a batched existence check gives back per name: held or not, or the error that item met.
 Exists = bool | BaseException
+#: A reusable buffer a worker frames one value into (see ``RemoteTier._allocate_values``).
+ValueBuffer = bytearray | memoryview
 #: What a batched write gives back per name: ``None``, or the error that item met.
 PutErrors = list[BaseException | None]
 
@@ -185,7 +187,7 @@ class RemoteTier(ThreadedTier):
         the whole batch failed."""
 
     @abstractmethod
-    def _put_many(self, names: Sequence[str], values: Sequence[bytearray]) -> PutErrors:
+    def _put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
         """Write each value; ``None`` per success or the error of that item.
 
         Raise when the whole batch failed (connection lost, timeout).
@@ -428,18 +430,25 @@ class RemoteTier(ThreadedTier):
     def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
         raise NotImplementedError("remote tiers load in _transfer")
 
-    def _scratch(self, count: int) -> list[bytearray]:
+    def _scratch(self, count: int) -> list[ValueBuffer]:
         """This worker's reusable value buffers, at least ``count`` of them.
 
         Framing into buffers that stay mapped spares a fresh allocation, and
         its page faults, per chunk; the clients are done with a buffer when
         ``_put_many`` returns.
         """
-        buffers: list[bytearray] = getattr(self._worker_local, "buffers", [])
-        while len(buffers) < count:
-            buffers.append(bytearray(self.value_bytes))
-        self._worker_local.buffers = buffers
+        buffers: list[ValueBuffer] = getattr(self._worker_local, "buffers", [])
+        if len(buffers) < count:
+            buffers = buffers + self._allocate_values(count - len(buffers))
+            self._worker_local.buffers = buffers
         return buffers
+
+    def _allocate_values(self, count: int) -> list[ValueBuffer]:
+        """At least ``count`` new value buffers of :attr:`value_bytes` each,
+        for the calling worker to keep. Backends that move values from memory
+        they registered (RDMA, shared segments) override it to hand out that
+        memory, in as few registrations as they like."""
+        return [bytearray(self.value_bytes) for _ in range(count)]
 
     def _discard(self, key: ChunkKey) -> None:
         self._delete(self.store_name(key))

@@ -1,0 +1,318 @@
+"""``mooncake``: chunks in a Mooncake Store, the distributed DRAM pool of a cluster.
+
+A Mooncake Store is one master (``mooncake_master``: metadata, placement,
+eviction) and clients that each lend the pool a segment of their memory
+(``global_segment_size``); a value is written into some client's segment and
+read from it over TCP or RDMA by the Mooncake transfer engine. Every kvtier
+process running this tier is such a client; so can be standalone storage
+processes (``mooncake_client``), which keep chunks when engines restart.
+
+Values move without a copy through Python: each worker frames chunks into a
+buffer registered with the transfer engine, which sends them with
+``batch_put_from`` and reads them back into it with ``batch_get_into``; a read
+value is verified there before its payload is copied into the primary slot,
+so a corrupt, torn or foreign value never reaches it (it is a miss, removed
+and counted). Existence checks are one ``batch_is_exist`` per batch. No call
+reads or writes a primary slot itself: a job answered at its deadline gives
+its slots back while the call may still be running.
+
+Outages are :class:`~kvtier.tiers.remote.RemoteTier`'s: a stopped master makes
+calls fail at once, a frozen one makes them block in the client library until
+its own RPC timeout; either way a request waits at most ``deadline_s``, then
+the circuit breaker turns lookups into misses until a probe finds the master
+back. A restarted master is empty: the chunks are gone, but clients mount
+their segments again by themselves and the tier serves anew.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+import mmap
+import socket
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+from pydantic import ByteSize, Field, field_validator
+
+from kvtier.errors import (
+    BackendUnavailableError,
+    CorruptChunkError,
+    MissingDependencyError,
+    describe_error,
+)
+from kvtier.tiers.base import TierOptions
+from kvtier.tiers.remote import (
+    Exists,
+    Fetched,
+    PutErrors,
+    RemoteTier,
+    RemoteTierOptions,
+    ValueBuffer,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Mooncake's error codes the tier tells apart (``mooncake-store/include/types.h``).
+OBJECT_NOT_FOUND = -704
+BUFFER_OVERFLOW = -600
+
+
+class MooncakeError(ConnectionError):
+    """A Mooncake call answered an error code."""
+
+    def __init__(self, call: str, code: int) -> None:
+        self.code = code
+        super().__init__(f"{call} failed with Mooncake error code {code}")
+
+
+class MooncakeTierOptions(RemoteTierOptions):
+    master_server_address: str
+    """``host:port`` of ``mooncake_master``'s RPC service."""
+
+    metadata_server: str = "P2PHANDSHAKE"
+    """Where transfer engines find each other: ``P2PHANDSHAKE`` (no metadata
+    service: clients handshake directly), or an ``etcd://`` / ``http://`` URL."""
+
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    """Transport between clients: ``tcp`` everywhere, ``rdma`` with RDMA NICs."""
+
+    local_hostname: str = "127.0.0.1"
+    """Address other clients reach this one at (this machine's address in the
+    cluster network; loopback serves one machine only)."""
+
+    device_name: str = ""
+    """RDMA devices to use, comma-separated (``mlx5_0,mlx5_1``); empty with ``tcp``."""
+
+    global_segment_size: ByteSize = Field(default=ByteSize(3355443200), ge=0)
+    """Memory this process lends the pool (Mooncake's default: 3.125 GiB). Its
+    chunks vanish from the pool when the process exits; 0 lends nothing and
+    relies on other clients (standalone ``mooncake_client`` processes)."""
+
+    local_buffer_size: ByteSize = Field(default=ByteSize(16 << 20), ge=0)
+    """Mooncake's staging buffer for calls that copy; kvtier moves chunks from
+    its own registered buffers, so a small one does."""
+
+    key_prefix: str = "kvtier:"
+    """Prepended to every key, before the namespace and chunk digests."""
+
+    io_threads: int = Field(default=4, ge=1, le=64)
+    """Worker threads, each running one batched call at a time (each keeps a
+    registered buffer of 8 chunks)."""
+
+    @field_validator("master_server_address")
+    @classmethod
+    def _check_master(cls, address: str) -> str:
+        host, _, port = address.rpartition(":")
+        if "://" in address or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"{address!r} is not host:port; write the master's RPC address "
+                "as host:port, e.g. 10.0.0.5:50051"
+            )
+        return address
+
+    @field_validator("protocol", mode="before")
+    @classmethod
+    def _lower_protocol(cls, protocol: object) -> object:
+        return protocol.lower() if isinstance(protocol, str) else protocol
+
+
+class MooncakeTier(RemoteTier):
+    """Chunks as framed values in a Mooncake Store, moved from registered buffers."""
+
+    Options: ClassVar[type[TierOptions]] = MooncakeTierOptions
+    #: Chunks per batched call, and per worker's registered buffer.
+    io_batch: ClassVar[int] = 8
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        options: MooncakeTierOptions = self.options  # type: ignore[assignment]
+        self._set_name_prefix(options.key_prefix)
+        self._target = f"mooncake master {options.master_server_address}"
+        master_host = options.master_server_address.rpartition(":")[0]
+        if _loopback(options.local_hostname) and not _loopback(master_host):
+            logger.warning(
+                "tier %s: local_hostname=%s while the master is at %s: clients on other "
+                "machines cannot reach this one; set local_hostname to this machine's "
+                "address in the cluster",
+                self.tier_type,
+                options.local_hostname,
+                master_host,
+            )
+        #: Registered memory: (mapping, address), unregistered at close.
+        self._registered: list[tuple[mmap.mmap, int]] = []
+        self._client: Any = None
+        try:
+            self._client = self._start(
+                lambda: _connected(options), lambda store: store.close(), self._target
+            )
+        except (MissingDependencyError, BackendUnavailableError):
+            self.shutdown()
+            raise
+        except Exception as exc:
+            self.shutdown()
+            raise BackendUnavailableError(
+                self.tier_type, self._target, describe_error(exc)
+            ) from exc
+
+    # Registered value buffers --------------------------------------------
+
+    def _allocate_values(self, count: int) -> list[ValueBuffer]:
+        # One page-aligned mapping per worker, for a whole batch, registered
+        # once: the transfer engine moves values straight out of it and into it.
+        count = max(count, self.io_batch)
+        size = count * self.value_bytes
+        mapping = mmap.mmap(-1, size)
+        address = _address(memoryview(mapping))
+        code = self._client.register_buffer(address, size)
+        if code != 0:
+            mapping.close()
+            raise MooncakeError("register_buffer", code)
+        with self._lock:
+            self._registered.append((mapping, address))
+        whole = memoryview(mapping)
+        return [whole[i * self.value_bytes : (i + 1) * self.value_bytes] for i in range(count)]
+
+    # Backend hooks ----------------------------------------------------------
+
+    def _exists_many(self, names: Sequence[str]) -> list[Exists]:
+        codes = self._client.batch_is_exist(list(names))
+        return [code == 1 if code >= 0 else MooncakeError("batch_is_exist", code) for code in codes]
+
+    def _put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
+        if not names:
+            return []
+        codes = self._client.batch_put_from(
+            list(names), [_address(v) for v in values], [len(v) for v in values]
+        )
+        # 0 also for a name the pool holds already: chunk names are content hashes.
+        return [None if code == 0 else MooncakeError("batch_put_from", code) for code in codes]
+
+    def _get_many(self, names: Sequence[str]) -> list[Fetched]:
+        buffers = self._scratch(len(names))[: len(names)]
+        sizes = [len(b) for b in buffers]
+        codes = self._client.batch_get_into(list(names), [_address(b) for b in buffers], sizes)
+        fetched: list[Fetched] = []
+        for buffer, code in zip(buffers, codes, strict=True):
+            if code >= 0:
+                # Verified by the caller before a byte reaches a slot; a short
+                # value (torn, or not a chunk) fails that check.
+                fetched.append(memoryview(buffer)[:code])
+            elif code == OBJECT_NOT_FOUND:
+                fetched.append(None)
+            elif code == BUFFER_OVERFLOW:
+                fetched.append(CorruptChunkError("the value is larger than a framed chunk"))
+            else:
+                fetched.append(MooncakeError("batch_get_into", code))
+        return fetched
+
+    def _delete(self, name: str) -> None:
+        # force: a value read in the last seconds holds a lease that would
+        # otherwise keep it (and keep serving it as corrupt) until it expires.
+        codes = self._client.batch_remove([name], True)
+        if codes and codes[0] not in (0, OBJECT_NOT_FOUND):
+            raise MooncakeError("batch_remove", codes[0])
+
+    def _ping(self) -> None:
+        # health_check() answers 0 with the master gone; an RPC to it does not.
+        [code] = self._client.batch_is_exist([self._names_prefix + "ping"])
+        if code < 0:
+            raise MooncakeError("batch_is_exist", code)
+
+    def _close(self) -> None:
+        super()._close()
+        client, self._client = self._client, None
+        if client is None:
+            return
+        probe = self._probe_thread
+        stuck = [t for t in [*self._workers, probe] if t is not None and t.is_alive()]
+        if stuck:
+            # Closing the client under a call still in it (a frozen master)
+            # could crash the process: it is left open for the process to end.
+            logger.warning(
+                "tier %s: %d threads still in a Mooncake call at shutdown; leaving its client open",
+                self.tier_type,
+                len(stuck),
+            )
+            return
+        with self._lock:
+            registered, self._registered = self._registered, []
+        for _, address in registered:
+            client.unregister_buffer(address)
+        client.close()
+        # The mappings are left to the collector: a worker stuck past the
+        # deadline in a call may still hold views of them.
+
+    def describe(self) -> dict[str, object]:
+        options: MooncakeTierOptions = self.options  # type: ignore[assignment]
+        return {
+            **super().describe(),
+            "target": self._target,
+            "protocol": options.protocol,
+            "global_segment_size": int(options.global_segment_size),
+            "key_prefix": options.key_prefix,
+        }
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: where it points is not ours to resolve here
+
+
+def _address(buffer: ValueBuffer) -> int:
+    """The address of a writable buffer's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def _reach(address: str, timeout_s: float) -> None:
+    """Raise unless something accepts TCP connections at ``address``.
+
+    Mooncake's ``setup`` holds the interpreter lock while it retries an
+    unreachable master (about 90 s): no thread could give up on it, so the
+    master must be known to listen before it is called.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConnectionError(
+            f"mooncake_master does not listen there ({describe_error(exc)})"
+        ) from exc
+
+
+def _connected(options: MooncakeTierOptions) -> Any:
+    """A ``MooncakeDistributedStore`` set up for ``options`` whose master answered."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise MissingDependencyError("mooncake-transfer-engine", "mooncake") from exc
+    _reach(options.master_server_address, options.startup_timeout_s)
+    store = MooncakeDistributedStore()
+    code = store.setup(
+        {
+            "local_hostname": options.local_hostname,
+            "metadata_server": options.metadata_server,
+            "global_segment_size": str(int(options.global_segment_size)),
+            "local_buffer_size": str(int(options.local_buffer_size)),
+            "protocol": options.protocol,
+            "rdma_devices": options.device_name,
+            "master_server_addr": options.master_server_address,
+        }
+    )
+    if code != 0:
+        raise ConnectionError(
+            f"setup failed with Mooncake error code {code}; check that mooncake_master "
+            "runs there and that local_hostname is this machine's address"
+        )
+    try:
+        [answer] = store.batch_is_exist(["kvtier:connect"])
+        if answer < 0:
+            raise MooncakeError("batch_is_exist", answer)
+    except BaseException:
+        store.close()
+        raise
+    return store
