@@ -462,7 +462,7 @@ def test_a_check_past_its_deadline_answers_miss_and_its_late_answer_serves_later
         assert tier.lookup(key, ctx) is Lookup.MISS  # the request waits no longer
         assert tier.breaker.closed  # a slow backend stays in service
         release.set()
-        wait_until(lambda: not tier._checking, what="the check done")
+        wait_until(lambda: not tier._threaded_checking, what="the check done")
         assert tier.lookup(key, ctx) is Lookup.HIT  # the late answer, for the next request
     finally:
         release.set()

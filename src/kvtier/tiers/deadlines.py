@@ -26,12 +26,17 @@ class Deadlines:
         self._sequence = itertools.count()
         self._wake = threading.Condition()
         self._closed = False
+        # Started with the first callback: a tier whose constructor fails
+        # after building this leaves no thread behind.
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
     def after(self, seconds: float, callback: Callable[[], None]) -> None:
         """Call ``callback`` (on this thread) ``seconds`` from now."""
         with self._wake:
+            if self._closed:
+                return
+            if not self._thread.is_alive() and self._thread.ident is None:
+                self._thread.start()
             heapq.heappush(self._heap, (self._clock() + seconds, next(self._sequence), callback))
             self._wake.notify()
 
@@ -41,7 +46,7 @@ class Deadlines:
             self._closed = True
             self._heap.clear()
             self._wake.notify()
-        if threading.current_thread() is not self._thread:
+        if self._thread.ident is not None and threading.current_thread() is not self._thread:
             self._thread.join()
 
     def _run(self) -> None:

@@ -31,6 +31,7 @@ import ipaddress
 import logging
 import mmap
 import socket
+import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -142,16 +143,15 @@ class MooncakeTier(RemoteTier):
             )
         #: Registered memory: (mapping, address), unregistered at close.
         self._registered: list[tuple[mmap.mmap, int]] = []
+        self._registered_lock = threading.Lock()
         self._client: Any = None
         try:
             self._client = self._start(
                 lambda: _connected(options), lambda store: store.close(), self._target
             )
         except (MissingDependencyError, BackendUnavailableError):
-            self.shutdown()
             raise
         except Exception as exc:
-            self.shutdown()
             raise BackendUnavailableError(
                 self.tier_type, self._target, describe_error(exc)
             ) from exc
@@ -169,7 +169,7 @@ class MooncakeTier(RemoteTier):
         if code != 0:
             mapping.close()
             raise MooncakeError("register_buffer", code)
-        with self._lock:
+        with self._registered_lock:
             self._registered.append((mapping, address))
         whole = memoryview(mapping)
         return [whole[i * self.value_bytes : (i + 1) * self.value_bytes] for i in range(count)]
@@ -226,7 +226,7 @@ class MooncakeTier(RemoteTier):
         if client is None:
             return
         probe = self._probe_thread
-        stuck = [t for t in [*self._workers, probe] if t is not None and t.is_alive()]
+        stuck = [t for t in [*self._threaded_workers, probe] if t is not None and t.is_alive()]
         if stuck:
             # Closing the client under a call still in it (a frozen master)
             # could crash the process: it is left open for the process to end.
@@ -236,7 +236,7 @@ class MooncakeTier(RemoteTier):
                 len(stuck),
             )
             return
-        with self._lock:
+        with self._registered_lock:
             registered, self._registered = self._registered, []
         for _, address in registered:
             client.unregister_buffer(address)

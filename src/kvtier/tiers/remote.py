@@ -214,7 +214,7 @@ class RemoteTier(ThreadedTier):
 
     def _sending(self) -> bool:
         """Whether to go on sending requests (backends check it between requests)."""
-        return self.breaker.closed and not self._closed
+        return self.breaker.closed and not self.shut_down
 
     def _check_sending(self) -> None:
         """Raise :class:`BackendSkipped` once the backend is known down."""
@@ -239,10 +239,7 @@ class RemoteTier(ThreadedTier):
                 self.count(outage_failed_loads=len(job.keys))
             else:
                 self.count(outage_dropped_stores=len(job.keys))
-            with self._lock:
-                self._finished.append(
-                    JobResult(job.job_id, not job.keys, frozenset(), nbytes=0, seconds=0.0)
-                )
+            self._report(JobResult(job.job_id, not job.keys, frozenset(), nbytes=0, seconds=0.0))
             return
         super()._submit(job, loading=loading)
         self._deadlines.after(self._deadline_s, lambda: self._answer_at_deadline(job.job_id))
@@ -276,15 +273,15 @@ class RemoteTier(ThreadedTier):
             done.set()
 
     def _answer_at_deadline(self, job_id: int) -> None:
-        with self._lock:
-            state = self._jobs.get(job_id)
+        with self._threaded_lock:
+            state = self._threaded_jobs.get(job_id)
         if state is None:
             return
         # A copy into or out of its slots ends first.
-        with state.slots_guard, self._lock:
+        with state.slots_guard, self._threaded_lock:
             if state.reported:
                 return
-            self._finish(state)
+            self._threaded_finish(state)
         self._missed_deadline(
             f"{'load' if state.loading else 'store'} job {job_id}", since=state.started
         )
@@ -306,15 +303,15 @@ class RemoteTier(ThreadedTier):
 
     def shutdown(self) -> None:
         """Drain and close within ``deadline_s``, whatever the backend does."""
-        if self._closed:
+        if self.shut_down:
             return
         give_up = time.monotonic() + self._deadline_s
         self.drain(timeout=self._deadline_s)
-        with self._lock:
-            late = list(self._jobs)
+        with self._threaded_lock:
+            late = list(self._threaded_jobs)
         for job_id in late:  # answered now, their slots left alone from here on
             self._answer_at_deadline(job_id)
-        self._join_timeout_s = max(0.0, give_up - time.monotonic())
+        self._threaded_join_timeout_s = max(0.0, give_up - time.monotonic())
         super().shutdown()
 
     def _missed_deadline(self, what: str, since: float) -> None:
@@ -341,10 +338,10 @@ class RemoteTier(ThreadedTier):
         def answer_miss() -> None:
             # The lookups waiting on it answer MISS from now on; a late
             # answer replaces this one for the next request.
-            with self._lock:
+            with self._threaded_lock:
                 for key in keys:
-                    if key in self._checking:
-                        self._checked[key] = False
+                    if key in self._threaded_checking:
+                        self._threaded_checked[key] = False
 
         # Counted from when the step asked, as the lookups wait from then.
         self._watch(done, f"existence check of {len(keys)} chunks", answer_miss)
@@ -484,7 +481,7 @@ class RemoteTier(ThreadedTier):
     def _breaker_changed(self, old: BreakerState, new: BreakerState, reason: str) -> None:
         if old is BreakerState.CLOSED:
             self.count(backend_outages=1)
-        if self._closed:
+        if self.shut_down:
             return
         if new is BreakerState.OPEN:
             logger.warning(

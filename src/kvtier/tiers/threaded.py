@@ -75,29 +75,43 @@ class ThreadedTier(SecondaryTier):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
+        # Every name here is ``_threaded_*``: subclasses keep the obvious ones
+        # (``_lock``, ``_closed``, ``_jobs``...) for their own state.
+        self._threaded_lock = threading.Lock()
+        self._threaded_idle = threading.Condition(self._threaded_lock)
+        self._threaded_queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
             queue.PriorityQueue()
         )
-        self._sequence = itertools.count()
-        self._jobs: dict[int, _JobState] = {}
-        self._finished: list[JobResult] = []
-        self._to_check: list[ChunkKey] = []
-        self._checking: set[ChunkKey] = set()
-        self._checked: dict[ChunkKey, bool] = {}
-        self._failed_checks: dict[ChunkKey, int] = {}
-        self._closed = False
+        self._threaded_sequence = itertools.count()
+        self._threaded_jobs: dict[int, _JobState] = {}
+        self._threaded_finished: list[JobResult] = []
+        self._threaded_to_check: list[ChunkKey] = []
+        self._threaded_checking: set[ChunkKey] = set()
+        self._threaded_checked: dict[ChunkKey, bool] = {}
+        self._threaded_failed_checks: dict[ChunkKey, int] = {}
+        self._threaded_closed = False
         #: How long :meth:`shutdown` waits for workers still in a backend call
         #: (``None``: for ever). Tiers that answer jobs at a deadline bound it.
-        self._join_timeout_s: float | None = None
-        threads = getattr(self.options, "io_threads", 4)
-        self._workers = [
-            threading.Thread(target=self._work, name=f"kvtier-{self.tier_type}-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for worker in self._workers:
-            worker.start()
+        self._threaded_join_timeout_s: float | None = None
+        #: Started on the first task, never in ``__init__``: a subclass's
+        #: ``__init__`` finishes its set-up before any worker can call a hook,
+        #: and a constructor that raises leaves no thread behind.
+        self._threaded_workers: list[threading.Thread] = []
+
+    @property
+    def io_threads(self) -> int:
+        """How many worker threads the tier runs (started on its first task)."""
+        return int(getattr(self.options, "io_threads", 4))
+
+    @property
+    def shut_down(self) -> bool:
+        """Whether :meth:`shutdown` began: no new work is taken."""
+        return self._threaded_closed
+
+    def _report(self, result: JobResult) -> None:
+        """Hand out a job's result that a subclass settled without the workers."""
+        with self._threaded_lock:
+            self._threaded_finished.append(result)
 
     # Backend hooks: blocking, called on worker threads -------------------
 
@@ -146,24 +160,24 @@ class ThreadedTier(SecondaryTier):
         known = self._known(key)
         if known is not None:
             return Lookup.HIT if known else Lookup.MISS
-        with self._lock:
+        with self._threaded_lock:
             # Results are consumed once: a shared backend may change under us.
-            found = self._checked.pop(key, None)
+            found = self._threaded_checked.pop(key, None)
             if found is not None:
                 return Lookup.HIT if found else Lookup.MISS
-            if self._failed_checks.get(key, 0) >= self.check_attempts:
-                del self._failed_checks[key]
+            if self._threaded_failed_checks.get(key, 0) >= self.check_attempts:
+                del self._threaded_failed_checks[key]
                 return Lookup.MISS  # the backend keeps failing for this key
-            if key not in self._checking:
-                self._checking.add(key)
-                self._to_check.append(key)
+            if key not in self._threaded_checking:
+                self._threaded_checking.add(key)
+                self._threaded_to_check.append(key)
         return Lookup.PENDING
 
     def on_step_end(self) -> None:
-        with self._lock:
-            batch, self._to_check = self._to_check, []
+        with self._threaded_lock:
+            batch, self._threaded_to_check = self._threaded_to_check, []
         for start in range(0, len(batch), self.check_batch):
-            self._enqueue(_CHECK, self._run_check(batch[start : start + self.check_batch]))
+            self._threaded_enqueue(_CHECK, self._run_check(batch[start : start + self.check_batch]))
 
     def submit_store(self, job: TransferJob) -> None:
         self._submit(job, loading=False)
@@ -172,23 +186,29 @@ class ThreadedTier(SecondaryTier):
         self._submit(job, loading=True)
 
     def get_finished_jobs(self) -> list[JobResult]:
-        with self._lock:
-            finished, self._finished = self._finished, []
+        with self._threaded_lock:
+            finished, self._threaded_finished = self._threaded_finished, []
         return finished
 
     def drain(self, timeout: float | None = None) -> None:
-        with self._idle:
-            self._idle.wait_for(lambda: not self._jobs, timeout=timeout)
+        with self._threaded_idle:
+            self._threaded_idle.wait_for(lambda: not self._threaded_jobs, timeout=timeout)
 
     def shutdown(self) -> None:
-        if self._closed:
+        if self._threaded_closed:
             return
         self.drain()
-        self._closed = True
-        for _ in self._workers:
-            self._queue.put((_STORE + 1, next(self._sequence), None))
-        give_up = None if self._join_timeout_s is None else time.monotonic() + self._join_timeout_s
-        for worker in self._workers:
+        with self._threaded_lock:
+            self._threaded_closed = True
+            workers = list(self._threaded_workers)
+        for _ in workers:
+            self._threaded_queue.put((_STORE + 1, next(self._threaded_sequence), None))
+        give_up = (
+            None
+            if self._threaded_join_timeout_s is None
+            else time.monotonic() + self._threaded_join_timeout_s
+        )
+        for worker in workers:
             # A worker stuck in a backend call past the bound is left behind
             # (a daemon thread): every job it held was answered already.
             worker.join(None if give_up is None else max(0.0, give_up - time.monotonic()))
@@ -196,14 +216,26 @@ class ThreadedTier(SecondaryTier):
 
     # Machinery --------------------------------------------------------------
 
-    def _enqueue(self, priority: int, task: Callable[[], None]) -> None:
-        if self._closed:
-            raise RuntimeError(f"tier {self.tier_type!r} is shut down")
-        self._queue.put((priority, next(self._sequence), task))
+    def _threaded_enqueue(self, priority: int, task: Callable[[], None]) -> None:
+        with self._threaded_lock:
+            if self._threaded_closed:
+                raise RuntimeError(f"tier {self.tier_type!r} is shut down")
+            if not self._threaded_workers:
+                self._threaded_workers = [
+                    threading.Thread(
+                        target=self._threaded_work,
+                        name=f"kvtier-{self.tier_type}-{i}",
+                        daemon=True,
+                    )
+                    for i in range(self.io_threads)
+                ]
+                for worker in self._threaded_workers:
+                    worker.start()
+        self._threaded_queue.put((priority, next(self._threaded_sequence), task))
 
-    def _work(self) -> None:
+    def _threaded_work(self) -> None:
         while True:
-            _, _, task = self._queue.get()
+            _, _, task = self._threaded_queue.get()
             if task is None:
                 return
             try:
@@ -243,17 +275,19 @@ class ThreadedTier(SecondaryTier):
             except Exception as exc:
                 logger.warning("tier %s: existence check failed: %r", self.tier_type, exc)
                 found = [None] * len(keys)
-            with self._lock:
+            with self._threaded_lock:
                 for key, present in zip(keys, found, strict=True):
-                    self._checking.discard(key)
+                    self._threaded_checking.discard(key)
                     if present is None:  # unknown: the next lookup asks again
-                        self._failed_checks[key] = self._failed_checks.get(key, 0) + 1
-                        self._checked.pop(key, None)
+                        self._threaded_failed_checks[key] = (
+                            self._threaded_failed_checks.get(key, 0) + 1
+                        )
+                        self._threaded_checked.pop(key, None)
                     else:
-                        self._failed_checks.pop(key, None)
-                        self._checked[key] = present
+                        self._threaded_failed_checks.pop(key, None)
+                        self._threaded_checked[key] = present
                 # Oldest answers first: nobody came back for them.
-                for answers in (self._checked, self._failed_checks):
+                for answers in (self._threaded_checked, self._threaded_failed_checks):
                     excess = len(answers) - self.max_unclaimed_answers
                     if excess > 0:
                         for stale in list(itertools.islice(answers, excess)):
@@ -270,14 +304,16 @@ class ThreadedTier(SecondaryTier):
             else:
                 pending.append((key, slot))
         batches = self._split(pending)
-        with self._lock:
+        with self._threaded_lock:
             state.remaining = len(batches)
-            self._jobs[job.job_id] = state
+            self._threaded_jobs[job.job_id] = state
             if not batches:
-                self._finish(state)
+                self._threaded_finish(state)
                 return
         for batch in batches:
-            self._enqueue(_LOAD if loading else _STORE, self._run_batch(state, batch))
+            self._threaded_enqueue(
+                _LOAD if loading else _STORE, self._threaded_run_batch(state, batch)
+            )
 
     def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
         """A job's (key, slot) pairs in backend batches of :attr:`io_batch`."""
@@ -295,7 +331,9 @@ class ThreadedTier(SecondaryTier):
             return self._load_batch(keys, views)
         return self._store_batch(keys, views)
 
-    def _run_batch(self, state: _JobState, batch: list[tuple[ChunkKey, int]]) -> Callable[[], None]:
+    def _threaded_run_batch(
+        self, state: _JobState, batch: list[tuple[ChunkKey, int]]
+    ) -> Callable[[], None]:
         def run() -> None:
             keys = [key for key, _ in batch]
             ok = [False] * len(keys)
@@ -304,7 +342,7 @@ class ThreadedTier(SecondaryTier):
                     ok = self._transfer(state, keys, [slot for _, slot in batch])
                 except Exception as exc:
                     logger.warning("tier %s: batch failed: %r", self.tier_type, exc)
-            with self._lock:
+            with self._threaded_lock:
                 state.remaining -= 1
                 if state.reported:
                     return
@@ -313,15 +351,15 @@ class ThreadedTier(SecondaryTier):
                         state.succeeded.add(key)
                         state.nbytes += self.slot_bytes
                 if state.remaining == 0:
-                    self._finish(state)
+                    self._threaded_finish(state)
 
         return run
 
-    def _finish(self, state: _JobState) -> None:
+    def _threaded_finish(self, state: _JobState) -> None:
         """Report a job as it stands; the caller holds the lock."""
         state.reported = True
-        del self._jobs[state.job.job_id]
-        self._finished.append(
+        del self._threaded_jobs[state.job.job_id]
+        self._threaded_finished.append(
             JobResult(
                 job_id=state.job.job_id,
                 success=len(state.succeeded) == len(state.job.keys),
@@ -330,4 +368,4 @@ class ThreadedTier(SecondaryTier):
                 seconds=time.perf_counter() - state.started,
             )
         )
-        self._idle.notify_all()
+        self._threaded_idle.notify_all()

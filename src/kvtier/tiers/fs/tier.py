@@ -376,7 +376,7 @@ class FilesystemTier(ThreadedTier):
             "io": "direct" if self.direct else "buffered",
             "io_reason": self.io_mode_reason,
             "io_code": chunk_io.IMPLEMENTATION,
-            "io_threads": len(self._workers),
+            "io_threads": self.io_threads,
             "fsync": self.fsync,
             "shared": self.shared,
             "max_bytes": self.max_bytes,

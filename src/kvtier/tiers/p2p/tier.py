@@ -251,11 +251,7 @@ class PeerTier(ThreadedTier):
         # starts when the manager attaches the node's primary tier.
         self._server: PeerServer | None = None
         if options.listen is not None:
-            try:
-                self._server = self._bind(options.listen)
-            except BaseException:
-                self.shutdown()
-                raise
+            self._server = self._bind(options.listen)
 
     def _bind(self, listen: str) -> PeerServer:
         host, port = protocol.parse_address(listen, allow_port_zero=True)
@@ -303,8 +299,7 @@ class PeerTier(ThreadedTier):
 
     def submit_store(self, job: TransferJob) -> None:
         """Succeeds at once and sends nothing: peers fetch what they need."""
-        with self._lock:
-            self._finished.append(JobResult(job.job_id, True, frozenset(job.keys), 0, 0.0))
+        self._report(JobResult(job.job_id, True, frozenset(job.keys), 0, 0.0))
 
     def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
         """Never called: :meth:`submit_store` finishes store jobs without I/O."""

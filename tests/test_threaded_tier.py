@@ -1,0 +1,43 @@
+"""ThreadedTier leaves its subclasses their own names, and starts no thread in ``__init__``."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.testing import TierContractTests, TierHarness, small_layout
+from tests.threaded_doubles import WORKERS_SEEN_IN_INIT, ObviousNamesTier, tier_threads
+
+ENTRY = {"type": "ObviousNamesTier", "module_path": "tests.threaded_doubles", "io_threads": 3}
+
+
+class TestSubclassWithObviousNames(TierContractTests):
+    tier_config = ENTRY
+
+
+def test_subclass_state_is_its_own_and_workers_start_after_init() -> None:
+    harness = TierHarness(dict(ENTRY), small_layout())
+    try:
+        tier = harness.tier
+        assert isinstance(tier, ObviousNamesTier)
+        # No worker could run a hook before the subclass's state existed.
+        assert WORKERS_SEEN_IN_INIT[tier.tier_type] == []
+        assert tier_threads(tier.tier_type) == []
+        keys = harness.keys(3)
+        data = harness.fill([0, 1, 2])
+        assert harness.store(keys, [0, 1, 2]).success
+        assert tier._queue == keys  # the subclass's own list, in store order
+        assert len(tier_threads(tier.tier_type)) == tier.io_threads == 3
+        assert harness.load(keys, [5, 6, 7]).success
+        assert (harness.buffer.array[[5, 6, 7]] == data).all()
+        assert tier._workers >= 6 and tier._closed is False and not tier.shut_down
+    finally:
+        harness.close()
+    assert tier.shut_down and tier._closed is True  # its own flag, set by its _close
+    assert tier_threads(tier.tier_type) == []
+
+
+def test_a_constructor_failing_after_super_init_leaves_no_thread() -> None:
+    entry = {"type": "FailingSetUpTier", "module_path": "tests.threaded_doubles"}
+    with pytest.raises(OSError, match="the backend is not there"):
+        TierHarness(entry, small_layout())
+    assert tier_threads("FailingSetUpTier") == []
