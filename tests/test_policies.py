@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from kvtier import load_config
+from kvtier import KVCache, load_config
 from kvtier.errors import PluginLoadError
 from kvtier.keys import ChunkKey
 from kvtier.policies import CachePolicy, CachePolicyFactory
@@ -16,8 +18,9 @@ from kvtier.primary import PrimaryTier, SlotBuffer
 from kvtier.sim.replay import PrimaryReplay
 from kvtier.sim.synthetic import ChatShape, chat_trace
 from kvtier.sim.trace import parse_records
-from kvtier.testing import PolicyContractTests
+from kvtier.testing import PolicyContractTests, small_layout
 from kvtier.testing.policy_suite import key
+from tests.policy_doubles import RandomOldPolicy
 
 PLUGINS = Path(__file__).parent / "plugins"
 
@@ -250,3 +253,36 @@ def test_leaf_lru_never_hits_less_than_lru_on_chat_traces(seed: int) -> None:
         assert leaf >= lru
         gained += leaf - lru
     assert gained > 0
+
+
+class TestPolicyUsingClockAndRng(PolicyContractTests):
+    policy_name = "RandomOldPolicy"
+    module_path = "tests.policy_doubles"
+
+
+def test_clock_and_rng_have_working_defaults() -> None:
+    policy = RandomOldPolicy(4)
+    assert isinstance(policy.rng, random.Random)
+    first = policy.clock()
+    assert isinstance(first, float) and policy.clock() >= first
+    assert 0.0 <= policy.rng.random() < 1.0
+
+
+def test_a_policy_using_clock_and_rng_runs_in_kvcache(registries: None) -> None:
+    layout = small_layout(chunk_tokens=4, head_dim=16)
+    config = {
+        "chunk_tokens": layout.chunk_tokens,
+        "cpu_bytes_to_use": 4 * layout.slot_bytes,
+        "eviction_policy": "RandomOldPolicy",
+        "cache_policy_module_path": "tests.policy_doubles",
+    }
+    rows = np.random.default_rng(5).integers(0, 256, (4, layout.slot_bytes), dtype=np.uint8)
+    with KVCache(config, layout) as cache:
+        for start in range(0, 48, 16):  # three times four chunks into four slots
+            tokens = list(range(start, start + 16))
+            assert cache.store(tokens, rows) == 4
+            cache.drain()
+        last = list(range(32, 48))
+        out = np.zeros_like(rows)
+        assert cache.load(last, 16, out) == 16  # evictions kept the newest chunks usable
+        assert (out == rows).all()

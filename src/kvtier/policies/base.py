@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Iterator
-from typing import Any
 
 from kvtier.keys import ChunkKey
 
@@ -16,16 +17,23 @@ class CachePolicy(ABC):
 
     Policies see keys only, never bytes or slots. The primary tier calls them
     under its own lock, so implementations need no locking of their own.
-    ``clock`` and ``rng`` are injected so that policies which use time or
-    randomness stay deterministic under test.
+
+    A policy that uses time or randomness takes them from :attr:`clock` and
+    :attr:`rng`, never from :mod:`time` or :mod:`random` directly: both always
+    work (kvtier builds policies with the defaults), and a test injects its
+    own to make the policy's choices reproducible.
     """
 
-    def __init__(self, capacity: int, *, clock: Clock | None = None, rng: Any = None) -> None:
+    def __init__(
+        self, capacity: int, *, clock: Clock | None = None, rng: random.Random | None = None
+    ) -> None:
         if capacity <= 0:
             raise ValueError(f"cache policy capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self.clock = clock
-        self.rng = rng
+        #: Seconds, only ever increasing; default :func:`time.monotonic`.
+        self.clock: Clock = clock if clock is not None else time.monotonic
+        #: Default: a :class:`random.Random` seeded from the OS's entropy.
+        self.rng: random.Random = rng if rng is not None else random.Random()
 
     @abstractmethod
     def get(self, key: ChunkKey) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any, ClassVar
 
@@ -10,12 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.keys import ChunkKey
-from kvtier.policies.base import CachePolicy
+from kvtier.policies.base import CachePolicy, Clock
 from kvtier.policies.factory import policy_registry
 
 
 def key(i: int) -> ChunkKey:
     return ChunkKey(i.to_bytes(32, "little"))
+
+
+def ticking_clock() -> Clock:
+    """A clock that reads 0.0, 1.0, 2.0...: one second more at each reading."""
+    ticks = itertools.count()
+    return lambda: float(next(ticks))
 
 
 class PolicyContractTests:
@@ -25,13 +32,17 @@ class PolicyContractTests:
     module_path: ClassVar[str | None] = None
     capacity: ClassVar[int] = 8
     #: Two policies fed the same calls pick the same victims. Twin tests use
-    #: this to show that a failed ``evict`` or ``in`` changes nothing; set it
-    #: to ``False`` for a policy whose choices the injected rng cannot pin down.
+    #: this to show that a failed ``evict`` or ``in`` changes nothing. Each
+    #: policy gets ``rng=random.Random(0)`` and a clock that advances one
+    #: second per reading, so a policy that draws only on ``self.rng`` and
+    #: ``self.clock`` is deterministic. Set it to ``False`` only for a policy
+    #: whose choices depend on anything else (threads, ``id()``, the wall
+    #: clock): the twin tests are then skipped, the others still run.
     deterministic: ClassVar[bool] = True
 
     def make_policy(self, capacity: int | None = None) -> CachePolicy:
         cls = policy_registry.resolve(self.policy_name, self.module_path)
-        return cls(capacity or self.capacity, rng=random.Random(0))
+        return cls(capacity or self.capacity, rng=random.Random(0), clock=ticking_clock())
 
     def make_twins(self, capacity: int | None = None) -> tuple[CachePolicy, CachePolicy]:
         if not self.deterministic:
@@ -144,7 +155,10 @@ class PolicyContractTests:
         cleared.clear()
         assert len(cleared) == 0 and key(0) not in cleared
         # Re-inserting the old keys must not find ghosts or counters of theirs.
+        # The rng's and the clock's progress are not history: both restart.
         for policy in (cleared, fresh):
+            policy.rng = random.Random(1)
+            policy.clock = ticking_clock()
             _warm_up(policy, self.capacity)
         assert _drain(cleared) == _drain(fresh)
 
