@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.docs_reference import config_reference
+from kvtier.cli.docs_reference import config_reference
 
 MARKER = "<!-- kvtier:config-reference -->"
 

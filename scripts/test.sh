@@ -37,6 +37,8 @@ export NO_MKDOCS_2_WARNING=1
 ruff check src tests benchmarks examples
 ruff format --check src tests benchmarks examples
 mypy
+# The package's layers (pyproject.toml [tool.importlinter]): no import circle.
+lint-imports
 mypy examples/acme-kvtier/src examples/acme-kvtier/tests
 mypy benchmarks/*.py
 # The vLLM and SGLang suites (tests/integrations) need their own environments:

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from kvtier.cli import cli
+from kvtier.cli.docs_reference import config_reference, option_rows, options_table
 from kvtier.config import KVTierConfig
-from kvtier.docs_reference import config_reference, option_rows, options_table
 from kvtier.errors import MissingDependencyError, PluginLoadError
 from kvtier.testing import restore_registries
 from kvtier.tiers import register_tier, tier_registry
@@ -145,7 +145,7 @@ def test_generating_the_reference_imports_no_backend_client() -> None:
     clients = ["redis", "boto3", "botocore", "zmq", "torch", "transformers", "vllm"]
     script = (
         "import sys\n"
-        "from kvtier.docs_reference import config_reference\n"
+        "from kvtier.cli.docs_reference import config_reference\n"
         "config_reference()\n"
         f"print(sorted(m for m in {clients!r} if m in sys.modules))\n"
     )

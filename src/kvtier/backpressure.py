@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.config import BackpressureConfig
+from kvtier.settings import BackpressureConfig
 
 
 class Backpressure:

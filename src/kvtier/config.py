@@ -13,143 +13,35 @@ import json
 import re
 import typing
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import (
     BaseModel,
-    ByteSize,
-    ConfigDict,
-    Field,
     SecretBytes,
     SecretStr,
     ValidationError,
 )
 
+from kvtier.config_model import KVTierConfig, TierConfig
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.policies.base import CachePolicy
 from kvtier.policies.factory import policy_registry
-from kvtier.tiers.base import SecondaryTier, TierOptions
+from kvtier.settings import BackpressureConfig, MetricsConfig, TraceRecordingConfig
+from kvtier.specs.factory import spec_registry
 from kvtier.tiers.factory import tier_registry
 
+__all__ = [
+    "BackpressureConfig",
+    "KVTierConfig",
+    "MetricsConfig",
+    "TierConfig",
+    "TraceRecordingConfig",
+    "load_config",
+    "validate_options",
+]
+
 Problems = list[tuple[str, str]]
-
-
-class BackpressureConfig(BaseModel):
-    """When a secondary tier falls behind, new stores to it are dropped (and
-    counted) until it catches up; loads always go on."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    max_inflight_stores: int = Field(default=16, ge=1)
-    """Store jobs a tier may have in flight before further stores are dropped."""
-
-    high_latency_s: float = Field(default=2.0, gt=0)
-    """Average seconds per stored chunk above which a tier counts as pressured."""
-
-    low_latency_s: float = Field(default=0.5, gt=0)
-    """Average seconds per stored chunk below which a pressured tier recovers."""
-
-    smoothing: float = Field(default=0.2, gt=0, le=1)
-    """Weight of the newest job in the moving average of store latency."""
-
-
-class MetricsConfig(BaseModel):
-    """Prometheus metrics of the tiers and the primary tier."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    port: int | None = Field(default=None, ge=0, le=65535)
-    """Serve ``/metrics`` over HTTP on this port (``0``: any free port); unset: no server."""
-
-    host: str = "127.0.0.1"
-    """Address the metrics server listens on; loopback unless you mean to expose it."""
-
-    global_registry: bool = False
-    """Register in prometheus_client's process-wide registry (one kvtier cache per
-    process) instead of a registry of the cache's own."""
-
-
-class TraceRecordingConfig(BaseModel):
-    """Recording each request's chunk keys, anonymised, for ``kvtier simulate``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    path: str | None = None
-    """Append one JSON line per request to this file; unset: nothing is recorded."""
-
-    max_bytes: ByteSize = Field(default=ByteSize(1 << 30), gt=0)
-    """Size at which the file is rotated to ``PATH.1`` (the previous ``.1`` is dropped)."""
-
-    queue_size: int = Field(default=4096, ge=1)
-    """Requests waiting for the writer thread; past it, requests are dropped and counted."""
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """One validated ``secondary_tiers`` entry."""
-
-    tier_type: str
-    module_path: str | None
-    tier_class: type[SecondaryTier]
-    options: TierOptions
-
-    def as_dict(self) -> dict[str, Any]:
-        """The entry as a factory takes it (options in their validated form)."""
-        entry: dict[str, Any] = {
-            "type": self.tier_type,
-            **self.options.model_dump(exclude_unset=True),
-        }
-        if self.module_path is not None:
-            entry["module_path"] = self.module_path
-        return entry
-
-
-class KVTierConfig(BaseModel):
-    """The whole kvtier configuration. Build it with :func:`load_config`."""
-
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, arbitrary_types_allowed=True, use_attribute_docstrings=True
-    )
-
-    chunk_tokens: int = Field(default=256, gt=0)
-    """Tokens per chunk: the unit of storage, lookup and transfer."""
-
-    cpu_bytes_to_use: ByteSize = Field(default=ByteSize(1 << 30), gt=0)
-    """Size of the CPU primary tier (e.g. ``8GiB``); rounded down to whole chunks."""
-
-    eviction_policy: str = "leaf-lru"
-    """Cache policy of the primary tier: ``leaf-lru``, ``lru``, ``arc``, ``s3fifo`` or an
-    out-of-tree name."""
-
-    cache_policy_module_path: str | None = None
-    """Module to import an out-of-tree ``eviction_policy`` class from (trusted input)."""
-
-    spec_name: str = "tiering"
-    """Offloading spec that wires the tiers together."""
-
-    spec_module_path: str | None = None
-    """Module to import an out-of-tree ``spec_name`` class from (trusted input)."""
-
-    shared_memory_name: str | None = None
-    """Put the primary tier in ``/dev/shm/NAME`` so another process can map its slots."""
-
-    secondary_tiers: tuple[TierConfig, ...] = ()
-    """Tiers behind the primary one, looked up in this order."""
-
-    backpressure: BackpressureConfig = BackpressureConfig()
-    """Per-tier store backpressure."""
-
-    metrics: MetricsConfig = MetricsConfig()
-    """Prometheus metrics and their optional HTTP endpoint."""
-
-    trace_recording: TraceRecordingConfig = TraceRecordingConfig()
-    """A trace of the requests' prefixes, off the request path (off by default)."""
-
-    def policy_class(self) -> type[CachePolicy]:
-        return policy_registry.resolve(self.eviction_policy, self.cache_policy_module_path)
 
 
 def load_config(
@@ -192,8 +84,6 @@ def load_config(
             "eviction_policy",
             problems,
         )
-        from kvtier.specs.factory import spec_registry  # specs import config
-
         _check_resolves(
             lambda: spec_registry.resolve(
                 config.spec_name, config.spec_module_path, entry="spec_name"

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 from kvtier.backpressure import Backpressure
-from kvtier.config import BackpressureConfig
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
+from kvtier.settings import BackpressureConfig
 from kvtier.tiers.base import JobResult, Lookup, LookupContext, SecondaryTier, TransferJob
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, s
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvtier.config import MetricsConfig
 from kvtier.manager import TieringManager
+from kvtier.settings import MetricsConfig
 from kvtier.tiers.base import JobResult, SecondaryTier, TierMetric
 
 logger = logging.getLogger(__name__)

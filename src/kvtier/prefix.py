@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -21,13 +21,33 @@ from kvtier.inputs import chunk_rows, chunks_of
 from kvtier.keys import ChunkKey
 
 if TYPE_CHECKING:
-    from kvtier.facade import KVCache
+    from kvtier.layout import KVLayout
+    from kvtier.lifecycle import Lifecycle
+    from kvtier.manager import TieringManager
+
+
+class Holder(Protocol):
+    """What a held prefix uses of the :class:`~kvtier.KVCache` that made it
+    (a protocol, so that this module does not import the facade)."""
+
+    layout: KVLayout
+    manager: TieringManager
+    lifecycle: Lifecycle
+
+    @property
+    def chunk_tokens(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def _unpin(self, keys: Sequence[ChunkKey]) -> None: ...
+
 
 #: Fills (for stores) or reads (for loads) one chunk: ``fn(chunk_index, slot_bytes_array)``.
 ChunkCopier = Callable[[int, np.ndarray], None]
 
 
-def copy_out(cache: KVCache, slots: Sequence[int], out: np.ndarray | ChunkCopier) -> None:
+def copy_out(cache: Holder, slots: Sequence[int], out: np.ndarray | ChunkCopier) -> None:
     """Copy pinned ``slots``, in order, into ``out``'s rows (or hand them to a copier)."""
     buffer = cache.manager.primary.buffer
     if callable(out):
@@ -49,7 +69,7 @@ class HeldPrefix:
     """
 
     def __init__(
-        self, cache: KVCache, keys: Sequence[ChunkKey], slots: Sequence[int], pending: bool
+        self, cache: Holder, keys: Sequence[ChunkKey], slots: Sequence[int], pending: bool
     ) -> None:
         self._cache = cache
         self._keys = list(keys)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvtier.docs_reference import config_reference
+from kvtier.cli.docs_reference import config_reference
 
 
 @click.command("config-reference")

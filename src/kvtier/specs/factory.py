@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.config import KVTierConfig
+from kvtier.config_model import KVTierConfig
 from kvtier.layout import KVLayout
 from kvtier.plugins import PluginRegistry
 from kvtier.specs.base import OffloadingSpec

@@ -15,15 +15,24 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from kvtier.keys import ChunkKey
 
 if TYPE_CHECKING:
+    from kvtier.layout import KVLayout
     from kvtier.primary import PrimaryTier
-    from kvtier.specs.base import OffloadingSpec
+
+
+class TierSpec(Protocol):
+    """What a tier reads of the :class:`~kvtier.specs.base.OffloadingSpec` it
+    is built for: the KV layout (chunk size, ``layout.namespace``). Any object
+    with a ``layout`` will do, so tiers do not depend on the specs."""
+
+    @property
+    def layout(self) -> KVLayout: ...
 
 
 class Lookup(enum.Enum):
@@ -158,7 +167,7 @@ class SecondaryTier(ABC):
     def __init__(
         self,
         *,
-        spec: OffloadingSpec,
+        spec: TierSpec,
         primary_kv_view: memoryview,
         tier_type: str,
         **options: Any,

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.errors import BackendUnavailableError
 from kvtier.plugins import PluginRegistry
-from kvtier.tiers.base import SecondaryTier
-
-if TYPE_CHECKING:
-    from kvtier.specs.base import OffloadingSpec
+from kvtier.tiers.base import SecondaryTier, TierSpec
 
 tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
     kind="secondary tier",
@@ -56,7 +53,7 @@ class SecondaryTierFactory:
     def create_secondary_tier(
         tier_config: Mapping[str, Any],
         primary_kv_view: memoryview,
-        spec: OffloadingSpec,
+        spec: TierSpec,
         *,
         entry: str = "",
     ) -> SecondaryTier:

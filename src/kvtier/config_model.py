@@ -1,0 +1,83 @@
+"""The validated configuration's types, apart from the loader that builds them.
+
+:mod:`kvtier.config` (the loader) resolves tier, policy and spec classes, so
+it imports the specs; the specs and the runtime import these types from here.
+:mod:`kvtier.config` re-exports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+
+from kvtier.policies.base import CachePolicy
+from kvtier.policies.factory import policy_registry
+from kvtier.settings import BackpressureConfig, MetricsConfig, TraceRecordingConfig
+from kvtier.tiers.base import SecondaryTier, TierOptions
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One validated ``secondary_tiers`` entry."""
+
+    tier_type: str
+    module_path: str | None
+    tier_class: type[SecondaryTier]
+    options: TierOptions
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry as a factory takes it (options in their validated form)."""
+        entry: dict[str, Any] = {
+            "type": self.tier_type,
+            **self.options.model_dump(exclude_unset=True),
+        }
+        if self.module_path is not None:
+            entry["module_path"] = self.module_path
+        return entry
+
+
+class KVTierConfig(BaseModel):
+    """The whole kvtier configuration. Build it with :func:`load_config`."""
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, arbitrary_types_allowed=True, use_attribute_docstrings=True
+    )
+
+    chunk_tokens: int = Field(default=256, gt=0)
+    """Tokens per chunk: the unit of storage, lookup and transfer."""
+
+    cpu_bytes_to_use: ByteSize = Field(default=ByteSize(1 << 30), gt=0)
+    """Size of the CPU primary tier (e.g. ``8GiB``); rounded down to whole chunks."""
+
+    eviction_policy: str = "leaf-lru"
+    """Cache policy of the primary tier: ``leaf-lru``, ``lru``, ``arc``, ``s3fifo`` or an
+    out-of-tree name."""
+
+    cache_policy_module_path: str | None = None
+    """Module to import an out-of-tree ``eviction_policy`` class from (trusted input)."""
+
+    spec_name: str = "tiering"
+    """Offloading spec that wires the tiers together."""
+
+    spec_module_path: str | None = None
+    """Module to import an out-of-tree ``spec_name`` class from (trusted input)."""
+
+    shared_memory_name: str | None = None
+    """Put the primary tier in ``/dev/shm/NAME`` so another process can map its slots."""
+
+    secondary_tiers: tuple[TierConfig, ...] = ()
+    """Tiers behind the primary one, looked up in this order."""
+
+    backpressure: BackpressureConfig = BackpressureConfig()
+    """Per-tier store backpressure."""
+
+    metrics: MetricsConfig = MetricsConfig()
+    """Prometheus metrics and their optional HTTP endpoint."""
+
+    trace_recording: TraceRecordingConfig = TraceRecordingConfig()
+    """A trace of the requests' prefixes, off the request path (off by default)."""
+
+    def policy_class(self) -> type[CachePolicy]:
+        return policy_registry.resolve(self.eviction_policy, self.cache_policy_module_path)

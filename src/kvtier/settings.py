@@ -1,0 +1,60 @@
+"""The plain sections of the configuration: no plugin classes in them.
+
+The runtime (the manager, backpressure, metrics, trace recording) imports
+these, never :mod:`kvtier.config`, whose loader resolves tier and policy
+classes and so sits above the runtime. :mod:`kvtier.config` re-exports them.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+
+
+class BackpressureConfig(BaseModel):
+    """When a secondary tier falls behind, new stores to it are dropped (and
+    counted) until it catches up; loads always go on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    max_inflight_stores: int = Field(default=16, ge=1)
+    """Store jobs a tier may have in flight before further stores are dropped."""
+
+    high_latency_s: float = Field(default=2.0, gt=0)
+    """Average seconds per stored chunk above which a tier counts as pressured."""
+
+    low_latency_s: float = Field(default=0.5, gt=0)
+    """Average seconds per stored chunk below which a pressured tier recovers."""
+
+    smoothing: float = Field(default=0.2, gt=0, le=1)
+    """Weight of the newest job in the moving average of store latency."""
+
+
+class MetricsConfig(BaseModel):
+    """Prometheus metrics of the tiers and the primary tier."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve ``/metrics`` over HTTP on this port (``0``: any free port); unset: no server."""
+
+    host: str = "127.0.0.1"
+    """Address the metrics server listens on; loopback unless you mean to expose it."""
+
+    global_registry: bool = False
+    """Register in prometheus_client's process-wide registry (one kvtier cache per
+    process) instead of a registry of the cache's own."""
+
+
+class TraceRecordingConfig(BaseModel):
+    """Recording each request's chunk keys, anonymised, for ``kvtier simulate``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    path: str | None = None
+    """Append one JSON line per request to this file; unset: nothing is recorded."""
+
+    max_bytes: ByteSize = Field(default=ByteSize(1 << 30), gt=0)
+    """Size at which the file is rotated to ``PATH.1`` (the previous ``.1`` is dropped)."""
+
+    queue_size: int = Field(default=4096, ge=1)
+    """Requests waiting for the writer thread; past it, requests are dropped and counted."""
