@@ -34,7 +34,7 @@ def test_store_then_load_moves_every_byte(tmp_path: Path) -> None:
 
 
 def test_direct_io_round_trip_where_the_filesystem_takes_it(tmp_path: Path) -> None:
-    if io.probe_direct_io(str(tmp_path)) is not None:
+    if io.probe_direct_io(str(tmp_path / ".probe")) is not None:
         pytest.skip(f"O_DIRECT is not available in {tmp_path}")
     payload, trailer = _pages(PAYLOAD, 3), _pages(4096, 4)
     final = str(tmp_path / "chunk")
