@@ -135,13 +135,13 @@ def test_lookups_check_the_filesystem_until_the_index_is_ready(
     assert store(first, keys[:2])
     first.close()
     release = threading.Event()
-    real_scan = NamespaceDir.scan
+    real_survey = NamespaceDir.survey
 
-    def slow_scan(self: NamespaceDir) -> Iterator[object]:
+    def slow_survey(self: NamespaceDir) -> Iterator[object]:
         release.wait(30)
-        yield from real_scan(self)
+        yield from real_survey(self)
 
-    monkeypatch.setattr(NamespaceDir, "scan", slow_scan)
+    monkeypatch.setattr(NamespaceDir, "survey", slow_survey)
     harness = TierHarness({"type": "fs", "root_dir": root, "shared": False}, LAYOUT, 4)
     try:
         tier = harness.tier
