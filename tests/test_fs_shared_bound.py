@@ -178,8 +178,8 @@ def test_the_reservation_of_a_writer_killed_mid_store_is_cleared(root: Path) -> 
         )
         assert child.returncode == -signal.SIGKILL, child.stderr
         (temp,) = root.rglob("*.tmp")
-        assert fs_tier(running).describe()["held_bytes"] == 0
-        # The dead writer's reservation fills the bound: the next store clears it.
+        assert fs_tier(running).held_bytes == FILE_BYTES  # the dead write counts its file
+        # The dead write fills the bound: the next store evicts it, temp file and all.
         key = store_new(running, 1)[0]
         assert not temp.exists()
         assert running.lookup(key) is Lookup.HIT

@@ -208,8 +208,13 @@ def write_chunk(
     trailer[: len(packed)] = packed
     try:
         written = _store_file(temp_path, final_path, payload, memoryview(trailer), direct, fsync)
-    except FileNotFoundError:  # its bucket was removed
-        os.makedirs(os.path.dirname(temp_path), exist_ok=True)
+    except FileNotFoundError:
+        # Only when its bucket was removed: a temp file removed under the
+        # write (evicted as abandoned) must fail it, not start it again.
+        directory = os.path.dirname(temp_path)
+        if os.path.isdir(directory):
+            raise
+        os.makedirs(directory, exist_ok=True)
         written = _store_file(temp_path, final_path, payload, memoryview(trailer), direct, fsync)
     if written and fsync:
         _fsync_directory(os.path.dirname(final_path))

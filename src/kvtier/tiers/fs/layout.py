@@ -249,6 +249,17 @@ def _buckets(path: str) -> list[str]:
         return []
 
 
+def write_abandoned(temp_path: str, max_age_s: float) -> bool:
+    """Whether the write into ``temp_path`` will never finish: its file is
+    gone (finished or removed), or it was left behind (see :func:`abandoned`)."""
+    match = _TMP_NAME.match(os.path.basename(temp_path))
+    try:
+        age = time.time() - os.lstat(temp_path).st_mtime
+    except OSError:
+        return True
+    return match is None or abandoned(match["host"], int(match["pid"]), age, max_age_s)
+
+
 def abandoned(host: str, pid: int, age_s: float, max_age_s: float) -> bool:
     """Whether the work of process ``pid`` on ``host``, begun ``age_s`` ago,
     will never finish: that process of this host no longer runs, or (for

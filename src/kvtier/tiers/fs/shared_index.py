@@ -3,25 +3,25 @@ that uses it: an SQLite database (WAL mode) next to the chunk files.
 
 ::
 
-    <namespace hex>/index.sqlite   chunks (key, size, last use), writes in flight
-                                   (key, size, temp path, host, pid), totals, and
-                                   a log of evicted keys
+    <namespace hex>/index.sqlite   one row per chunk file or write in flight
+                                   (key, size, last use, temp path of its write),
+                                   the total, and a log of evicted keys
     <namespace hex>/index.lock     flock(2) taken around every change
 
-Every store reserves its file's bytes in ``writes`` before the temp file is
-created, evicting least recently used chunks (any process's, also those of
-processes that exited) until chunks plus writes in flight fit in
-``max_bytes``; evicted files are unlinked *before* the transaction that drops
-their rows commits. So the chunk and temp files on disk never exceed what the
-index counts, and the index never counts more than ``max_bytes``. A process
-killed mid-transaction leaves rows whose files are gone (the index
-over-counts, never under-counts); a process killed mid-write leaves a
-reservation that the next process needing room (or starting) clears once its
-writer is known to be dead.
+A store enters its row *before* it creates its temp file, in one
+transaction that first evicts least recently used rows (any process's, also
+those of processes that exited) until every row fits in ``max_bytes``; an
+evicted row's chunk file, and its write's temp file if the write never
+finished, are unlinked *before* that transaction commits. So the chunk and
+temp files on disk never exceed what the rows count, and the rows never
+count more than ``max_bytes``. A process killed mid-transaction leaves rows
+whose files are gone: the index over-counts until they are evicted or found
+missing, never under-counts. A writer killed mid-write leaves a row whose
+temp file the next start removes, or its eviction.
 
 Cost is kept off the load path: a load records its use in memory, and uses
 are written in batches (with the next store's transaction, or at most once a
-second by a loading thread). A store costs two short transactions. The flock
+second by a loading thread). A store costs one short transaction. The flock
 queues processes in the kernel (woken at once on release) instead of
 SQLite's sleeping busy handler; a mutex queues this process's threads.
 
@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from kvtier.tiers.fs.layout import HOST, ChunkFile, abandoned
+from kvtier.tiers.fs.layout import ChunkFile, write_abandoned
 
 logger = logging.getLogger(__name__)
 
@@ -54,49 +54,31 @@ EVICTION_LOG = 65536
 STAMP_FLUSH_S = 1.0
 #: Pending stamps that make a loading thread write them at once.
 STAMP_FLUSH_COUNT = 4096
-#: How often a store also clears reservations of dead writers, which would
-#: otherwise keep their bytes from use until room ran out.
-DEAD_WRITES_EVERY_S = 5.0
 #: Rows changed per transaction when re-indexing, so others wait little.
 _BATCH = 1024
 
+# ``temp``: the temp file of the write that made the row (gone once renamed).
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS chunks (
-    key BLOB PRIMARY KEY, size INTEGER NOT NULL, used REAL NOT NULL) WITHOUT ROWID;
+    key BLOB PRIMARY KEY, size INTEGER NOT NULL, used REAL NOT NULL, temp TEXT) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks (used);
-CREATE TABLE IF NOT EXISTS writes (
-    id INTEGER PRIMARY KEY, key BLOB NOT NULL, size INTEGER NOT NULL, temp TEXT NOT NULL,
-    host TEXT NOT NULL, pid INTEGER NOT NULL, started REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS evicted (seq INTEGER PRIMARY KEY AUTOINCREMENT, key BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS totals (
-    name TEXT PRIMARY KEY, bytes INTEGER NOT NULL, count INTEGER NOT NULL);
-INSERT OR IGNORE INTO totals VALUES ('chunks', 0, 0), ('writes', 0, 0);
+CREATE TABLE IF NOT EXISTS totals (bytes INTEGER NOT NULL, count INTEGER NOT NULL);
+INSERT INTO totals SELECT 0, 0 WHERE NOT EXISTS (SELECT 1 FROM totals);
 CREATE TRIGGER IF NOT EXISTS chunk_added AFTER INSERT ON chunks BEGIN
-    UPDATE totals SET bytes = bytes + new.size, count = count + 1 WHERE name = 'chunks'; END;
+    UPDATE totals SET bytes = bytes + new.size, count = count + 1; END;
 CREATE TRIGGER IF NOT EXISTS chunk_dropped AFTER DELETE ON chunks BEGIN
-    UPDATE totals SET bytes = bytes - old.size, count = count - 1 WHERE name = 'chunks'; END;
-CREATE TRIGGER IF NOT EXISTS chunk_resized AFTER UPDATE OF size ON chunks BEGIN
-    UPDATE totals SET bytes = bytes + new.size - old.size WHERE name = 'chunks'; END;
-CREATE TRIGGER IF NOT EXISTS write_added AFTER INSERT ON writes BEGIN
-    UPDATE totals SET bytes = bytes + new.size, count = count + 1 WHERE name = 'writes'; END;
-CREATE TRIGGER IF NOT EXISTS write_dropped AFTER DELETE ON writes BEGIN
-    UPDATE totals SET bytes = bytes - old.size, count = count - 1 WHERE name = 'writes'; END;
+    UPDATE totals SET bytes = bytes - old.size, count = count - 1; END;
 """
-# An upsert, not INSERT OR REPLACE: REPLACE deletes without firing triggers.
-_PUT_CHUNK = (
-    "INSERT INTO chunks (key, size, used) VALUES (?, ?, ?) "
-    "ON CONFLICT (key) DO UPDATE SET size = excluded.size, used = excluded.used"
-)
 
 
 @dataclass(frozen=True)
 class Totals:
-    """What the index counts, over every process sharing the directory."""
+    """What the index counts, over every process sharing the directory:
+    chunk files and writes in flight."""
 
-    chunk_bytes: int
+    nbytes: int
     chunks: int
-    write_bytes: int
-    writes: int
 
 
 class SharedIndex:
@@ -125,7 +107,6 @@ class SharedIndex:
         self._stamps: dict[bytes, float] = {}
         self._forget: set[bytes] = set()
         self._last_flush = time.monotonic()
-        self._last_dead_check = time.monotonic()
         self._lock_fd = os.open(
             os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
         )
@@ -185,38 +166,33 @@ class SharedIndex:
 
     # Stores --------------------------------------------------------------------
 
-    def reserve(self, key: bytes, size: int, temp_path: str) -> tuple[int | None, list[bytes]]:
+    def reserve(self, key: bytes, size: int, temp_path: str) -> tuple[bool, list[bytes]]:
         """Count a write of ``size`` bytes to ``temp_path`` before it starts.
 
-        Evicts least recently used chunks (unlinking their files) until it
-        fits. Returns the reservation's id, or ``None`` when writes in flight
-        leave no room, and the keys evicted either way.
+        Evicts least recently used rows (unlinking their files) until it fits.
+        Returns whether to write at all (not when the chunk's file is there,
+        or another live writer is making it), and the keys evicted.
         """
         with self._change() as db:
-            if time.monotonic() - self._last_dead_check > DEAD_WRITES_EVERY_S:
-                self._clear_dead_writes(db)
+            row = db.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
+            if row is not None:
+                if not self._files_gone(key, row[0]):
+                    db.execute("UPDATE chunks SET used = ? WHERE key = ?", (self._clock(), key))
+                    return False, []
+                db.execute("DELETE FROM chunks WHERE key = ?", (key,))  # a dead write's row
             victims = self._evict(db, self._used(db) + size - self.max_bytes)
-            if self._used(db) + size > self.max_bytes and self._clear_dead_writes(db):
-                victims += self._evict(db, self._used(db) + size - self.max_bytes)
-            if self._used(db) + size > self.max_bytes:
-                return None, victims
-            cursor = db.execute(
-                "INSERT INTO writes (key, size, temp, host, pid, started) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (key, size, temp_path, HOST, os.getpid(), self._clock()),
+            db.execute(
+                "INSERT INTO chunks (key, size, used, temp) VALUES (?, ?, ?, ?)",
+                (key, size, self._clock(), temp_path),
             )
-            return cursor.lastrowid, victims
+            return True, victims
 
-    def commit(self, write: int, key: bytes, size: int) -> None:
-        """The write renamed its file into place: it is now a chunk, just used."""
+    def release(self, key: bytes, temp_path: str) -> None:
+        """The write to ``temp_path`` failed and its temp file is gone: drop its
+        row, unless the chunk's file is there anyway (another writer's)."""
         with self._change() as db:
-            db.execute("DELETE FROM writes WHERE id = ?", (write,))
-            db.execute(_PUT_CHUNK, (key, size, self._clock()))
-
-    def release(self, write: int) -> None:
-        """The write failed and its temp file is gone."""
-        with self._change() as db:
-            db.execute("DELETE FROM writes WHERE id = ?", (write,))
+            if not os.path.lexists(self._chunk_path(key)):
+                db.execute("DELETE FROM chunks WHERE key = ? AND temp = ?", (key, temp_path))
 
     # Loads ---------------------------------------------------------------------
 
@@ -253,12 +229,24 @@ class SharedIndex:
                 "UPDATE chunks SET used = max(used, ?) WHERE key = ?",
                 [(used, key) for key, used in stamps.items()],
             )
-        # The check runs under the lock, and a writer renames before it
-        # commits: a file that exists now keeps its row (the index never
-        # under-counts); a rename after this check commits its own row.
-        gone = [(k,) for k in forget if not os.path.lexists(self._chunk_path(k))]
+        # Under the lock: a row whose chunk file exists, or whose write is
+        # still in flight, stays (the index never under-counts); a writer
+        # starting later enters a new row.
+        gone = []
+        for key in forget:
+            row = self._db.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
+            if row is not None and self._files_gone(key, row[0]):
+                gone.append((key,))
         if gone:
             self._db.executemany("DELETE FROM chunks WHERE key = ?", gone)
+
+    def _files_gone(self, key: bytes, temp: str | None) -> bool:
+        """Whether a row's chunk file is missing and its write will never make
+        it. The temp file is looked at first: a write that renames between
+        the two looks is then seen by the second."""
+        if temp and not write_abandoned(temp, self._abandoned_s):
+            return False
+        return not os.path.lexists(self._chunk_path(key))
 
     # Other processes' evictions -------------------------------------------------
 
@@ -289,7 +277,8 @@ class SharedIndex:
 
         Files it did not count (stored by a process without ``max_bytes``, or
         lost in a power cut) join with their mtime as last use; rows whose
-        file is gone are dropped. Returns the keys evicted.
+        files are gone are dropped (not those of writes in flight). Returns
+        the keys evicted.
         """
         on_disk = {chunk.key: chunk for chunk in found}
         with self._mutex:
@@ -307,8 +296,6 @@ class SharedIndex:
         for key in known - on_disk.keys():
             self.forget(key)
         victims: list[bytes] = []
-        with self._change() as db:
-            self._clear_dead_writes(db)
         while not stopping():
             with self._change() as db:
                 batch = self._evict(db, self._used(db) - self.max_bytes, limit=_BATCH)
@@ -321,20 +308,26 @@ class SharedIndex:
 
     @staticmethod
     def _used(db: sqlite3.Connection) -> int:
-        (used,) = db.execute("SELECT sum(bytes) FROM totals").fetchone()
+        (used,) = db.execute("SELECT bytes FROM totals").fetchone()
         return int(used)
 
     def _evict(self, db: sqlite3.Connection, need: int, limit: int | None = None) -> list[bytes]:
-        """Unlink least recently used chunk files until ``need`` bytes are free
-        (or ``limit`` files went), then drop their rows and log them."""
+        """Unlink least recently used chunk files (and the temp file of an
+        unfinished write) until ``need`` bytes are free (or ``limit`` files
+        went), then drop their rows and log them."""
         victims: list[bytes] = []
         while need > 0 and (limit is None or len(victims) < limit):
             rows = db.execute(
-                "SELECT key, size FROM chunks ORDER BY used LIMIT ? OFFSET ?", (16, len(victims))
+                "SELECT key, size, temp FROM chunks ORDER BY used LIMIT ? OFFSET ?",
+                (16, len(victims)),
             ).fetchall()
             if not rows:
                 break
-            for key, size in rows:
+            for key, size, temp in rows:
+                # The temp file first: a write still in flight then fails its
+                # rename, or has renamed, and the chunk file goes next.
+                if temp:
+                    self._unlink(temp)
                 self._unlink(self._chunk_path(key))
                 victims.append(key)
                 need -= size
@@ -348,31 +341,6 @@ class SharedIndex:
                 (EVICTION_LOG,),
             )
         return victims
-
-    def _clear_dead_writes(self, db: sqlite3.Connection) -> int:
-        """Drop reservations of writers that will never finish; their temp file
-        goes, and a file they renamed into place but never committed becomes
-        a chunk. How many were dropped."""
-        self._last_dead_check = time.monotonic()
-        now = self._clock()
-        dead = [
-            (write, key, size, temp, started)
-            for write, key, size, temp, host, pid, started in db.execute(
-                "SELECT id, key, size, temp, host, pid, started FROM writes"
-            )
-            if abandoned(host, pid, now - started, self._abandoned_s)
-        ]
-        for write, key, size, temp, started in dead:
-            self._unlink(temp)
-            with contextlib.suppress(OSError):
-                if os.lstat(self._chunk_path(key)).st_size == size:
-                    db.execute(
-                        "INSERT INTO chunks (key, size, used) VALUES (?, ?, ?) "
-                        "ON CONFLICT (key) DO NOTHING",
-                        (key, size, started),
-                    )
-            db.execute("DELETE FROM writes WHERE id = ?", (write,))
-        return len(dead)
 
     @staticmethod
     def _unlink(path: str) -> None:
@@ -388,11 +356,8 @@ class SharedIndex:
     def totals(self) -> Totals:
         """Bytes and counts of chunks and writes in flight, of all processes."""
         with self._mutex:
-            rows = dict(
-                (name, (nbytes, count))
-                for name, nbytes, count in self._db.execute("SELECT name, bytes, count FROM totals")
-            )
-        return Totals(*rows["chunks"], *rows["writes"])
+            nbytes, count = self._db.execute("SELECT bytes, count FROM totals").fetchone()
+        return Totals(nbytes, count)
 
     def close(self) -> None:
         """Write pending stamps and close the database."""

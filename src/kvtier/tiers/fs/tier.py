@@ -313,24 +313,23 @@ class FilesystemTier(ThreadedTier):
         # again; write_chunk checks for it with the same GIL release as the write.
         path = self.dir.chunk_path(key)
         temp = self.dir.temp_path(path)
-        bound, write = self._bound, None
+        bound = self._bound
         if bound is not None:
-            write, victims = bound.reserve(key, self.file_bytes, temp)
+            needed, victims = bound.reserve(key, self.file_bytes, temp)
             self._forget_evicted(victims)
-            if write is None:
-                raise OSError(errno.ENOSPC, f"max_bytes={self.max_bytes} taken by writes in flight")
+            if not needed:  # there, or another live process is writing it
+                self._keys.add(key)
+                return
         try:
             written = write_chunk(
                 path, temp, self.namespace, key, payload, direct=self.direct, fsync=self.fsync
             )
         except BaseException as exc:
-            if bound is not None and write is not None:
-                bound.release(write)
+            if bound is not None:
+                bound.release(key, temp)
             if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
                 self._note_disk_full(exc)
             raise
-        if bound is not None and write is not None:
-            bound.commit(write, key, self.file_bytes)
         self._keys.add(key)
         if written and self._disk_full:
             self._disk_full = False
@@ -395,7 +394,7 @@ class FilesystemTier(ThreadedTier):
         """Bytes of chunk files: of every process sharing the directory with
         ``max_bytes`` set, else those this process knows."""
         if self._bound is not None:
-            return self._bound.totals().chunk_bytes
+            return self._bound.totals().nbytes
         return len(self._keys) * self.file_bytes
 
     @property
