@@ -202,7 +202,9 @@ def test_reindex_survives_anything_in_the_tree_and_keeps_the_bound(root: Path) -
     paths[10].mkdir()  # a directory named <key>.kvc
     (paths[11] / "inner").mkdir(parents=True)  # one that is not empty
     os.mkfifo(paths[12])  # a FIFO named <key>.kvc
-    paths[13].symlink_to(paths[0])  # a symlink named <key>.kvc
+    target = root.parent / "outside.kvc"
+    target.write_bytes(bytes(FILE_BYTES))
+    paths[13].symlink_to(target)  # a symlink named <key>.kvc
     (paths[0].parent / "README").write_text("not a chunk")
     (paths[1].parent / "notes").mkdir()
     (paths[0].parent.parent / "zz-not-a-bucket").write_text("x")
@@ -213,7 +215,7 @@ def test_reindex_survives_anything_in_the_tree_and_keeps_the_bound(root: Path) -
         assert tier.stats.corrupt_chunks == 4
         assert tier.scan_skipped == 2
         assert not paths[10].exists() and not os.path.lexists(paths[12])
-        assert not os.path.lexists(paths[13]) and paths[0].exists()
+        assert not os.path.lexists(paths[13]) and target.stat().st_size == FILE_BYTES
         assert (paths[11] / "inner").is_dir()
         # All ten chunks were indexed, so the bound could drop four of them.
         assert tier.stats.evictions == 4
