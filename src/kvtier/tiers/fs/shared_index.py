@@ -196,17 +196,16 @@ class SharedIndex:
 
     # Loads ---------------------------------------------------------------------
 
-    def touch(self, key: bytes) -> None:
-        """Record a use of ``key``; written with the next change, or by this
-        call once stamps have waited :data:`STAMP_FLUSH_S` or pile up."""
+    def touch(self, key: bytes) -> bool:
+        """Record a use of ``key``, in memory: it is written with the next
+        change. Returns whether the caller (an I/O thread) should :meth:`flush`
+        now, because stamps have waited :data:`STAMP_FLUSH_S` or pile up."""
         with self._pending_lock:
             self._stamps[key] = self._clock()
-            due = (
+            return (
                 len(self._stamps) >= STAMP_FLUSH_COUNT
                 or time.monotonic() - self._last_flush > STAMP_FLUSH_S
             )
-        if due:
-            self.flush()
 
     def forget(self, key: bytes) -> None:
         """Drop ``key``'s row at the next change if its file is gone by then

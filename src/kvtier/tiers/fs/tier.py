@@ -22,6 +22,7 @@ import errno
 import functools
 import logging
 import os
+import sqlite3
 import stat
 import threading
 from collections.abc import Iterable, Sequence
@@ -359,8 +360,11 @@ class FilesystemTier(ThreadedTier):
             if self._bound is not None:
                 self._bound.forget(key)
             raise
-        if self._bound is not None:
-            self._bound.touch(key)
+        if self._bound is not None and self._bound.touch(key):
+            try:
+                self._bound.flush()
+            except sqlite3.Error as exc:  # the chunk was loaded all the same
+                logger.warning("tier %s: use stamps not written: %s", self.tier_type, exc)
 
     def _discard(self, key: ChunkKey) -> None:
         self._keys.discard(key)
@@ -378,6 +382,8 @@ class FilesystemTier(ThreadedTier):
     # Optional hooks --------------------------------------------------------------
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
+        # Recorded in memory only (the caller's thread does no I/O); written
+        # by the next store or load that finds the stamps due.
         if self._bound is not None:
             for key in keys:
                 if key in self._keys:
