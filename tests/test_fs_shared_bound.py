@@ -23,6 +23,7 @@ import pytest
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.fs import FilesystemTier, shared_index
+from kvtier.tiers.fs import io as fs_io
 from kvtier.tiers.fs.io import TRAILER_BLOCK
 from tests.fs_worker import LAYOUT
 
@@ -37,7 +38,7 @@ def fs_tier(harness: TierHarness) -> FilesystemTier:
     return tier
 
 
-_seeds = itertools.count(1)
+_seeds = itertools.count(10_000)  # not the seeds fs_worker gets below
 
 
 def open_tier(root: Path, max_files: int | None = None, **options: object) -> TierHarness:
@@ -218,3 +219,98 @@ def test_a_damaged_index_is_rebuilt_from_the_files(root: Path) -> None:
         assert disk_bytes(root) <= 4 * FILE_BYTES
     finally:
         second.close()
+
+
+def test_a_write_renamed_while_its_row_is_checked_keeps_its_row(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness = open_tier(root, 4)
+    try:
+        index = fs_tier(harness)._bound
+        assert index is not None
+        key = bytes(range(32))
+        final = fs_tier(harness).dir.chunk_path(key)
+        temp = fs_tier(harness).dir.temp_path(final)
+        assert index.reserve(key, FILE_BYTES, temp) == (True, [])
+        Path(temp).write_bytes(bytes(FILE_BYTES))
+        real = shared_index.write_abandoned
+
+        def rename_first(path: str, max_age_s: float) -> bool:
+            os.rename(temp, final)  # the writer finishes between the two looks
+            return real(path, max_age_s)
+
+        monkeypatch.setattr(shared_index, "write_abandoned", rename_first)
+        index.forget(key)  # as a load that found no file would
+        index.flush()
+        assert index.totals().nbytes == FILE_BYTES  # the file is counted still
+        assert os.path.exists(final)
+    finally:
+        harness.close()
+
+
+def test_a_write_evicted_in_flight_fails_and_leaves_nothing(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow, other = open_tier(root, 2), open_tier(root, 2)
+    try:
+        real_store = fs_io._store_file
+        evicted: list[list[bytes]] = []
+        slow_writes = []
+
+        def evicted_mid_write(temp: str, final: str, *args: object) -> bool:
+            if slow_writes or evicted:
+                return real_store(temp, final, *args)  # type: ignore[arg-type]
+            # The first write, half done when the other tier needs the room:
+            # this write's row is the oldest, its temp file is removed, and
+            # its rename fails as the real one would.
+            slow_writes.append(temp)
+            Path(temp).write_bytes(b"partial")
+            evicted.append(store_new(other, 2))
+            os.rename(temp, final)
+            return True
+
+        monkeypatch.setattr(fs_io, "_store_file", evicted_mid_write)
+        key = slow.keys(1)[0]
+        slow.fill([0])
+        # The temp file is removed under the write, which must fail rather
+        # than write the file again: a file nobody counts.
+        result = slow.store([key], [0])
+        assert evicted and not result.success
+        assert not os.path.exists(fs_tier(slow).dir.chunk_path(key))
+        assert disk_bytes(root) <= 2 * FILE_BYTES
+        assert fs_tier(other).held_bytes == 2 * FILE_BYTES
+    finally:
+        slow.close()
+        other.close()
+
+
+def test_a_write_renamed_while_its_row_is_evicted_leaves_no_file(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness = open_tier(root, 1)
+    try:
+        index = fs_tier(harness)._bound
+        assert index is not None
+        key = bytes(range(32))
+        final = fs_tier(harness).dir.chunk_path(key)
+        temp = fs_tier(harness).dir.temp_path(final)
+        assert index.reserve(key, FILE_BYTES, temp) == (True, [])
+        Path(temp).write_bytes(bytes(FILE_BYTES))
+        real_unlink = shared_index.SharedIndex._unlink
+
+        def rename_first(path: str) -> None:
+            real_unlink(path)
+            if os.path.exists(temp):
+                os.rename(temp, final)  # the writer finishes between the two unlinks
+
+        monkeypatch.setattr(shared_index.SharedIndex, "_unlink", staticmethod(rename_first))
+        other = bytes(range(1, 33))
+        other_final = fs_tier(harness).dir.chunk_path(other)
+        assert index.reserve(other, FILE_BYTES, fs_tier(harness).dir.temp_path(other_final)) == (
+            True,
+            [key],
+        )
+        assert not os.path.exists(final) and not os.path.exists(temp)
+        assert disk_bytes(root) == 0 and index.totals().nbytes == FILE_BYTES
+    finally:
+        harness.close()
