@@ -24,6 +24,7 @@ from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.fs import FilesystemTier, shared_index
 from kvtier.tiers.fs import io as fs_io
+from kvtier.tiers.fs import tier as tier_module
 from kvtier.tiers.fs.io import TRAILER_BLOCK
 from tests.fs_worker import LAYOUT
 
@@ -314,3 +315,16 @@ def test_a_write_renamed_while_its_row_is_evicted_leaves_no_file(
         assert disk_bytes(root) == 0 and index.totals().nbytes == FILE_BYTES
     finally:
         harness.close()
+
+
+def test_a_bound_on_a_network_filesystem_warns_that_it_spans_one_host(
+    root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert shared_index.filesystem_type(str(Path(__file__))) not in (None, "nfs4")
+    monkeypatch.setattr(tier_module, "filesystem_type", lambda path: "nfs4")
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    open_tier(root, 4).close()
+    assert any("only among processes of one host" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    open_tier(root).close()  # no bound: nothing to warn about
+    assert not any("one host" in r.getMessage() for r in caplog.records)

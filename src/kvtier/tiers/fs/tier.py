@@ -44,7 +44,7 @@ from kvtier.tiers.fs.io import (
     write_chunk,
 )
 from kvtier.tiers.fs.layout import ChunkFile, NamespaceDir, OddEntry, mode_kind
-from kvtier.tiers.fs.shared_index import SharedIndex
+from kvtier.tiers.fs.shared_index import NETWORK_FILESYSTEMS, SharedIndex, filesystem_type
 from kvtier.tiers.threaded import _CHECK, ThreadedTier, ThreadedTierOptions
 
 logger = logging.getLogger(__name__)
@@ -133,6 +133,15 @@ class FilesystemTier(ThreadedTier):
         self._keys: set[bytes] = set()
         self._poll_queued = False
         if self.max_bytes is not None:
+            fstype = filesystem_type(str(self.dir.path))
+            if fstype in NETWORK_FILESYSTEMS:
+                logger.warning(
+                    "tier %s: %s is on %s: max_bytes holds only among processes of one "
+                    "host; give each host its own root_dir (see docs/fs.md, Shared roots)",
+                    self.tier_type,
+                    self.root_dir,
+                    fstype,
+                )
             self._bound = SharedIndex(
                 str(self.dir.path), self.max_bytes, self.dir.chunk_path, options.abandoned_temp_s
             )
@@ -391,7 +400,7 @@ class FilesystemTier(ThreadedTier):
 
     def on_step_end(self) -> None:
         super().on_step_end()
-        if self._bound is not None and self.shared and not self._poll_queued:
+        if self._bound is not None and self.shared and not self._poll_queued and not self._closed:
             self._poll_queued = True
             self._enqueue(_CHECK, functools.partial(self._poll_evictions, self._bound))
 
