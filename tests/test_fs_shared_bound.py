@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -232,7 +233,7 @@ def test_a_write_renamed_while_its_row_is_checked_keeps_its_row(
         key = bytes(range(32))
         final = fs_tier(harness).dir.chunk_path(key)
         temp = fs_tier(harness).dir.temp_path(final)
-        assert index.reserve(key, FILE_BYTES, temp) == (True, [])
+        assert index.reserve(key, FILE_BYTES, temp) == ("write", [])
         Path(temp).write_bytes(bytes(FILE_BYTES))
         real = shared_index.write_abandoned
 
@@ -249,70 +250,56 @@ def test_a_write_renamed_while_its_row_is_checked_keeps_its_row(
         harness.close()
 
 
-def test_a_write_evicted_in_flight_fails_and_leaves_nothing(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_write_in_flight_is_never_evicted(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     slow, other = open_tier(root, 2), open_tier(root, 2)
     try:
         real_store = fs_io._store_file
-        evicted: list[list[bytes]] = []
-        slow_writes = []
+        during: list[tuple[bool, int]] = []
 
-        def evicted_mid_write(temp: str, final: str, *args: object) -> bool:
-            if slow_writes or evicted:
+        def others_store_mid_write(temp: str, final: str, *args: object) -> bool:
+            if during or "slow" not in threading.current_thread().name:
                 return real_store(temp, final, *args)  # type: ignore[arg-type]
-            # The first write, half done when the other tier needs the room:
-            # this write's row is the oldest, its temp file is removed, and
-            # its rename fails as the real one would.
-            slow_writes.append(temp)
+            # Half written when the other tier needs room: this row is the oldest.
             Path(temp).write_bytes(b"partial")
-            evicted.append(store_new(other, 2))
-            os.rename(temp, final)
-            return True
+            keys = other.keys(3)
+            other.fill([0, 1, 2])
+            for slot, key in enumerate(keys):
+                other.store([key], [slot])
+            during.append((os.path.exists(temp), disk_bytes(root)))
+            os.unlink(temp)
+            return real_store(temp, final, *args)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(fs_io, "_store_file", evicted_mid_write)
+        monkeypatch.setattr(fs_io, "_store_file", others_store_mid_write)
+        for worker in fs_tier(slow)._workers:
+            worker.name = "slow-" + worker.name
         key = slow.keys(1)[0]
         slow.fill([0])
-        # The temp file is removed under the write, which must fail rather
-        # than write the file again: a file nobody counts.
-        result = slow.store([key], [0])
-        assert evicted and not result.success
-        assert not os.path.exists(fs_tier(slow).dir.chunk_path(key))
-        assert disk_bytes(root) <= 2 * FILE_BYTES
-        assert fs_tier(other).held_bytes == 2 * FILE_BYTES
+        assert slow.store([key], [0]).success
+        assert during == [(True, len(b"partial") + FILE_BYTES)]  # the other tier evicted its own
+        assert slow.lookup(key) is Lookup.HIT
+        assert disk_bytes(root) == 2 * FILE_BYTES
+        assert fs_tier(slow).held_bytes == 2 * FILE_BYTES
     finally:
         slow.close()
         other.close()
 
 
-def test_a_write_renamed_while_its_row_is_evicted_leaves_no_file(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_write_is_evictable_once_its_file_is_in_place(root: Path) -> None:
     harness = open_tier(root, 1)
     try:
         index = fs_tier(harness)._bound
         assert index is not None
-        key = bytes(range(32))
-        final = fs_tier(harness).dir.chunk_path(key)
-        temp = fs_tier(harness).dir.temp_path(final)
-        assert index.reserve(key, FILE_BYTES, temp) == (True, [])
-        Path(temp).write_bytes(bytes(FILE_BYTES))
-        real_unlink = shared_index.SharedIndex._unlink
-
-        def rename_first(path: str) -> None:
-            real_unlink(path)
-            if os.path.exists(temp):
-                os.rename(temp, final)  # the writer finishes between the two unlinks
-
-        monkeypatch.setattr(shared_index.SharedIndex, "_unlink", staticmethod(rename_first))
-        other = bytes(range(1, 33))
-        other_final = fs_tier(harness).dir.chunk_path(other)
-        assert index.reserve(other, FILE_BYTES, fs_tier(harness).dir.temp_path(other_final)) == (
-            True,
-            [key],
-        )
-        assert not os.path.exists(final) and not os.path.exists(temp)
-        assert disk_bytes(root) == 0 and index.totals().nbytes == FILE_BYTES
+        paths = fs_tier(harness).dir
+        key, other = bytes(range(32)), bytes(range(1, 33))
+        final = paths.chunk_path(key)
+        assert index.reserve(key, FILE_BYTES, paths.temp_path(final)) == ("write", [])
+        # Reserved, not started: it may create its temp file any moment.
+        other_temp = paths.temp_path(paths.chunk_path(other))
+        assert index.reserve(other, FILE_BYTES, other_temp) == ("full", [])
+        # Renamed into place by a writer that did not live to say so.
+        Path(final).write_bytes(bytes(FILE_BYTES))
+        assert index.reserve(other, FILE_BYTES, other_temp) == ("write", [key])
+        assert not os.path.exists(final)
     finally:
         harness.close()
 

@@ -250,14 +250,20 @@ def _buckets(path: str) -> list[str]:
 
 
 def write_abandoned(temp_path: str, max_age_s: float) -> bool:
-    """Whether the write into ``temp_path`` will never finish: its file is
-    gone (finished or removed), or it was left behind (see :func:`abandoned`)."""
+    """Whether the write into ``temp_path`` will never finish (see
+    :func:`abandoned`). Before its writer creates the file, or after it
+    renamed it, there is no file: the write then counts as abandoned only
+    once its writer is known to be dead."""
     match = _TMP_NAME.match(os.path.basename(temp_path))
+    if match is None:
+        return True
     try:
         age = time.time() - os.lstat(temp_path).st_mtime
+    except FileNotFoundError:
+        age = 0.0
     except OSError:
         return True
-    return match is None or abandoned(match["host"], int(match["pid"]), age, max_age_s)
+    return abandoned(match["host"], int(match["pid"]), age, max_age_s)
 
 
 def abandoned(host: str, pid: int, age_s: float, max_age_s: float) -> bool:

@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from kvtier.tiers.fs.layout import ChunkFile, write_abandoned
 
@@ -97,6 +98,19 @@ def filesystem_type(path: str) -> str | None:
     return fstype
 
 
+_T = TypeVar("_T")
+
+
+@dataclass
+class _Queued(Generic[_T]):
+    """A change waiting for a transaction; ``result`` or ``error`` once done."""
+
+    change: Callable[[sqlite3.Connection], _T]
+    done: bool = False
+    result: _T | None = None
+    error: BaseException | None = None
+
+
 @dataclass(frozen=True)
 class Totals:
     """What the index counts, over every process sharing the directory:
@@ -128,7 +142,9 @@ class SharedIndex:
         self._abandoned_s = abandoned_s
         self._clock = clock
         self._mutex = threading.Lock()
+        self._batch_lock = threading.Lock()
         self._pending_lock = threading.Lock()
+        self._queued: list[_Queued[Any]] = []
         self._stamps: dict[bytes, float] = {}
         self._forget: set[bytes] = set()
         self._last_flush = time.monotonic()
@@ -191,26 +207,67 @@ class SharedIndex:
 
     # Stores --------------------------------------------------------------------
 
-    def reserve(self, key: bytes, size: int, temp_path: str) -> tuple[bool, list[bytes]]:
+    def reserve(self, key: bytes, size: int, temp_path: str) -> tuple[str, list[bytes]]:
         """Count a write of ``size`` bytes to ``temp_path`` before it starts.
 
-        Evicts least recently used rows (unlinking their files) until it fits.
-        Returns whether to write at all (not when the chunk's file is there,
-        or another live writer is making it), and the keys evicted.
+        Evicts least recently used chunks (unlinking their files) until it
+        fits; writes in flight are never evicted. Returns what to do, and the
+        keys evicted: ``"write"``; ``"present"`` when the chunk's file is there
+        or another live writer is making it; ``"full"`` when writes in flight
+        fill ``max_bytes``.
         """
-        with self._change() as db:
-            row = db.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
-            if row is not None:
-                if not self._files_gone(key, row[0]):
-                    db.execute("UPDATE chunks SET used = ? WHERE key = ?", (self._clock(), key))
-                    return False, []
-                db.execute("DELETE FROM chunks WHERE key = ?", (key,))  # a dead write's row
-            victims = self._evict(db, self._used(db) + size - self.max_bytes)
-            db.execute(
-                "INSERT INTO chunks (key, size, used, temp) VALUES (?, ?, ?, ?)",
-                (key, size, self._clock(), temp_path),
+        return self._batched(lambda db: self._reserve_one(db, key, size, temp_path))
+
+    def written(self, key: bytes, temp_path: str) -> None:
+        """The write to ``temp_path`` renamed its file into place: its row is
+        a chunk's now, no longer a write in flight."""
+        self._batched(
+            lambda db: db.execute(
+                "UPDATE chunks SET temp = NULL WHERE key = ? AND temp = ?", (key, temp_path)
             )
-            return True, victims
+        )
+
+    def _batched(self, change: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``change`` in a transaction. Group commit: whoever gets the lock
+        first runs every change queued by then in one transaction, so threads
+        storing at once share it."""
+        request: _Queued[_T] = _Queued(change)
+        with self._pending_lock:
+            self._queued.append(request)
+        with self._batch_lock:
+            if not request.done:
+                with self._pending_lock:
+                    batch, self._queued = self._queued, []
+                try:
+                    with self._change() as db:
+                        for queued in batch:
+                            queued.result = queued.change(db)
+                except BaseException as exc:
+                    for queued in batch:  # rolled back: none of them holds
+                        queued.error = exc
+                for queued in batch:
+                    queued.done = True
+        if request.error is not None:
+            raise request.error
+        return request.result  # type: ignore[return-value]
+
+    def _reserve_one(
+        self, db: sqlite3.Connection, key: bytes, size: int, temp_path: str
+    ) -> tuple[str, list[bytes]]:
+        row = db.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
+        if row is not None:
+            if not self._files_gone(key, row[0]):
+                db.execute("UPDATE chunks SET used = ? WHERE key = ?", (self._clock(), key))
+                return "present", []
+            db.execute("DELETE FROM chunks WHERE key = ?", (key,))  # a dead write's row
+        victims = self._evict(db, self._used(db) + size - self.max_bytes)
+        if self._used(db) + size > self.max_bytes:
+            return "full", victims
+        db.execute(
+            "INSERT INTO chunks (key, size, used, temp) VALUES (?, ?, ?, ?)",
+            (key, size, self._clock(), temp_path),
+        )
+        return "write", victims
 
     def release(self, key: bytes, temp_path: str) -> None:
         """The write to ``temp_path`` failed and its temp file is gone: drop its
@@ -264,10 +321,20 @@ class SharedIndex:
         if gone:
             self._db.executemany("DELETE FROM chunks WHERE key = ?", gone)
 
+    def _write_over(self, key: bytes, temp: str) -> bool:
+        """Whether the write of a row still marked in flight is over: it renamed
+        its file (and was killed before saying so), or will never finish.
+        The temp file is looked at first: a write that creates and renames it
+        between the looks is then seen by the second, and its file goes."""
+        if os.path.lexists(temp):
+            return write_abandoned(temp, self._abandoned_s)
+        return os.path.lexists(self._chunk_path(key)) or write_abandoned(temp, self._abandoned_s)
+
     def _files_gone(self, key: bytes, temp: str | None) -> bool:
-        """Whether a row's chunk file is missing and its write will never make
-        it. The temp file is looked at first: a write that renames between
-        the two looks is then seen by the second."""
+        """Whether a row's chunk file is missing and its write (``temp`` until
+        it is known to have finished) will never make it. The write is looked
+        at first: one that renames between the two looks is then seen by the
+        second."""
         if temp and not write_abandoned(temp, self._abandoned_s):
             return False
         return not os.path.lexists(self._chunk_path(key))
@@ -336,22 +403,24 @@ class SharedIndex:
         return int(used)
 
     def _evict(self, db: sqlite3.Connection, need: int, limit: int | None = None) -> list[bytes]:
-        """Unlink least recently used chunk files (and the temp file of an
-        unfinished write) until ``need`` bytes are free (or ``limit`` files
-        went), then drop their rows and log them."""
+        """Unlink least recently used chunk files until ``need`` bytes are free
+        (or ``limit`` files went), then drop their rows and log them. Rows of
+        writes in flight are passed over; a dead write's temp file goes too."""
         victims: list[bytes] = []
+        examined = 0
         while need > 0 and (limit is None or len(victims) < limit):
             rows = db.execute(
                 "SELECT key, size, temp FROM chunks ORDER BY used LIMIT ? OFFSET ?",
-                (16, len(victims)),
+                (16, examined),
             ).fetchall()
             if not rows:
                 break
             for key, size, temp in rows:
-                # The temp file first: a write still in flight then fails its
-                # rename, or has renamed, and the chunk file goes next.
+                examined += 1
+                if temp and not self._write_over(key, temp):
+                    continue  # a write in flight: its file will be counted
                 if temp:
-                    self._unlink(temp)
+                    self._unlink(temp)  # a dead write's
                 self._unlink(self._chunk_path(key))
                 victims.append(key)
                 need -= size

@@ -325,11 +325,13 @@ class FilesystemTier(ThreadedTier):
         temp = self.dir.temp_path(path)
         bound = self._bound
         if bound is not None:
-            needed, victims = bound.reserve(key, self.file_bytes, temp)
+            plan, victims = bound.reserve(key, self.file_bytes, temp)
             self._forget_evicted(victims)
-            if not needed:  # there, or another live process is writing it
+            if plan == "present":  # there, or another live process is writing it
                 self._keys.add(key)
                 return
+            if plan == "full":
+                raise OSError(errno.ENOSPC, f"max_bytes={self.max_bytes} taken by writes in flight")
         try:
             written = write_chunk(
                 path, temp, self.namespace, key, payload, direct=self.direct, fsync=self.fsync
@@ -340,6 +342,11 @@ class FilesystemTier(ThreadedTier):
             if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
                 self._note_disk_full(exc)
             raise
+        if bound is not None:
+            try:
+                bound.written(key, temp)
+            except sqlite3.Error as exc:  # stored all the same; counted as in flight
+                logger.warning("tier %s: index not updated: %s", self.tier_type, exc)
         self._keys.add(key)
         if written and self._disk_full:
             self._disk_full = False
