@@ -4,26 +4,29 @@ that uses it: an SQLite database (WAL mode) next to the chunk files.
 ::
 
     <namespace hex>/index.sqlite   one row per chunk file or write in flight
-                                   (key, size, last use, temp path of its write),
-                                   the total, and a log of evicted keys
+                                   (key, size, last use, temp path while in
+                                   flight), the total, and a log of evicted keys
     <namespace hex>/index.lock     flock(2) taken around every change
 
-A store enters its row *before* it creates its temp file, in one
-transaction that first evicts least recently used rows (any process's, also
-those of processes that exited) until every row fits in ``max_bytes``; an
-evicted row's chunk file, and its write's temp file if the write never
-finished, are unlinked *before* that transaction commits. So the chunk and
+A store enters its row *before* it creates its temp file, in a transaction
+that first evicts least recently used chunks (any process's, also those of
+processes that exited) until every row fits in ``max_bytes``; an evicted
+chunk file is unlinked *before* that transaction commits. Rows of writes in
+flight are never evicted (their writer would create or rename a file nobody
+counts): when they alone fill the bound, a store fails cleanly. Once the
+file is renamed into place the writer marks its row done. So the chunk and
 temp files on disk never exceed what the rows count, and the rows never
 count more than ``max_bytes``. A process killed mid-transaction leaves rows
 whose files are gone: the index over-counts until they are evicted or found
-missing, never under-counts. A writer killed mid-write leaves a row whose
-temp file the next start removes, or its eviction.
+missing, never under-counts. A writer killed mid-write leaves a row that
+becomes evictable once it is known to be dead (its temp file goes with it).
 
 Cost is kept off the load path: a load records its use in memory, and uses
-are written in batches (with the next store's transaction, or at most once a
-second by a loading thread). A store costs one short transaction. The flock
-queues processes in the kernel (woken at once on release) instead of
-SQLite's sleeping busy handler; a mutex queues this process's threads.
+are written in batches (with the next change, or at most once a second by a
+loading thread). A store costs two short changes, reserve and done, and
+threads storing at once share transactions (group commit). The flock queues
+processes in the kernel (woken at once on release) instead of SQLite's
+sleeping busy handler; a mutex queues this process's threads.
 
 SQLite's WAL needs memory shared between the processes: all of them must run
 on one host (see ``docs/fs.md``).
