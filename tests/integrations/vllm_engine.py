@@ -4,7 +4,9 @@
 
 SPEC holds ``model``, ``prompts`` (token id lists), ``max_tokens``,
 ``extra_config`` (the connector's ``kv_connector_extra_config``; ``null`` for
-no connector), ``block_size`` and ``multiprocessing``. RESULT receives the
+no connector), ``block_size``, ``multiprocessing``, ``tensor_parallel_size``
+and ``engine_id``; with ``started_file`` the engine writes that file once it
+has started and then waits to be killed. RESULT receives the
 greedy tokens, vLLM's cached-token count per prompt, the time to first token
 per prompt when ``ttft`` is set, and the engine start time.
 
@@ -78,6 +80,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["extra_config"],
+            engine_id=spec.get("engine_id"),
         )
     started = time.perf_counter()
     llm = LLM(
@@ -90,8 +93,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         max_num_seqs=4,
         enable_prefix_caching=spec.get("prefix_caching", True),
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
     )
     start_s = time.perf_counter() - started
+    if spec.get("started_file"):
+        Path(spec["started_file"]).write_text(str(os.getpid()))
+        while True:  # until killed
+            time.sleep(60)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     result: dict[str, Any] = {"engine_start_s": start_s, "tokens": [], "cached": [], "ttft_s": []}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,14 @@ from kvtier.layout import KVLayout
 from kvtier.manager import TieringManager
 from kvtier.primary import SlotBuffer
 
-from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, PageCopies, SharedBuffer
+from .metadata import (
+    KVTierConnectorMetadata,
+    KVTierHandshake,
+    KVTierWorkerMetadata,
+    PageCopies,
+    SharedBuffer,
+    StepResult,
+)
 from .settings import VllmGeometry
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,8 @@ class _Request:
 class _StepWork:
     loads: list[ChunkKey] = field(default_factory=list)
     stores: list[ChunkKey] = field(default_factory=list)
+    #: What the ranks that reported so far said.
+    result: StepResult | None = None
 
 
 @dataclass
@@ -113,6 +122,7 @@ class SchedulerSide:
         self._load_keys: list[ChunkKey] = []
         self._failed_block_ids: list[int] = []
         self._in_flight: dict[int, _StepWork] = {}
+        self._attached: set[int] = set()
         self._name_released = False
         self._closed = False
 
@@ -250,13 +260,29 @@ class SchedulerSide:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(report, KVTierWorkerMetadata):
             return
-        if report.attached:
-            self._release_name()
-        for step, (loads_ok, stores_ok) in report.finished.items():
-            work = self._in_flight.pop(step, None)
+        self._workers_attached(report.attached)
+        for step, result in report.finished.items():
+            work = self._in_flight.get(step)
             if work is None:
                 continue
-            self._finish(work, loads_ok, stores_ok)
+            work.result = result if work.result is None else work.result.merge(result)
+            # A chunk is whole only once every rank copied its part.
+            if work.result.ranks >= self.shape.num_ranks:
+                del self._in_flight[step]
+                self._finish(work, work.result.loads_ok, work.result.stores_ok)
+
+    def workers_started(self, handshakes: Iterable[object]) -> None:
+        """The workers' start-up answers: those that mapped the slots already."""
+        self._workers_attached(
+            h.rank
+            for h in handshakes
+            if isinstance(h, KVTierHandshake) and h.buffer_name == self.buffer.name
+        )
+
+    def _workers_attached(self, ranks: Iterable[int]) -> None:
+        self._attached.update(ranks)
+        if len(self._attached) >= self.shape.num_ranks:
+            self._release_name()
 
     def _finish(self, work: _StepWork, loads_ok: bool, stores_ok: bool) -> None:
         if work.loads:
@@ -306,7 +332,7 @@ class SchedulerSide:
         return state
 
     def _release_name(self) -> None:
-        """Once the worker has mapped the slots, drop their name: a killed engine leaks nothing."""
+        """Once every worker mapped the slots, drop their name: a killed engine leaks nothing."""
         if self._name_released:
             return
         self._name_released = True
