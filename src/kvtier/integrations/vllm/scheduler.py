@@ -7,8 +7,10 @@ layout's namespace (see :func:`request_keys`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -351,11 +353,17 @@ class SchedulerSide:
     def _write_stats(self) -> None:
         if self.stats_file is None:
             return
+        # Written beside the target and renamed: an engine killed mid-write
+        # leaves the previous file (or none), never a torn one.
+        partial = f"{self.stats_file}.{os.getpid()}.tmp"
         try:
-            with open(self.stats_file, "w") as out:
+            with open(partial, "w") as out:
                 json.dump(self.stats(), out, indent=1)
+            os.replace(partial, self.stats_file)
         except OSError:
             logger.exception("kvtier: cannot write stats to %s", self.stats_file)
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
 
     @staticmethod
     def _safely(method: Callable[..., object], *args: object) -> None:

@@ -5,8 +5,8 @@ part of every slot (its pipeline stage's layers, its tensor-parallel share
 of the heads, see :class:`~.settings.VllmGeometry`) and copies only there.
 Every copy is one gather and one scatter per layer over the step's pages,
 with torch ops, so the same code moves pages of CPU tensors and of
-accelerator tensors (see :mod:`.transfers` for how the latter stay off the
-compute stream).
+accelerator tensors (see :mod:`kvtier.integrations.page_copies` for how the
+latter stay off the compute stream).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from kvtier.integrations.page_copies import CopyIndex, LayerPages, PendingStore, Transfers
 from kvtier.primary import SlotBuffer
 
 from .metadata import (
@@ -27,7 +28,6 @@ from .metadata import (
 )
 from .settings import VllmGeometry
 from .shared_memory import engine_buffer_names, map_existing
-from .transfers import LayerPages, PendingStore, Transfers
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ class WorkerSide:
             return
         try:
             self._layers = [
-                LayerPages(name, kv_caches[name], self.shape) for name in self.shape.layer_names
+                LayerPages(name, kv_caches[name], self.shape.num_blocks, self.shape.page_bytes)
+                for name in self.shape.layer_names
             ]
         except ValueError as exc:
             self._disable(str(exc))
@@ -117,7 +118,9 @@ class WorkerSide:
             self._stores[meta.step] = PendingStore.failed()
             return
         try:
-            self._stores[meta.step] = self._transfers.start_store(self._layers, meta.stores, slots)
+            self._stores[meta.step] = self._transfers.start_store(
+                self._layers, _index(meta.stores), slots
+            )
         except Exception:
             logger.exception("kvtier: store of %d pages failed", len(meta.stores))
             self._stores[meta.step] = PendingStore.failed()
@@ -135,11 +138,13 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def finish_stores(self) -> None:
+        """Wait until every store started so far has landed in the slots."""
+        self._collect(wait_for_older_than=max(self._stores, default=-1) + 1)
+
     def shutdown(self) -> None:
         # Copies still in flight read or write the slots: end them first.
-        for pending in self._stores.values():
-            pending.finish()
-        self._stores.clear()
+        self.finish_stores()
         self._slots = None
         if self._buffer is not None:
             self._buffer.close()
@@ -166,7 +171,7 @@ class WorkerSide:
         if slots is None or self._transfers is None:
             return False
         try:
-            self._transfers.load(self._layers, copies, slots)
+            self._transfers.load(self._layers, _index(copies), slots)
         except Exception:
             logger.exception("kvtier: load of %d pages failed", len(copies))
             return False
@@ -210,3 +215,7 @@ class WorkerSide:
         flat = torch.frombuffer(mapped.view.cast("B"), dtype=torch.uint8)
         own = flat.view(mapped.num_slots, mapped.slot_bytes)[:, offset : offset + size]
         self._slots = own.unflatten(1, (self.shape.num_layers, self.shape.blocks_per_chunk, -1))
+
+
+def _index(copies: PageCopies) -> CopyIndex:
+    return CopyIndex.of(copies.slots, copies.positions, copies.block_ids)

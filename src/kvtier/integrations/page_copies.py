@@ -1,10 +1,11 @@
-"""Page copies between one worker's KV cache and its part of the primary slots.
+"""Page copies between an engine's paged KV cache and primary slots, on any device.
 
-The same torch ops serve every device. On the CPU a copy is a plain gather
-or scatter. On an accelerator (CUDA, or any torch device module with
-streams and events) every copy runs on a dedicated copy stream, ordered
-against the compute stream with events, and moves through pinned host
-memory, so the compute stream never waits on a host copy:
+Needs torch alone (not the engine), so ``scripts/device_check.py`` runs it on
+any machine with an accelerator. The same torch ops serve every device. On
+the CPU a copy is a plain gather or scatter. On an accelerator (CUDA, or any
+torch device module with streams and events) every copy runs on a dedicated
+copy stream, ordered against the compute stream with events, and moves
+through pinned host memory, so the compute stream never waits on a host copy:
 
 * store: the copy stream waits for the forward pass that computed the
   pages, gathers them on the device and copies them to pinned host memory;
@@ -21,12 +22,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-
-from .metadata import PageCopies
-from .settings import VllmGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -34,21 +32,19 @@ logger = logging.getLogger(__name__)
 class LayerPages:
     """One layer's KV tensor seen as ``[num_blocks, ...page]`` without copying."""
 
-    def __init__(self, name: str, tensor: torch.Tensor, shape: VllmGeometry) -> None:
-        dims = [d for d, size in enumerate(tensor.shape) if size == shape.num_blocks]
+    def __init__(self, name: str, tensor: torch.Tensor, num_blocks: int, page_bytes: int) -> None:
+        dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
         if not dims:
             raise ValueError(
                 f"KV cache of {name} has shape {tuple(tensor.shape)}: no dimension "
-                f"of num_blocks={shape.num_blocks}"
+                f"of num_blocks={num_blocks}"
             )
         # The block dimension is the outermost one of that size (the CPU and
         # flash layouts put it first or right after the K/V dimension).
         self.pages = tensor.movedim(dims[0], 0)
-        page_bytes = tensor.numel() // shape.num_blocks * tensor.element_size()
-        if page_bytes != shape.page_bytes:
-            raise ValueError(
-                f"KV cache of {name}: {page_bytes} bytes per block, expected {shape.page_bytes}"
-            )
+        found = tensor.numel() // num_blocks * tensor.element_size()
+        if found != page_bytes:
+            raise ValueError(f"KV cache of {name}: {found} bytes per block, expected {page_bytes}")
         self.page_shape = tuple(self.pages.shape[1:])
         self.dtype = tensor.dtype
         self.device = tensor.device
@@ -103,8 +99,25 @@ class PendingStore:
         return self._result
 
 
+class CopyIndex(NamedTuple):
+    """Page ``i`` moves between block ``block_ids[i]`` and page ``positions[i]`` of
+    slot ``slots[i]``, for every layer."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    block_ids: torch.Tensor
+
+    @classmethod
+    def of(cls, slots: list[int], positions: list[int], block_ids: list[int]) -> CopyIndex:
+        return cls(*(torch.tensor(v, dtype=torch.long) for v in (slots, positions, block_ids)))
+
+
 class Transfers:
-    """Runs a worker's page copies: inline on the CPU, on a copy stream elsewhere."""
+    """Runs page copies: inline on the CPU, on a copy stream on an accelerator.
+
+    ``slots`` is a host ``uint8`` tensor ``[num_slots, layers, pages, page_bytes]``
+    (a view of the primary buffer); ``layers[i]`` is layer ``i``'s KV cache.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -120,9 +133,9 @@ class Transfers:
     def asynchronous(self) -> bool:
         return self._stream is not None
 
-    def load(self, layers: list[LayerPages], copies: PageCopies, slots: torch.Tensor) -> None:
-        """Copy slot pages into vLLM blocks; on a device, the forward pass waits for them."""
-        slot_index, position, block_ids = _indices(copies)
+    def load(self, layers: list[LayerPages], index: CopyIndex, slots: torch.Tensor) -> None:
+        """Copy slot pages into engine blocks; on a device, the forward pass waits for them."""
+        slot_index, position, block_ids = index
         if self._stream is None:
             ids = block_ids.to(self.device)
             for layer, pages in enumerate(layers):
@@ -147,10 +160,10 @@ class Transfers:
         compute.wait_event(loaded)
 
     def start_store(
-        self, layers: list[LayerPages], copies: PageCopies, slots: torch.Tensor
+        self, layers: list[LayerPages], index: CopyIndex, slots: torch.Tensor
     ) -> PendingStore:
-        """Start copying vLLM blocks into slots; :meth:`PendingStore.finish` lands them."""
-        slot_index, position, block_ids = _indices(copies)
+        """Start copying engine blocks into slots; :meth:`PendingStore.finish` lands them."""
+        slot_index, position, block_ids = index
         if self._stream is None:
             ids = block_ids.to(self.device)
             for layer, pages in enumerate(layers):
@@ -171,7 +184,7 @@ class Transfers:
                 host_rows.append(host)
             copied = module.Event()
             copied.record(self._stream)
-        # vLLM may hand the blocks to another request next step: its forward
+        # The engine may hand the blocks to another request next step: its forward
         # pass must not overwrite them before the gather read them.
         compute.wait_event(read)
 
@@ -181,11 +194,3 @@ class Transfers:
                 slots[slot_index, layer, position] = rows
 
         return PendingStore(ready=copied.query, complete=complete)
-
-
-def _indices(copies: PageCopies) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (
-        torch.tensor(copies.slots, dtype=torch.long),
-        torch.tensor(copies.positions, dtype=torch.long),
-        torch.tensor(copies.block_ids, dtype=torch.long),
-    )
