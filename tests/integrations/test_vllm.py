@@ -50,7 +50,7 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "
 
 def _engine_env(spec: dict[str, Any]) -> dict[str, str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    if spec.get("tensor_parallel_size", 1) > 1:
+    if spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1) > 1:
         env.update(TP2_ENV)
     return env
 
@@ -259,6 +259,26 @@ def test_tp1_engine_never_picks_up_tp2_chunks(
     assert fs["chunks_loaded"] == 0
     assert result["stats"]["connector"]["hit_tokens"] == sum(result["cached"])
     assert fs["chunks_stored"] == 6  # its own, beside the TP=2 ones
+
+
+def test_pipeline_parallel_engines_share_chunks_stage_by_stage(model: Path, tmp_path: Path) -> None:
+    """PP=2: each stage stores its layer into its part of the slot; a fresh PP=2
+    engine loads the whole prefix back and computes the same tokens."""
+    fs_dir = tmp_path / "fs"
+    tiers = [{"type": "fs", "root_dir": str(fs_dir)}]
+    spec = _spec(model, tmp_path, "pp2-first", tiers, pipeline_parallel_size=2)
+    first = _engine(tmp_path, "pp2-first", spec)
+    assert first["stats"]["connector"]["chunks_stored"] == 6
+    assert first["stats"]["connector"]["store_failures"] == 0
+
+    spec = _spec(
+        model, tmp_path, "pp2-second", tiers, pipeline_parallel_size=2, prefix_caching=False
+    )
+    second = _engine(tmp_path, "pp2-second", spec)
+    assert second["tokens"] == first["tokens"]
+    assert second["cached"] == [_full_chunks(p) for p in PROMPTS]
+    assert second["stats"]["connector"]["load_failures"] == 0
+    assert _fs_tier(second["stats"])["chunks_loaded"] == 6
 
 
 # Start-up and shutdown -------------------------------------------------------------

@@ -4,10 +4,10 @@
 
 SPEC holds ``model``, ``prompts`` (token id lists), ``max_tokens``,
 ``extra_config`` (the connector's ``kv_connector_extra_config``; ``null`` for
-no connector), ``block_size``, ``multiprocessing``, ``tensor_parallel_size``
-and ``engine_id``; with ``started_file`` the engine writes that file once it
-has started and then waits to be killed. RESULT receives the
-greedy tokens, vLLM's cached-token count per prompt, the time to first token
+no connector), ``block_size``, ``multiprocessing``, ``tensor_parallel_size``,
+``pipeline_parallel_size``, ``engine_id`` and ``reset_prefix_cache``; with
+``started_file`` the engine writes that file once it has started and then
+waits to be killed. RESULT receives the greedy tokens, vLLM's cached-token count per prompt, the time to first token
 per prompt when ``ttft`` is set, and the engine start time.
 
 Also builds the local model the tests (and, larger, the benchmark) use:
@@ -94,6 +94,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         max_num_seqs=4,
         enable_prefix_caching=spec.get("prefix_caching", True),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        pipeline_parallel_size=spec.get("pipeline_parallel_size", 1),
     )
     start_s = time.perf_counter() - started
     if spec.get("started_file"):
@@ -106,7 +107,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("ttft"):
         # One prompt at a time, one output token: the call's duration is the
         # time to first token. vLLM's own prefix cache is emptied after each
-        # prompt, so a prefix can only come back through kvtier.
+        # prompt (unless ``reset_prefix_cache`` is false), so a prefix can
+        # only come back through kvtier.
         first_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         for prompt in prompts:
             began = time.perf_counter()
@@ -114,7 +116,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             result["ttft_s"].append(time.perf_counter() - began)
             result["tokens"].append(list(output.outputs[0].token_ids))
             result["cached"].append(output.num_cached_tokens or 0)
-            llm.reset_prefix_cache()
+            if spec.get("reset_prefix_cache", True):
+                llm.reset_prefix_cache()
     else:
         for output in llm.generate(prompts, params, use_tqdm=False):
             result["tokens"].append(list(output.outputs[0].token_ids))
