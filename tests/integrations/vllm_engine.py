@@ -7,8 +7,9 @@ SPEC holds ``model``, ``prompts`` (token id lists), ``max_tokens``,
 no connector), ``block_size``, ``multiprocessing``, ``tensor_parallel_size``,
 ``pipeline_parallel_size``, ``engine_id`` and ``reset_prefix_cache``; with
 ``started_file`` the engine writes that file once it has started and then
-waits to be killed. RESULT receives the greedy tokens, vLLM's cached-token count per prompt, the time to first token
-per prompt when ``ttft`` is set, and the engine start time.
+waits to be killed. RESULT receives the greedy tokens, vLLM's cached-token
+count per prompt, the time to first token per prompt when ``ttft`` is set,
+and the engine start time.
 
 Also builds the local model the tests (and, larger, the benchmark) use:
 
