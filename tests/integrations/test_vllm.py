@@ -48,6 +48,12 @@ def _full_chunks(prompt: list[int]) -> int:
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+#: Two workers bind one core each.
+needs_two_cores = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="two vLLM CPU workers need two cores"
+)
+
+
 def _engine_env(spec: dict[str, Any]) -> dict[str, str]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     if spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1) > 1:
@@ -218,6 +224,7 @@ def tp2_stored(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     return {"plain": plain, "first": first, "fs_dir": fs_dir}
 
 
+@needs_two_cores
 def test_tp2_engine_offloads_whole_chunks_and_logs_its_tiers(tp2_stored: dict[str, Any]) -> None:
     first = tp2_stored["first"]
     assert first["tokens"] == tp2_stored["plain"]["tokens"]
@@ -232,6 +239,7 @@ def test_tp2_engine_offloads_whole_chunks_and_logs_its_tiers(tp2_stored: dict[st
     assert "over 2 worker(s)" in first["log"]
 
 
+@needs_two_cores
 def test_fresh_tp2_engine_loads_prefixes_from_fs_with_identical_outputs(
     model: Path, tp2_stored: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -247,6 +255,7 @@ def test_fresh_tp2_engine_loads_prefixes_from_fs_with_identical_outputs(
     assert _fs_tier(stats)["chunks_loaded"] == 6
 
 
+@needs_two_cores
 def test_tp1_engine_never_picks_up_tp2_chunks(
     model: Path, tp2_stored: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -261,6 +270,7 @@ def test_tp1_engine_never_picks_up_tp2_chunks(
     assert fs["chunks_stored"] == 6  # its own, beside the TP=2 ones
 
 
+@needs_two_cores
 def test_pipeline_parallel_engines_share_chunks_stage_by_stage(model: Path, tmp_path: Path) -> None:
     """PP=2: each stage stores its layer into its part of the slot; a fresh PP=2
     engine loads the whole prefix back and computes the same tokens."""
