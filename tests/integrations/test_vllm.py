@@ -773,8 +773,11 @@ def test_slots_name_goes_once_every_worker_mapped_them_at_start_up() -> None:
         scheduler.shutdown()
 
 
-def test_stale_slot_names_of_stopped_engines_are_removed(tmp_path: Path) -> None:
-    from kvtier.integrations.vllm.shared_memory import remove_stale_buffers
+def test_stale_slot_names_of_stopped_engines_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.integrations.vllm import shared_memory
+    from kvtier.integrations.vllm.shared_memory import NameGuard, remove_stale_buffers
 
     finished = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -785,13 +788,24 @@ def test_stale_slot_names_of_stopped_engines_are_removed(tmp_path: Path) -> None
     dead_pid = int(finished.stdout)
     names = {
         "dead": f"kvtier-vllm-{dead_pid}-abc123",
+        # A live engine whose pid this process cannot see (another pid
+        # namespace): its guard keeps its name.
+        "guarded": f"kvtier-vllm-{dead_pid}-def456",
         "alive": f"kvtier-vllm-{os.getpid()}-abc123",
         "other": f"kvtier-test-{dead_pid}",
     }
     for name in names.values():
         (tmp_path / name).write_bytes(b"x")
-    assert remove_stale_buffers(str(tmp_path)) == [names["dead"]]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["alive"], names["other"]])
+    monkeypatch.setattr(shared_memory, "SHM_DIR", str(tmp_path))
+    guard = NameGuard(names["guarded"])
+    try:
+        assert remove_stale_buffers(str(tmp_path)) == [names["dead"]]
+    finally:
+        guard.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [names["guarded"], names["alive"], names["other"]]
+    )
+    assert remove_stale_buffers(str(tmp_path)) == [names["guarded"]]
 
 
 def test_kvtier_log_records_go_through_vllm_handlers() -> None:

@@ -30,6 +30,7 @@ from .metadata import (
     StepResult,
 )
 from .settings import VllmGeometry
+from .shared_memory import NameGuard
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class SchedulerSide:
         if buffer.shared_name is None:
             raise ValueError("the vLLM connector needs the primary tier in shared memory")
         self.buffer = SharedBuffer(buffer.shared_name, buffer.num_slots, buffer.slot_bytes)
+        # Until the name goes, it marks this engine as alive to stale-name cleanup.
+        self._name_guard = NameGuard(buffer.shared_name)
         self._requests: dict[str, _Request] = {}
         self._next_step = 0
         self._loads = PageCopies()
@@ -322,6 +325,7 @@ class SchedulerSide:
             self._finish(work, loads_ok=False, stores_ok=False)
         self._in_flight.clear()
         self._safely(self.manager.shutdown)
+        self._name_guard.release()
         self._write_stats()
 
     # Helpers --------------------------------------------------------------
@@ -339,6 +343,7 @@ class SchedulerSide:
             return
         self._name_released = True
         self.manager.primary.buffer.unlink()
+        self._name_guard.release()
 
     def stats(self) -> dict[str, object]:
         return {

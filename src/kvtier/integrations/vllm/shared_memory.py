@@ -7,11 +7,14 @@ process itself or in its children, so each can find the name at start-up
 without being told; once every worker has mapped the slots the scheduler
 removes the name, and from then on a killed engine leaves nothing behind.
 A name whose creator died before that is stale: the next engine removes it.
+Its creator holds a shared ``flock`` on it until then, so a live engine's
+name is never taken for stale, even one whose pid this process cannot see
+(another container sharing ``/dev/shm``).
 """
 
 from __future__ import annotations
 
-import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -61,27 +64,58 @@ def map_existing(names: list[str], slot_bytes: int) -> SlotBuffer | None:
     return None
 
 
-def remove_stale_buffers(directory: str = SHM_DIR) -> list[str]:
-    """Remove the slot names of engines whose process is gone; returns the names removed.
+class NameGuard:
+    """Marks a slot name as in use by a live engine until :meth:`release`."""
 
-    Only a name whose pid no longer runs is touched, so a live engine (this
-    machine's, same pid namespace) never loses its slots.
+    def __init__(self, name: str) -> None:
+        self._fd: int | None = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # the lock goes with it
+            self._fd = None
+
+
+def remove_stale_buffers(directory: str = SHM_DIR) -> list[str]:
+    """Remove the slot names of engines that are gone; returns the names removed.
+
+    A name is stale when the pid in it no longer runs and nobody holds its
+    :class:`NameGuard`.
     """
     try:
         entries = os.listdir(directory)
     except OSError:
         return []
-    removed = []
-    for entry in entries:
-        match = _ENGINE_NAME.match(entry)
-        if match is None or _is_running(int(match.group(1))):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, entry))
-            removed.append(entry)
+    removed = [
+        entry
+        for entry in entries
+        if (match := _ENGINE_NAME.match(entry)) is not None
+        and not _is_running(int(match.group(1)))
+        and _remove_unguarded(os.path.join(directory, entry))
+    ]
     if removed:
         logger.info("kvtier: removed shared memory left by stopped engines: %s", removed)
     return removed
+
+
+def _remove_unguarded(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a live engine holds it
+        os.close(fd)
+        return False
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _is_running(pid: int) -> bool:
