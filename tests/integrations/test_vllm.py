@@ -270,27 +270,6 @@ def test_tp1_engine_never_picks_up_tp2_chunks(
     assert fs["chunks_stored"] == 6  # its own, beside the TP=2 ones
 
 
-@needs_two_cores
-def test_pipeline_parallel_engines_share_chunks_stage_by_stage(model: Path, tmp_path: Path) -> None:
-    """PP=2: each stage stores its layer into its part of the slot; a fresh PP=2
-    engine loads the whole prefix back and computes the same tokens."""
-    fs_dir = tmp_path / "fs"
-    tiers = [{"type": "fs", "root_dir": str(fs_dir)}]
-    spec = _spec(model, tmp_path, "pp2-first", tiers, pipeline_parallel_size=2)
-    first = _engine(tmp_path, "pp2-first", spec)
-    assert first["stats"]["connector"]["chunks_stored"] == 6
-    assert first["stats"]["connector"]["store_failures"] == 0
-
-    spec = _spec(
-        model, tmp_path, "pp2-second", tiers, pipeline_parallel_size=2, prefix_caching=False
-    )
-    second = _engine(tmp_path, "pp2-second", spec)
-    assert second["tokens"] == first["tokens"]
-    assert second["cached"] == [_full_chunks(p) for p in PROMPTS]
-    assert second["stats"]["connector"]["load_failures"] == 0
-    assert _fs_tier(second["stats"])["chunks_loaded"] == 6
-
-
 # Start-up and shutdown -------------------------------------------------------------
 
 
