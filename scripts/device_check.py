@@ -89,10 +89,12 @@ def main() -> int:
         for _ in range(layers)
     ]
     pages_of = [copies.LayerPages(f"layer{i}", t, num_blocks, page_bytes) for i, t in enumerate(kv)]
-    # The primary tier's memory: shared, pageable (not pinned), as in the engine.
+    # The primary tier's memory: shared, pageable (not pinned), as in the engine,
+    # seen as rows of one page each; chunk c holds layer l's page p at row
+    # (c * layers + l) * per_chunk + p.
     chunks = pages // per_chunk
     region = mmap.mmap(-1, chunks * layers * per_chunk * page_bytes)
-    slots = torch.frombuffer(region, dtype=torch.uint8).view(chunks, layers, per_chunk, page_bytes)
+    slot_rows = torch.frombuffer(region, dtype=torch.uint8).view(-1, page_bytes)
     transfers = copies.Transfers(device)
     if device.type != "cpu" and not transfers.asynchronous:
         print(f"FAIL: no copy stream on {device_type}: torch.{device_type} lacks streams or events")
@@ -101,18 +103,18 @@ def main() -> int:
     targets = list(range(1, 2 * pages, 2))
 
     def index(blocks: list[int]) -> object:
-        return copies.CopyIndex.of(
-            [i // per_chunk for i in range(pages)], [i % per_chunk for i in range(pages)], blocks
-        )
+        chunk = torch.arange(pages) // per_chunk
+        rows = (chunk[None, :] * layers + torch.arange(layers)[:, None]) * per_chunk
+        return copies.CopyIndex(rows + torch.arange(pages) % per_chunk, torch.tensor(blocks))
 
     store_index, load_index = index(sources), index(targets)
 
     def store() -> None:
-        if not transfers.start_store(pages_of, store_index, slots).finish():
+        if not transfers.start_store(pages_of, store_index, slot_rows).finish():
             raise RuntimeError("a store failed")
 
     def load() -> None:
-        transfers.load(pages_of, load_index, slots)
+        transfers.load(pages_of, load_index, slot_rows)
 
     store()
     load()

@@ -55,7 +55,8 @@ class WorkerSide:
         self._layers: list[LayerPages] = []
         self._transfers: Transfers | None = None
         self._buffer: SlotBuffer | None = None
-        self._slots: torch.Tensor | None = None  # [num_slots, layers, blocks_per_chunk, page]
+        #: The mapped slots as rows of one page each.
+        self._slots: torch.Tensor | None = None
         self._broken: str | None = None
         self._attached_reported = False
         self._loads: dict[int, bool] = {}
@@ -119,7 +120,7 @@ class WorkerSide:
             return
         try:
             self._stores[meta.step] = self._transfers.start_store(
-                self._layers, _index(meta.stores), slots
+                self._layers, self._index(meta.stores), slots
             )
         except Exception:
             logger.exception("kvtier: store of %d pages failed", len(meta.stores))
@@ -171,7 +172,7 @@ class WorkerSide:
         if slots is None or self._transfers is None:
             return False
         try:
-            self._transfers.load(self._layers, _index(copies), slots)
+            self._transfers.load(self._layers, self._index(copies), slots)
         except Exception:
             logger.exception("kvtier: load of %d pages failed", len(copies))
             return False
@@ -209,13 +210,18 @@ class WorkerSide:
         return self._slots
 
     def _use(self, mapped: SlotBuffer) -> None:
-        """Keep the mapping and view this rank's part of every slot."""
+        """Keep the mapping and view it as rows of one page each."""
         self._buffer = mapped
-        offset, size = self._part
         flat = torch.frombuffer(mapped.view.cast("B"), dtype=torch.uint8)
-        own = flat.view(mapped.num_slots, mapped.slot_bytes)[:, offset : offset + size]
-        self._slots = own.unflatten(1, (self.shape.num_layers, self.shape.blocks_per_chunk, -1))
+        self._slots = flat.view(-1, self.shape.page_bytes)
 
-
-def _index(copies: PageCopies) -> CopyIndex:
-    return CopyIndex.of(copies.slots, copies.positions, copies.block_ids)
+    def _index(self, copies: PageCopies) -> CopyIndex:
+        """Slot rows of this rank's pages: a slot's first row, plus this rank's
+        part, plus ``layer × blocks_per_chunk + position``."""
+        page_bytes, per_chunk = self.shape.page_bytes, self.shape.blocks_per_chunk
+        slots = torch.tensor(copies.slots, dtype=torch.long)
+        first = slots * (self.shape.slot_bytes // page_bytes) + self._part[0] // page_bytes
+        first += torch.tensor(copies.positions, dtype=torch.long)
+        layers = torch.arange(self.shape.num_layers, dtype=torch.long) * per_chunk
+        block_ids = torch.tensor(copies.block_ids, dtype=torch.long)
+        return CopyIndex(layers[:, None] + first[None, :], block_ids)
