@@ -61,10 +61,32 @@ def test_inspect_verify_fails_and_names_corrupt_chunks(tmp_path: Path) -> None:
     assert victim.exists()  # inspect reports, it never deletes
 
 
-def test_inspect_empty_root(tmp_path: Path) -> None:
-    code, output = _invoke(str(tmp_path), "--verify")
-    assert code == 0
-    assert "0 namespaces, 0 chunks" in output
+def test_a_directory_without_kvtier_data_says_so_and_fails(tmp_path: Path) -> None:
+    for args in ((str(tmp_path),), (str(tmp_path), "--verify")):
+        code, output = _invoke(*args)
+        assert code == 1
+        assert f"no kvtier fs tier data in {tmp_path}" in output
+        assert "verified" not in output and "Traceback" not in output
+
+
+def test_a_directory_above_the_root_points_at_the_root(tmp_path: Path) -> None:
+    """``kvtier inspect kvtier-demo`` instead of ``kvtier-demo/fs``."""
+    _populate(tmp_path / "fs", "model-a", 2)
+    code, output = _invoke(str(tmp_path))
+    assert code == 1
+    assert f"kvtier inspect {tmp_path / 'fs'}" in output
+
+
+def test_inspect_fits_80_columns_and_counts_in_the_singular(tmp_path: Path) -> None:
+    _populate(tmp_path, "model-with-a-rather-long-name-for-its-layout", 1)
+    result = CliRunner().invoke(cli, ["inspect", str(tmp_path)], terminal_width=80)
+    assert result.exit_code == 0, result.output
+    table = result.output.split("modification times (UTC)")[0]
+    assert "…" not in table
+    assert max(len(line) for line in table.splitlines()) <= 80
+    assert "1 namespace, 1 chunk," in result.output
+    # The layout is written out whole, once per namespace, under the table.
+    assert "model-with-a-rather-long-name-for-its-layout" in result.output
 
 
 def test_inspect_missing_root_is_a_usage_error(tmp_path: Path) -> None:

@@ -7,8 +7,10 @@ import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NoReturn
 
 import click
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -80,7 +82,34 @@ def _read_record(directory: NamespaceDir) -> tuple[str, int | None]:
 
 
 def _when(mtime_ns: int) -> str:
-    return datetime.fromtimestamp(mtime_ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    return datetime.fromtimestamp(mtime_ns / 1e9, tz=timezone.utc).strftime("%m-%d %H:%M")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+def _nothing_found(root_dir: Path) -> NoReturn:
+    """Exit 1 saying that ``root_dir`` holds no fs tier data, and where some is."""
+    below = sorted(
+        str(child)
+        for child in root_dir.iterdir()
+        if child.is_dir() and not child.is_symlink() and next(namespace_dirs(child), None)
+    )
+    click.echo(f"no kvtier fs tier data in {root_dir}", err=True)
+    if below:
+        click.echo(
+            "kvtier data is one level down: run kvtier inspect on the fs tier's "
+            f"root_dir, e.g. kvtier inspect {below[0]}",
+            err=True,
+        )
+    else:
+        click.echo(
+            "give the root_dir of an fs tier from your configuration "
+            "(kvtier demo keeps its chunks in kvtier-demo/fs)",
+            err=True,
+        )
+    sys.exit(1)
 
 
 def _verify(namespaces: list[_Namespace], console: Console) -> None:
@@ -136,17 +165,28 @@ def inspect(root_dir: Path, verify: bool, abandoned_temp_s: float) -> None:
     """
     console = Console()
     namespaces = [_survey(directory, abandoned_temp_s) for directory in namespace_dirs(root_dir)]
+    if not namespaces:
+        _nothing_found(root_dir)
     if verify:
         _verify(namespaces, console)
-    table = Table(title=f"kvtier inspect {root_dir}")
-    for column in ("namespace", "layout", "chunks", "bytes", "oldest", "newest", "temp files"):
-        table.add_column(column)
-    table.add_column("corrupt")
+    table = Table(
+        title=f"kvtier inspect {root_dir}",
+        caption="oldest, newest: chunk modification times (UTC)",
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    table.add_column("namespace", no_wrap=True)
+    for column in ("chunks", "bytes"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for column in ("oldest", "newest"):
+        table.add_column(column, no_wrap=True)
+    for column in ("temp", "corrupt"):
+        table.add_column(column, justify="right", no_wrap=True)
     for ns in namespaces:
         times = [chunk.mtime_ns for chunk in ns.chunks]
         table.add_row(
-            ns.directory.namespace.hex()[:16],
-            ns.model,
+            ns.directory.namespace.hex()[:8],
             str(len(ns.chunks)),
             format_bytes(ns.nbytes),
             _when(min(times)) if times else "-",
@@ -155,9 +195,13 @@ def inspect(root_dir: Path, verify: bool, abandoned_temp_s: float) -> None:
             f"[red]{len(ns.corrupt)}[/red]" if ns.corrupt else "0",
         )
     console.print(table)
+    for ns in namespaces:
+        console.print(f"{ns.directory.namespace.hex()}: {escape(ns.model)}", soft_wrap=True)
     chunks = sum(len(ns.chunks) for ns in namespaces)
     nbytes = sum(ns.nbytes for ns in namespaces)
-    console.print(f"{len(namespaces)} namespaces, {chunks} chunks, {format_bytes(nbytes)}")
+    console.print(
+        f"{_count(len(namespaces), 'namespace')}, {_count(chunks, 'chunk')}, {format_bytes(nbytes)}"
+    )
     corrupt = [row for ns in namespaces for row in ns.corrupt]
     _list(console, "[red]corrupt[/red]", corrupt)
     _list(console, "skipped", [(e.path, e.kind) for ns in namespaces for e in ns.strays])
