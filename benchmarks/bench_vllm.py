@@ -1,24 +1,32 @@
 """Time to first token in vLLM on the CPU for a prompt with a long shared prefix.
 
-Three engines, each in its own process, serve the same prompts: a short
-warm-up, then rounds of two prompts that share a long prefix (a fresh prefix
-each round) and differ in a short tail. vLLM's own prefix cache is emptied
-after every prompt, so a prefix can only come back through kvtier. Measured:
-the second prompt of each round.
+For each tensor-parallel size asked for, four engines, each in its own
+process, serve the same prompts: a short warm-up, then rounds of two prompts
+that share a long prefix (a fresh prefix each round) and differ in a short
+tail. Measured: the second prompt of each round.
 
-* ``vllm``: no connector; the whole prompt is prefilled.
-* ``kvtier-cpu``: kvtier with a CPU primary tier and an ``fs`` tier; the
-  first prompt of the round offloaded the prefix, the second loads it from
-  the CPU tier.
+* ``vllm``: no connector, vLLM's prefix cache emptied after every prompt;
+  the whole prompt is prefilled.
+* ``vllm-native``: no connector, vLLM's own prefix cache kept: the second
+  prompt hits it (the best an in-engine cache can do).
+* ``kvtier-cpu``: kvtier with a CPU primary tier and an ``fs`` tier, vLLM's
+  cache emptied after every prompt; the first prompt of the round offloaded
+  the prefix, the second loads it from the CPU tier.
 * ``kvtier-fs``: a fresh engine on the same ``fs`` directory serves only the
   second prompts: the prefix is promoted from ``fs`` and loaded.
 
-All three must produce the same first token. Ratios are against ``vllm``,
-measured in the same run (medians over rounds).
+All engines of one parallel size must produce the same first token. Ratios
+are measured in the same run (medians over rounds): ``vs vllm`` is the
+speed-up over prefilling, ``vs native`` the TTFT over vLLM's own prefix-cache
+hit (1.00x is level with it).
 
 Run (in the environment built by ``scripts/test-vllm.sh``)::
 
-    .venv-vllm/bin/python benchmarks/bench_vllm.py [--prefix 3072] [--rounds 3]
+    .venv-vllm/bin/python benchmarks/bench_vllm.py [--prefix 3072] [--rounds 3] [--tp 1 2]
+
+TP=2 on vLLM's CPU build binds one worker per core; on a 2-core machine the
+benchmark sets ``VLLM_CPU_OMP_THREADS_BIND='0|1' VLLM_CPU_NUM_OF_RESERVED_CPU=0``
+unless the environment already sets them.
 """
 
 from __future__ import annotations
@@ -46,10 +54,64 @@ def _engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
             stdout=log,
             stderr=subprocess.STDOUT,
             check=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"},
+            env=_environment(spec.get("tensor_parallel_size", 1)),
         )
     result: dict[str, Any] = json.loads(result_file.read_text())
     return result
+
+
+def _environment(tensor_parallel_size: int) -> dict[str, str]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    if tensor_parallel_size > 1:
+        cores = "|".join(str(core) for core in range(tensor_parallel_size))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores)
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return env
+
+
+def _measure(
+    work: Path,
+    common: dict[str, Any],
+    kvtier: dict[str, Any],
+    prompts: tuple[list[list[int]], list[list[int]]],
+    tp: int,
+) -> dict[str, dict[str, Any]]:
+    """TTFT figures of the four engines at one tensor-parallel size."""
+    both, seconds = prompts
+    common = {**common, "tensor_parallel_size": tp}
+    plain = {**common, "extra_config": None}
+    runs = {
+        "vllm": _engine(work, f"vllm-tp{tp}", {**plain, "prompts": both}),
+        "vllm-native": _engine(
+            work, f"vllm-native-tp{tp}", {**plain, "prompts": both, "reset_prefix_cache": False}
+        ),
+        "kvtier-cpu": _engine(
+            work, f"kvtier-cpu-tp{tp}", {**common, "prompts": both, "extra_config": kvtier}
+        ),
+        "kvtier-fs": _engine(
+            work, f"kvtier-fs-tp{tp}", {**common, "prompts": seconds, "extra_config": kvtier}
+        ),
+    }
+    measured = {name: run["ttft_s"][2::2] for name, run in runs.items()}
+    cached = {name: run["cached"][2::2] for name, run in runs.items()}
+    # The fs engine served the second prompts only.
+    measured["kvtier-fs"] = runs["kvtier-fs"]["ttft_s"][1:]
+    cached["kvtier-fs"] = runs["kvtier-fs"]["cached"][1:]
+    firsts = {name: runs[name]["tokens"][-1] for name in runs}
+    if len({json.dumps(t) for t in firsts.values()}) != 1:
+        raise SystemExit(f"TP={tp}: first tokens differ between engines: {firsts}")
+    baseline = statistics.median(measured["vllm"])
+    native = statistics.median(measured["vllm-native"])
+    return {
+        name: {
+            "ttft_s_median": statistics.median(times),
+            "ttft_s": times,
+            "cached_tokens": cached[name],
+            "speedup_vs_vllm": baseline / statistics.median(times),
+            "ttft_vs_native": statistics.median(times) / native,
+        }
+        for name, times in measured.items()
+    }
 
 
 def main() -> None:
@@ -60,6 +122,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument(
+        "--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to measure"
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args()
 
@@ -90,13 +155,6 @@ def main() -> None:
     both = [warmup] + [p for pair in rounds for p in pair]
     seconds = [warmup] + [second for _, second in rounds]
 
-    kvtier = {
-        "kvtier": {
-            "chunk_tokens": args.chunk_tokens,
-            "cpu_bytes_to_use": "1GiB",
-            "secondary_tiers": [{"type": "fs", "root_dir": str(work / "fs")}],
-        },
-    }
     common = {
         "model": str(model),
         "block_size": 128,
@@ -104,39 +162,16 @@ def main() -> None:
         "multiprocessing": True,
         "ttft": True,
     }
-    runs = {
-        "vllm": _engine(work, "vllm", {**common, "prompts": both, "extra_config": None}),
-        "kvtier-cpu": _engine(
-            work, "kvtier-cpu", {**common, "prompts": both, "extra_config": kvtier}
-        ),
-        "kvtier-fs": _engine(
-            work, "kvtier-fs", {**common, "prompts": seconds, "extra_config": kvtier}
-        ),
-    }
-    measured = {
-        "vllm": runs["vllm"]["ttft_s"][2::2],
-        "kvtier-cpu": runs["kvtier-cpu"]["ttft_s"][2::2],
-        "kvtier-fs": runs["kvtier-fs"]["ttft_s"][1:],
-    }
-    cached = {
-        "vllm": runs["vllm"]["cached"][2::2],
-        "kvtier-cpu": runs["kvtier-cpu"]["cached"][2::2],
-        "kvtier-fs": runs["kvtier-fs"]["cached"][1:],
-    }
-    firsts = {name: runs[name]["tokens"][-1] for name in runs}
-    if len({json.dumps(t) for t in firsts.values()}) != 1:
-        raise SystemExit(f"first tokens differ between engines: {firsts}")
-
-    baseline = statistics.median(measured["vllm"])
-    figures = {
-        name: {
-            "ttft_s_median": statistics.median(times),
-            "ttft_s": times,
-            "cached_tokens": cached[name],
-            "speedup_vs_vllm": baseline / statistics.median(times),
+    figures = {}
+    for tp in args.tp:
+        kvtier = {
+            "kvtier": {
+                "chunk_tokens": args.chunk_tokens,
+                "cpu_bytes_to_use": "1GiB",
+                "secondary_tiers": [{"type": "fs", "root_dir": str(work / f"fs-tp{tp}")}],
+            },
         }
-        for name, times in measured.items()
-    }
+        figures[f"tp{tp}"] = _measure(work, common, kvtier, (both, seconds), tp)
     if args.json:
         print(json.dumps({"args": vars(args), "figures": figures}, indent=1))
         return
@@ -145,12 +180,17 @@ def main() -> None:
         f"{args.layers} layers × hidden {args.hidden}, chunk {args.chunk_tokens}, "
         f"{args.rounds} rounds"
     )
-    print(f"{'engine':<12} {'TTFT median':>12} {'cached tokens':>16} {'vs vllm':>8}")
-    for name, row in figures.items():
-        print(
-            f"{name:<12} {row['ttft_s_median'] * 1000:>10.1f}ms "
-            f"{min(row['cached_tokens']):>16} {row['speedup_vs_vllm']:>7.2f}x"
-        )
+    print(
+        f"{'TP':<3} {'engine':<12} {'TTFT median':>12} {'cached tokens':>14} "
+        f"{'vs vllm':>8} {'vs native':>10}"
+    )
+    for parallel, rows in figures.items():
+        for name, row in rows.items():
+            print(
+                f"{parallel[2:]:<3} {name:<12} {row['ttft_s_median'] * 1000:>10.1f}ms "
+                f"{min(row['cached_tokens']):>14} {row['speedup_vs_vllm']:>7.2f}x "
+                f"{row['ttft_vs_native']:>9.2f}x"
+            )
 
 
 if __name__ == "__main__":

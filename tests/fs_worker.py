@@ -6,6 +6,10 @@
     python fs_worker.py zygote ROOT 0 COUNT                 per SEED line on stdin: fork a
         child that prints "ready PID", stores COUNT chunks (printing "stored" after the
         first batch and "done" at the end); print "reaped" when it ends
+    python fs_worker.py bounded ROOT SEED COUNT max_bytes   store COUNT chunks of its own
+        and of a pool all workers share, in batches, loading some back after each batch
+        and checking their bytes; prints "batch N" per batch, "wrong KEY" for any
+        chunk whose bytes are not its own, "done"; exit 0, or 5 after a wrong chunk
 
 The zygote pays the import cost once, so a crash test can kill many writers quickly.
 
@@ -80,6 +84,35 @@ def zygote(root: str, count: int) -> int:
     return 0
 
 
+#: Keys every ``bounded`` worker stores and loads, so they read each other's files.
+POOL = 64
+
+
+def bounded(harness: TierHarness, seed: int, count: int) -> int:
+    rng = np.random.default_rng(seed)
+    own, pool = keys_for(seed, count), keys_for(1_000_000, POOL)
+    per_batch = harness.buffer.num_slots // 2
+    wrong = 0
+    for batch, start in enumerate(range(0, count, per_batch - 4)):
+        mine = own[start : start + per_batch - 4]
+        shared = [pool[i] for i in rng.choice(POOL, 4, replace=False)]
+        store(harness, mine + shared)
+        wanted = [own[i] for i in rng.integers(0, start + len(mine), 2)] + shared[:2]
+        found = [key for key in dict.fromkeys(wanted) if harness.lookup(key) is Lookup.HIT]
+        base = per_batch
+        result = harness.load(found, list(range(base, base + len(found))))
+        for slot, key in enumerate(found, start=base):
+            # A chunk another worker evicted meanwhile fails to load: a miss.
+            if key in result.succeeded and not np.array_equal(
+                harness.buffer.array[slot], payload_for(key)
+            ):
+                print(f"wrong {key.hex()}", flush=True)
+                wrong += 1
+        print(f"batch {batch}", flush=True)
+    print("done", flush=True)
+    return 5 if wrong else 0
+
+
 def main(argv: list[str]) -> int:
     command, root, seed, count = argv[0], argv[1], int(argv[2]), int(argv[3])
     if command == "zygote":
@@ -92,6 +125,8 @@ def main(argv: list[str]) -> int:
     try:
         if command == "store":
             return 0 if store(harness, keys) else 1
+        if command == "bounded":
+            return bounded(harness, seed, count)
         if command == "churn":
             print("ready", flush=True)
             store(harness, keys)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import time
@@ -34,7 +35,7 @@ def test_store_then_load_moves_every_byte(tmp_path: Path) -> None:
 
 
 def test_direct_io_round_trip_where_the_filesystem_takes_it(tmp_path: Path) -> None:
-    if io.probe_direct_io(str(tmp_path)) is not None:
+    if io.probe_direct_io(str(tmp_path / ".probe")) is not None:
         pytest.skip(f"O_DIRECT is not available in {tmp_path}")
     payload, trailer = _pages(PAYLOAD, 3), _pages(4096, 4)
     final = str(tmp_path / "chunk")
@@ -113,3 +114,36 @@ def test_the_compiled_implementation_is_built() -> None:
         pytest.fail("CI builds kvtier with a C compiler, but kvtier.tiers.fs._chunkio is missing")
     else:
         pytest.skip("kvtier was built without a C compiler: the fs tier does its I/O in Python")
+
+
+def test_a_load_reads_nothing_but_a_regular_file(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(b"t" * (PAYLOAD + 4096))
+    hour_ago = time.time() - 3600
+    os.utime(target, (hour_ago, hour_ago))
+    (tmp_path / "link").symlink_to(target)
+    os.mkfifo(tmp_path / "fifo")  # an open that could block would hang here
+    (tmp_path / "dir").mkdir()
+    expected = {
+        "link": errno.ELOOP,
+        "fifo": io.NOT_REGULAR_ERRNO,
+        "dir": io.NOT_REGULAR_ERRNO,
+    }
+    for name, code in expected.items():
+        out = _pages(PAYLOAD, 5)
+        with pytest.raises(OSError) as caught:
+            io._load_file(str(tmp_path / name), out, _pages(4096), False, 0.0)
+        assert caught.value.errno == code, name
+        assert bytes(out) == b"\x05" * PAYLOAD  # not a byte read
+    assert target.stat().st_mtime == pytest.approx(hour_ago)  # the use-stamp never follows
+
+
+def test_a_symlink_at_the_final_path_is_replaced_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(b"t" * (PAYLOAD + 4096))  # the size of a complete chunk file
+    final = tmp_path / "chunk"
+    final.symlink_to(target)
+    payload, trailer = _pages(PAYLOAD, 1), _pages(4096, 2)
+    assert io._store_file(str(final) + ".tmp", str(final), payload, trailer, False, False) is True
+    assert not final.is_symlink() and final.read_bytes()[:1] == b"\x01"
+    assert target.read_bytes() == b"t" * (PAYLOAD + 4096)

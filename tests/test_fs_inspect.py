@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -9,6 +12,7 @@ from click.testing import CliRunner
 from kvtier.cli import cli
 from kvtier.testing import TierHarness, small_layout
 from kvtier.tiers.fs.io import TRAILER_BLOCK
+from kvtier.tiers.fs.layout import NamespaceDir
 
 
 def _populate(root: Path, model_id: str, count: int) -> list[bytes]:
@@ -57,13 +61,121 @@ def test_inspect_verify_fails_and_names_corrupt_chunks(tmp_path: Path) -> None:
     assert victim.exists()  # inspect reports, it never deletes
 
 
-def test_inspect_empty_root(tmp_path: Path) -> None:
-    code, output = _invoke(str(tmp_path), "--verify")
-    assert code == 0
-    assert "0 namespaces, 0 chunks" in output
+def test_a_directory_without_kvtier_data_says_so_and_fails(tmp_path: Path) -> None:
+    for args in ((str(tmp_path),), (str(tmp_path), "--verify")):
+        code, output = _invoke(*args)
+        assert code == 1
+        assert f"no kvtier fs tier data in {tmp_path}" in output
+        assert "verified" not in output and "Traceback" not in output
+
+
+def test_a_directory_above_the_root_points_at_the_root(tmp_path: Path) -> None:
+    """``kvtier inspect kvtier-demo`` instead of ``kvtier-demo/fs``."""
+    _populate(tmp_path / "fs", "model-a", 2)
+    code, output = _invoke(str(tmp_path))
+    assert code == 1
+    assert f"kvtier inspect {tmp_path / 'fs'}" in output
+
+
+def test_inspect_fits_80_columns_and_counts_in_the_singular(tmp_path: Path) -> None:
+    _populate(tmp_path, "model-with-a-rather-long-name-for-its-layout", 1)
+    result = CliRunner().invoke(cli, ["inspect", str(tmp_path)], terminal_width=80)
+    assert result.exit_code == 0, result.output
+    table = result.output.split("modification times (UTC)")[0]
+    assert "…" not in table
+    assert max(len(line) for line in table.splitlines()) <= 80
+    assert "1 namespace, 1 chunk," in result.output
+    # The layout is written out whole, once per namespace, under the table.
+    assert "model-with-a-rather-long-name-for-its-layout" in result.output
 
 
 def test_inspect_missing_root_is_a_usage_error(tmp_path: Path) -> None:
     code, output = _invoke(str(tmp_path / "absent"))
     assert code == 2
     assert "does not exist" in output
+
+
+def _chunk_paths(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvc"))
+
+
+def test_inspect_verify_reports_odd_entries_as_rows_and_reads_boundedly(tmp_path: Path) -> None:
+    _populate(tmp_path, "model-a", 6)
+    paths = _chunk_paths(tmp_path)
+    paths[0].unlink()
+    paths[0].symlink_to("/dev/zero")  # endless bytes behind a chunk name
+    paths[1].unlink()
+    paths[1].mkdir()
+    paths[2].unlink()
+    os.mkfifo(paths[2])  # an open for reading would wait for a writer forever
+    with open(paths[3], "r+b") as handle:
+        handle.truncate(64 << 30)  # sparse: 64 GiB that must not be read
+    (paths[4].parent / "notes.txt").write_text("left by someone")
+    code, output = _invoke(str(tmp_path), "--verify")
+    flat = output.replace("\n", "")
+    assert code == 1, output
+    assert "Traceback" not in output
+    assert "4 corrupt chunks" in output
+    for path, reason in [
+        (paths[0], "a symlink, not a regular file"),
+        (paths[1], "a directory, not a regular file"),
+        (paths[2], "a FIFO, not a regular file"),
+        (paths[3], f"chunk file is {64 << 30} bytes"),
+    ]:
+        assert f"corrupt {path}: {reason}" in flat, (path, output)
+    assert f"skipped {paths[4].parent / 'notes.txt'}" in flat
+    assert "6 chunks" not in output and "all checksums verified" not in output
+    assert os.path.islink(paths[0]) and paths[1].is_dir()  # inspect reports, never deletes
+
+
+def _abandon_a_temp_file(root: Path, size: int) -> Path:
+    """A temp file as a writer killed mid-store leaves it (its pid is gone)."""
+    script = (
+        "import os, sys\n"
+        "from kvtier.tiers.fs.layout import NamespaceDir\n"
+        "from kvtier.testing import small_layout\n"
+        "directory = NamespaceDir(__import__('pathlib').Path(sys.argv[1]), "
+        "small_layout(model_id='model-a').namespace)\n"
+        "path = directory.temp_path(directory.chunk_path(bytes(32)))\n"
+        "with open(path, 'wb') as handle:\n"
+        "    handle.write(bytes(int(sys.argv[2])))\n"
+        "print(path)\n"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script, str(root), str(size)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(child.stdout.strip())
+
+
+def test_inspect_verify_lists_abandoned_temp_files_until_a_tier_start_removes_them(
+    tmp_path: Path,
+) -> None:
+    _populate(tmp_path, "model-a", 3)
+    temps = [_abandon_a_temp_file(tmp_path, 5120), _abandon_a_temp_file(tmp_path, 5120)]
+    assert all(temp.exists() for temp in temps)
+    code, output = _invoke(str(tmp_path), "--verify")
+    flat = output.replace("\n", "")
+    assert code == 0, output
+    assert "all checksums verified" not in output
+    assert "2 abandoned temp files (10.0 KiB)" in flat
+    assert "removed at the next tier start" in flat
+    assert all(f"abandoned temp {temp}" in flat for temp in temps)
+    _populate(tmp_path, "model-a", 1)  # a tier start
+    assert not any(temp.exists() for temp in temps)
+    code, output = _invoke(str(tmp_path), "--verify")
+    assert code == 0 and "all checksums verified" in output
+    assert "abandoned" not in output
+
+
+def test_inspect_tells_a_live_writer_s_temp_file_from_an_abandoned_one(tmp_path: Path) -> None:
+    _populate(tmp_path, "model-a", 1)
+    directory = NamespaceDir(tmp_path, small_layout(model_id="model-a").namespace)
+    live = Path(directory.temp_path(directory.chunk_path(bytes(32))))  # this process: alive
+    live.write_bytes(bytes(2048))
+    code, output = _invoke(str(tmp_path), "--verify")
+    assert code == 0, output
+    assert "1 temp files (2.0 KiB) of writes in progress" in output
+    assert "abandoned" not in output

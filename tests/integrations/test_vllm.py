@@ -44,7 +44,26 @@ def _full_chunks(prompt: list[int]) -> int:
     return (len(prompt) - 1) // CHUNK * CHUNK
 
 
-def _engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+#: vLLM's CPU build runs one worker per core: TP=2 on a 2-core machine needs these.
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+#: Two workers bind one core each.
+needs_two_cores = pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="two vLLM CPU workers need two cores"
+)
+
+
+def _engine_env(spec: dict[str, Any]) -> dict[str, str]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if spec.get("tensor_parallel_size", 1) * spec.get("pipeline_parallel_size", 1) > 1:
+        env.update(TP2_ENV)
+    return env
+
+
+def _engine(
+    tmp: Path, name: str, spec: dict[str, Any], *, expect_failure: bool = False
+) -> dict[str, Any]:
     spec_file, result_file = tmp / f"{name}-spec.json", tmp / f"{name}-result.json"
     spec_file.write_text(json.dumps(spec))
     log = tmp / f"{name}.log"
@@ -54,13 +73,18 @@ def _engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
             stdout=out,
             stderr=subprocess.STDOUT,
             timeout=900,  # a safety net for a hung engine, not a performance limit
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            env=_engine_env(spec),
         )
+    if expect_failure:
+        if process.returncode == 0:
+            pytest.fail(f"engine {name} started, expected a start-up error")
+        return {"log": log.read_text()}
     if process.returncode != 0:
         pytest.fail(f"engine {name} exited {process.returncode}:\n{log.read_text()[-6000:]}")
     result: dict[str, Any] = json.loads(result_file.read_text())
     stats_file = tmp / f"{name}-stats.json"
     result["stats"] = json.loads(stats_file.read_text()) if stats_file.exists() else None
+    result["log"] = log.read_text()
     return result
 
 
@@ -185,6 +209,118 @@ def test_other_page_format_never_shares_chunks(
     assert fs["chunks_stored"] == 6
 
 
+# Tensor parallel ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp2_stored(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A TP=2 engine without kvtier, and a TP=2 engine offloading to a fresh fs tier."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    plain = _engine(tmp, "tp2-plain", _spec(model, tmp, "tp2-plain", None, tensor_parallel_size=2))
+    fs_dir = tmp / "fs"
+    tiers = [{"type": "fs", "root_dir": str(fs_dir)}]
+    spec = _spec(model, tmp, "tp2-first", tiers, tensor_parallel_size=2)
+    first = _engine(tmp, "tp2-first", spec)
+    return {"plain": plain, "first": first, "fs_dir": fs_dir}
+
+
+@needs_two_cores
+def test_tp2_engine_offloads_whole_chunks_and_logs_its_tiers(tp2_stored: dict[str, Any]) -> None:
+    first = tp2_stored["first"]
+    assert first["tokens"] == tp2_stored["plain"]["tokens"]
+    stats = first["stats"]
+    assert stats["connector"]["chunks_stored"] == 6
+    assert stats["connector"]["store_failures"] == 0
+    assert _fs_tier(stats)["chunks_stored"] == 6
+    # Both workers mapped the slots at start-up, so the name went before any request.
+    assert not (Path("/dev/shm") / stats["shared_memory_name"]).exists()
+    # kvtier's INFO lines reach vLLM's log output.
+    assert "INFO" in first["log"] and "kvtier connector: 64-token chunks" in first["log"]
+    assert "over 2 worker(s)" in first["log"]
+
+
+@needs_two_cores
+def test_fresh_tp2_engine_loads_prefixes_from_fs_with_identical_outputs(
+    model: Path, tp2_stored: dict[str, Any], tmp_path: Path
+) -> None:
+    tiers = [{"type": "fs", "root_dir": str(tp2_stored["fs_dir"])}]
+    spec = _spec(model, tmp_path, "tp2-second", tiers, tensor_parallel_size=2, prefix_caching=False)
+    second = _engine(tmp_path, "tp2-second", spec)
+
+    assert second["tokens"] == tp2_stored["plain"]["tokens"]
+    assert second["cached"] == [_full_chunks(p) for p in PROMPTS]
+    stats = second["stats"]
+    assert stats["connector"]["hit_tokens"] == sum(_full_chunks(p) for p in PROMPTS)
+    assert stats["connector"]["load_failures"] == 0
+    assert _fs_tier(stats)["chunks_loaded"] == 6
+
+
+@needs_two_cores
+def test_tp1_engine_never_picks_up_tp2_chunks(
+    model: Path, tp2_stored: dict[str, Any], tmp_path: Path
+) -> None:
+    tiers = [{"type": "fs", "root_dir": str(tp2_stored["fs_dir"])}]
+    spec = _spec(model, tmp_path, "tp1-over-tp2", tiers, prefix_caching=False)
+    result = _engine(tmp_path, "tp1-over-tp2", spec)
+
+    fs = _fs_tier(result["stats"])
+    assert fs["hits"] == 0
+    assert fs["chunks_loaded"] == 0
+    assert result["stats"]["connector"]["hit_tokens"] == sum(result["cached"])
+    assert fs["chunks_stored"] == 6  # its own, beside the TP=2 ones
+
+
+# Start-up and shutdown -------------------------------------------------------------
+
+
+def test_engine_killed_right_after_start_leaves_no_shared_memory(
+    model: Path, tmp_path: Path
+) -> None:
+    """The slots' name goes once the worker mapped them at start-up, not at the
+    first copy: killing the engine before any request leaves nothing behind."""
+    import signal
+    import time
+    import uuid
+
+    engine_id = uuid.uuid4().hex
+    tag = engine_id[:16]
+    started = tmp_path / "started"
+    spec = _spec(model, tmp_path, "killed", [], multiprocessing=True)
+    spec.update(engine_id=engine_id, started_file=str(started))
+    spec_file = tmp_path / "killed-spec.json"
+    spec_file.write_text(json.dumps(spec))
+    log = tmp_path / "killed.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, str(ENGINE), str(spec_file), str(tmp_path / "unused.json")],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_engine_env(spec),
+            start_new_session=True,  # its own process group: the engine core too
+        )
+        try:
+            deadline = time.monotonic() + 900  # a safety net for a hung engine
+            while not started.exists():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"engine did not start:\n{log.read_text()[-6000:]}")
+                time.sleep(0.5)
+            ours = [n for n in os.listdir("/dev/shm") if n.startswith("kvtier-vllm-")]
+            assert not [n for n in ours if n.endswith(tag)]
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert f"-{tag}'" in log.read_text()  # the connector did create the slots
+    assert not [n for n in os.listdir("/dev/shm") if n.endswith(tag)]
+
+
+def test_typo_in_a_connector_key_fails_start_up_naming_the_key(model: Path, tmp_path: Path) -> None:
+    spec = _spec(model, tmp_path, "typo", [])
+    spec["extra_config"] = {"kvtir": {"chunk_tokens": CHUNK}}
+    failed = _engine(tmp_path, "typo", spec, expect_failure=True)
+    assert "kv_connector_extra_config.kvtir" in failed["log"]
+    assert "did you mean 'kvtier'?" in failed["log"]
+
+
 def _scale_in_place(model: Path, factors: dict[str, float]) -> None:
     """Scale some weights of ``model`` in place, keeping the file's size and time:
     the hardest change to notice (a new checkpoint copied over the old one)."""
@@ -303,7 +439,12 @@ def _model_config(model: Path, **options: Any) -> Any:
 
 
 def _engine_config(
-    block_size: int, tp: int = 1, *, model_config: Any, load_config: Any = None
+    block_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    model_config: Any,
+    load_config: Any = None,
 ) -> tuple[Any, Any]:
     from types import SimpleNamespace
 
@@ -318,7 +459,7 @@ def _engine_config(
         page_size_bytes=2 * 2 * 32 * block_size * 4,
     )
     vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         model_config=model_config,
         load_config=load_config or LoadConfig(),
         cache_config=SimpleNamespace(cache_dtype="auto"),
@@ -348,15 +489,13 @@ def test_layout_slot_is_layers_times_blocks_times_pages_and_names_the_page_forma
     assert other.namespace != layout.namespace
 
 
-def test_chunk_tokens_must_be_whole_blocks_and_one_worker(model: Path) -> None:
-    from kvtier import ConfigError, LayoutMismatchError
+def test_chunk_tokens_must_be_whole_blocks(model: Path) -> None:
+    from kvtier import ConfigError
     from kvtier.integrations.vllm.settings import kv_layout
 
     model_config = _model_config(model)
     with pytest.raises(ConfigError, match=r"chunk_tokens.*multiple of vLLM's block_size=32"):
         kv_layout(*_engine_config(32, model_config=model_config), chunk_tokens=48)
-    with pytest.raises(LayoutMismatchError, match="tensor_parallel_size=2"):
-        kv_layout(*_engine_config(32, tp=2, model_config=model_config), chunk_tokens=64)
 
 
 def _namespace(model_config: Any, load_config: Any = None, **options: Any) -> bytes:
@@ -463,6 +602,31 @@ def test_weights_kvtier_cannot_identify_need_a_declared_model_id(model: Path) ->
     assert _namespace(_model_config(model), dummy) != _namespace(_model_config(model), dummy)
 
 
+def test_parallel_layout_holds_every_rank_part_and_enters_the_namespace(model: Path) -> None:
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    two_layers = _model_config(model)
+    four_layers = _model_config(model, hf_overrides={"num_hidden_layers": 4})
+    single, one = kv_layout(*_engine_config(32, model_config=two_layers), chunk_tokens=64)
+    tp2_layout, tp2 = kv_layout(*_engine_config(32, tp=2, model_config=two_layers), chunk_tokens=64)
+    pp2_layout, pp2 = kv_layout(
+        *_engine_config(32, pp=2, model_config=four_layers), chunk_tokens=64
+    )
+    part = one.num_layers * one.blocks_per_chunk * one.page_bytes
+    # Each rank's pages are its share of the heads: two ranks, two parts per slot.
+    assert tp2.num_ranks == 2 and tp2_layout.slot_bytes == tp2.slot_bytes == 2 * part
+    assert [tp2.part(0, rank) for rank in (0, 1)] == [(0, part), (part, part)]
+    # Two stages of two layers each (the model has 4): stage by stage.
+    assert pp2.stages == (2, 2) and pp2_layout.slot_bytes == 2 * part
+    assert [pp2.part(stage, 0) for stage in (0, 1)] == [(0, part), (part, part)]
+    assert dict(tp2_layout.extra)["tensor_parallel_size"] == "2"
+    assert dict(pp2_layout.extra)["pipeline_parallel_size"] == "2"
+    namespaces = {single.namespace, tp2_layout.namespace, pp2_layout.namespace}
+    assert len(namespaces) == 3
+    with pytest.raises(ValueError, match="outside"):
+        tp2.part(0, 2)
+
+
 def test_connector_options_take_one_config_source() -> None:
     from kvtier import ConfigError
     from kvtier.integrations.vllm.settings import connector_options, kvtier_config
@@ -473,6 +637,27 @@ def test_connector_options_take_one_config_source() -> None:
     with pytest.raises(ConfigError, match="chunk_tokns"):
         kvtier_config(connector_options({"kvtier": {"chunk_tokns": 64}}))
     assert kvtier_config(connector_options({})).chunk_tokens == 256
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("kvtir", "kvtier"),
+        ("kvtier_config_fle", "kvtier_config_file"),
+        ("kvtier_stats", "kvtier_stats_file"),
+        ("backends", None),
+    ],
+)
+def test_unknown_connector_key_is_an_error_naming_the_nearest(typo: str, meant: str) -> None:
+    from kvtier import ConfigError
+    from kvtier.integrations.vllm.settings import connector_options
+
+    with pytest.raises(ConfigError) as error:
+        connector_options({typo: "x"})
+    message = str(error.value)
+    assert f"kv_connector_extra_config.{typo}" in message
+    assert (f"did you mean {meant!r}?" in message) if meant else ("did you mean" not in message)
+    assert "kvtier_config_file" in message  # lists the valid keys
 
 
 @pytest.mark.parametrize(
@@ -488,7 +673,7 @@ def test_worker_round_trips_pages_through_shared_slots(page_shape: Any, tmp_path
 
     import torch
 
-    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
+    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer, StepResult
     from kvtier.integrations.vllm.settings import VllmGeometry
     from kvtier.integrations.vllm.worker import WorkerSide
     from kvtier.primary import SlotBuffer
@@ -513,7 +698,8 @@ def test_worker_round_trips_pages_through_shared_slots(page_shape: Any, tmp_path
             store.stores.add(slot, position, block)
         storer.wait_for_save(store)
         report = storer.build_worker_meta()
-        assert report is not None and report.finished == {0: (True, True)} and report.attached
+        assert report is not None and report.finished == {0: StepResult(True, True)}
+        assert report.attached == {0}
 
         loader = WorkerSide(shape)
         loader.register_kv_caches(target)
@@ -540,7 +726,11 @@ def test_worker_round_trips_pages_through_shared_slots(page_shape: Any, tmp_path
 def test_worker_reports_loads_it_cannot_do_as_load_errors() -> None:
     import torch
 
-    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
+    from kvtier.integrations.vllm.metadata import (
+        KVTierConnectorMetadata,
+        SharedBuffer,
+        StepResult,
+    )
     from kvtier.integrations.vllm.settings import VllmGeometry
     from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -553,11 +743,15 @@ def test_worker_reports_loads_it_cannot_do_as_load_errors() -> None:
     worker.start_load_kv(meta)  # the shared memory does not exist: no crash
     assert worker.take_load_errors() == {3, 4}
     report = worker.build_worker_meta()
-    assert report is not None and report.finished == {0: (False, True)}
+    assert report is not None and report.finished == {0: StepResult(False, True)}
 
 
 def test_worker_without_kv_caches_fails_stores_instead_of_offloading_empty_slots() -> None:
-    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
+    from kvtier.integrations.vllm.metadata import (
+        KVTierConnectorMetadata,
+        SharedBuffer,
+        StepResult,
+    )
     from kvtier.integrations.vllm.settings import VllmGeometry
     from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -567,7 +761,7 @@ def test_worker_without_kv_caches_fails_stores_instead_of_offloading_empty_slots
     meta.stores.add(0, 0, 3)
     worker.wait_for_save(meta)
     report = worker.build_worker_meta()
-    assert report is not None and report.finished == {0: (True, False)}
+    assert report is not None and report.finished == {0: StepResult(True, False)}
 
 
 def test_connector_stats_report_deltas_that_vllm_can_sum() -> None:
@@ -600,3 +794,230 @@ def test_connector_stats_report_deltas_that_vllm_can_sum() -> None:
         assert not summed.is_empty()
         summed.reset()
         assert summed.is_empty()
+
+
+def test_tensor_parallel_ranks_share_each_slot_in_disjoint_parts() -> None:
+    """Two ranks store their own pages into the same slots; each loads back its own."""
+    import uuid
+
+    import torch
+
+    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
+    from kvtier.integrations.vllm.settings import VllmGeometry
+    from kvtier.integrations.vllm.worker import WorkerSide
+    from kvtier.primary import SlotBuffer
+
+    blocks, page_shape = 8, (8, 2, 32, 32)  # per rank: half of 4 heads
+    page_bytes = 2 * 32 * 32 * 4
+    shape = VllmGeometry(("l0", "l1"), 32, 2, page_bytes, blocks, tensor_parallel_size=2)
+    name = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    owner = SlotBuffer(3, shape.slot_bytes, shared_name=name)
+    try:
+        generator = torch.Generator().manual_seed(1)
+        sources = [
+            {n: torch.randn(page_shape, generator=generator) for n in shape.layer_names}
+            for _ in range(2)
+        ]
+        buffer = SharedBuffer(name, 3, shape.slot_bytes)
+        store = KVTierConnectorMetadata(0, buffer)
+        store.stores.add(2, 0, 6)
+        store.stores.add(2, 1, 3)
+        for rank, source in enumerate(sources):
+            worker = WorkerSide(shape, tp_rank=rank)
+            worker.register_kv_caches(source)
+            worker.wait_for_save(store)
+            report = worker.build_worker_meta()
+            assert report is not None and report.finished[0].stores_ok
+            assert report.attached == {rank}
+            worker.shutdown()
+        # Rank 1's part of slot 2 holds rank 1's pages, layer by layer, block by block.
+        offset, size = shape.part(0, 1)
+        part = torch.from_numpy(owner.slot(2)[offset : offset + size].copy())
+        expected = torch.cat([sources[1][n][[6, 3]].reshape(-1) for n in shape.layer_names]).view(
+            torch.uint8
+        )
+        assert torch.equal(part, expected)
+
+        load = KVTierConnectorMetadata(1, buffer)
+        load.loads.add(2, 0, 1)
+        load.loads.add(2, 1, 4)
+        for rank, source in enumerate(sources):
+            target = {n: torch.zeros(page_shape) for n in shape.layer_names}
+            worker = WorkerSide(shape, tp_rank=rank)
+            worker.register_kv_caches(target)
+            worker.start_load_kv(load)
+            assert worker.take_load_errors() == set()
+            for n in shape.layer_names:
+                assert torch.equal(target[n][1], source[n][6])
+                assert torch.equal(target[n][4], source[n][3])
+            worker.shutdown()
+    finally:
+        owner.close()
+
+
+@pytest.mark.parametrize("second_rank_ok", [True, False])
+def test_a_chunk_is_stored_only_when_every_rank_copied_its_part(
+    model: Path, second_rank_ok: bool
+) -> None:
+    import uuid
+    from types import SimpleNamespace
+
+    from kvtier import KVCache
+    from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata, StepResult
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    layout, shape = kv_layout(
+        *_engine_config(32, tp=2, model_config=_model_config(model)), chunk_tokens=64
+    )
+    name = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    config = {"chunk_tokens": 64, "cpu_bytes_to_use": 8 * layout.slot_bytes}
+    with KVCache({**config, "shared_memory_name": name}, layout) as cache:
+        scheduler = SchedulerSide(cache.manager, layout, shape, lookup_timeout_s=0)
+        tokens = list(range(129))
+        request = _request(tokens, request_id="r", num_tokens=129, num_prompt_tokens=129)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        output = SimpleNamespace(
+            num_scheduled_tokens={"r": 129},
+            scheduled_new_reqs=[
+                SimpleNamespace(req_id="r", block_ids=([0, 1, 2, 3, 4],), num_computed_tokens=0)
+            ],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[], new_block_ids=[], num_computed_tokens=[]
+            ),
+        )
+        meta = scheduler.build_connector_meta(output)
+        assert len(meta.stores) == 4  # two chunks of two blocks
+        keys = request_keys_of(layout, tokens)
+        primary = cache.manager.primary
+
+        def report(result: StepResult) -> SimpleNamespace:
+            return SimpleNamespace(
+                kv_connector_worker_meta=KVTierWorkerMetadata({meta.step: result})
+            )
+
+        scheduler.update_connector_output(report(StepResult(True, True)))
+        assert all(primary.is_writing(key) for key in keys)  # rank 1 has not reported
+        scheduler.update_connector_output(report(StepResult(True, second_rank_ok)))
+        assert all(primary.is_ready(key) for key in keys) == second_rank_ok
+        assert not any(primary.is_writing(key) for key in keys)
+        counters = scheduler.counters
+        assert (counters.chunks_stored, counters.store_failures) == (
+            (2, 0) if second_rank_ok else (0, 2)
+        )
+        scheduler.shutdown()
+
+
+def request_keys_of(layout: Any, tokens: list[int]) -> list[Any]:
+    from kvtier.integrations.vllm.scheduler import request_keys
+
+    keys = request_keys(layout.namespace, _request(tokens), layout.chunk_tokens)
+    assert keys is not None
+    return keys
+
+
+def test_slots_name_goes_once_every_worker_mapped_them_at_start_up(model: Path) -> None:
+    import uuid
+
+    import torch
+
+    from kvtier import KVCache
+    from kvtier.config import load_config
+    from kvtier.integrations.vllm.metadata import KVTierHandshake
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.integrations.vllm.settings import kv_layout, with_shared_memory
+    from kvtier.integrations.vllm.worker import WorkerSide
+
+    layout, shape = kv_layout(
+        *_engine_config(32, tp=2, model_config=_model_config(model)), chunk_tokens=64
+    )
+    engine_id = str(uuid.uuid4())
+    config = with_shared_memory(
+        load_config({"chunk_tokens": 64, "cpu_bytes_to_use": 4 * layout.slot_bytes}), engine_id
+    )
+    path = Path("/dev/shm") / str(config.shared_memory_name)
+    with KVCache(config, layout) as cache:
+        scheduler = SchedulerSide(cache.manager, layout, shape, lookup_timeout_s=0)
+        workers = []
+        for rank in (0, 1):
+            worker = WorkerSide(shape, tp_rank=rank, engine_id=engine_id)
+            worker.register_kv_caches({n: torch.zeros(16, 2, 32, 64) for n in ("l0", "l1")})
+            workers.append(worker)
+        handshakes = [worker.handshake() for worker in workers]
+        assert handshakes == [KVTierHandshake(0, path.name), KVTierHandshake(1, path.name)]
+        # A worker that mapped some other buffer does not count.
+        scheduler.workers_started([handshakes[0], KVTierHandshake(1, "kvtier-vllm-1-other")])
+        assert path.exists()
+        scheduler.workers_started(handshakes[1:])
+        assert not path.exists()
+        # The mapping outlives the name, and the report does not repeat the attach.
+        assert workers[0].build_worker_meta() is None
+        for worker in workers:
+            worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_stale_slot_names_of_stopped_engines_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.integrations.vllm import shared_memory
+    from kvtier.integrations.vllm.shared_memory import NameGuard, remove_stale_buffers
+
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_pid = int(finished.stdout)
+    names = {
+        "dead": f"kvtier-vllm-{dead_pid}-abc123",
+        # A live engine whose pid this process cannot see (another pid
+        # namespace): its guard keeps its name.
+        "guarded": f"kvtier-vllm-{dead_pid}-def456",
+        "alive": f"kvtier-vllm-{os.getpid()}-abc123",
+        "other": f"kvtier-test-{dead_pid}",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    monkeypatch.setattr(shared_memory, "SHM_DIR", str(tmp_path))
+    guard = NameGuard(names["guarded"])
+    try:
+        assert remove_stale_buffers(str(tmp_path)) == [names["dead"]]
+    finally:
+        guard.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [names["guarded"], names["alive"], names["other"]]
+    )
+    assert remove_stale_buffers(str(tmp_path)) == [names["guarded"]]
+
+
+def test_kvtier_log_records_go_through_vllm_handlers() -> None:
+    import logging
+
+    from kvtier.integrations.vllm.logs import follow_vllm_logging
+
+    class Collect(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    saved = (ours.handlers[:], ours.level, ours.propagate, theirs.handlers[:], theirs.level)
+    collect = Collect()
+    try:
+        ours.handlers, theirs.handlers = [], [collect]
+        theirs.setLevel(logging.INFO)
+        follow_vllm_logging()
+        logging.getLogger("kvtier.tiers.fs").info("fs tier started")
+        logging.getLogger("kvtier.tiers.fs").debug("not at vLLM's level")
+        assert collect.messages == ["fs tier started"]
+        follow_vllm_logging()  # once only: no second copy of each line
+        logging.getLogger("kvtier").info("again")
+        assert collect.messages == ["fs tier started", "again"]
+    finally:
+        ours.handlers, ours.level, ours.propagate = saved[0], saved[1], saved[2]
+        theirs.handlers, theirs.level = saved[3], saved[4]

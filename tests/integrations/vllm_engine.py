@@ -4,9 +4,12 @@
 
 SPEC holds ``model``, ``prompts`` (token id lists), ``max_tokens``,
 ``extra_config`` (the connector's ``kv_connector_extra_config``; ``null`` for
-no connector), ``block_size``, ``multiprocessing`` and ``hf_overrides``.
-RESULT receives the greedy tokens, vLLM's cached-token count per prompt, the time to first token
-per prompt when ``ttft`` is set, and the engine start time.
+no connector), ``block_size``, ``multiprocessing``, ``hf_overrides``,
+``tensor_parallel_size``, ``pipeline_parallel_size``, ``engine_id`` and
+``reset_prefix_cache``; with ``started_file`` the engine writes that file once
+it has started and then waits to be killed. RESULT receives the greedy
+tokens, vLLM's cached-token count per prompt, the time to first token per
+prompt when ``ttft`` is set, and the engine start time.
 
 Also builds the local model the tests (and, larger, the benchmark) use:
 
@@ -78,6 +81,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["extra_config"],
+            engine_id=spec.get("engine_id"),
         )
     started = time.perf_counter()
     llm = LLM(
@@ -91,15 +95,22 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         max_num_seqs=4,
         enable_prefix_caching=spec.get("prefix_caching", True),
         hf_overrides=spec.get("hf_overrides"),
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        pipeline_parallel_size=spec.get("pipeline_parallel_size", 1),
     )
     start_s = time.perf_counter() - started
+    if spec.get("started_file"):
+        Path(spec["started_file"]).write_text(str(os.getpid()))
+        while True:  # until killed
+            time.sleep(60)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     result: dict[str, Any] = {"engine_start_s": start_s, "tokens": [], "cached": [], "ttft_s": []}
     if spec.get("ttft"):
         # One prompt at a time, one output token: the call's duration is the
         # time to first token. vLLM's own prefix cache is emptied after each
-        # prompt, so a prefix can only come back through kvtier.
+        # prompt (unless ``reset_prefix_cache`` is false), so a prefix can
+        # only come back through kvtier.
         first_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         for prompt in prompts:
             began = time.perf_counter()
@@ -107,7 +118,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             result["ttft_s"].append(time.perf_counter() - began)
             result["tokens"].append(list(output.outputs[0].token_ids))
             result["cached"].append(output.num_cached_tokens or 0)
-            llm.reset_prefix_cache()
+            if spec.get("reset_prefix_cache", True):
+                llm.reset_prefix_cache()
     else:
         for output in llm.generate(prompts, params, use_tqdm=False):
             result["tokens"].append(list(output.outputs[0].token_ids))

@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -22,9 +23,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.facade import KVCache
 from kvtier.metrics import KVTierMetrics
 
-from .metadata import KVTierConnectorMetadata
+from .logs import follow_vllm_logging
+from .metadata import KVTierConnectorMetadata, KVTierHandshake
 from .scheduler import SchedulerSide
 from .settings import connector_options, geometry, kv_layout, kvtier_config, with_shared_memory
+from .shared_memory import remove_stale_buffers
 from .stats import KVTierConnectorStats, StatsDeltas, totals
 from .worker import WorkerSide
 
@@ -44,6 +47,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        follow_vllm_logging()
         transfer = self._kv_transfer_config
         options = connector_options(transfer.kv_connector_extra_config)
         config = kvtier_config(options)
@@ -59,6 +63,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 options.kvtier_model_id,
                 full_read=options.kvtier_weights_identity == "full",
             )
+            remove_stale_buffers()
             config = with_shared_memory(config, transfer.engine_id)
             # KVCache builds the tiers and kvtier's own Prometheus metrics
             # (served when ``metrics.port`` is set), releasing the tiers and the
@@ -79,15 +84,26 @@ class KVTierConnector(KVConnectorBase_V1):
                     transfer.kv_load_failure_policy,
                 )
             logger.info(
-                "kvtier connector: %d-token chunks (%d blocks), namespace %s, "
-                "primary slots in shared memory %r",
+                "kvtier connector: %d-token chunks (%d blocks) over %d worker(s) "
+                "(tensor_parallel_size=%d), namespace %s, primary slots in shared memory %r",
                 layout.chunk_tokens,
                 shape.blocks_per_chunk,
+                shape.num_ranks,
+                shape.tensor_parallel_size,
                 layout.namespace.hex()[:16],
                 config.shared_memory_name,
             )
         else:
-            self._worker = WorkerSide(geometry(vllm_config, kv_cache_config, config.chunk_tokens))
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            self._worker = WorkerSide(
+                geometry(vllm_config, kv_cache_config, config.chunk_tokens),
+                pp_rank=get_pp_group().rank_in_group,
+                tp_rank=get_tp_group().rank_in_group,
+                # With a configured name, the scheduler's name is known outright.
+                engine_id=transfer.engine_id,
+                buffer_name=config.shared_memory_name,
+            )
 
     # Scheduler side ---------------------------------------------------------
 
@@ -161,6 +177,16 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         self._work().wait_for_save(self._meta())
+
+    def get_handshake_metadata(self) -> KVTierHandshake:
+        """Called once every worker and the scheduler exist: map the slots now."""
+        return self._work().handshake()
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Every worker's start-up answer: once all mapped the slots, their name goes."""
+        self._sched().workers_started(metadata.values())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

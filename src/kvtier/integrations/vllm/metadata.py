@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -64,20 +65,45 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
         return bool(self.loads or self.stores or self.failed_block_ids)
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """How one step's copies ended on the ranks that have reported it so far."""
+
+    loads_ok: bool
+    stores_ok: bool
+    #: Ranks whose report this merges; the step is done when every rank's is in.
+    ranks: int = 1
+
+    def merge(self, other: StepResult) -> StepResult:
+        # One failing rank fails the step's chunks for every rank: a chunk
+        # is only whole with every rank's part.
+        return StepResult(
+            self.loads_ok and other.loads_ok,
+            self.stores_ok and other.stores_ok,
+            self.ranks + other.ranks,
+        )
+
+
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Steps whose copies ended, with whether their loads and stores succeeded."""
+    """Steps whose copies ended on a worker (or several, once vLLM aggregated them)."""
 
-    #: step -> (loads succeeded, stores succeeded)
-    finished: dict[int, tuple[bool, bool]] = field(default_factory=dict)
-    #: The worker has mapped the shared buffer (its name may now be removed).
-    attached: bool = False
+    finished: dict[int, StepResult] = field(default_factory=dict)
+    #: Ranks that have newly mapped the shared buffer.
+    attached: frozenset[int] = frozenset()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVTierWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into KVTierWorkerMetadata")
         merged = dict(self.finished)
-        for step, (loads_ok, stores_ok) in other.finished.items():
-            mine = merged.get(step, (True, True))
-            merged[step] = (mine[0] and loads_ok, mine[1] and stores_ok)
-        return KVTierWorkerMetadata(merged, self.attached and other.attached)
+        for step, result in other.finished.items():
+            merged[step] = merged[step].merge(result) if step in merged else result
+        return KVTierWorkerMetadata(merged, self.attached | other.attached)
+
+
+@dataclass(frozen=True)
+class KVTierHandshake(KVConnectorHandshakeMetadata):
+    """A worker's answer at engine start-up: which slots it mapped, if any."""
+
+    rank: int
+    buffer_name: str | None

@@ -7,10 +7,12 @@ layout's namespace (see :func:`request_keys`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +21,16 @@ from kvtier.layout import KVLayout
 from kvtier.manager import TieringManager
 from kvtier.primary import SlotBuffer
 
-from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, PageCopies, SharedBuffer
+from .metadata import (
+    KVTierConnectorMetadata,
+    KVTierHandshake,
+    KVTierWorkerMetadata,
+    PageCopies,
+    SharedBuffer,
+    StepResult,
+)
 from .settings import VllmGeometry
+from .shared_memory import NameGuard
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +77,8 @@ class _Request:
 class _StepWork:
     loads: list[ChunkKey] = field(default_factory=list)
     stores: list[ChunkKey] = field(default_factory=list)
+    #: What the ranks that reported so far said.
+    result: StepResult | None = None
 
 
 @dataclass
@@ -107,12 +119,15 @@ class SchedulerSide:
         if buffer.shared_name is None:
             raise ValueError("the vLLM connector needs the primary tier in shared memory")
         self.buffer = SharedBuffer(buffer.shared_name, buffer.num_slots, buffer.slot_bytes)
+        # Until the name goes, it marks this engine as alive to stale-name cleanup.
+        self._name_guard = NameGuard(buffer.shared_name)
         self._requests: dict[str, _Request] = {}
         self._next_step = 0
         self._loads = PageCopies()
         self._load_keys: list[ChunkKey] = []
         self._failed_block_ids: list[int] = []
         self._in_flight: dict[int, _StepWork] = {}
+        self._attached: set[int] = set()
         self._name_released = False
         self._closed = False
 
@@ -250,13 +265,29 @@ class SchedulerSide:
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(report, KVTierWorkerMetadata):
             return
-        if report.attached:
-            self._release_name()
-        for step, (loads_ok, stores_ok) in report.finished.items():
-            work = self._in_flight.pop(step, None)
+        self._workers_attached(report.attached)
+        for step, result in report.finished.items():
+            work = self._in_flight.get(step)
             if work is None:
                 continue
-            self._finish(work, loads_ok, stores_ok)
+            work.result = result if work.result is None else work.result.merge(result)
+            # A chunk is whole only once every rank copied its part.
+            if work.result.ranks >= self.shape.num_ranks:
+                del self._in_flight[step]
+                self._finish(work, work.result.loads_ok, work.result.stores_ok)
+
+    def workers_started(self, handshakes: Iterable[object]) -> None:
+        """The workers' start-up answers: those that mapped the slots already."""
+        self._workers_attached(
+            h.rank
+            for h in handshakes
+            if isinstance(h, KVTierHandshake) and h.buffer_name == self.buffer.name
+        )
+
+    def _workers_attached(self, ranks: Iterable[int]) -> None:
+        self._attached.update(ranks)
+        if len(self._attached) >= self.shape.num_ranks:
+            self._release_name()
 
     def _finish(self, work: _StepWork, loads_ok: bool, stores_ok: bool) -> None:
         if work.loads:
@@ -294,6 +325,7 @@ class SchedulerSide:
             self._finish(work, loads_ok=False, stores_ok=False)
         self._in_flight.clear()
         self._safely(self.manager.shutdown)
+        self._name_guard.release()
         self._write_stats()
 
     # Helpers --------------------------------------------------------------
@@ -308,11 +340,12 @@ class SchedulerSide:
         return state
 
     def _release_name(self) -> None:
-        """Once the worker has mapped the slots, drop their name: a killed engine leaks nothing."""
+        """Once every worker mapped the slots, drop their name: a killed engine leaks nothing."""
         if self._name_released:
             return
         self._name_released = True
         self.manager.primary.buffer.unlink()
+        self._name_guard.release()
 
     def stats(self) -> dict[str, object]:
         return {
@@ -331,11 +364,17 @@ class SchedulerSide:
     def _write_stats(self) -> None:
         if self.stats_file is None:
             return
+        # Written beside the target and renamed: an engine killed mid-write
+        # leaves the previous file (or none), never a torn one.
+        partial = f"{self.stats_file}.{os.getpid()}.tmp"
         try:
-            with open(self.stats_file, "w") as out:
+            with open(partial, "w") as out:
                 json.dump(self.stats(), out, indent=1)
+            os.replace(partial, self.stats_file)
         except OSError:
             logger.exception("kvtier: cannot write stats to %s", self.stats_file)
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
 
     @staticmethod
     def _safely(method: Callable[..., object], *args: object) -> None:

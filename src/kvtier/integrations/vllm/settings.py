@@ -20,12 +20,15 @@ from kvtier.errors import ConfigError, LayoutMismatchError
 from kvtier.layout import KVLayout
 
 from .identity import model_identity, model_name
+from .shared_memory import engine_buffer_name
 
 
 class ConnectorOptions(BaseModel):
     """The connector's own keys in ``kv_connector_extra_config``."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
+    # The connector owns its extra config: a misspelt key is a start-up error
+    # naming the nearest valid one, not a silent fallback to defaults.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     kvtier: dict[str, Any] | None = None
     """The kvtier configuration document, inline."""
@@ -53,21 +56,59 @@ class ConnectorOptions(BaseModel):
 class VllmGeometry:
     """How one kvtier chunk maps onto vLLM's paged KV cache.
 
-    A primary slot holds ``layers × blocks_per_chunk`` vLLM pages in that
-    order (``slot[layer][block]``); a page is whatever bytes vLLM keeps for
-    one block of one layer, copied verbatim, so the page format goes into the
-    layout's namespace instead of being interpreted.
+    A primary slot holds every worker's share of the chunk: one part per
+    rank, pipeline stage by stage and, within a stage, tensor-parallel rank
+    by rank. A rank's part holds its ``layers × blocks_per_chunk`` vLLM pages
+    in that order (``part[layer][block]``); a page is whatever bytes vLLM
+    keeps for one block of one layer on that rank (its share of the KV
+    heads), copied verbatim, so the page format goes into the layout's
+    namespace instead of being interpreted. The scheduler side never looks
+    inside a slot, so its bookkeeping and every secondary tier see one chunk
+    whatever the parallel layout.
     """
 
+    #: The layers whose pages this process's KV cache holds (its pipeline stage).
     layer_names: tuple[str, ...]
     block_size: int
     blocks_per_chunk: int
+    #: Bytes of one page of one layer on one rank.
     page_bytes: int
     num_blocks: int
+    tensor_parallel_size: int = 1
+    #: Layers of each pipeline stage; empty means one stage of ``layer_names``.
+    stage_layers: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
+        """Layers of this process's stage."""
         return len(self.layer_names)
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return self.stage_layers or (self.num_layers,)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tensor_parallel_size * len(self.stages)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one chunk: every rank's part."""
+        return (
+            sum(self.stages) * self.tensor_parallel_size * self.blocks_per_chunk * self.page_bytes
+        )
+
+    def part(self, pp_rank: int, tp_rank: int) -> tuple[int, int]:
+        """``(offset, bytes)`` of one rank's part of a slot."""
+        if not (0 <= pp_rank < len(self.stages) and 0 <= tp_rank < self.tensor_parallel_size):
+            raise ValueError(
+                f"rank (pp={pp_rank}, tp={tp_rank}) outside pipeline_parallel_size="
+                f"{len(self.stages)}, tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        layer_bytes = self.blocks_per_chunk * self.page_bytes
+        before = sum(self.stages[:pp_rank]) * self.tensor_parallel_size
+        before += tp_rank * self.stages[pp_rank]
+        return before * layer_bytes, self.stages[pp_rank] * layer_bytes
 
 
 def connector_options(extra_config: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -92,24 +133,19 @@ def kvtier_config(options: ConnectorOptions) -> KVTierConfig:
 
 
 def with_shared_memory(config: KVTierConfig, engine_id: str | None) -> KVTierConfig:
-    """The config with a ``shared_memory_name`` unique to this engine, unless one is set."""
+    """The config with a ``shared_memory_name`` workers can find, unless one is set.
+
+    Without an ``engine_id`` (vLLM always sets one) workers map the slots at
+    their first copy instead of at start-up.
+    """
     if config.shared_memory_name is not None:
         return config
-    tag = (engine_id or uuid.uuid4().hex).replace("-", "")[:16]
-    name = f"kvtier-vllm-{os.getpid()}-{tag}"
+    name = engine_buffer_name(engine_id or uuid.uuid4().hex, os.getpid())
     return config.model_copy(update={"shared_memory_name": name})
 
 
 def geometry(vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> VllmGeometry:
     """The chunk geometry for this engine; rejects what kvtier cannot serve."""
-    parallel = vllm_config.parallel_config
-    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-    if ranks != 1:
-        raise LayoutMismatchError(
-            f"kvtier's vLLM connector supports one worker per engine; this engine has "
-            f"tensor_parallel_size={parallel.tensor_parallel_size}, "
-            f"pipeline_parallel_size={parallel.pipeline_parallel_size}"
-        )
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise LayoutMismatchError(
@@ -133,13 +169,42 @@ def geometry(vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> VllmG
                 )
             ]
         )
+    layer_names = tuple(groups[0].layer_names)
+    parallel = vllm_config.parallel_config
     return VllmGeometry(
-        layer_names=tuple(groups[0].layer_names),
+        layer_names=layer_names,
         block_size=block_size,
         blocks_per_chunk=chunk_tokens // block_size,
         page_bytes=int(spec.page_size_bytes),
         num_blocks=int(kv_cache_config.num_blocks),
+        tensor_parallel_size=int(parallel.tensor_parallel_size),
+        stage_layers=_stage_layers(vllm_config, len(layer_names)),
     )
+
+
+def _stage_layers(vllm_config: Any, own_layers: int) -> tuple[int, ...]:
+    """Layers of each pipeline stage, as vLLM splits them.
+
+    Each process sees only its own stage's layers; every process must still
+    agree on the whole slot, so the split is recomputed from the model.
+    """
+    stages = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if stages == 1:
+        return (own_layers,)
+    from vllm.distributed.utils import get_pp_indices
+
+    total = int(vllm_config.model_config.get_total_num_hidden_layers())
+    split = []
+    for stage in range(stages):
+        start, end = get_pp_indices(total, stage, stages)
+        split.append(end - start)
+    if own_layers not in split:
+        raise LayoutMismatchError(
+            f"this pipeline stage has {own_layers} KV cache layers, but vLLM splits the "
+            f"model's {total} layers into stages of {split}; kvtier serves pipeline "
+            f"parallelism only where every layer has one KV cache"
+        )
+    return tuple(split)
 
 
 def kv_layout(
@@ -179,12 +244,16 @@ def kv_layout(
     identity = model_identity(vllm_config, model_id=model_id, full_read=full_read)
     layout = KVLayout(
         model_id=model_id or model_name(vllm_config.model_config),
-        num_layers=shape.num_layers,
-        num_kv_heads=int(spec.num_kv_heads),
+        # The whole chunk: every stage's layers, every tensor-parallel rank's heads.
+        num_layers=sum(shape.stages),
+        num_kv_heads=int(spec.num_kv_heads) * shape.tensor_parallel_size,
         head_dim=int(spec.head_size),
         dtype=dtype,
         chunk_tokens=chunk_tokens,
-        kv_order=f"vllm-pages:layer,block[{shape.blocks_per_chunk}],page[{shape.page_bytes}]",
+        kv_order=(
+            f"vllm-pages:stage,tp_rank,layer,block[{shape.blocks_per_chunk}],"
+            f"page[{shape.page_bytes}]"
+        ),
         extra=(
             *identity.layout_extra,
             ("engine", f"vllm-{major_minor}"),
@@ -193,12 +262,17 @@ def kv_layout(
             ("attention_isa", isa),
             ("block_size", str(shape.block_size)),
             ("kv_cache_dtype", str(vllm_config.cache_config.cache_dtype)),
+            # Each rank's pages hold its share of the heads (and a stage's
+            # layers): another parallel layout means other bytes per slot part.
+            ("tensor_parallel_size", str(shape.tensor_parallel_size)),
+            ("pipeline_parallel_size", str(len(shape.stages))),
         ),
     )
-    if layout.slot_bytes != shape.num_layers * shape.blocks_per_chunk * shape.page_bytes:
+    if layout.slot_bytes != shape.slot_bytes:
         raise LayoutMismatchError(
-            f"layout slot_bytes={layout.slot_bytes} differs from {shape.num_layers} layers × "
-            f"{shape.blocks_per_chunk} blocks × {shape.page_bytes}-byte pages"
+            f"layout slot_bytes={layout.slot_bytes} differs from {sum(shape.stages)} layers × "
+            f"{shape.tensor_parallel_size} ranks × {shape.blocks_per_chunk} blocks × "
+            f"{shape.page_bytes}-byte pages"
         )
     return layout, shape
 

@@ -1,9 +1,12 @@
 """The worker half of the connector: page copies between vLLM's KV cache and the slots.
 
-Runs in vLLM's worker process beside the model. Every copy is one gather
-and one scatter per layer over the step's pages, with torch ops, so the same
-code moves pages of CPU tensors and of device tensors (a device gather is
-followed by one transfer to or from host memory).
+Runs in each of vLLM's worker processes beside the model. A worker owns one
+part of every slot (its pipeline stage's layers, its tensor-parallel share
+of the heads, see :class:`~.settings.VllmGeometry`) and copies only there.
+Every copy is one gather and one scatter per layer over the step's pages,
+with torch ops, so the same code moves pages of CPU tensors and of
+accelerator tensors (see :mod:`kvtier.integrations.page_copies` for how the
+latter stay off the compute stream).
 """
 
 from __future__ import annotations
@@ -12,73 +15,90 @@ import logging
 
 import torch
 
+from kvtier.integrations.page_copies import CopyIndex, LayerPages, PendingStore, Transfers
 from kvtier.primary import SlotBuffer
 
-from .metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, PageCopies, SharedBuffer
+from .metadata import (
+    KVTierConnectorMetadata,
+    KVTierHandshake,
+    KVTierWorkerMetadata,
+    PageCopies,
+    SharedBuffer,
+    StepResult,
+)
 from .settings import VllmGeometry
+from .shared_memory import engine_buffer_names, map_existing
 
 logger = logging.getLogger(__name__)
 
 
-class _LayerPages:
-    """One layer's KV tensor seen as ``[num_blocks, ...page]`` without copying."""
-
-    def __init__(self, name: str, tensor: torch.Tensor, shape: VllmGeometry) -> None:
-        dims = [d for d, size in enumerate(tensor.shape) if size == shape.num_blocks]
-        if not dims:
-            raise ValueError(
-                f"KV cache of {name} has shape {tuple(tensor.shape)}: no dimension "
-                f"of num_blocks={shape.num_blocks}"
-            )
-        # The block dimension is the outermost one of that size (the CPU and
-        # flash layouts put it first or right after the K/V dimension).
-        self.pages = tensor.movedim(dims[0], 0)
-        page_bytes = tensor.numel() // shape.num_blocks * tensor.element_size()
-        if page_bytes != shape.page_bytes:
-            raise ValueError(
-                f"KV cache of {name}: {page_bytes} bytes per block, expected {shape.page_bytes}"
-            )
-        self.page_shape = tuple(self.pages.shape[1:])
-        self.dtype = tensor.dtype
-        self.device = tensor.device
-
-    def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Pages of ``block_ids`` as host ``uint8`` rows ``[n, page_bytes]``."""
-        pages = self.pages.index_select(0, block_ids.to(self.device))
-        return pages.to("cpu").contiguous().view(torch.uint8).reshape(len(block_ids), -1)
-
-    def scatter(self, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write host ``uint8`` rows ``[n, page_bytes]`` into the pages of ``block_ids``."""
-        pages = rows.contiguous().view(self.dtype).reshape(len(block_ids), *self.page_shape)
-        self.pages.index_copy_(0, block_ids.to(self.device), pages.to(self.device))
-
-
 class WorkerSide:
-    """Copies pages as the step's metadata says; reports what ended and how."""
+    """Copies this rank's pages as the step's metadata says; reports what ended and how."""
 
-    def __init__(self, shape: VllmGeometry) -> None:
+    def __init__(
+        self,
+        shape: VllmGeometry,
+        *,
+        pp_rank: int = 0,
+        tp_rank: int = 0,
+        engine_id: str | None = None,
+        buffer_name: str | None = None,
+    ) -> None:
         self.shape = shape
-        self._layers: list[_LayerPages] = []
+        self.pp_rank, self.tp_rank = pp_rank, tp_rank
+        self.rank = pp_rank * shape.tensor_parallel_size + tp_rank
+        self._part = shape.part(pp_rank, tp_rank)
+        #: Where the scheduler's slots may be, to map them at start-up.
+        self._names: list[str] = (
+            [buffer_name] if buffer_name else engine_buffer_names(engine_id) if engine_id else []
+        )
+        self._layers: list[LayerPages] = []
+        self._transfers: Transfers | None = None
         self._buffer: SlotBuffer | None = None
-        self._slots: torch.Tensor | None = None  # [num_slots, layers, blocks_per_chunk, page]
+        #: The mapped slots as rows of one page each.
+        self._slots: torch.Tensor | None = None
         self._broken: str | None = None
         self._attached_reported = False
-        self._finished: dict[int, tuple[bool, bool]] = {}
+        self._loads: dict[int, bool] = {}
+        self._stores: dict[int, PendingStore] = {}
+        self._finished: dict[int, StepResult] = {}
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [name for name in self.shape.layer_names if name not in kv_caches]
         if missing:
-            self._broken = f"no KV cache registered for layers {missing}"
-            logger.error("kvtier: %s; offloading disabled", self._broken)
+            self._disable(f"no KV cache registered for layers {missing}")
+            return
+        if self.shape.num_layers != self.shape.stages[self.pp_rank]:
+            self._disable(
+                f"pipeline stage {self.pp_rank} holds {self.shape.num_layers} layers, but the "
+                f"slot layout gives it {self.shape.stages[self.pp_rank]}"
+            )
             return
         try:
             self._layers = [
-                _LayerPages(name, kv_caches[name], self.shape) for name in self.shape.layer_names
+                LayerPages(name, kv_caches[name], self.shape.num_blocks, self.shape.page_bytes)
+                for name in self.shape.layer_names
             ]
         except ValueError as exc:
-            self._broken = str(exc)
-            logger.error("kvtier: %s; offloading disabled", exc)
+            self._disable(str(exc))
+            return
+        if self._layers:
+            self._transfers = Transfers(self._layers[0].device)
+
+    def handshake(self) -> KVTierHandshake:
+        """Map the engine's slots now, at start-up, so their name can go at once."""
+        if self._slots is None and self._broken is None and self._layers:
+            try:
+                found = map_existing(self._names, self.shape.slot_bytes)
+            except (OSError, ValueError) as exc:
+                logger.warning("kvtier: cannot map the engine's shared memory yet: %s", exc)
+                found = None
+            if found is not None:
+                self._use(found)
+                self._attached_reported = True  # the handshake reports it
+        name = self._buffer.shared_name if self._buffer is not None else None
+        return KVTierHandshake(self.rank, name)
 
     # Per step ---------------------------------------------------------------
 
@@ -86,31 +106,46 @@ class WorkerSide:
         self._load_errors.update(meta.failed_block_ids)
         if not meta.loads:
             return
-        ok = self._copy(meta, meta.loads, loading=True)
+        ok = self._load(meta.buffer, meta.loads)
         if not ok:
             self._load_errors.update(meta.loads.block_ids)
-        self._finished[meta.step] = (ok, True)
+        self._loads[meta.step] = ok
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
         if not meta.stores:
             return
-        ok = self._copy(meta, meta.stores, loading=False)
-        loads_ok = self._finished.get(meta.step, (True, True))[0]
-        self._finished[meta.step] = (loads_ok, ok)
+        slots = self._attach(meta.buffer)
+        if slots is None or self._transfers is None:
+            self._stores[meta.step] = PendingStore.failed()
+            return
+        try:
+            self._stores[meta.step] = self._transfers.start_store(
+                self._layers, self._index(meta.stores), slots
+            )
+        except Exception:
+            logger.exception("kvtier: store of %d pages failed", len(meta.stores))
+            self._stores[meta.step] = PendingStore.failed()
 
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
+        self._collect(wait_for_older_than=max(self._stores, default=-1))
         attached = self._buffer is not None and not self._attached_reported
         if not self._finished and not attached:
             return None
         self._attached_reported = self._attached_reported or attached
         finished, self._finished = self._finished, {}
-        return KVTierWorkerMetadata(finished, attached)
+        return KVTierWorkerMetadata(finished, frozenset({self.rank}) if attached else frozenset())
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def finish_stores(self) -> None:
+        """Wait until every store started so far has landed in the slots."""
+        self._collect(wait_for_older_than=max(self._stores, default=-1) + 1)
+
     def shutdown(self) -> None:
+        # Copies still in flight read or write the slots: end them first.
+        self.finish_stores()
         self._slots = None
         if self._buffer is not None:
             self._buffer.close()
@@ -118,51 +153,75 @@ class WorkerSide:
 
     # Machinery ---------------------------------------------------------------
 
-    def _copy(self, meta: KVTierConnectorMetadata, copies: PageCopies, *, loading: bool) -> bool:
-        slots = self._attach(meta.buffer)
-        if slots is None:
+    def _collect(self, wait_for_older_than: int) -> None:
+        """Move ended steps to ``_finished``; stores of earlier steps are waited for.
+
+        A step's stores end on the copy stream while the next step computes,
+        so they are reported one step late at most.
+        """
+        for step in sorted(set(self._loads) | set(self._stores)):
+            pending = self._stores.get(step)
+            if pending is not None and not pending.done() and step >= wait_for_older_than:
+                continue
+            stores_ok = pending.finish() if pending is not None else True
+            self._stores.pop(step, None)
+            self._finished[step] = StepResult(self._loads.pop(step, True), stores_ok)
+
+    def _load(self, buffer: SharedBuffer, copies: PageCopies) -> bool:
+        slots = self._attach(buffer)
+        if slots is None or self._transfers is None:
             return False
         try:
-            slot_index = torch.tensor(copies.slots, dtype=torch.long)
-            position = torch.tensor(copies.positions, dtype=torch.long)
-            block_ids = torch.tensor(copies.block_ids, dtype=torch.long)
-            for layer, pages in enumerate(self._layers):
-                if loading:
-                    pages.scatter(block_ids, slots[slot_index, layer, position])
-                else:
-                    slots[slot_index, layer, position] = pages.gather(block_ids)
+            self._transfers.load(self._layers, self._index(copies), slots)
         except Exception:
-            logger.exception(
-                "kvtier: %s of %d pages failed", "load" if loading else "store", len(copies)
-            )
+            logger.exception("kvtier: load of %d pages failed", len(copies))
             return False
         return True
+
+    def _disable(self, reason: str) -> None:
+        self._broken = reason
+        logger.error("kvtier: %s; offloading disabled", reason)
 
     def _attach(self, buffer: SharedBuffer) -> torch.Tensor | None:
         if self._broken is None and not self._layers:
             # Copying no layers would "succeed" and offload empty slots.
-            self._broken = "vLLM registered no KV caches with the connector"
-            logger.error("kvtier: %s; offloading disabled", self._broken)
+            self._disable("vLLM registered no KV caches with the connector")
         if self._broken is not None:
             return None
-        if self._slots is not None:
-            return self._slots
-        expected = self.shape.num_layers * self.shape.blocks_per_chunk * self.shape.page_bytes
-        if buffer.slot_bytes != expected:
-            self._broken = (
-                f"primary slots are {buffer.slot_bytes} bytes but this worker's chunk is "
-                f"{expected} bytes"
+        if self._slots is not None and self._buffer is not None:
+            if self._buffer.shared_name == buffer.name:
+                return self._slots
+            self._disable(
+                f"mapped shared memory {self._buffer.shared_name!r} at start-up, but the "
+                f"scheduler uses {buffer.name!r}"
             )
-            logger.error("kvtier: %s; offloading disabled", self._broken)
+            return None
+        if buffer.slot_bytes != self.shape.slot_bytes:
+            self._disable(
+                f"primary slots are {buffer.slot_bytes} bytes but this engine's chunk is "
+                f"{self.shape.slot_bytes} bytes"
+            )
             return None
         try:
-            self._buffer = SlotBuffer.attach(buffer.name, buffer.num_slots, buffer.slot_bytes)
+            self._use(SlotBuffer.attach(buffer.name, buffer.num_slots, buffer.slot_bytes))
         except (OSError, ValueError) as exc:
-            self._broken = f"cannot map shared memory {buffer.name!r}: {exc}"
-            logger.error("kvtier: %s; offloading disabled", self._broken)
+            self._disable(f"cannot map shared memory {buffer.name!r}: {exc}")
             return None
-        flat = torch.frombuffer(self._buffer.view.cast("B"), dtype=torch.uint8)
-        self._slots = flat.view(
-            buffer.num_slots, self.shape.num_layers, self.shape.blocks_per_chunk, -1
-        )
         return self._slots
+
+    def _use(self, mapped: SlotBuffer) -> None:
+        """Keep the mapping and view it as rows of one page each."""
+        self._buffer = mapped
+        flat = torch.frombuffer(mapped.view.cast("B"), dtype=torch.uint8)
+        self._slots = flat.view(-1, self.shape.page_bytes)
+
+    def _index(self, copies: PageCopies) -> CopyIndex:
+        """Slot rows of this rank's pages: a slot's first row, plus this rank's
+        part, plus ``layer × blocks_per_chunk + position``."""
+        page_bytes, per_chunk = self.shape.page_bytes, self.shape.blocks_per_chunk
+        slots = torch.tensor(copies.slots, dtype=torch.long)
+        first = slots * (self.shape.slot_bytes // page_bytes) + self._part[0] // page_bytes
+        first += torch.tensor(copies.positions, dtype=torch.long)
+        layers = torch.arange(self.shape.num_layers, dtype=torch.long) * per_chunk
+        block_ids = torch.tensor(copies.block_ids, dtype=torch.long)
+        return CopyIndex(layers[:, None] + first[None, :], block_ids)

@@ -2,7 +2,12 @@
  * _store_file_python() and _load_file_python() in io.py do, with the GIL
  * released for the whole sequence of calls, so a thread moving one chunk takes
  * the GIL once instead of once per call. Same contract, same errors
- * (OSError subclasses carrying errno and the file name). */
+ * (OSError subclasses carrying errno and the file name).
+ *
+ * Only regular files are chunks: a load opens with O_NOFOLLOW | O_NONBLOCK
+ * (a symlink fails with ELOOP, a FIFO cannot block the open) and checks
+ * S_ISREG on the descriptor before reading, so nothing else is ever read and
+ * the use-stamp only ever touches the chunk file itself. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -15,6 +20,14 @@
 
 #ifndef O_DIRECT
 #define O_DIRECT 0
+#endif
+
+/* The errno of "a chunk path holds something other than a regular file"
+ * (io.NOT_REGULAR_ERRNO): one no open(2) or read(2) of a chunk file gives. */
+#ifdef EFTYPE
+#define NOT_REGULAR EFTYPE
+#else
+#define NOT_REGULAR EMEDIUMTYPE
 #endif
 
 static PyObject *raise_errno(int error, PyObject *path) {
@@ -60,7 +73,7 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args) {
     int error = 0, stage = 0, present = 0;
     Py_BEGIN_ALLOW_THREADS
     struct stat info;
-    present = stat(final, &info) == 0 && S_ISREG(info.st_mode) &&
+    present = lstat(final, &info) == 0 && S_ISREG(info.st_mode) &&
               info.st_size == (off_t)(payload.len + trailer.len);
     int fd = present ? -1
                      : open(temp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0),
@@ -107,15 +120,21 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
     int error = 0;
     Py_ssize_t total = 0;
     Py_BEGIN_ALLOW_THREADS
-    int fd = open(path, O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | (direct ? O_DIRECT : 0));
+    struct stat info;
     if (fd < 0) {
         error = errno;
+    } else if (fstat(fd, &info) != 0) {
+        error = errno;
+        close(fd);
+    } else if (!S_ISREG(info.st_mode)) {
+        error = NOT_REGULAR;
+        close(fd);
     } else {
         struct iovec iov[2] = {{out.buf, (size_t)out.len}, {trailer.buf, (size_t)trailer.len}};
         error = transfer(fd, iov, 2, 0, &total);
-        struct stat info;
         struct timespec now;
-        if (!error && fstat(fd, &info) == 0 && clock_gettime(CLOCK_REALTIME, &now) == 0 &&
+        if (!error && clock_gettime(CLOCK_REALTIME, &now) == 0 &&
             (double)(now.tv_sec - info.st_mtim.tv_sec) > stamp_after)
             futimens(fd, NULL);
         close(fd);

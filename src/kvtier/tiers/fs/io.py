@@ -22,11 +22,22 @@ import threading
 import time
 from collections.abc import Callable
 
+import xxhash
+
 from kvtier import integrity
 from kvtier.errors import CorruptChunkError
+from kvtier.tiers.fs.layout import mode_kind
 
 #: Bytes after the payload in a chunk file: the integrity header, zero padded.
 TRAILER_BLOCK = 4096
+#: The errno both implementations raise for a chunk path that holds something
+#: other than a regular file (FIFO, directory, device); a symlink fails its
+#: ``O_NOFOLLOW`` open with ``ELOOP``. Chosen because no open or read of a
+#: chunk file gives it otherwise.
+NOT_REGULAR_ERRNO: int = getattr(errno, "EFTYPE", None) or errno.EMEDIUMTYPE
+#: Flags of every open of an existing chunk file: a symlink is never followed
+#: and a FIFO can never block the open.
+_OPEN_EXISTING = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 #: Alignment ``O_DIRECT`` needs of buffers, lengths and offsets (covers 512 and 4K devices).
 DIRECT_ALIGN = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -43,14 +54,15 @@ def _trailer_buffer() -> mmap.mmap:
     return buffer
 
 
-def probe_direct_io(directory: str) -> str | None:
-    """``None`` if ``O_DIRECT`` writes and reads work in ``directory``, else why not."""
+def probe_direct_io(path: str) -> str | None:
+    """``None`` if ``O_DIRECT`` writes and reads work for a new file at ``path``
+    (removed again), else why not. Name ``path`` as a temp file, so that the
+    probe of a process killed meanwhile is cleaned like one."""
     if not O_DIRECT:
         return "O_DIRECT is not available on this platform"
-    path = os.path.join(directory, f".direct-io-probe.{os.getpid()}.{threading.get_ident()}")
     block = mmap.mmap(-1, DIRECT_ALIGN)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC | O_DIRECT, 0o644)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | O_DIRECT, 0o644)
         try:
             os.pwrite(fd, block, 0)
             os.preadv(fd, [block], 0)
@@ -96,7 +108,7 @@ def _store_file_python(
     returns false when ``final_path`` already is a file of that size (a key
     names its bytes, so another writer stored the same chunk)."""
     with contextlib.suppress(OSError):
-        info = os.stat(final_path)
+        info = os.lstat(final_path)
         if stat.S_ISREG(info.st_mode) and info.st_size == len(payload) + len(trailer):
             return False
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
@@ -128,9 +140,14 @@ def _load_file_python(
 ) -> int:
     """Read ``path`` into ``out`` then ``trailer``; the bytes read (fewer than
     both hold if the file is short). Refreshes the file's mtime if older than
-    ``stamp_after_s``. A missing file raises ``FileNotFoundError``."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
+    ``stamp_after_s``. A missing file raises ``FileNotFoundError``; anything
+    but a regular file raises ``OSError`` (``ELOOP`` for a symlink,
+    :data:`NOT_REGULAR_ERRNO` otherwise) before a byte is read."""
+    fd = os.open(path, _OPEN_EXISTING | (O_DIRECT if direct else 0))
     try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(NOT_REGULAR_ERRNO, os.strerror(NOT_REGULAR_ERRNO), path)
         views = [out, trailer]
         total = len(out) + len(trailer)
         done = 0
@@ -140,7 +157,7 @@ def _load_file_python(
                 break
             done += got
         with contextlib.suppress(OSError):
-            if time.time() - os.fstat(fd).st_mtime > stamp_after_s:
+            if time.time() - info.st_mtime > stamp_after_s:
                 os.utime(fd)
         return done
     finally:
@@ -191,8 +208,13 @@ def write_chunk(
     trailer[: len(packed)] = packed
     try:
         written = _store_file(temp_path, final_path, payload, memoryview(trailer), direct, fsync)
-    except FileNotFoundError:  # its bucket was removed
-        os.makedirs(os.path.dirname(temp_path), exist_ok=True)
+    except FileNotFoundError:
+        # Only when its bucket was removed: a temp file removed under the
+        # write (evicted as abandoned) must fail it, not start it again.
+        directory = os.path.dirname(temp_path)
+        if os.path.isdir(directory):
+            raise
+        os.makedirs(directory, exist_ok=True)
         written = _store_file(temp_path, final_path, payload, memoryview(trailer), direct, fsync)
     if written and fsync:
         _fsync_directory(os.path.dirname(final_path))
@@ -205,10 +227,17 @@ def read_chunk(path: str, out: memoryview, namespace: bytes, key: bytes, *, dire
     The payload is read straight into ``out`` (a primary slot the running
     load owns) and verified there; a file that fails raises
     :class:`CorruptChunkError`, so the load reports the key failed and the
-    slot's bytes are never used. A missing file raises ``FileNotFoundError``.
+    slot's bytes are never used. So does anything at ``path`` that is not a
+    regular file (symlink, FIFO, directory, device), which is never read.
+    A missing file raises ``FileNotFoundError``.
     """
     trailer = _trailer_buffer()
-    done = _load_file(path, out, memoryview(trailer), direct, USE_STAMP_S)
+    try:
+        done = _load_file(path, out, memoryview(trailer), direct, USE_STAMP_S)
+    except OSError as exc:
+        # Look only on the error path: the hot path pays no extra lstat.
+        _raise_if_not_a_file(path, exc)
+        raise
     total = len(out) + TRAILER_BLOCK
     if done < total:
         raise CorruptChunkError(f"chunk file truncated: {done} of {total} bytes")
@@ -221,20 +250,88 @@ def read_chunk(path: str, out: memoryview, namespace: bytes, key: bytes, *, dire
     parsed.verify(out)
 
 
-def verify_file(path: str, namespace: bytes, key: bytes) -> int:
+#: Bytes :func:`verify_file` reads at a time.
+_VERIFY_PIECE = 8 << 20
+
+
+def verify_file(path: str, namespace: bytes, key: bytes, file_bytes: int | None = None) -> int:
     """Check one chunk file completely (for ``kvtier inspect --verify``); returns
-    its payload size. Raises :class:`CorruptChunkError` on any defect."""
-    with open(path, "rb") as handle:
-        data = handle.read()
-    if len(data) < TRAILER_BLOCK:
-        raise CorruptChunkError(f"chunk file truncated to {len(data)} bytes")
-    payload = memoryview(data)[: len(data) - TRAILER_BLOCK]
-    trailer = memoryview(data)[len(data) - TRAILER_BLOCK :]
-    parsed = integrity.unpack_header(
-        trailer[: integrity.HEADER_BYTES], namespace=namespace, key=key, payload_bytes=len(payload)
-    )
-    parsed.verify(payload)
-    return len(payload)
+    its payload size. Raises :class:`CorruptChunkError` on any defect.
+
+    Reads boundedly: nothing but a regular file is opened for reading, a file
+    whose size is not ``file_bytes`` (the size the namespace declares, where
+    known) is rejected unread, and the payload is read only as far as its
+    trailer declares, in pieces, so memory stays small whatever the file.
+    """
+    try:
+        fd = os.open(path, _OPEN_EXISTING)
+    except OSError as exc:
+        _raise_if_not_a_file(path, exc)
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_a_file(mode_kind(info.st_mode))
+        size = info.st_size
+        if file_bytes is not None and size != file_bytes:
+            raise CorruptChunkError(f"chunk file is {size} bytes, a chunk is {file_bytes}")
+        if size < TRAILER_BLOCK:
+            raise CorruptChunkError(f"chunk file truncated to {size} bytes")
+        payload_bytes = size - TRAILER_BLOCK
+        trailer = os.pread(fd, integrity.HEADER_BYTES, payload_bytes)
+        parsed = integrity.unpack_header(
+            trailer, namespace=namespace, key=key, payload_bytes=payload_bytes
+        )
+        # integrity.checksum() over the payload, computed piecewise.
+        hasher = xxhash.xxh3_128()
+        offset = 0
+        while offset < payload_bytes:
+            piece = os.pread(fd, min(_VERIFY_PIECE, payload_bytes - offset), offset)
+            if not piece:
+                raise CorruptChunkError(f"chunk file shrank to {offset} bytes while read")
+            hasher.update(piece)
+            offset += len(piece)
+        if hasher.digest() != parsed.digest:
+            raise CorruptChunkError("chunk checksum mismatch")
+        return payload_bytes
+    finally:
+        os.close(fd)
+
+
+def _not_a_file(kind: str) -> CorruptChunkError:
+    return CorruptChunkError(f"{kind} at a chunk path, not a regular file")
+
+
+def _raise_if_not_a_file(path: str, error: OSError) -> None:
+    """Turn a failed open or read of ``path`` into :class:`CorruptChunkError`
+    when what is there is not a regular file."""
+    if isinstance(error, FileNotFoundError):
+        return
+    kind = odd_entry_kind(path)
+    if kind is not None:
+        raise _not_a_file(kind) from error
+
+
+def odd_entry_kind(path: str) -> str | None:
+    """What is at ``path`` if it exists and is not a regular file, else ``None``."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) else mode_kind(mode)
+
+
+def remove_entry(path: str) -> bool:
+    """Remove what is at a chunk path, if that is safe: never follows a
+    symlink, removes a directory only when it is empty. Whether it went."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 
 def _fsync_directory(directory: str) -> None:

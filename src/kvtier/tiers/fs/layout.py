@@ -7,6 +7,8 @@
         NAMESPACE.json              what the digest covers, in plain JSON
         ab/<key hex>.kvc            chunk files, in 256 buckets by the key's first byte
         ab/.<key hex>.<host>.<pid>.<nonce>.tmp   writes in progress
+        .<what>.<host>.<pid>.<nonce>.tmp         start-up files being written or probed
+                                                 (NAMESPACE.json, direct-I/O probe)
 
 Keys are hashes and only ever become hex, so no client can name a path.
 
@@ -25,6 +27,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,9 +38,12 @@ from kvtier.layout import KEY_BYTES, KVLayout
 CHUNK_SUFFIX = ".kvc"
 NAMESPACE_FILE = "NAMESPACE.json"
 _CHUNK_NAME = re.compile(rf"^[0-9a-f]{{{2 * KEY_BYTES}}}{re.escape(CHUNK_SUFFIX)}$")
-_TMP_NAME = re.compile(r"^\.[0-9a-f]+\.(?P<host>[^.]*)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
+_TMP_NAME = re.compile(
+    r"^\.(?P<what>[0-9A-Za-z_-]+)\.(?P<host>[^.]*)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$"
+)
 _NAMESPACE_DIR = re.compile(rf"^[0-9a-f]{{{2 * KEY_BYTES}}}$")
-_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64]
+#: This host's name as it appears in temp file names and write reservations.
+HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64]
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,26 @@ class ChunkFile:
     path: str
     size: int
     mtime_ns: int
+
+
+@dataclass(frozen=True)
+class OddEntry:
+    """Something in a namespace directory that is neither a chunk file nor a
+    temp file: ``key`` is set when it sits at a chunk's path (a directory,
+    FIFO, symlink or device named ``<key>.kvc``: a corrupt chunk)."""
+
+    path: str
+    kind: str
+    key: bytes | None
+
+
+@dataclass(frozen=True)
+class TempFile:
+    """A file of a write in progress, or of one that will never finish."""
+
+    path: str
+    size: int
+    abandoned: bool
 
 
 class NamespaceDir:
@@ -70,8 +96,13 @@ class NamespaceDir:
         so the closing rename is atomic). Host and pid let a later scan tell an
         abandoned write from a live one."""
         directory, name = os.path.split(final_path)
-        stem = name[: -len(CHUNK_SUFFIX)]
-        return f"{directory}/.{stem}.{_HOST}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+        return _temp_name(directory, name[: -len(CHUNK_SUFFIX)])
+
+    def probe_path(self, what: str) -> str:
+        """A temp path in the namespace directory for a start-up file or probe
+        (``what``: letters, digits, ``-``), so that one a killed process left
+        is found and removed like the temp file of a chunk write."""
+        return _temp_name(self._base, what)
 
     def create(self, layout: KVLayout, trailer_bytes: int) -> None:
         """Make the namespace directory, its 256 buckets and ``NAMESPACE.json``,
@@ -95,7 +126,7 @@ class NamespaceDir:
                 "length, xxh3-128 checksum, namespace, key; zero-padded to trailer_bytes",
             },
         }
-        temp = self.temp_path(str(target.with_suffix(CHUNK_SUFFIX)))
+        temp = self.probe_path("NAMESPACE")
         with open(temp, "w") as handle:
             json.dump(record, handle, indent=2, sort_keys=True)
             handle.write("\n")
@@ -103,45 +134,104 @@ class NamespaceDir:
 
     def scan(self) -> Iterator[ChunkFile]:
         """Every complete chunk file under this namespace (order unspecified)."""
+        for found in self.survey():
+            if isinstance(found, ChunkFile):
+                yield found
+
+    def survey(self) -> Iterator[ChunkFile | OddEntry]:
+        """Every chunk file, and everything else that is not a temp file.
+
+        Never raises for what it finds: an entry that cannot be examined, a
+        directory or FIFO named like a chunk, an unknown name, an unreadable
+        bucket each come back as an :class:`OddEntry`.
+        """
         for entry in self._entries():
-            if not _CHUNK_NAME.match(entry.name):
+            if isinstance(entry, OddEntry):
+                yield entry
+                continue
+            name = entry.name
+            is_chunk = _CHUNK_NAME.match(name) is not None
+            key = bytes.fromhex(name[: -len(CHUNK_SUFFIX)]) if is_chunk else None
+            if not is_chunk and _TMP_NAME.match(name):
                 continue
             try:
                 info = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue  # evicted meanwhile
-            key = bytes.fromhex(entry.name[: -len(CHUNK_SUFFIX)])
-            yield ChunkFile(key, entry.path, info.st_size, info.st_mtime_ns)
+            except OSError as exc:
+                yield OddEntry(entry.path, f"unreadable ({exc.strerror})", key)
+                continue
+            if key is None:
+                yield OddEntry(entry.path, f"{mode_kind(info.st_mode)} with an unknown name", None)
+            elif not stat.S_ISREG(info.st_mode):
+                yield OddEntry(entry.path, mode_kind(info.st_mode), key)
+            else:
+                yield ChunkFile(key, entry.path, info.st_size, info.st_mtime_ns)
 
-    def remove_abandoned_temps(self, max_age_s: float) -> int:
-        """Delete temp files of writes that will never finish.
+    def temp_files(self, max_age_s: float) -> Iterator[TempFile]:
+        """Every temp file, in the buckets and at the top (start-up files).
 
-        A temp file is abandoned when its writer was a process of this host
-        that no longer runs (SIGKILL, crash), or, for writers on other hosts
-        of a shared mount, when it is older than ``max_age_s``.
+        One is abandoned when its writer was a process of this host that no
+        longer runs (SIGKILL, crash), or, for writers on other hosts of a
+        shared mount, when it is older than ``max_age_s``.
         """
-        removed = 0
         now = time.time()
-        for entry in self._entries():
+        for entry in self._entries(top=True):
+            if isinstance(entry, OddEntry):
+                continue
             match = _TMP_NAME.match(entry.name)
             if match is None:
                 continue
             try:
-                age = now - entry.stat(follow_symlinks=False).st_mtime
-            except FileNotFoundError:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
                 continue
-            dead = match["host"] == _HOST and not _pid_alive(int(match["pid"]))
-            if dead or age > max_age_s:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+            gone = abandoned(match["host"], int(match["pid"]), now - info.st_mtime, max_age_s)
+            yield TempFile(entry.path, info.st_size, gone)
+
+    def remove_abandoned_temps(self, max_age_s: float) -> int:
+        """Delete the temp files of writes that will never finish (see
+        :meth:`temp_files`); how many went."""
+        removed = 0
+        for temp in self.temp_files(max_age_s):
+            if temp.abandoned:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp.path)
                     removed += 1
         return removed
 
-    def _entries(self) -> Iterator[os.DirEntry[str]]:
-        """Every entry of every bucket."""
-        for bucket in _buckets(self._base):
-            with contextlib.suppress(FileNotFoundError), os.scandir(bucket) as entries:
-                yield from entries
+    def _entries(self, top: bool = False) -> Iterator[os.DirEntry[str] | OddEntry]:
+        """Every entry of every bucket (and of the namespace directory itself
+        with ``top``); an unreadable bucket comes back as an :class:`OddEntry`."""
+        directories = ([self._base] if top else []) + _buckets(self._base)
+        for directory in directories:
+            try:
+                with os.scandir(directory) as entries:
+                    yield from entries
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                yield OddEntry(directory, f"unreadable directory ({exc.strerror})", None)
+
+
+def _temp_name(directory: str, what: str) -> str:
+    return f"{directory}/.{what}.{HOST}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+
+
+def mode_kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words: "a regular file", "a FIFO"..."""
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return f"a file of mode {mode:o}"
 
 
 def namespace_dirs(root_dir: Path) -> Iterator[NamespaceDir]:
@@ -155,8 +245,33 @@ def _buckets(path: str) -> list[str]:
     try:
         with os.scandir(path) as entries:
             return [e.path for e in entries if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-    except FileNotFoundError:
+    except OSError:
         return []
+
+
+def write_abandoned(temp_path: str, max_age_s: float) -> bool:
+    """Whether the write into ``temp_path`` will never finish (see
+    :func:`abandoned`). Before its writer creates the file, or after it
+    renamed it, there is no file: the write then counts as abandoned only
+    once its writer is known to be dead."""
+    match = _TMP_NAME.match(os.path.basename(temp_path))
+    if match is None:
+        return True
+    try:
+        age = time.time() - os.lstat(temp_path).st_mtime
+    except FileNotFoundError:
+        age = 0.0
+    except OSError:
+        return True
+    return abandoned(match["host"], int(match["pid"]), age, max_age_s)
+
+
+def abandoned(host: str, pid: int, age_s: float, max_age_s: float) -> bool:
+    """Whether the work of process ``pid`` on ``host``, begun ``age_s`` ago,
+    will never finish: that process of this host no longer runs, or (for
+    another host, which cannot be asked) the work is older than ``max_age_s``.
+    A pid reused by a new process keeps it alive until ``max_age_s``."""
+    return (host == HOST and not _pid_alive(pid)) or age_s > max_age_s
 
 
 def _pid_alive(pid: int) -> bool:

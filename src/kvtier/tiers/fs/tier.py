@@ -4,8 +4,10 @@ Every chunk is one file written atomically (temp file, full write, length
 check, rename) with the integrity header in a trailer, checked on every load.
 ``O_DIRECT`` is used where the filesystem takes it, so 2 MiB chunks move by
 DMA between disk and the primary slot with no copy in Python or the page
-cache. An in-memory index answers lookups and orders eviction; it is rebuilt
-from disk in the background after a restart.
+cache. An in-memory set of keys answers lookups; it is rebuilt from disk in
+the background after a restart. With ``max_bytes``, an index shared by every
+process using the directory (:mod:`~kvtier.tiers.fs.shared_index`) holds the
+bound and orders eviction across them.
 
 Durability: without ``fsync`` a chunk survives the death of the process
 (SIGKILL included: the page cache outlives it) but may be lost in a power
@@ -16,10 +18,11 @@ chunk survive power loss at a large cost in store throughput.
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import functools
 import logging
 import os
+import sqlite3
 import stat
 import threading
 from collections.abc import Iterable, Sequence
@@ -32,16 +35,17 @@ from pydantic import ByteSize, Field
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
 from kvtier.tiers.fs import io as chunk_io
-from kvtier.tiers.fs.index import ChunkIndex
 from kvtier.tiers.fs.io import (
     DIRECT_ALIGN,
     TRAILER_BLOCK,
     probe_direct_io,
     read_chunk,
+    remove_entry,
     write_chunk,
 )
-from kvtier.tiers.fs.layout import ChunkFile, NamespaceDir
-from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
+from kvtier.tiers.fs.layout import ChunkFile, NamespaceDir, OddEntry, mode_kind
+from kvtier.tiers.fs.shared_index import NETWORK_FILESYSTEMS, SharedIndex, filesystem_type
+from kvtier.tiers.threaded import _CHECK, ThreadedTier, ThreadedTierOptions
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +58,12 @@ class FilesystemTierOptions(ThreadedTierOptions):
     several processes and hosts (one subdirectory per KV layout)."""
 
     max_bytes: ByteSize | None = Field(default=None, gt=0)
-    """Upper bound on bytes of chunk files this tier keeps (e.g. ``500GiB``);
-    least recently used chunks (loads count as use) are deleted to make room.
-    Unset: no bound, and stores fail cleanly when the disk is full. The bound
-    covers the chunk files this process knows: those on disk when it started,
-    those it stored, and those its lookups found; processes sharing a root
-    should give it the same value."""
+    """Upper bound on bytes of chunk and temp files under this layout's
+    directory (e.g. ``500GiB``), held across every process of this host that
+    uses it with a bound; least recently used chunks (loads count as use) are
+    deleted to make room, whoever stored them. Unset: no bound, and stores
+    fail cleanly when the disk is full. Processes sharing a root should give
+    it the same value (the smallest one given is what holds)."""
 
     io_threads: int = Field(default=32, ge=1, le=256)
     """Worker threads doing file I/O. One pool serves both directions and
@@ -80,7 +84,8 @@ class FilesystemTierOptions(ThreadedTierOptions):
     this process is the only writer, so that misses are answered at once."""
 
     abandoned_temp_s: float = Field(default=3600.0, gt=0)
-    """Age after which a temp file of another host's unfinished write is deleted."""
+    """Age after which a temp file (or a reservation of ``max_bytes``) of
+    another host's unfinished write is deleted."""
 
 
 class FilesystemTier(ThreadedTier):
@@ -92,6 +97,7 @@ class FilesystemTier(ThreadedTier):
         super().__init__(**kwargs)
         self._stopping = threading.Event()
         self._indexer: threading.Thread | None = None
+        self._bound: SharedIndex | None = None
         try:
             self._setup()
         except BaseException:
@@ -119,8 +125,26 @@ class FilesystemTier(ThreadedTier):
         self.fsync = options.fsync
         self.direct, self.io_mode_reason = self._choose_io_mode(options.direct_io)
         self.disk_full_errors = 0
+        self.vanished_chunks = 0
+        self.scan_skipped = 0
         self._disk_full = False
-        self._index = ChunkIndex(self.max_bytes)
+        # Keys of chunk files known to exist; another process may have
+        # deleted some since (a load then finds nothing: a plain miss).
+        self._keys: set[bytes] = set()
+        self._poll_queued = False
+        if self.max_bytes is not None:
+            fstype = filesystem_type(str(self.dir.path))
+            if fstype in NETWORK_FILESYSTEMS:
+                logger.warning(
+                    "tier %s: %s is on %s: max_bytes holds only among processes of one "
+                    "host; give each host its own root_dir (see docs/fs.md, Shared roots)",
+                    self.tier_type,
+                    self.root_dir,
+                    fstype,
+                )
+            self._bound = SharedIndex(
+                str(self.dir.path), self.max_bytes, self.dir.chunk_path, options.abandoned_temp_s
+            )
         self._index_ready = threading.Event()
         self._indexer = threading.Thread(
             target=self._reindex,
@@ -144,7 +168,7 @@ class FilesystemTier(ThreadedTier):
     def _choose_io_mode(self, wanted: str) -> tuple[bool, str]:
         if wanted == "off":
             return False, "direct_io: off"
-        why_not = probe_direct_io(str(self.dir.path))
+        why_not = probe_direct_io(self.dir.probe_path("direct-io-probe"))
         if why_not is None and self.slot_bytes % DIRECT_ALIGN:
             why_not = f"slot_bytes={self.slot_bytes} is not a multiple of {DIRECT_ALIGN}"
         if why_not is None:
@@ -181,28 +205,40 @@ class FilesystemTier(ThreadedTier):
         try:
             self.dir.remove_abandoned_temps(abandoned_temp_s)
             found: list[ChunkFile] = []
-            broken: list[ChunkFile] = []
-            for chunk in self.dir.scan():
+            broken: list[str] = []
+            strays: list[OddEntry] = []
+            for entry in self.dir.survey():
                 if self._stopping.is_set():
                     return
-                # A final name is only ever a complete file (rename), and the
-                # size is fixed by the namespace: any other size is damage.
-                (found if chunk.size == self.file_bytes else broken).append(chunk)
-            for chunk in broken:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(chunk.path)
-            if broken:
+                if isinstance(entry, ChunkFile):
+                    # A final name is only ever a complete file (rename), and the
+                    # size is fixed by the namespace: any other size is damage.
+                    if entry.size == self.file_bytes:
+                        found.append(entry)
+                    else:
+                        broken.append(entry.path)
+                elif entry.key is not None:
+                    broken.append(entry.path)  # a directory, FIFO... named like a chunk
+                else:
+                    strays.append(entry)
+            self._drop_broken(broken)
+            if strays:
+                self.scan_skipped += len(strays)
                 logger.warning(
-                    "tier %s: deleted %d damaged chunk files", self.tier_type, len(broken)
+                    "tier %s: skipped %d entries that are not chunk files (e.g. %s: %s)",
+                    self.tier_type,
+                    len(strays),
+                    strays[0].path,
+                    strays[0].kind,
                 )
-                self.count(corrupt_chunks=len(broken))
-            found.sort(key=lambda chunk: chunk.mtime_ns)
-            self._delete(self._index.merge_scan((c.key, c.size) for c in found))
+            self._keys.update(chunk.key for chunk in found)
+            if self._bound is not None:
+                self._forget_evicted(self._bound.reconcile(found, self._stopping.is_set))
             logger.info(
                 "tier %s: indexed %d chunks (%d bytes) under %s",
                 self.tier_type,
-                len(self._index),
-                self._index.held_bytes,
+                len(self._keys),
+                self.held_bytes,
                 self.dir.path,
             )
         except Exception:
@@ -210,64 +246,108 @@ class FilesystemTier(ThreadedTier):
         finally:
             self._index_ready.set()
 
-    def _delete(self, victims: Iterable[bytes]) -> None:
-        """Delete evicted chunk files. A reader that opened one still reads it
-        whole; a later reader gets ENOENT, a clean miss."""
+    def _drop_broken(self, broken: Sequence[str]) -> None:
+        if not broken:
+            return
+        for path in broken:
+            remove_entry(path)
+        logger.warning(
+            "tier %s: removed %d damaged chunk files or entries at chunk paths",
+            self.tier_type,
+            len(broken),
+        )
+        self.count(corrupt_chunks=len(broken))
+
+    def _forget_evicted(self, victims: Iterable[bytes]) -> None:
+        """Chunks this process evicted through the shared index (which deleted
+        their files)."""
         evicted = 0
         for key in victims:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.dir.chunk_path(key))
+            self._keys.discard(key)
             evicted += 1
         if evicted:
             self.count(evictions=evicted)
 
+    def _poll_evictions(self, bound: SharedIndex) -> None:
+        """Drop keys other processes evicted from the local set, so that
+        lookups stop answering HIT for them."""
+        try:
+            evicted = bound.evictions()
+        finally:
+            self._poll_queued = False
+        if evicted is None:  # too far behind: rely on the filesystem instead
+            self._keys.clear()
+        else:
+            self._keys.difference_update(evicted)
+
     # ThreadedTier hooks (worker threads) ----------------------------------------
 
     def _known(self, key: ChunkKey) -> bool | None:
-        if key in self._index:
+        if key in self._keys:
             return True
         if self.shared or not self._index_ready.is_set():
             return None  # ask the filesystem, off the caller's thread
         return False
 
     def _on_disk(self, key: ChunkKey) -> bool:
-        """Whether a complete chunk file exists (stored by anyone); indexes it."""
+        """Whether a complete chunk file exists (stored by anyone). Answers
+        for this key alone: an error examining it is a miss for it."""
+        path = self.dir.chunk_path(key)
         try:
-            info = os.stat(self.dir.chunk_path(key))
+            info = os.lstat(path)
         except FileNotFoundError:
             return False
-        if not stat.S_ISREG(info.st_mode) or info.st_size != self.file_bytes:
+        except OSError as exc:
+            logger.debug("tier %s: cannot examine %s: %s", self.tier_type, path, exc)
             return False
-        self._delete(self._index.adopt(key, info.st_size))
+        if not stat.S_ISREG(info.st_mode) or info.st_size != self.file_bytes:
+            kind = "a regular file" if stat.S_ISREG(info.st_mode) else mode_kind(info.st_mode)
+            logger.warning(
+                "tier %s: discarding %s at chunk path %s (%d bytes)",
+                self.tier_type,
+                kind,
+                path,
+                info.st_size,
+            )
+            self.count(corrupt_chunks=1)
+            self._discard(key)
+            return False
+        self._keys.add(key)
         return True
 
     def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [key in self._index or self._on_disk(key) for key in keys]
+        return [key in self._keys or self._on_disk(key) for key in keys]
 
     def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
         # A chunk another process (or our past self) stored is not written
         # again; write_chunk checks for it with the same GIL release as the write.
-        fits, victims = self._index.reserve(self.file_bytes)
-        self._delete(victims)
-        if not fits:
-            raise OSError(errno.ENOSPC, f"max_bytes={self.max_bytes} taken by writes in flight")
         path = self.dir.chunk_path(key)
+        temp = self.dir.temp_path(path)
+        bound = self._bound
+        if bound is not None:
+            plan, victims = bound.reserve(key, self.file_bytes, temp)
+            self._forget_evicted(victims)
+            if plan == "present":  # there, or another live process is writing it
+                self._keys.add(key)
+                return
+            if plan == "full":
+                raise OSError(errno.ENOSPC, f"max_bytes={self.max_bytes} taken by writes in flight")
         try:
             written = write_chunk(
-                path,
-                self.dir.temp_path(path),
-                self.namespace,
-                key,
-                payload,
-                direct=self.direct,
-                fsync=self.fsync,
+                path, temp, self.namespace, key, payload, direct=self.direct, fsync=self.fsync
             )
-        except OSError as exc:
-            self._index.release(self.file_bytes)
-            if exc.errno in _DISK_FULL:
+        except BaseException as exc:
+            if bound is not None:
+                bound.release(key, temp)
+            if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
                 self._note_disk_full(exc)
             raise
-        self._index.commit(key, self.file_bytes, self.file_bytes)
+        if bound is not None:
+            try:
+                bound.written(key, temp)
+            except sqlite3.Error as exc:  # stored all the same; counted as in flight
+                logger.warning("tier %s: index not updated: %s", self.tier_type, exc)
+        self._keys.add(key)
         if written and self._disk_full:
             self._disk_full = False
             logger.info("tier %s: stores succeed again", self.tier_type)
@@ -289,30 +369,62 @@ class FilesystemTier(ThreadedTier):
         try:
             read_chunk(self.dir.chunk_path(key), out, self.namespace, key, direct=self.direct)
         except FileNotFoundError:
-            self._index.remove(key)  # evicted, maybe by another process
+            # Evicted, most likely by another process: a miss, not damage.
+            with self._stats_lock:
+                self.vanished_chunks += 1
+            self._keys.discard(key)
+            if self._bound is not None:
+                self._bound.forget(key)
             raise
-        self._index.touch(key)
+        if self._bound is not None and self._bound.touch(key):
+            try:
+                self._bound.flush()
+            except sqlite3.Error as exc:  # the chunk was loaded all the same
+                logger.warning("tier %s: use stamps not written: %s", self.tier_type, exc)
 
     def _discard(self, key: ChunkKey) -> None:
-        self._index.remove(key)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.dir.chunk_path(key))
+        self._keys.discard(key)
+        remove_entry(self.dir.chunk_path(key))
+        if self._bound is not None:
+            self._bound.forget(key)
 
     def _close(self) -> None:
         self._stopping.set()
         if self._indexer is not None:
             self._indexer.join()
+        if self._bound is not None:
+            self._bound.close()
 
     # Optional hooks --------------------------------------------------------------
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
-        for key in keys:
-            self._index.touch(key)
+        # Recorded in memory only (the caller's thread does no I/O); written
+        # by the next store or load that finds the stamps due.
+        if self._bound is not None:
+            for key in keys:
+                if key in self._keys:
+                    self._bound.touch(key)
+
+    def on_step_end(self) -> None:
+        super().on_step_end()
+        if self._bound is not None and self.shared and not self._poll_queued and not self._closed:
+            self._poll_queued = True
+            self._enqueue(_CHECK, functools.partial(self._poll_evictions, self._bound))
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of chunk files the index knows."""
-        return self._index.held_bytes
+        """Bytes of chunk files: of every process sharing the directory with
+        ``max_bytes`` set, else those this process knows."""
+        if self._bound is not None:
+            return self._bound.totals().nbytes
+        return len(self._keys) * self.file_bytes
+
+    @property
+    def chunk_count(self) -> int:
+        """Chunk files, counted as :attr:`held_bytes` counts their bytes."""
+        if self._bound is not None:
+            return self._bound.totals().chunks
+        return len(self._keys)
 
     def health(self) -> Sequence[HealthCheck]:
         checks = [self._writable_check()]
@@ -333,7 +445,7 @@ class FilesystemTier(ThreadedTier):
             HealthCheck(
                 "index",
                 True,
-                f"{len(self._index)} chunks, {self._index.held_bytes} bytes {bound}"
+                f"{self.chunk_count} chunks, {self.held_bytes} bytes {bound}"
                 + ("" if self.index_ready else " (re-index running)"),
             )
         )
@@ -347,7 +459,7 @@ class FilesystemTier(ThreadedTier):
         return checks
 
     def _writable_check(self) -> HealthCheck:
-        probe = self.dir.temp_path(str(self.dir.path / f"health{os.getpid()}.kvc"))
+        probe = self.dir.probe_path("health")
         try:
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             os.close(fd)
@@ -358,12 +470,18 @@ class FilesystemTier(ThreadedTier):
 
     def metrics(self) -> Sequence[TierMetric]:
         return (
-            TierMetric("held_bytes", self._index.held_bytes, "Bytes of chunk files indexed."),
-            TierMetric("chunks", len(self._index), "Chunk files indexed."),
+            TierMetric("held_bytes", self.held_bytes, "Bytes of chunk files indexed."),
+            TierMetric("chunks", self.chunk_count, "Chunk files indexed."),
             TierMetric(
                 "disk_full_errors",
                 self.disk_full_errors,
                 "Stores that failed because the filesystem was full.",
+                counter=True,
+            ),
+            TierMetric(
+                "vanished_chunks",
+                self.vanished_chunks,
+                "Loads that found the chunk file gone (evicted by another process).",
                 counter=True,
             ),
         )
@@ -380,8 +498,11 @@ class FilesystemTier(ThreadedTier):
             "fsync": self.fsync,
             "shared": self.shared,
             "max_bytes": self.max_bytes,
-            "held_bytes": self._index.held_bytes,
-            "chunks": len(self._index),
+            "held_bytes": self.held_bytes,
+            "chunks": self.chunk_count,
+            "shared_index": None if self._bound is None else self._bound.path,
             "index_ready": self.index_ready,
             "disk_full_errors": self.disk_full_errors,
+            "vanished_chunks": self.vanished_chunks,
+            "scan_skipped": self.scan_skipped,
         }

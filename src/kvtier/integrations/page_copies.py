@@ -1,0 +1,210 @@
+"""Page copies between an engine's paged KV cache and primary slots, on any device.
+
+Needs torch alone (not the engine), so ``scripts/device_check.py`` runs it on
+any machine with an accelerator. The same torch ops serve every device. On
+the CPU a copy is a plain gather or scatter. On an accelerator (CUDA, or any
+torch device module with streams and events) every copy runs on a dedicated
+copy stream, ordered against the compute stream with events, and moves
+through pinned host memory, so the compute stream never waits on a host copy:
+
+* store: the copy stream waits for the forward pass that computed the
+  pages, gathers them on the device and copies them to pinned host memory;
+  the compute stream only waits (on the device) for the gather, so blocks
+  vLLM frees are not overwritten before they were read. The host rows are
+  written into the slots once the copy's event has fired.
+* load: the rows are gathered from the slots into pinned host memory, copied
+  to the device and scattered into the pages on the copy stream; the compute
+  stream waits (on the device) for that before the forward pass reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class LayerPages:
+    """One layer's KV tensor seen as ``[num_blocks, ...page]`` without copying.
+
+    The pages are viewed in the widest integer type their rows allow (8-byte
+    words for any usual page): torch copies rows element by element, so
+    moving a page as 8-byte words instead of bytes is many times faster.
+    """
+
+    def __init__(self, name: str, tensor: torch.Tensor, num_blocks: int, page_bytes: int) -> None:
+        dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
+        if not dims:
+            raise ValueError(
+                f"KV cache of {name} has shape {tuple(tensor.shape)}: no dimension "
+                f"of num_blocks={num_blocks}"
+            )
+        found = tensor.numel() // num_blocks * tensor.element_size()
+        if found != page_bytes:
+            raise ValueError(f"KV cache of {name}: {found} bytes per block, expected {page_bytes}")
+        # The block dimension is the outermost one of that size (the CPU and
+        # flash layouts put it first or right after the K/V dimension).
+        self.pages = _widest(tensor.movedim(dims[0], 0), page_bytes)
+        self.page_shape = tuple(self.pages.shape[1:])
+        #: The type pages (and the slot rows they travel through) are copied as.
+        self.dtype = self.pages.dtype
+        self.device = tensor.device
+
+    def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Pages of ``block_ids`` as rows ``[n, page]`` of :attr:`dtype` on the KV's device."""
+        return self.pages.index_select(0, block_ids).reshape(len(block_ids), -1)
+
+    def scatter(self, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write rows ``[n, page]`` of :attr:`dtype` on the KV's device into ``block_ids``."""
+        self.pages.index_copy_(0, block_ids, rows.reshape(len(block_ids), *self.page_shape))
+
+
+def _widest(pages: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    for wide in (torch.int64, torch.int32, torch.int16):
+        if page_bytes % wide.itemsize == 0:
+            try:
+                return pages.view(wide)
+            except RuntimeError:  # the innermost dimension is too narrow or strided
+                continue
+    return pages
+
+
+class CopyIndex(NamedTuple):
+    """Which pages move: page ``i`` of layer ``l`` is slot row ``rows[l, i]`` and
+    KV block ``block_ids[i]``."""
+
+    rows: torch.Tensor
+    block_ids: torch.Tensor
+
+
+@dataclass
+class PendingStore:
+    """A step's store: rows on their way to host memory, then into the slots."""
+
+    #: Whether the device copies have ended (always true on the CPU).
+    ready: Callable[[], bool] = lambda: True
+    #: Waits for the device copies, then writes the rows into the slots.
+    complete: Callable[[], None] = lambda: None
+    failed_early: bool = False
+    _result: bool | None = field(default=None, init=False)
+
+    @classmethod
+    def failed(cls) -> PendingStore:
+        return cls(failed_early=True)
+
+    def done(self) -> bool:
+        """Whether :meth:`finish` would return without waiting (never raises)."""
+        if self.failed_early or self._result is not None:
+            return True
+        try:
+            return self.ready()
+        except Exception:  # an asynchronous device error: finish() reports it
+            return True
+
+    def finish(self) -> bool:
+        """Wait for the copies and land them; whether every page reached its slot."""
+        if self._result is None:
+            if self.failed_early:
+                self._result = False
+            else:
+                try:
+                    self.complete()
+                    self._result = True
+                except Exception:
+                    logger.exception("kvtier: storing pages failed")
+                    self._result = False
+        return self._result
+
+
+class Transfers:
+    """Runs page copies: inline on the CPU, on a copy stream on an accelerator.
+
+    Slots are reached as ``slot_rows``: the primary buffer viewed as host
+    ``uint8`` rows of one page each (a slot is a whole number of pages), so
+    every layer's pages move with one gather or scatter of rows.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        module: Any = None if device.type == "cpu" else getattr(torch, device.type, None)
+        if module is not None and not all(
+            hasattr(module, name) for name in ("Stream", "Event", "current_stream", "stream")
+        ):
+            module = None
+        self._module = module
+        self._stream = module.Stream(device=device) if module is not None else None
+
+    @property
+    def asynchronous(self) -> bool:
+        return self._stream is not None
+
+    def load(self, layers: list[LayerPages], index: CopyIndex, slot_rows: torch.Tensor) -> None:
+        """Copy slot pages into engine blocks; on a device, the forward pass waits for them.
+
+        ``slot_rows`` is the primary buffer as host ``uint8`` rows of one page each.
+        """
+        if self._stream is None:
+            ids = index.block_ids.to(self.device)
+            for layer, pages in enumerate(layers):
+                rows = slot_rows.view(pages.dtype).index_select(0, index.rows[layer])
+                pages.scatter(ids, rows.to(self.device))
+            return
+        module = self._module
+        compute = module.current_stream(self.device)
+        # The slots are read here, on the host, so they may be unpinned as
+        # soon as this returns; pinned rows make the upload asynchronous.
+        host_rows = [
+            slot_rows.view(pages.dtype).index_select(0, index.rows[layer]).pin_memory()
+            for layer, pages in enumerate(layers)
+        ]
+        # Blocks just allocated may still be read by work queued before.
+        self._stream.wait_stream(compute)
+        with module.stream(self._stream):
+            # Allocated on the copy stream, so freed memory is reused in its order.
+            device_ids = index.block_ids.pin_memory().to(self.device, non_blocking=True)
+            for pages, rows in zip(layers, host_rows, strict=True):
+                pages.scatter(device_ids, rows.to(self.device, non_blocking=True))
+            loaded = module.Event()
+            loaded.record(self._stream)
+        compute.wait_event(loaded)
+
+    def start_store(
+        self, layers: list[LayerPages], index: CopyIndex, slot_rows: torch.Tensor
+    ) -> PendingStore:
+        """Start copying engine blocks into slots; :meth:`PendingStore.finish` lands them."""
+        if self._stream is None:
+            ids = index.block_ids.to(self.device)
+            for layer, pages in enumerate(layers):
+                rows = pages.gather(ids).to("cpu")
+                slot_rows.view(pages.dtype).index_copy_(0, index.rows[layer], rows)
+            return PendingStore()
+        module = self._module
+        compute = module.current_stream(self.device)
+        self._stream.wait_stream(compute)  # the forward pass computed these pages
+        with module.stream(self._stream):
+            device_ids = index.block_ids.pin_memory().to(self.device, non_blocking=True)
+            gathered = [pages.gather(device_ids) for pages in layers]
+            read = module.Event()
+            read.record(self._stream)
+            host_rows = []
+            for rows in gathered:
+                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                host.copy_(rows, non_blocking=True)
+                host_rows.append(host)
+            copied = module.Event()
+            copied.record(self._stream)
+        # The engine may hand the blocks to another request next step: its forward
+        # pass must not overwrite them before the gather read them.
+        compute.wait_event(read)
+
+        def complete() -> None:
+            copied.synchronize()
+            for layer, rows in enumerate(host_rows):
+                slot_rows.view(rows.dtype).index_copy_(0, index.rows[layer], rows)
+
+        return PendingStore(ready=copied.query, complete=complete)

@@ -1,0 +1,466 @@
+"""The ``max_bytes`` bound of one namespace directory, shared by every process
+that uses it: an SQLite database (WAL mode) next to the chunk files.
+
+::
+
+    <namespace hex>/index.sqlite   one row per chunk file or write in flight
+                                   (key, size, last use, temp path while in
+                                   flight), the total, and a log of evicted keys
+    <namespace hex>/index.lock     flock(2) taken around every change
+
+A store enters its row *before* it creates its temp file, in a transaction
+that first evicts least recently used chunks (any process's, also those of
+processes that exited) until every row fits in ``max_bytes``; an evicted
+chunk file is unlinked *before* that transaction commits. Rows of writes in
+flight are never evicted (their writer would create or rename a file nobody
+counts): when they alone fill the bound, a store fails cleanly. Once the
+file is renamed into place the writer marks its row done. So the chunk and
+temp files on disk never exceed what the rows count, and the rows never
+count more than ``max_bytes``. A process killed mid-transaction leaves rows
+whose files are gone: the index over-counts until they are evicted or found
+missing, never under-counts. A writer killed mid-write leaves a row that
+becomes evictable once it is known to be dead (its temp file goes with it).
+
+Cost is kept off the load path: a load records its use in memory, and uses
+are written in batches (with the next change, or at most once a second by a
+loading thread). A store costs two short changes, reserve and done, and
+threads storing at once share transactions (group commit). The flock queues
+processes in the kernel (woken at once on release) instead of SQLite's
+sleeping busy handler; a mutex queues this process's threads.
+
+SQLite's WAL needs memory shared between the processes: all of them must run
+on one host (see ``docs/fs.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from kvtier.tiers.fs.layout import ChunkFile, write_abandoned
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "index.sqlite"
+LOCK_FILE = "index.lock"
+
+#: Evicted keys kept for other processes to drop from their local key sets.
+EVICTION_LOG = 65536
+#: Longest a use stamp waits in memory before a loading thread writes it.
+STAMP_FLUSH_S = 1.0
+#: Pending stamps that make a loading thread write them at once.
+STAMP_FLUSH_COUNT = 4096
+#: Rows changed per transaction when re-indexing, so others wait little.
+_BATCH = 1024
+
+# ``temp``: the temp file of the write that made the row (gone once renamed).
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS chunks (
+    key BLOB PRIMARY KEY, size INTEGER NOT NULL, used REAL NOT NULL, temp TEXT) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks (used);
+CREATE TABLE IF NOT EXISTS evicted (seq INTEGER PRIMARY KEY AUTOINCREMENT, key BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS totals (bytes INTEGER NOT NULL, count INTEGER NOT NULL);
+INSERT INTO totals SELECT 0, 0 WHERE NOT EXISTS (SELECT 1 FROM totals);
+CREATE TRIGGER IF NOT EXISTS chunk_added AFTER INSERT ON chunks BEGIN
+    UPDATE totals SET bytes = bytes + new.size, count = count + 1; END;
+CREATE TRIGGER IF NOT EXISTS chunk_dropped AFTER DELETE ON chunks BEGIN
+    UPDATE totals SET bytes = bytes - old.size, count = count - 1; END;
+"""
+
+
+#: Filesystems that may be mounted by several hosts, where SQLite's WAL (and
+#: so the shared bound) cannot span the processes of different hosts.
+NETWORK_FILESYSTEMS = frozenset(
+    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "9p"}
+)
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem ``path`` is on (Linux), or ``None``."""
+    target = os.path.realpath(path)
+    best, fstype = "", None
+    try:
+        with open("/proc/self/mountinfo") as mounts:
+            for line in mounts:
+                # id parent major:minor root mountpoint options [optional...] - type source
+                fields = line.split()
+                mountpoint = fields[4].replace("\\040", " ")
+                inside = target == mountpoint or target.startswith(mountpoint.rstrip("/") + "/")
+                if inside and len(mountpoint) >= len(best):
+                    best, fstype = mountpoint, fields[fields.index("-") + 1]
+    except (OSError, ValueError, IndexError):
+        return None
+    return fstype
+
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class _Queued(Generic[_T]):
+    """A change waiting for a transaction; ``result`` or ``error`` once done."""
+
+    change: Callable[[sqlite3.Connection], _T]
+    done: bool = False
+    result: _T | None = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What the index counts, over every process sharing the directory:
+    chunk files and writes in flight."""
+
+    nbytes: int
+    chunks: int
+
+
+class SharedIndex:
+    """Chunks and writes in flight of one namespace directory, bounded by
+    ``max_bytes`` across processes. Thread-safe; see the module docstring.
+
+    ``chunk_path`` maps a key to its file; ``abandoned_s`` is how old another
+    host's reservation must be to count as abandoned.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        max_bytes: int,
+        chunk_path: Callable[[bytes], str],
+        abandoned_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.path = os.path.join(directory, INDEX_FILE)
+        self._chunk_path = chunk_path
+        self._abandoned_s = abandoned_s
+        self._clock = clock
+        self._mutex = threading.Lock()
+        self._batch_lock = threading.Lock()
+        self._pending_lock = threading.Lock()
+        self._queued: list[_Queued[Any]] = []
+        self._stamps: dict[bytes, float] = {}
+        self._forget: set[bytes] = set()
+        self._last_flush = time.monotonic()
+        self._lock_fd = os.open(
+            os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
+        )
+        try:
+            self._db = self._open()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self.evictions_seen = self._last_eviction()
+
+    def _open(self) -> sqlite3.Connection:
+        with self._flock():
+            try:
+                return self._connect()
+            except sqlite3.DatabaseError as exc:
+                # Only an index: what it knew is rebuilt from a scan of the files.
+                logger.warning("fs index %s unusable (%s): starting a new one", self.path, exc)
+                for suffix in ("", "-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path + suffix)
+                return self._connect()
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            # Commits skip fsync (checkpoints do it): a power cut may lose the
+            # last changes, which the re-index at the next start puts back.
+            db.execute("PRAGMA synchronous = NORMAL")
+            db.executescript(_SCHEMA)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    @contextlib.contextmanager
+    def _flock(self) -> Iterator[None]:
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, alone among threads and processes; pending
+        use stamps and forgotten keys go in with it."""
+        with self._mutex, self._flock():
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._apply_pending()
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # Stores --------------------------------------------------------------------
+
+    def reserve(self, key: bytes, size: int, temp_path: str) -> tuple[str, list[bytes]]:
+        """Count a write of ``size`` bytes to ``temp_path`` before it starts.
+
+        Evicts least recently used chunks (unlinking their files) until it
+        fits; writes in flight are never evicted. Returns what to do, and the
+        keys evicted: ``"write"``; ``"present"`` when the chunk's file is there
+        or another live writer is making it; ``"full"`` when writes in flight
+        fill ``max_bytes``.
+        """
+        return self._batched(lambda db: self._reserve_one(db, key, size, temp_path))
+
+    def written(self, key: bytes, temp_path: str) -> None:
+        """The write to ``temp_path`` renamed its file into place: its row is
+        a chunk's now, no longer a write in flight."""
+        self._batched(
+            lambda db: db.execute(
+                "UPDATE chunks SET temp = NULL WHERE key = ? AND temp = ?", (key, temp_path)
+            )
+        )
+
+    def _batched(self, change: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``change`` in a transaction. Group commit: whoever gets the lock
+        first runs every change queued by then in one transaction, so threads
+        storing at once share it."""
+        request: _Queued[_T] = _Queued(change)
+        with self._pending_lock:
+            self._queued.append(request)
+        with self._batch_lock:
+            if not request.done:
+                with self._pending_lock:
+                    batch, self._queued = self._queued, []
+                try:
+                    with self._change() as db:
+                        for queued in batch:
+                            queued.result = queued.change(db)
+                except BaseException as exc:
+                    for queued in batch:  # rolled back: none of them holds
+                        queued.error = exc
+                for queued in batch:
+                    queued.done = True
+        if request.error is not None:
+            raise request.error
+        return request.result  # type: ignore[return-value]
+
+    def _reserve_one(
+        self, db: sqlite3.Connection, key: bytes, size: int, temp_path: str
+    ) -> tuple[str, list[bytes]]:
+        row = db.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
+        if row is not None:
+            if not self._files_gone(key, row[0]):
+                db.execute("UPDATE chunks SET used = ? WHERE key = ?", (self._clock(), key))
+                return "present", []
+            db.execute("DELETE FROM chunks WHERE key = ?", (key,))  # a dead write's row
+        victims = self._evict(db, self._used(db) + size - self.max_bytes)
+        if self._used(db) + size > self.max_bytes:
+            return "full", victims
+        db.execute(
+            "INSERT INTO chunks (key, size, used, temp) VALUES (?, ?, ?, ?)",
+            (key, size, self._clock(), temp_path),
+        )
+        return "write", victims
+
+    def release(self, key: bytes, temp_path: str) -> None:
+        """The write to ``temp_path`` failed and its temp file is gone: drop its
+        row, unless the chunk's file is there anyway (another writer's)."""
+        with self._change() as db:
+            if not os.path.lexists(self._chunk_path(key)):
+                db.execute("DELETE FROM chunks WHERE key = ? AND temp = ?", (key, temp_path))
+
+    # Loads ---------------------------------------------------------------------
+
+    def touch(self, key: bytes) -> bool:
+        """Record a use of ``key``, in memory: it is written with the next
+        change. Returns whether the caller (an I/O thread) should :meth:`flush`
+        now, because stamps have waited :data:`STAMP_FLUSH_S` or pile up."""
+        with self._pending_lock:
+            self._stamps[key] = self._clock()
+            return (
+                len(self._stamps) >= STAMP_FLUSH_COUNT
+                or time.monotonic() - self._last_flush > STAMP_FLUSH_S
+            )
+
+    def forget(self, key: bytes) -> None:
+        """Drop ``key``'s row at the next change if its file is gone by then
+        (a load found it missing, or a corrupt file was removed)."""
+        with self._pending_lock:
+            self._forget.add(key)
+
+    def flush(self) -> None:
+        """Write pending use stamps and forgotten keys now."""
+        with self._change():
+            pass
+
+    def _apply_pending(self) -> None:
+        with self._pending_lock:
+            stamps, self._stamps = self._stamps, {}
+            forget, self._forget = self._forget, set()
+            self._last_flush = time.monotonic()
+        if stamps:
+            self._db.executemany(
+                "UPDATE chunks SET used = max(used, ?) WHERE key = ?",
+                [(used, key) for key, used in stamps.items()],
+            )
+        # Under the lock: a row whose chunk file exists, or whose write is
+        # still in flight, stays (the index never under-counts); a writer
+        # starting later enters a new row.
+        gone = []
+        for key in forget:
+            row = self._db.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
+            if row is not None and self._files_gone(key, row[0]):
+                gone.append((key,))
+        if gone:
+            self._db.executemany("DELETE FROM chunks WHERE key = ?", gone)
+
+    def _write_over(self, key: bytes, temp: str) -> bool:
+        """Whether the write of a row still marked in flight is over: it renamed
+        its file (and was killed before saying so), or will never finish.
+        The temp file is looked at first: a write that creates and renames it
+        between the looks is then seen by the second, and its file goes."""
+        if os.path.lexists(temp):
+            return write_abandoned(temp, self._abandoned_s)
+        return os.path.lexists(self._chunk_path(key)) or write_abandoned(temp, self._abandoned_s)
+
+    def _files_gone(self, key: bytes, temp: str | None) -> bool:
+        """Whether a row's chunk file is missing and its write (``temp`` until
+        it is known to have finished) will never make it. The write is looked
+        at first: one that renames between the two looks is then seen by the
+        second."""
+        if temp and not write_abandoned(temp, self._abandoned_s):
+            return False
+        return not os.path.lexists(self._chunk_path(key))
+
+    # Other processes' evictions -------------------------------------------------
+
+    def evictions(self) -> list[bytes] | None:
+        """Keys evicted by any process since the last call; ``None`` when the
+        log was trimmed past them (the caller must forget what it knows)."""
+        with self._mutex:
+            oldest, newest = self._db.execute("SELECT min(seq), max(seq) FROM evicted").fetchone()
+            if newest is None or newest <= self.evictions_seen:
+                return []
+            since, self.evictions_seen = self.evictions_seen, newest
+            if oldest > since + 1:
+                return None
+            rows = self._db.execute(
+                "SELECT key FROM evicted WHERE seq > ? AND seq <= ?", (since, newest)
+            ).fetchall()
+        return [key for (key,) in rows]
+
+    def _last_eviction(self) -> int:
+        with self._mutex:
+            (newest,) = self._db.execute("SELECT max(seq) FROM evicted").fetchone()
+        return int(newest or 0)
+
+    # Restarts ------------------------------------------------------------------
+
+    def reconcile(self, found: Iterable[ChunkFile], stopping: Callable[[], bool]) -> list[bytes]:
+        """Make the index agree with a scan of the directory and the bound hold.
+
+        Files it did not count (stored by a process without ``max_bytes``, or
+        lost in a power cut) join with their mtime as last use; rows whose
+        files are gone are dropped (not those of writes in flight). Returns
+        the keys evicted.
+        """
+        on_disk = {chunk.key: chunk for chunk in found}
+        with self._mutex:
+            known = {key for (key,) in self._db.execute("SELECT key FROM chunks")}
+        new = [(c.key, c.size, c.mtime_ns / 1e9) for k, c in on_disk.items() if k not in known]
+        for start in range(0, len(new), _BATCH):
+            if stopping():
+                return []
+            with self._change() as db:
+                db.executemany(
+                    "INSERT INTO chunks (key, size, used) VALUES (?, ?, ?) "
+                    "ON CONFLICT (key) DO NOTHING",
+                    new[start : start + _BATCH],
+                )
+        for key in known - on_disk.keys():
+            self.forget(key)
+        victims: list[bytes] = []
+        while not stopping():
+            with self._change() as db:
+                batch = self._evict(db, self._used(db) - self.max_bytes, limit=_BATCH)
+            if not batch:
+                break
+            victims += batch
+        return victims
+
+    # Inside a change --------------------------------------------------------------
+
+    @staticmethod
+    def _used(db: sqlite3.Connection) -> int:
+        (used,) = db.execute("SELECT bytes FROM totals").fetchone()
+        return int(used)
+
+    def _evict(self, db: sqlite3.Connection, need: int, limit: int | None = None) -> list[bytes]:
+        """Unlink least recently used chunk files until ``need`` bytes are free
+        (or ``limit`` files went), then drop their rows and log them. Rows of
+        writes in flight are passed over; a dead write's temp file goes too."""
+        victims: list[bytes] = []
+        examined = 0
+        while need > 0 and (limit is None or len(victims) < limit):
+            rows = db.execute(
+                "SELECT key, size, temp FROM chunks ORDER BY used LIMIT ? OFFSET ?",
+                (16, examined),
+            ).fetchall()
+            if not rows:
+                break
+            for key, size, temp in rows:
+                examined += 1
+                if temp and not self._write_over(key, temp):
+                    continue  # a write in flight: its file will be counted
+                if temp:
+                    self._unlink(temp)  # a dead write's
+                self._unlink(self._chunk_path(key))
+                victims.append(key)
+                need -= size
+                if need <= 0 or (limit is not None and len(victims) >= limit):
+                    break
+        if victims:
+            db.executemany("DELETE FROM chunks WHERE key = ?", [(k,) for k in victims])
+            db.executemany("INSERT INTO evicted (key) VALUES (?)", [(k,) for k in victims])
+            db.execute(
+                "DELETE FROM evicted WHERE seq <= (SELECT max(seq) FROM evicted) - ?",
+                (EVICTION_LOG,),
+            )
+        return victims
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("fs index: cannot remove %s: %s", path, exc.strerror)
+
+    # Reporting and closing -----------------------------------------------------
+
+    def totals(self) -> Totals:
+        """Bytes and counts of chunks and writes in flight, of all processes."""
+        with self._mutex:
+            nbytes, count = self._db.execute("SELECT bytes, count FROM totals").fetchone()
+        return Totals(nbytes, count)
+
+    def close(self) -> None:
+        """Write pending stamps and close the database."""
+        try:
+            self.flush()
+        except sqlite3.Error as exc:
+            logger.warning("fs index %s: last use stamps not written: %s", self.path, exc)
+        finally:
+            self._db.close()
+            os.close(self._lock_fd)
