@@ -270,9 +270,10 @@ def test_a_write_in_flight_is_never_evicted(root: Path, monkeypatch: pytest.Monk
             return real_store(temp, final, *args)  # type: ignore[arg-type]
 
         monkeypatch.setattr(fs_io, "_store_file", others_store_mid_write)
-        for worker in fs_tier(slow)._workers:
-            worker.name = "slow-" + worker.name
         key = slow.keys(1)[0]
+        assert slow.lookup(key) is Lookup.MISS  # the workers start with this first task
+        for worker in fs_tier(slow)._threaded_workers:
+            worker.name = "slow-" + worker.name
         slow.fill([0])
         assert slow.store([key], [0]).success
         assert during == [(True, len(b"partial") + FILE_BYTES)]  # the other tier evicted its own

@@ -407,9 +407,9 @@ class FilesystemTier(ThreadedTier):
 
     def on_step_end(self) -> None:
         super().on_step_end()
-        if self._bound is not None and self.shared and not self._poll_queued and not self._closed:
+        if self._bound is not None and self.shared and not self._poll_queued and not self.shut_down:
             self._poll_queued = True
-            self._enqueue(_CHECK, functools.partial(self._poll_evictions, self._bound))
+            self._threaded_enqueue(_CHECK, functools.partial(self._poll_evictions, self._bound))
 
     @property
     def held_bytes(self) -> int:
