@@ -115,7 +115,22 @@ def test_types_defaults_and_bounds_read_naturally() -> None:
 def test_config_reference_command_prints_the_reference() -> None:
     result = CliRunner().invoke(cli, ["config-reference"])
     assert result.exit_code == 0
-    assert result.output == config_reference()
+    assert result.output == config_reference(installed=True)
+
+
+def test_config_reference_command_lists_installed_out_of_tree_plugins() -> None:
+    """The test plugin package declares tiers, a policy and a spec as entry points."""
+    printed = CliRunner().invoke(cli, ["config-reference"]).output
+    tier = section(printed, "### `entry-tier`")
+    assert "Class `kvtier_testplugin.tiers.EntryPointTier`" in tier
+    assert "Installed from another package" in tier
+    assert "`label`" in tier and "`weight`" in tier  # its own typed options
+    refused = section(printed, "### `not-a-tier`")
+    assert "does not import here" in refused and "PluginTypeError" in refused
+    assert "| `entry-lru` | `kvtier_testplugin.policies.EntryPointPolicy` |" in printed
+    assert "| `entry-spec` | `kvtier_testplugin.specs.EntryPointSpec` |" in printed
+    # The user guide documents kvtier's own only: it must not depend on the build machine.
+    assert "entry-tier" not in config_reference() and "entry-lru" not in config_reference()
 
 
 @pytest.mark.skipif(

@@ -116,6 +116,15 @@ class PluginRegistry(Generic[T]):
         lazy = self._registry[name]
         return f"{lazy.module}.{lazy.class_name}"
 
+    def installed_targets(self) -> dict[str, str]:
+        """``module.Class`` of each name installed packages declare as an entry
+        point, without importing it (for a name declared twice, the one that
+        :meth:`resolve` picks)."""
+        targets: dict[str, str] = {}
+        for ep in entry_points(group=self.entry_point_group):
+            targets.setdefault(ep.name, ep.value.replace(":", "."))
+        return targets
+
     def names(self) -> list[str]:
         """Every name that resolves without a module path, sorted."""
         installed = {ep.name for ep in entry_points(group=self.entry_point_group)}

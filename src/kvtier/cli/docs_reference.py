@@ -168,24 +168,38 @@ def _summary(obj: object) -> str:
     return _cell(doc.split("\n\n")[0])
 
 
-def plugin_docs(registry: PluginRegistry[Any]) -> list[PluginDoc]:
-    """Every name registered in ``registry``, resolved (never constructed)."""
+def plugin_docs(registry: PluginRegistry[Any], *, installed: bool = False) -> list[PluginDoc]:
+    """Every name registered in ``registry``, resolved (never constructed); with
+    ``installed``, then every name installed packages declare as an entry point."""
+    targets = {name: registry.registered_target(name) for name in registry.registered_names()}
+    out_of_tree = set()
+    if installed:
+        for name, target in sorted(registry.installed_targets().items()):
+            if name not in targets:
+                targets[name] = target
+                out_of_tree.add(name)
     docs = []
-    for name in registry.registered_names():
-        target = registry.registered_target(name)
+    for name, target in targets.items():
+        origin = "Installed from another package (an entry point). " if name in out_of_tree else ""
         try:
             cls = registry.resolve(name)
         except Exception as exc:  # a module that does not import: say so, go on
             cause = exc.__cause__ or exc
-            docs.append(PluginDoc(name, target, "", None, f"{type(cause).__name__}: {cause}"))
+            error = f"{type(cause).__name__}: {cause}"
+            docs.append(PluginDoc(name, target, origin.strip(), None, error))
             continue
         options = getattr(cls, "Options", None) if issubclass(cls, SecondaryTier) else None
-        docs.append(PluginDoc(name, target, _summary(cls), options))
+        docs.append(PluginDoc(name, target, origin + _summary(cls), options))
     return docs
 
 
-def config_reference(heading_level: int = 2) -> str:
-    """The whole reference as Markdown, its sections at ``heading_level``."""
+def config_reference(heading_level: int = 2, *, installed: bool = False) -> str:
+    """The whole reference as Markdown, its sections at ``heading_level``.
+
+    With ``installed``, tiers, policies and specs that installed packages
+    declare as entry points are listed too (``kvtier config-reference``);
+    without, kvtier's own only (the user guide).
+    """
     h2, h3 = "#" * heading_level, "#" * (heading_level + 1)
     top = [r for r in option_rows(KVTierConfig) if r.key != "secondary_tiers"]
     parts = [
@@ -202,11 +216,11 @@ def config_reference(heading_level: int = 2) -> str:
             ]
         ),
     ]
-    for doc in plugin_docs(tier_registry):
+    for doc in plugin_docs(tier_registry, installed=installed):
         parts.append(f"{h3} `{doc.name}`")
         parts.append(f"Class `{doc.target}`." + (f" {doc.summary}" if doc.summary else ""))
         if doc.error is not None:
-            parts.append(f"Its module does not import here, so its options are not listed: "
+            parts.append(f"It does not import here, so its options are not listed: "
                          f"{_cell(doc.error)}")  # fmt: skip
         elif doc.options is None or not doc.options.model_fields:
             parts.append("No options.")
@@ -219,7 +233,7 @@ def config_reference(heading_level: int = 2) -> str:
         parts.append(f"{h2} {title}")
         parts.append(f"Values of `{key}` that need no module path:")
         lines = ["| Name | Class | Description |", "| --- | --- | --- |"]
-        for doc in plugin_docs(registry):
+        for doc in plugin_docs(registry, installed=installed):
             text = doc.summary if doc.error is None else f"(does not import here: {doc.error})"
             lines.append(f"| `{doc.name}` | `{doc.target}` | {_cell(text)} |")
         parts.append("\n".join(lines))

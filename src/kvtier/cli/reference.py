@@ -9,8 +9,10 @@ from kvtier.cli.docs_reference import config_reference
 
 @click.command("config-reference")
 def reference() -> None:
-    """Print every configuration key of kvtier and of each registered tier, as Markdown.
+    """Print every configuration key of kvtier and of each tier, as Markdown.
 
-    Generated from the typed option declarations, like the user guide's reference.
+    Generated from the typed option declarations, like the user guide's
+    reference, and listing the tiers, policies and specs of installed packages
+    (entry points) too.
     """
-    click.echo(config_reference(), nl=False)
+    click.echo(config_reference(installed=True), nl=False)
