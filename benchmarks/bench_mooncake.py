@@ -156,7 +156,7 @@ def measure(master: MooncakeMaster, chunk_bytes: int, volume: int, repeat: int) 
     tier = harness.tier
     if not isinstance(tier, MooncakeTier):
         raise SystemExit("not a mooncake tier")
-    threads = tier.options.io_threads  # type: ignore[attr-defined]
+    threads = tier.options.io_threads
     raw = RawMooncake(master, threads, tier.io_batch, chunk_bytes)
     seconds: dict[str, list[float]] = {k: [] for k in ("raw_s", "tier_s", "raw_l", "tier_l")}
     cpu: dict[str, float] = dict.fromkeys(seconds, 0.0)

@@ -50,14 +50,14 @@ class FaultyTierOptions(TierOptions):
     """Block forever in that step, as a tier stuck on an unanswering backend would."""
 
 
-class FaultyTier(SecondaryTier):
+class FaultyTier(SecondaryTier[FaultyTierOptions]):
     """A tier that fails on purpose."""
 
     Options: ClassVar[type[TierOptions]] = FaultyTierOptions
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        options: FaultyTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         self.hang_in = options.hang_in
         if self.hang_in == "constructor":
             threading.Event().wait()

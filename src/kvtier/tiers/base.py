@@ -15,7 +15,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict
 
@@ -151,7 +151,12 @@ class TierOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-class SecondaryTier(ABC):
+#: The options type of a tier: ``class AcmeTier(ThreadedTier[AcmeTierOptions])``
+#: makes ``self.options`` an ``AcmeTierOptions`` to the type checker.
+OptionsT = TypeVar("OptionsT", bound=TierOptions)
+
+
+class SecondaryTier(ABC, Generic[OptionsT]):
     """Base of every secondary tier, built-in or out-of-tree.
 
     Built by the factory as ``cls(spec=..., primary_kv_view=..., tier_type=...,
@@ -182,7 +187,8 @@ class SecondaryTier(ABC):
         self._flat_view = primary_kv_view.cast("B")
         self._slot_bytes = int((primary_kv_view.shape or (0, 0))[1])
         self.tier_type = tier_type
-        self.options = self.Options.model_validate(options)
+        #: The entry's options, validated against :attr:`Options`.
+        self.options = cast(OptionsT, self.Options.model_validate(options))
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
 

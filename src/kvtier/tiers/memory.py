@@ -29,14 +29,14 @@ class MemoryTierOptions(ThreadedTierOptions):
     """Worker threads copying chunks."""
 
 
-class MemoryTier(ThreadedTier):
+class MemoryTier(ThreadedTier[MemoryTierOptions]):
     """Chunks in a dict, least recently used evicted beyond ``max_bytes``."""
 
     Options: ClassVar[type[TierOptions]] = MemoryTierOptions
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.max_bytes = int(self.options.max_bytes)  # type: ignore[attr-defined]
+        self.max_bytes = int(self.options.max_bytes)
         self._chunks: OrderedDict[ChunkKey, bytes] = OrderedDict()
         self._chunks_lock = threading.Lock()
         self._held_bytes = 0

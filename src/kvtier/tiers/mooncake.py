@@ -119,7 +119,7 @@ class MooncakeTierOptions(RemoteTierOptions):
         return protocol.lower() if isinstance(protocol, str) else protocol
 
 
-class MooncakeTier(RemoteTier):
+class MooncakeTier(RemoteTier[MooncakeTierOptions]):
     """Chunks as framed values in a Mooncake Store, moved from registered buffers."""
 
     Options: ClassVar[type[TierOptions]] = MooncakeTierOptions
@@ -128,7 +128,7 @@ class MooncakeTier(RemoteTier):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        options: MooncakeTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         self._set_name_prefix(options.key_prefix)
         self._target = f"mooncake master {options.master_server_address}"
         master_host = options.master_server_address.rpartition(":")[0]
@@ -245,7 +245,7 @@ class MooncakeTier(RemoteTier):
         # deadline in a call may still hold views of them.
 
     def describe(self) -> dict[str, object]:
-        options: MooncakeTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         return {
             **super().describe(),
             "target": self._target,

@@ -127,7 +127,7 @@ class ObjectStoreTierOptions(RemoteTierOptions):
         return self
 
 
-class ObjectStoreTier(RemoteTier):
+class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
     """Chunks as framed objects, one request per chunk, requests in parallel."""
 
     Options: ClassVar[type[TierOptions]] = ObjectStoreTierOptions
@@ -139,7 +139,7 @@ class ObjectStoreTier(RemoteTier):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        options: ObjectStoreTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         self._bucket = options.bucket
         self._set_name_prefix(options.prefix)
         where = f" at {options.endpoint_url}" if options.endpoint_url else ""
@@ -156,7 +156,7 @@ class ObjectStoreTier(RemoteTier):
         # One request per chunk, so a task per worker: a job's chunks run in
         # parallel, and once the backend is known down each task stops
         # sending instead of a queue of one-chunk tasks each paying a timeout.
-        options: ObjectStoreTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         size = min(self.io_batch, max(1, math.ceil(len(pending) / options.io_threads)))
         return [pending[i : i + size] for i in range(0, len(pending), size)]
 
@@ -268,7 +268,7 @@ class ObjectStoreTier(RemoteTier):
             self._client.close()
 
     def describe(self) -> dict[str, object]:
-        options: ObjectStoreTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         return {
             **super().describe(),
             "bucket": options.bucket,

@@ -122,7 +122,7 @@ class RedisTierOptions(RemoteTierOptions):
         return self.cluster or bool(self.startup_nodes)
 
 
-class RedisTier(RemoteTier):
+class RedisTier(RemoteTier[RedisTierOptions]):
     """Chunks as framed values in Redis/Valkey, moved in pipelines."""
 
     Options: ClassVar[type[TierOptions]] = RedisTierOptions
@@ -132,7 +132,7 @@ class RedisTier(RemoteTier):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        options: RedisTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         self._set_name_prefix(options.key_prefix)
         self._ttl_ms = None if options.ttl_s is None else max(1, round(options.ttl_s * 1000))
         self._target = _target(options)
@@ -199,7 +199,7 @@ class RedisTier(RemoteTier):
             self._client.close()
 
     def describe(self) -> dict[str, object]:
-        options: RedisTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         return {
             **super().describe(),
             "target": self._target,

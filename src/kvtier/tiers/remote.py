@@ -136,7 +136,10 @@ class RemoteTierStats(TierStats):
     outage_failed_loads: int = 0
 
 
-class RemoteTier(ThreadedTier):
+RemoteOptionsT = TypeVar("RemoteOptionsT", bound=RemoteTierOptions)
+
+
+class RemoteTier(ThreadedTier[RemoteOptionsT]):
     """Framing, verification, naming and outage handling over a batched remote store."""
 
     Options: ClassVar[type[TierOptions]] = RemoteTierOptions
@@ -145,7 +148,7 @@ class RemoteTier(ThreadedTier):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        options: RemoteTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         self._skip_existing = options.skip_existing
         self._deadline_s = options.deadline_s
         self._names_prefix = ""
@@ -543,7 +546,7 @@ class RemoteTier(ThreadedTier):
         ``connect`` builds the client and pings it; errors other than the
         timeout propagate as they are, for the tier to explain.
         """
-        options: RemoteTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         try:
             return self._bounded(connect, options.startup_timeout_s, dispose)
         except TimeoutError as exc:
@@ -566,7 +569,7 @@ class RemoteTier(ThreadedTier):
         }
 
     def health(self) -> Sequence[HealthCheck]:
-        options: RemoteTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         try:
             self._bounded(self._ping, options.startup_timeout_s, lambda _: None)
         except Exception as exc:

@@ -17,7 +17,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import Field
 
@@ -59,7 +59,10 @@ class _JobState:
     slots_guard: threading.Lock = field(default_factory=threading.Lock)
 
 
-class ThreadedTier(SecondaryTier):
+ThreadedOptionsT = TypeVar("ThreadedOptionsT", bound=ThreadedTierOptions)
+
+
+class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
     """Implements the tier contract on a priority queue of worker threads."""
 
     Options: ClassVar[type[TierOptions]] = ThreadedTierOptions
@@ -101,7 +104,7 @@ class ThreadedTier(SecondaryTier):
     @property
     def io_threads(self) -> int:
         """How many worker threads the tier runs (started on its first task)."""
-        return int(getattr(self.options, "io_threads", 4))
+        return self.options.io_threads
 
     @property
     def shut_down(self) -> bool:

@@ -52,7 +52,7 @@ class SQLiteTierOptions(ThreadedTierOptions):
     """Seconds a worker waits for another writer's lock before the chunk fails."""
 
 
-class SQLiteTier(ThreadedTier):
+class SQLiteTier(ThreadedTier[SQLiteTierOptions]):
     """Chunks as rows of one SQLite table, framed with kvtier's integrity header."""
 
     Options: ClassVar[type[TierOptions]] = SQLiteTierOptions
@@ -61,7 +61,7 @@ class SQLiteTier(ThreadedTier):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        options: SQLiteTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         self.path = options.path.expanduser()
         self.max_bytes = None if options.max_bytes is None else int(options.max_bytes)
         self.busy_timeout_s = options.busy_timeout_s

@@ -88,7 +88,7 @@ class FilesystemTierOptions(ThreadedTierOptions):
     another host's unfinished write is deleted."""
 
 
-class FilesystemTier(ThreadedTier):
+class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     """Chunk files under ``root_dir/<namespace hex>/``; see the module docstring."""
 
     Options: ClassVar[type[TierOptions]] = FilesystemTierOptions
@@ -105,7 +105,7 @@ class FilesystemTier(ThreadedTier):
             raise
 
     def _setup(self) -> None:
-        options: FilesystemTierOptions = self.options  # type: ignore[assignment]
+        options = self.options
         self.root_dir = options.root_dir.expanduser().absolute()
         self.dir = NamespaceDir(self.root_dir, self.namespace)
         try:

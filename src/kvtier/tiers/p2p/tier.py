@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import ByteSize, Field, FilePath, SecretStr, field_validator, model_validator
 
@@ -208,7 +208,7 @@ class PeerTierOptions(ThreadedTierOptions):
         )
 
 
-class PeerTier(ThreadedTier):
+class PeerTier(ThreadedTier[PeerTierOptions]):
     """Chunks fetched from other kvtier nodes' primary tiers; serves its own."""
 
     Options: ClassVar[type[TierOptions]] = PeerTierOptions
@@ -216,7 +216,7 @@ class PeerTier(ThreadedTier):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        options = cast(PeerTierOptions, self.options)
+        options = self.options
         self._settings = options
         self._secret = options.secret.get_secret_value().encode()
         tls = options.tls_settings()
