@@ -283,3 +283,35 @@ def test_prefix_matching_is_by_whole_module_components(monkeypatch: pytest.Monke
 
 def test_tier_registry_names_include_entry_points() -> None:
     assert {"example", "memory", "entry-tier"} <= set(tier_registry.names())
+
+
+def test_each_tier_class_is_resolved_once_per_configuration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    resolved: list[str] = []
+    real_resolve = tier_registry.resolve
+
+    def counting(name: str, *args: object, **kwargs: object) -> type[SecondaryTier]:
+        resolved.append(name)
+        return real_resolve(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tier_registry, "resolve", counting)
+    layout = small_layout()
+    config = load_config(
+        {
+            "chunk_tokens": layout.chunk_tokens,
+            "cpu_bytes_to_use": 4 * layout.slot_bytes,
+            "secondary_tiers": [
+                {"type": "memory", "max_bytes": "1MiB"},
+                {"type": "OutOfTreeTier", "module_path": "kvtier_testplugin.tiers", "label": "x"},
+            ],
+        }
+    )
+    assert resolved == ["memory", "OutOfTreeTier"]  # validating the configuration resolves
+    manager = TieringSpec(config, layout).build_manager()
+    try:
+        assert [type(t).__name__ for t in manager.tiers] == ["MemoryTier", "OutOfTreeTier"]
+        assert manager.tiers[1].options.label == "x"
+        assert resolved == ["memory", "OutOfTreeTier"]  # building the tiers does not again
+    finally:
+        manager.shutdown()

@@ -41,9 +41,15 @@ class TieringSpec(OffloadingSpec):
         try:
             for index, tier_config in enumerate(self.config.secondary_tiers):
                 self.starting = f"secondary_tiers[{index}] (type {tier_config.tier_type!r})"
+                # Resolved once, by load_config: the class is not looked up again.
                 tiers.append(
-                    SecondaryTierFactory.create_secondary_tier(
-                        tier_config.as_dict(), buffer.view, self, entry=f"secondary_tiers[{index}]"
+                    SecondaryTierFactory.build_secondary_tier(
+                        tier_config.tier_class,
+                        tier_config.tier_type,
+                        tier_config.options.model_dump(exclude_unset=True),
+                        buffer.view,
+                        self,
+                        entry=f"secondary_tiers[{index}]",
                     )
                 )
         except BaseException:

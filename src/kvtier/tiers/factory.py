@@ -62,8 +62,27 @@ class SecondaryTierFactory:
         tier_type = options.pop("type")
         # A loading hint only: it never reaches the constructor.
         options.pop("module_path", None)
+        return SecondaryTierFactory.build_secondary_tier(
+            cls, tier_type, options, primary_kv_view, spec, entry=entry
+        )
+
+    @staticmethod
+    def build_secondary_tier(
+        cls: type[SecondaryTier],
+        tier_type: str,
+        options: Mapping[str, Any],
+        primary_kv_view: memoryview,
+        spec: TierSpec,
+        *,
+        entry: str = "",
+    ) -> SecondaryTier:
+        """Construct a tier whose class was resolved already (a validated
+        configuration holds it): errors say ``entry``, the class is not
+        looked up again."""
         try:
-            return cls(spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **options)
+            return cls(
+                spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **dict(options)
+            )
         except BackendUnavailableError as exc:
             if not entry or exc.entry:
                 raise
