@@ -4,6 +4,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -313,5 +314,31 @@ def test_each_tier_class_is_resolved_once_per_configuration(
         assert [type(t).__name__ for t in manager.tiers] == ["MemoryTier", "OutOfTreeTier"]
         assert manager.tiers[1].options.label == "x"
         assert resolved == ["memory", "OutOfTreeTier"]  # building the tiers does not again
+    finally:
+        manager.shutdown()
+
+
+def test_the_policy_and_spec_classes_are_resolved_once_per_configuration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtier.policies.factory import policy_registry
+    from kvtier.specs.factory import spec_registry
+
+    resolved: list[str] = []
+    for registry in (policy_registry, spec_registry):
+        real = registry.resolve
+
+        def counting(name: str, *args: object, _real: Any = real, **kwargs: object) -> Any:
+            resolved.append(name)
+            return _real(name, *args, **kwargs)
+
+        monkeypatch.setattr(registry, "resolve", counting)
+    layout = small_layout()
+    config = load_config({"chunk_tokens": layout.chunk_tokens, "eviction_policy": "arc"})
+    assert sorted(resolved) == ["arc", "tiering"]
+    manager = OffloadingSpecFactory.create_spec(config, layout).build_manager()
+    try:
+        assert type(manager.primary.policy).__name__ == "ARCCachePolicy"
+        assert sorted(resolved) == ["arc", "tiering"]  # building did not look them up again
     finally:
         manager.shutdown()

@@ -12,9 +12,9 @@ import difflib
 import json
 import re
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import (
@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 Problems = list[tuple[str, str]]
+T = TypeVar("T")
 
 
 def load_config(
@@ -77,20 +78,22 @@ def load_config(
     except ValidationError as exc:
         problems.extend(_problems_from(exc, KVTierConfig, ""))
     else:
-        _check_resolves(
+        policy = _resolve_or_note(
             lambda: policy_registry.resolve(
                 config.eviction_policy, config.cache_policy_module_path, entry="eviction_policy"
             ),
             "eviction_policy",
             problems,
         )
-        _check_resolves(
+        spec = _resolve_or_note(
             lambda: spec_registry.resolve(
                 config.spec_name, config.spec_module_path, entry="spec_name"
             ),
             "spec_name",
             problems,
         )
+        if policy is not None and spec is not None:
+            config._resolved(policy, spec)
     if problems:
         raise ConfigError(problems, label)
     return config
@@ -137,11 +140,15 @@ def _validate_tier(raw: Any, path: str, problems: Problems) -> TierConfig | None
     return TierConfig(tier_type, module_path, cls, validated)
 
 
-def _check_resolves(resolve: Any, path: str, problems: Problems) -> None:
+def _resolve_or_note(
+    resolve: Callable[[], type[T]], path: str, problems: Problems
+) -> type[T] | None:
+    """The class ``resolve`` finds, or ``None`` with the problem noted at ``path``."""
     try:
-        resolve()
+        return resolve()
     except (KVTierError, TypeError) as exc:
         problems.append((path, str(exc).removeprefix(f"{path}: ")))
+        return None
 
 
 def validate_options(model: type[BaseModel], raw: Mapping[str, Any], path: str) -> BaseModel:

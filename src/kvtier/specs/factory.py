@@ -37,5 +37,9 @@ class OffloadingSpecFactory:
 
     @staticmethod
     def create_spec(config: KVTierConfig, layout: KVLayout) -> OffloadingSpec:
-        cls = OffloadingSpecFactory.get_spec_class(config.spec_name, config.spec_module_path)
+        resolved = config.resolved_spec_class()  # by load_config: not looked up again
+        if resolved is not None and issubclass(resolved, OffloadingSpec):
+            cls: type[OffloadingSpec] = resolved
+        else:
+            cls = OffloadingSpecFactory.get_spec_class(config.spec_name, config.spec_module_path)
         return cls(config, layout)
