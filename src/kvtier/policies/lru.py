@@ -33,13 +33,12 @@ class LRUCachePolicy(CachePolicy):
             order[key] = None
 
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
-        order = self._order
-        new = dict.fromkeys(keys)
-        if len(new) == len(keys) and order.keys().isdisjoint(new):
-            order.update(new)  # all new, no repeats: appending them is inserting each
-        else:
-            for key in keys:
-                self.insert(key)
+        order = self._order  # insert inlined: the primary tier inserts every new chunk
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
+            else:
+                order[key] = None
 
     def remove(self, key: ChunkKey) -> None:
         self._order.pop(key, None)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from itertools import takewhile
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from itertools import takewhile
 
 from kvtier.keys import ChunkKey
 from kvtier.policies.base import CachePolicy
@@ -113,13 +113,11 @@ class PrimaryTier:
                     free.append(slot_of.pop(victim))
                     del readers[victim]
                 self.evictions += len(victims)
-            # The last free slots, in the order pop() would give them (low first).
-            count = len(new)
-            slots = self._free[: -count - 1 : -1] if count else []
-            del self._free[len(self._free) - count :]
-            reserved = dict(zip(new, slots, strict=True))
-            slot_of.update(reserved)
-            self._writing.update(new)
+            free, writing = self._free, self._writing
+            reserved = {}
+            for key in new:
+                reserved[key] = slot_of[key] = free.pop()
+                writing.add(key)
             return reserved
 
     def complete_store(
@@ -136,20 +134,25 @@ class PrimaryTier:
             raise ValueError(f"pins must be >= 0, got {pins}")
         with self._lock:
             writing = self._writing
-            written = [key for key in dict.fromkeys(keys) if key in writing]
-            writing.difference_update(written)
+            written = []
+            for key in keys:
+                if key in writing:  # else not being written, or a repeat
+                    writing.remove(key)
+                    written.append(key)
             ready = self._track(written) if success and written else []
-            if len(ready) == len(written):
-                lost = []
-            else:  # failed writes, or chunks the policy refused
+            slot_of, readers = self._slot_of, self._readers
+            if len(ready) < len(written):  # failed writes, or chunks the policy refused
                 kept = set(ready)
-                lost = [key for key in written if key not in kept]
-            slot_of = self._slot_of
-            self._free.extend(slot_of.pop(key) for key in lost)
-            self._readers.update(dict.fromkeys(ready, pins))
+                for key in written:
+                    if key not in kept:
+                        self._free.append(slot_of.pop(key))
+            completed = {}
+            for key in ready:
+                readers[key] = pins
+                completed[key] = slot_of[key]
             if pins:
                 self._pinned.update(ready)
-            return dict(zip(ready, map(slot_of.__getitem__, ready), strict=True))
+            return completed
 
     def _track(self, keys: list[ChunkKey]) -> list[ChunkKey]:
         """Hand newly ready keys to the policy; returns those it now tracks.
@@ -292,7 +295,7 @@ class _Protected(Collection[ChunkKey]):
     those the caller protects. A view: a membership test is at most three set
     lookups and nothing is copied, however long the protected chain."""
 
-    __slots__ = ("_pinned", "_own", "_protect")
+    __slots__ = ("_own", "_pinned", "_protect")
 
     def __init__(
         self, pinned: set[ChunkKey], own: Collection[ChunkKey], protect: Collection[ChunkKey]
