@@ -115,6 +115,23 @@ class PolicyContractTests:
         assert policy.evict(2, everything - {key(5)}) is None
         assert len(policy) == capacity - 2 and key(5) in policy
 
+    def test_insert_all_is_insert_of_each_key_in_order(self) -> None:
+        """A batch (how the primary tier inserts) may be faster, never different."""
+        batched, single = self.make_twins()
+        for policy in (batched, single):
+            for i in range(self.capacity):
+                policy.insert(key(i))
+            policy.touch([key(1), key(2)])
+            assert policy.evict(3, {key(1)}) is not None  # leaves ghosts, where kept
+        # New keys, a repeat, evicted keys (ghosts) and a resident one, in one batch.
+        batch = [key(100), key(0), key(101), key(100), *(key(i) for i in range(3, 6)), key(2)]
+        batched.insert_all(batch)
+        for k in batch:
+            single.insert(k)
+        assert len(batched) == len(single)
+        assert all((k in batched) == (k in single) for k in map(key, range(200)))
+        assert batched.evict(len(batched), ()) == single.evict(len(single), ())
+
     def test_failed_evict_changes_nothing(self) -> None:
         """No victim, no ghost, no counter, no adaptive target may move on a failure."""
         failed, twin = self.make_twins()
