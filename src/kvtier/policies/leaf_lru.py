@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey
@@ -82,6 +82,19 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             self._leave(key)
             self._group_of[key] = serial
         self._current[key] = None
+
+    def insert_all(self, keys: Sequence[ChunkKey]) -> None:
+        # insert inlined for the primary tier's batches: new keys that an
+        # eviction announced join the current group.
+        group_of, current = self._group_of, self._current
+        for index, key in enumerate(keys):
+            if not self._announced or key in group_of:
+                for rest in keys[index:]:  # the general case, key by key
+                    self.insert(rest)
+                return
+            self._announced -= 1
+            group_of[key] = self._serial
+            current[key] = None
 
     def remove(self, key: ChunkKey) -> None:
         if key in self._group_of:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey
@@ -53,6 +53,17 @@ class S3FIFOCachePolicy(CachePolicy):
         else:
             self._small[key] = None
         self._freq[key] = 0
+
+    def insert_all(self, keys: Sequence[ChunkKey]) -> None:
+        # insert inlined for the primary tier's batches: the common case is a
+        # key neither resident nor remembered, which enters the small queue.
+        freq, ghost, small = self._freq, self._ghost, self._small
+        for key in keys:
+            if key in freq or key in ghost:
+                self.insert(key)
+            else:
+                small[key] = None
+                freq[key] = 0
 
     def remove(self, key: ChunkKey) -> None:
         if self._freq.pop(key, None) is not None:
