@@ -99,3 +99,22 @@ def test_layout_rejects_nonsense(bad: dict) -> None:
     }
     with pytest.raises(ValueError, match="KVLayout"):
         KVLayout(**{**fields, **bad})
+
+
+def test_keys_never_change_across_releases() -> None:
+    """Shared tiers hold chunks under these keys: a new release must find them."""
+    tokens = list(range(1000, 1014))  # three full chunks of four and a tail
+    keys = [k.hex()[:24] for k in chunk_keys(b"ns-golden", tokens, 4)]
+    assert keys == [
+        "09b57cf4d6e9da47ce4f4ec0",
+        "50967472c99e579102cb2b78",
+        "d79afe90cb0e14ea6df4dd8b",
+    ]
+    extras = [b"", b"lora-7", b""]
+    keys = [k.hex()[:24] for k in chunk_keys(b"ns-golden", tokens[:12], 4, extras=extras)]
+    assert keys == [
+        "09b57cf4d6e9da47ce4f4ec0",
+        "a4f25e3fa5eb1b02b23d6fd5",
+        "3b7791641fe5df84fa7eed52",
+    ]
+    assert chain_key(b"ns-golden", tokens[:4]).hex()[:24] == keys[0]

@@ -22,10 +22,19 @@ ChunkKey = NewType("ChunkKey", bytes)
 _TOKEN_DTYPE = np.dtype("<i8")
 
 
+#: BLAKE2b set up once with kvtier's parameters; each key hashes a copy.
+_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-chunk")
+
+
 def chain_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> ChunkKey:
     """The key of one chunk given the key of the chunk before it."""
-    digest = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvtier-chunk")
-    digest.update(np.asarray(tokens, dtype=_TOKEN_DTYPE).tobytes())
+    return _chain_key(parent, np.asarray(tokens, dtype=_TOKEN_DTYPE).tobytes(), extra)
+
+
+def _chain_key(parent: bytes, token_bytes: bytes | memoryview, extra: bytes) -> ChunkKey:
+    digest = _HASHER.copy()
+    digest.update(parent)
+    digest.update(token_bytes)
     if extra:
         # Length-prefixed so that (tokens, extra) pairs can never alias.
         digest.update(len(extra).to_bytes(8, "little"))
@@ -45,10 +54,14 @@ def iter_chunk_keys(
     multimodal hashes, a tenant salt) without changing the token ids.
     """
     array = np.asarray(tokens, dtype=_TOKEN_DTYPE)
+    chunks = len(array) // chunk_tokens
+    # One conversion for the whole prompt; each chunk hashes a slice of it.
+    data = memoryview(np.ascontiguousarray(array[: chunks * chunk_tokens]).tobytes())
+    step = chunk_tokens * _TOKEN_DTYPE.itemsize
     parent: bytes = namespace
-    for index in range(len(array) // chunk_tokens):
-        chunk = array[index * chunk_tokens : (index + 1) * chunk_tokens]
-        parent = chain_key(parent, chunk, extras[index] if extras else b"")
+    for index in range(chunks):
+        extra = extras[index] if extras else b""
+        parent = _chain_key(parent, data[index * step : (index + 1) * step], extra)
         yield ChunkKey(parent)
 
 
