@@ -115,17 +115,24 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             self._serial,
             self._current,
         )
+        # A chain's keys mostly come from one group (its last request): look each
+        # group up once per run of its keys.
+        last, group = -1, current
         for key in keys:
             old = group_of.get(key)
             if old is None:
                 continue
-            group = groups[old]
+            if old != last:
+                if not group and last != serial and last in groups:
+                    del groups[last]
+                    self._unannounced.discard(last)
+                last, group = old, groups[old]
             del group[key]
-            if not group and old != serial:
-                del groups[old]
-                self._unannounced.discard(old)
             group_of[key] = serial
             current[key] = None
+        if not group and last != serial and last in groups:
+            del groups[last]
+            self._unannounced.discard(last)
         self._touched = (serial, len(current))
 
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
