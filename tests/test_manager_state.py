@@ -59,10 +59,10 @@ class ManagerMachine(RuleBasedStateMachine):
     )
     def store(self, prefix: int, suffix: int, length: int, succeed: bool) -> None:
         keys = self.cache.keys(self.tokens(prefix, suffix, length))
-        before = dict(self.manager.primary._refs)
+        before = self.manager.primary.refcounts()
         reserved = self.manager.prepare_store(keys)
         if reserved is None:
-            assert self.manager.primary._refs == before  # atomic: nothing changed
+            assert self.manager.primary.refcounts() == before  # atomic: nothing changed
             return
         for key, slot in reserved.items():
             self.manager.primary.buffer.slot(slot)[:] = pattern(key)
@@ -112,7 +112,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def drain_then_nothing_is_busy(self) -> None:
         self.manager.drain()
         assert not self.manager.busy
-        assert all(refs == 0 for refs in self.manager.primary._refs.values())
+        assert all(refs == 0 for refs in self.manager.primary.refcounts().values())
 
     @precondition(lambda self: not self.pinned)
     @rule()
@@ -123,13 +123,13 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def slots_are_consistent(self) -> None:
         primary = self.manager.primary
-        assert all(refs >= -1 for refs in primary._refs.values())
+        assert all(refs >= -1 for refs in primary.refcounts().values())
         slots = list(primary._slot_of.values())
         assert len(slots) == len(set(slots))
         assert len(slots) + len(primary._free) == primary.num_slots
         assert set(slots).isdisjoint(primary._free)
-        assert set(primary._slot_of) == set(primary._refs)
-        idle = {k for k, r in primary._refs.items() if r >= 0}
+        assert set(primary._slot_of) == set(primary.refcounts())
+        idle = {k for k, r in primary.refcounts().items() if r >= 0}
         assert len(primary.policy) == len(idle)
         assert all(k in primary.policy for k in idle)
 

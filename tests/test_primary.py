@@ -76,9 +76,9 @@ def test_prepare_store_evicts_idle_chunks_in_policy_order(primary: PrimaryTier) 
 def test_prepare_store_is_atomic_when_pinned_chunks_block_it(primary: PrimaryTier) -> None:
     stored(primary, 1, 2, 3, 4)
     primary.prepare_load([key(1), key(2), key(3)])
-    before = dict(primary._refs)
+    before = primary.refcounts()
     assert primary.prepare_store([key(5), key(6)]) is None
-    assert primary._refs == before and primary.evictions == 0
+    assert primary.refcounts() == before and primary.evictions == 0
     assert list(primary.prepare_store([key(5)]) or {}) == [key(5)]
     assert not primary.is_ready(key(4))
 
@@ -245,8 +245,34 @@ def test_a_policy_that_raises_on_insert_loses_the_chunk_never_the_slot(
     def broken_insert(chunk: bytes) -> None:
         raise RuntimeError("policy bug")
 
+    def broken_insert_all(chunks: list[bytes]) -> None:
+        raise RuntimeError("policy bug")
+
     monkeypatch.setattr(primary.policy, "insert", broken_insert)
+    monkeypatch.setattr(primary.policy, "insert_all", broken_insert_all)
     keys = [key(1), key(2)]
     assert primary.prepare_store(keys) is not None
     assert primary.complete_store(keys, True) == {}
     assert len(primary) == 0 and primary.busy_counts()["free"] == 4
+
+
+def test_a_policy_that_refuses_one_key_of_a_batch_loses_only_that_chunk(
+    primary: PrimaryTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policy = primary.policy
+    real_insert = policy.insert
+
+    def picky_insert(chunk: bytes) -> None:
+        if chunk == key(2):
+            raise RuntimeError("policy bug")
+        real_insert(chunk)
+
+    monkeypatch.setattr(policy, "insert", picky_insert)
+    monkeypatch.setattr(policy, "insert_all", lambda chunks: [picky_insert(c) for c in chunks])
+    keys = [key(1), key(2), key(3)]
+    reserved = primary.prepare_store(keys)
+    assert reserved is not None
+    ready = primary.complete_store(keys, True)
+    assert ready == {key(1): reserved[key(1)], key(3): reserved[key(3)]}
+    assert key(2) not in policy and key(3) in policy
+    assert len(primary) == 2 and primary.busy_counts()["free"] == 2

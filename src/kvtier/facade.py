@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ClosedError
 from kvtier.inputs import TokenIds, chunk_rows, chunks_of, count, token_array
-from kvtier.keys import ChunkKey, chunk_keys
+from kvtier.keys import ChunkKey, KeyMemo
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.manager import TieringManager
@@ -72,6 +72,7 @@ class KVCache:
             raise
         #: Admits calls until :meth:`close`, which waits for the copies in progress.
         self.lifecycle = Lifecycle("KVCache")
+        self._key_memo = KeyMemo(layout.namespace, layout.chunk_tokens)
         self._close_lock = threading.Lock()
 
     @property
@@ -88,9 +89,8 @@ class KVCache:
             return self._keys(token_array(tokens))
 
     def _keys(self, tokens: np.ndarray, limit: int | None = None) -> list[ChunkKey]:
-        if limit is not None:
-            tokens = tokens[: limit * self.chunk_tokens]
-        return chunk_keys(self.layout.namespace, tokens, self.chunk_tokens)
+        # A request's lookup, load and store key the same prompt: hashed once.
+        return self._key_memo.keys(tokens, limit)
 
     def lookup(
         self,

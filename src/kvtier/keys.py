@@ -9,6 +9,8 @@ machines, whatever ``PYTHONHASHSEED`` says.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import NewType
 
@@ -22,10 +24,19 @@ ChunkKey = NewType("ChunkKey", bytes)
 _TOKEN_DTYPE = np.dtype("<i8")
 
 
+#: BLAKE2b set up once with kvtier's parameters; each key hashes a copy.
+_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-chunk")
+
+
 def chain_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> ChunkKey:
     """The key of one chunk given the key of the chunk before it."""
-    digest = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvtier-chunk")
-    digest.update(np.asarray(tokens, dtype=_TOKEN_DTYPE).tobytes())
+    return _chain_key(parent, np.asarray(tokens, dtype=_TOKEN_DTYPE).tobytes(), extra)
+
+
+def _chain_key(parent: bytes, token_bytes: bytes | memoryview, extra: bytes) -> ChunkKey:
+    digest = _HASHER.copy()
+    digest.update(parent)
+    digest.update(token_bytes)
     if extra:
         # Length-prefixed so that (tokens, extra) pairs can never alias.
         digest.update(len(extra).to_bytes(8, "little"))
@@ -39,16 +50,32 @@ def iter_chunk_keys(
     chunk_tokens: int,
     extras: Sequence[bytes] | None = None,
 ) -> Iterator[ChunkKey]:
-    """Yield the key of every *full* chunk of ``tokens``; a partial tail has no key.
+    """The key of every *full* chunk of ``tokens``, lazily; a partial tail has no key.
 
     ``extras[i]``, when given, mixes per-chunk data into the key (LoRA id,
     multimodal hashes, a tenant salt) without changing the token ids.
     """
+    data, chunks = _full_chunk_bytes(tokens, chunk_tokens)
+    return _keys_of_bytes(namespace, data, chunks, extras)
+
+
+def _full_chunk_bytes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int) -> tuple[bytes, int]:
+    """The little-endian bytes of the full chunks of ``tokens``, and how many there are."""
     array = np.asarray(tokens, dtype=_TOKEN_DTYPE)
+    chunks = len(array) // chunk_tokens
+    return np.ascontiguousarray(array[: chunks * chunk_tokens]).tobytes(), chunks
+
+
+def _keys_of_bytes(
+    namespace: bytes, data: bytes, chunks: int, extras: Sequence[bytes] | None = None
+) -> Iterator[ChunkKey]:
+    # One conversion for the whole prompt; each chunk hashes a slice of it.
+    view = memoryview(data)
+    step = len(data) // chunks if chunks else 0
     parent: bytes = namespace
-    for index in range(len(array) // chunk_tokens):
-        chunk = array[index * chunk_tokens : (index + 1) * chunk_tokens]
-        parent = chain_key(parent, chunk, extras[index] if extras else b"")
+    for index in range(chunks):
+        extra = extras[index] if extras else b""
+        parent = _chain_key(parent, view[index * step : (index + 1) * step], extra)
         yield ChunkKey(parent)
 
 
@@ -60,3 +87,45 @@ def chunk_keys(
 ) -> list[ChunkKey]:
     """The keys of every full chunk of ``tokens``, in order."""
     return list(iter_chunk_keys(namespace, tokens, chunk_tokens, extras))
+
+
+class KeyMemo:
+    """The chunk keys of the last few token sequences keyed, by their content.
+
+    A request keys its prompt for its lookup, its load and its store; with
+    the memo it is hashed once. Bounded in entries and in token bytes held;
+    thread-safe. Returns a new list on every call.
+    """
+
+    def __init__(
+        self, namespace: bytes, chunk_tokens: int, *, entries: int = 32, max_bytes: int = 16 << 20
+    ) -> None:
+        self.namespace = namespace
+        self.chunk_tokens = chunk_tokens
+        self.entries = entries
+        self.max_bytes = max_bytes
+        self._memo: OrderedDict[bytes, list[ChunkKey]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def keys(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> list[ChunkKey]:
+        """The keys of the full chunks of ``tokens`` (the first ``limit`` of them, if given)."""
+        data, chunks = _full_chunk_bytes(tokens, self.chunk_tokens)
+        with self._lock:
+            known = self._memo.get(data)
+            if known is not None:
+                self._memo.move_to_end(data)
+                return known[:limit]
+        if limit is not None and limit < chunks:
+            # Only a prefix wanted: hash just that, and keep nothing partial.
+            prefix = data[: len(data) // chunks * limit] if chunks else data
+            return list(_keys_of_bytes(self.namespace, prefix, limit))
+        keys = list(_keys_of_bytes(self.namespace, data, chunks))
+        if len(data) <= self.max_bytes:
+            with self._lock:
+                if data not in self._memo:
+                    self._memo[data] = keys
+                    self._bytes += len(data)
+                while len(self._memo) > self.entries or self._bytes > self.max_bytes:
+                    self._bytes -= len(self._memo.popitem(last=False)[0])
+        return keys[:limit]

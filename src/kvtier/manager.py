@@ -139,26 +139,34 @@ class TieringManager:
 
     @_serialised
     def lookup(self, keys: Sequence[ChunkKey], request_id: str | None = None) -> LookupResult:
-        """How many leading chunks are ready; starts promotions for the rest it finds."""
-        hits = 0
+        """How many leading chunks are ready; starts promotions for the rest it finds.
+
+        Linear in ``keys``: the leading ready chunks are found and touched in
+        one pass (touched first, so that the promotions' evictions meet them
+        at the recent end of the policy's order), and every promotion
+        protects the same set of the chain's keys, made once.
+        """
+        primary = self.primary
+        hits = primary.lookup(keys)
         pending = False
-        for index, key in enumerate(keys):
-            if self.primary.is_ready(key):
-                hits += 0 if pending else 1
+        chain: set[ChunkKey] | None = None
+        for index in range(hits, len(keys)):
+            key = keys[index]
+            if primary.is_ready(key):
                 continue
-            if self.primary.is_writing(key):
+            if primary.is_writing(key):
                 pending = True
                 continue
-            found = self._lookup_secondary(key, LookupContext(request_id, index), keys)
+            if chain is None:
+                chain = set(keys)
+            found = self._lookup_secondary(key, LookupContext(request_id, index), chain)
             if found is None:
                 break
             pending = pending or found
-        if hits:
-            self.primary.touch(keys[:hits])
         return LookupResult(hits, pending)
 
     def _lookup_secondary(
-        self, key: ChunkKey, ctx: LookupContext, chain: Sequence[ChunkKey]
+        self, key: ChunkKey, ctx: LookupContext, chain: set[ChunkKey]
     ) -> bool | None:
         """``True`` if a tier has or may have ``key`` (pending), ``None`` on a miss.
 

@@ -139,4 +139,6 @@ def bench_tier(
                 load.chunks -= 1
                 load.nbytes -= slots.shape[1]
         advance("load", len(indexes))
+    tier.drain()
+    tier.discard(keys)  # leave no probe chunks in a tier that engines share
     return phases

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey
@@ -58,6 +58,18 @@ class ARCCachePolicy(CachePolicy):
             # Only a new key grows the directory; a ghost hit just moves one.
             self._t1[key] = None
             self._trim_ghosts()
+
+    def insert_all(self, keys: Sequence[ChunkKey]) -> None:
+        # The primary tier inserts every new chunk: the common case, a key
+        # seen nowhere, inlined; the ghost trim runs only when a bound is passed.
+        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
+        for key in keys:
+            if key in t1 or key in t2 or key in b1 or key in b2:
+                self.insert(key)
+                continue
+            t1[key] = None
+            if len(t1) + len(b1) > capacity or len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
+                self._trim_ghosts()
 
     def remove(self, key: ChunkKey) -> None:
         # Not an eviction, so no ghost: its return would teach nothing.

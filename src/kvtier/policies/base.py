@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from itertools import filterfalse
 
 from kvtier.keys import ChunkKey
 
@@ -43,6 +44,14 @@ class CachePolicy(ABC):
     def insert(self, key: ChunkKey) -> None:
         """Start tracking ``key`` (newly resident in the primary tier)."""
 
+    def insert_all(self, keys: Sequence[ChunkKey]) -> None:
+        """:meth:`insert` each of ``keys``, in order (the primary tier's batches).
+
+        Override only with an exact, faster equivalent.
+        """
+        for key in keys:
+            self.insert(key)
+
     @abstractmethod
     def remove(self, key: ChunkKey) -> None:
         """Stop tracking ``key`` (dropped for a reason other than eviction)."""
@@ -74,4 +83,4 @@ class CachePolicy(ABC):
 
 def unprotected(entries: Iterable[ChunkKey], protected: Collection[ChunkKey]) -> Iterator[ChunkKey]:
     """Keys of ``entries`` (in their order: oldest first) outside ``protected``."""
-    return (key for key in entries if key not in protected)
+    return filterfalse(protected.__contains__, entries)  # C-level for a set

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey
@@ -83,6 +83,19 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             self._group_of[key] = serial
         self._current[key] = None
 
+    def insert_all(self, keys: Sequence[ChunkKey]) -> None:
+        # insert inlined for the primary tier's batches: new keys that an
+        # eviction announced join the current group.
+        group_of, current = self._group_of, self._current
+        for index, key in enumerate(keys):
+            if not self._announced or key in group_of:
+                for rest in keys[index:]:  # the general case, key by key
+                    self.insert(rest)
+                return
+            self._announced -= 1
+            group_of[key] = self._serial
+            current[key] = None
+
     def remove(self, key: ChunkKey) -> None:
         if key in self._group_of:
             self._leave(key)
@@ -102,17 +115,24 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             self._serial,
             self._current,
         )
+        # A chain's keys mostly come from one group (its last request): look each
+        # group up once per run of its keys.
+        last, group = -1, current
         for key in keys:
             old = group_of.get(key)
             if old is None:
                 continue
-            group = groups[old]
+            if old != last:
+                if not group and last != serial and last in groups:
+                    del groups[last]
+                    self._unannounced.discard(last)
+                last, group = old, groups[old]
             del group[key]
-            if not group and old != serial:
-                del groups[old]
-                self._unannounced.discard(old)
             group_of[key] = serial
             current[key] = None
+        if not group and last != serial and last in groups:
+            del groups[last]
+            self._unannounced.discard(last)
         self._touched = (serial, len(current))
 
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey
@@ -26,16 +26,34 @@ class LRUCachePolicy(CachePolicy):
         return True
 
     def insert(self, key: ChunkKey) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+        else:
+            order[key] = None
+
+    def insert_all(self, keys: Sequence[ChunkKey]) -> None:
+        order = self._order  # insert inlined: the primary tier inserts every new chunk
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
+            else:
+                order[key] = None
 
     def remove(self, key: ChunkKey) -> None:
         self._order.pop(key, None)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
-        for key in keys:
-            if key in self._order:
-                self._order.move_to_end(key)
+        keys = keys if isinstance(keys, list | tuple) else list(keys)
+        try:
+            # The primary tier touches only tracked keys: one C-level pass.
+            deque(map(self._order.move_to_end, keys), maxlen=0)
+        except KeyError:
+            # An untracked key stopped it part-way: moving the tracked ones to the
+            # end once more, in order, leaves the same order as moving them once.
+            for key in keys:
+                if key in self._order:
+                    self._order.move_to_end(key)
 
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
         if n <= 0:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Set
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey
@@ -53,6 +54,17 @@ class S3FIFOCachePolicy(CachePolicy):
             self._small[key] = None
         self._freq[key] = 0
 
+    def insert_all(self, keys: Sequence[ChunkKey]) -> None:
+        # insert inlined for the primary tier's batches: the common case is a
+        # key neither resident nor remembered, which enters the small queue.
+        freq, ghost, small = self._freq, self._ghost, self._small
+        for key in keys:
+            if key in freq or key in ghost:
+                self.insert(key)
+            else:
+                small[key] = None
+                freq[key] = 0
+
     def remove(self, key: ChunkKey) -> None:
         if self._freq.pop(key, None) is not None:
             self._small.pop(key, None)
@@ -70,29 +82,51 @@ class S3FIFOCachePolicy(CachePolicy):
         if n <= 0:
             return []
         # Eviction below promotes and re-queues keys as it goes, so decide
-        # first whether it can succeed: it can exactly when n keys are unprotected.
-        if len(self._freq) - _count_tracked(protected, self._freq) < n:
+        # first whether it can succeed: it can exactly when n keys are
+        # unprotected. Stops at the n-th, so it costs about n, not |protected|.
+        evictable = unprotected(itertools.chain(self._small, self._main), protected)
+        if sum(1 for _ in itertools.islice(evictable, n)) < n:
             return None
+        # Protected keys met at a queue's head are set aside and put back in
+        # front when done: the order S3-FIFO leaves them in (every key behind
+        # them moved or went), and each is looked at once, not once per victim.
+        held_small: list[ChunkKey] = []
+        held_main: list[ChunkKey] = []
         victims = []
-        for _ in range(n):
-            if len(self._small) >= self.small_capacity:
-                victim = self._evict_small(protected) or self._evict_main(protected)
-            else:
-                victim = self._evict_main(protected) or self._evict_small(protected)
-            # Unreachable by the count above; a loud failure beats a wrong victim.
-            if victim is None:
-                raise RuntimeError("S3-FIFO found no victim although enough keys are evictable")
-            del self._freq[victim]
-            victims.append(victim)
+        try:
+            for _ in range(n):
+                if len(self._small) + len(held_small) >= self.small_capacity:
+                    victim = self._evict_small(protected, held_small) or self._evict_main(
+                        protected, held_main
+                    )
+                else:
+                    victim = self._evict_main(protected, held_main) or self._evict_small(
+                        protected, held_small
+                    )
+                # Unreachable by the count above; a loud failure beats a wrong victim.
+                if victim is None:
+                    raise RuntimeError("S3-FIFO found no victim although enough keys are evictable")
+                del self._freq[victim]
+                victims.append(victim)
+        finally:
+            _put_back(self._small, held_small)
+            _put_back(self._main, held_main)
         return victims
 
-    def _evict_small(self, protected: Collection[ChunkKey]) -> ChunkKey | None:
+    def _evict_small(
+        self, protected: Collection[ChunkKey], held: list[ChunkKey]
+    ) -> ChunkKey | None:
         """Drop the oldest unaccessed small key, promoting accessed ones on the way.
 
         Ends because every step removes a key from the small queue.
         """
-        while (key := next(unprotected(self._small, protected), None)) is not None:
-            del self._small[key]
+        small = self._small
+        while small:
+            key = next(iter(small))
+            del small[key]
+            if key in protected:
+                held.append(key)
+                continue
             if self._freq[key] > 0:
                 self._main[key] = None
                 continue
@@ -103,18 +137,24 @@ class S3FIFOCachePolicy(CachePolicy):
             return key
         return None
 
-    def _evict_main(self, protected: Collection[ChunkKey]) -> ChunkKey | None:
+    def _evict_main(self, protected: Collection[ChunkKey], held: list[ChunkKey]) -> ChunkKey | None:
         """Drop the oldest main key with no frequency left, re-queueing the others.
 
         Ends because every re-queue spends one unit of a bounded frequency.
         """
-        while (key := next(unprotected(self._main, protected), None)) is not None:
-            freq = self._freq[key]
-            if freq > 0:
-                self._freq[key] = freq - 1
-                self._main.move_to_end(key)
+        main, freqs = self._main, self._freq
+        while main:
+            key = next(iter(main))
+            if key in protected:
+                del main[key]
+                held.append(key)
                 continue
-            del self._main[key]
+            freq = freqs[key]
+            if freq > 0:
+                freqs[key] = freq - 1
+                main.move_to_end(key)
+                continue
+            del main[key]
             return key
         return None
 
@@ -130,10 +170,8 @@ class S3FIFOCachePolicy(CachePolicy):
         return key in self._freq
 
 
-def _count_tracked(keys: Collection[ChunkKey], tracked: Collection[ChunkKey]) -> int:
-    """How many distinct ``keys`` are in ``tracked``, walking the smaller of the two."""
-    if not isinstance(keys, Set):
-        keys = set(keys)
-    if len(keys) <= len(tracked):
-        return sum(1 for key in keys if key in tracked)
-    return sum(1 for key in tracked if key in keys)
+def _put_back(queue: OrderedDict[ChunkKey, None], held: list[ChunkKey]) -> None:
+    """Return ``held`` keys to the head of ``queue``, in their order."""
+    for key in reversed(held):
+        queue[key] = None
+        queue.move_to_end(key, last=False)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from itertools import takewhile
 
 from kvtier.keys import ChunkKey
 from kvtier.policies.base import CachePolicy
@@ -32,7 +33,10 @@ class PrimaryTier:
         self.policy = policy
         self._lock = threading.Lock()
         self._slot_of: dict[ChunkKey, int] = {}
-        self._refs: dict[ChunkKey, int] = {}
+        # Ready keys and their readers; keys being written. A key is in at most one.
+        # Kept apart so that "ready?" is one C-level membership test.
+        self._readers: dict[ChunkKey, int] = {}
+        self._writing: set[ChunkKey] = set()
         # Keys with readers (count > 0): the resident keys the policy must not pick.
         # Kept as a set so an eviction never scans every slot to find them.
         self._pinned: set[ChunkKey] = set()
@@ -57,47 +61,63 @@ class PrimaryTier:
 
     def is_ready(self, key: ChunkKey) -> bool:
         """Resident with its bytes complete."""
-        refs = self._refs.get(key)
-        return refs is not None and refs >= 0
+        return key in self._readers
 
     def is_writing(self, key: ChunkKey) -> bool:
-        return self._refs.get(key) == WRITING
+        return key in self._writing
 
     def refcount(self, key: ChunkKey) -> int | None:
-        return self._refs.get(key)
+        """Readers of a ready chunk, :data:`WRITING` while written, ``None`` if absent."""
+        readers = self._readers.get(key)
+        if readers is None and key in self._writing:
+            return WRITING
+        return readers
+
+    def refcounts(self) -> dict[ChunkKey, int]:
+        """:meth:`refcount` of every resident key (a snapshot)."""
+        with self._lock:
+            return {**dict.fromkeys(self._writing, WRITING), **self._readers}
 
     def slot_of(self, key: ChunkKey) -> int | None:
         return self._slot_of.get(key)
 
     def prepare_store(
-        self, keys: Sequence[ChunkKey], protect: Iterable[ChunkKey] = ()
+        self, keys: Sequence[ChunkKey], protect: Collection[ChunkKey] = ()
     ) -> dict[ChunkKey, int] | None:
         """Reserve a slot for every key not yet resident, evicting idle chunks.
 
         Atomic: returns ``{key: slot}`` for the new keys (marked writing), or
         ``None`` with nothing changed when not enough idle chunks can go.
-        Neither ``keys`` nor ``protect`` are ever chosen as victims.
+        Neither ``keys`` nor ``protect`` are ever chosen as victims. Pass
+        ``protect`` as a set when calling once per chunk of a long chain:
+        it is consulted, never copied.
         """
         with self._lock:
-            new = list(dict.fromkeys(k for k in keys if k not in self._slot_of))
+            slot_of = self._slot_of
+            new = [key for key in dict.fromkeys(keys) if key not in slot_of]
             shortfall = len(new) - len(self._free)
             if shortfall > 0:
                 # Chunks being written are not yet known to the policy; chunks of
                 # this very request stay: evicting them would break its prefix.
-                protected = self._pinned.union(keys, protect)
+                # Only its resident idle ones need naming: the pinned are in _pinned.
+                readers = self._readers
+                own = {key for key in keys if readers.get(key) == 0} if len(new) < len(keys) else ()
+                protected: Collection[ChunkKey] = self._pinned
+                if own or protect:
+                    protected = _Protected(self._pinned, own, protect)
                 victims = self.policy.evict(shortfall, protected)
                 if victims is None:
                     return None
+                free = self._free
                 for victim in victims:
-                    self._free.append(self._slot_of.pop(victim))
-                    del self._refs[victim]
+                    free.append(slot_of.pop(victim))
+                    del readers[victim]
                 self.evictions += len(victims)
+            free, writing = self._free, self._writing
             reserved = {}
             for key in new:
-                slot = self._free.pop()
-                self._slot_of[key] = slot
-                self._refs[key] = WRITING
-                reserved[key] = slot
+                reserved[key] = slot_of[key] = free.pop()
+                writing.add(key)
             return reserved
 
     def complete_store(
@@ -112,47 +132,65 @@ class PrimaryTier:
         """
         if pins < 0:
             raise ValueError(f"pins must be >= 0, got {pins}")
-        completed = {}
         with self._lock:
-            for key in dict.fromkeys(keys):
-                if self._refs.get(key) != WRITING:
-                    continue
-                if success and self._track(key):
-                    self._refs[key] = pins
-                    if pins:
-                        self._pinned.add(key)
-                    completed[key] = self._slot_of[key]
-                else:
-                    del self._refs[key]
-                    self._free.append(self._slot_of.pop(key))
-        return completed
+            writing = self._writing
+            written = []
+            for key in keys:
+                if key in writing:  # else not being written, or a repeat
+                    writing.remove(key)
+                    written.append(key)
+            ready = self._track(written) if success and written else []
+            slot_of, readers = self._slot_of, self._readers
+            if len(ready) < len(written):  # failed writes, or chunks the policy refused
+                kept = set(ready)
+                for key in written:
+                    if key not in kept:
+                        self._free.append(slot_of.pop(key))
+            completed = {}
+            for key in ready:
+                readers[key] = pins
+                completed[key] = slot_of[key]
+            if pins:
+                self._pinned.update(ready)
+            return completed
 
-    def _track(self, key: ChunkKey) -> bool:
-        """Hand a newly ready key to the policy; a policy that raises loses the chunk,
-        never the slot (a chunk the policy does not know could never be evicted)."""
+    def _track(self, keys: list[ChunkKey]) -> list[ChunkKey]:
+        """Hand newly ready keys to the policy; returns those it now tracks.
+
+        A policy that raises loses the chunk, never the slot (a chunk the policy
+        does not know could never be evicted): the keys are then offered one
+        by one, and those it still refuses are dropped.
+        """
+        policy = self.policy
         try:
-            self.policy.insert(key)
+            policy.insert_all(keys)
+            return keys
         except Exception:
-            logger.exception("cache policy %s: insert raised; chunk dropped", self.policy)
-            return False
-        return True
+            logger.exception("cache policy %s: insert raised; retrying key by key", policy)
+        tracked = []
+        for key in keys:
+            try:
+                if key not in policy:
+                    policy.insert(key)
+            except Exception:
+                logger.exception("cache policy %s: insert raised; chunk dropped", policy)
+                continue
+            tracked.append(key)
+        return tracked
 
     def prepare_load(self, keys: Sequence[ChunkKey]) -> list[int]:
         """Pin ready chunks for reading and return their slots, in order.
 
         Atomic: raises ``KeyError`` naming the first key that is not ready,
-        pinning nothing.
+        pinning nothing. An access for the policy, unlike :meth:`pin_prefix`.
         """
         with self._lock:
-            for key in keys:
-                refs = self._refs.get(key)
-                if refs is None or refs < 0:
-                    raise KeyError(f"chunk {key.hex()[:16]} is not ready in the primary tier")
-            for key in keys:
-                self._refs[key] += 1
-            self._pinned.update(keys)
+            ready = self._ready_prefix(keys)
+            if len(ready) < len(keys):
+                missing = keys[len(ready)]
+                raise KeyError(f"chunk {missing.hex()[:16]} is not ready in the primary tier")
             self.policy.touch(keys)
-            return [self._slot_of[key] for key in keys]
+            return self._pin(keys)
 
     def pin_prefix(self, keys: Sequence[ChunkKey]) -> list[int]:
         """Pin the leading ready chunks of ``keys``; returns their slots, in order.
@@ -163,16 +201,29 @@ class PrimaryTier:
         access for the policy: the lookup that found the chunks counted it.
         """
         with self._lock:
-            ready = []
-            for key in keys:
-                refs = self._refs.get(key)
-                if refs is None or refs < 0:
-                    break
-                ready.append(key)
-            for key in ready:
-                self._refs[key] += 1
-            self._pinned.update(ready)
-            return [self._slot_of[key] for key in ready]
+            return self._pin(self._ready_prefix(keys))
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading chunks of ``keys`` are ready; those are touched (see
+        :meth:`touch`) in the same pass. The manager's lookup of a request."""
+        with self._lock:
+            ready = self._ready_prefix(keys)
+            if ready:
+                self.hits += len(ready)
+                self.policy.touch(ready)
+            return len(ready)
+
+    def _ready_prefix(self, keys: Iterable[ChunkKey]) -> list[ChunkKey]:
+        """The leading ready keys; under the lock."""
+        return list(takewhile(self._readers.__contains__, keys))
+
+    def _pin(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """Add a reader to each of the ready ``keys``; under the lock."""
+        readers = self._readers
+        for key in keys:
+            readers[key] += 1
+        self._pinned.update(keys)
+        return list(map(self._slot_of.__getitem__, keys))
 
     def complete_load(self, keys: Iterable[ChunkKey]) -> None:
         """Unpin chunks pinned by :meth:`prepare_load`.
@@ -182,23 +233,27 @@ class PrimaryTier:
         """
         keys = list(keys)
         with self._lock:
-            for key, times in Counter(keys).items():
-                if self._refs.get(key, 0) < times:
+            readers, pinned = self._readers, self._pinned
+            for done, key in enumerate(keys):
+                count = readers.get(key, 0)
+                if count <= 0:
+                    for undone in keys[:done]:  # put back what this call took
+                        readers[undone] += 1
+                        pinned.add(undone)
                     raise ValueError(f"chunk {key.hex()[:16]} is not pinned")
-            for key in keys:
-                self._refs[key] -= 1
-                if self._refs[key] == 0:
-                    self._pinned.discard(key)
+                readers[key] = count - 1
+                if count == 1:
+                    pinned.discard(key)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
         """Record that readers found these chunks: the policy's recency, and :attr:`hits`.
 
-        The manager touches the leading chunks each lookup finds ready, so
-        ``hits`` counts the chunks lookups found in the primary tier.
+        The manager's :meth:`lookup` touches the leading chunks each lookup
+        finds ready, so ``hits`` counts the chunks lookups found in the primary tier.
         """
         keys = list(keys)
         with self._lock:
-            self.hits += sum(1 for key in keys if self._refs.get(key, WRITING) >= 0)
+            self.hits += sum(map(self._readers.__contains__, keys))
             self.policy.touch(keys)
 
     def remove_idle(self, keys: Iterable[ChunkKey]) -> int:
@@ -206,8 +261,8 @@ class PrimaryTier:
         removed = 0
         with self._lock:
             for key in keys:
-                if self._refs.get(key) == 0:
-                    del self._refs[key]
+                if self._readers.get(key) == 0:
+                    del self._readers[key]
                     self._free.append(self._slot_of.pop(key))
                     self.policy.remove(key)
                     removed += 1
@@ -216,22 +271,48 @@ class PrimaryTier:
     def clear(self) -> None:
         """Forget every chunk. Call only when nothing is pinned or writing."""
         with self._lock:
-            busy = [k for k, r in self._refs.items() if r != 0]
+            busy = len(self._writing) + len(self._pinned)
             if busy:
-                raise RuntimeError(f"cannot clear the primary tier: {len(busy)} slots busy")
+                raise RuntimeError(f"cannot clear the primary tier: {busy} slots busy")
             self._slot_of.clear()
-            self._refs.clear()
+            self._readers.clear()
             self._free = list(range(self.num_slots - 1, -1, -1))
             self.policy.clear()
 
     def busy_counts(self) -> Mapping[str, int]:
         """Slots by state, for metrics."""
         with self._lock:
-            writing = sum(1 for r in self._refs.values() if r < 0)
-            pinned = sum(1 for r in self._refs.values() if r > 0)
             return {
                 "free": len(self._free),
-                "idle": len(self._refs) - writing - pinned,
-                "pinned": pinned,
-                "writing": writing,
+                "idle": len(self._readers) - len(self._pinned),
+                "pinned": len(self._pinned),
+                "writing": len(self._writing),
             }
+
+
+class _Protected(Collection[ChunkKey]):
+    """The keys an eviction must spare: pinned ones, the request's own, and
+    those the caller protects. A view: a membership test is at most three set
+    lookups and nothing is copied, however long the protected chain."""
+
+    __slots__ = ("_own", "_pinned", "_protect")
+
+    def __init__(
+        self, pinned: set[ChunkKey], own: Collection[ChunkKey], protect: Collection[ChunkKey]
+    ) -> None:
+        self._pinned = pinned
+        self._own = own
+        # A sequence would cost a scan per test: make it a set once.
+        self._protect = protect if isinstance(protect, AbstractSet | Mapping) else set(protect)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._pinned or key in self._own or key in self._protect
+
+    def _union(self) -> set[ChunkKey]:
+        return self._pinned.union(self._own, self._protect)
+
+    def __iter__(self) -> Iterator[ChunkKey]:
+        return iter(self._union())
+
+    def __len__(self) -> int:
+        return len(self._union())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -125,6 +126,36 @@ class PolicyContractTests:
         assert policy.evict(1, everything - {key(capacity - 1)}) == [key(capacity - 1)]
         assert policy.evict(2, everything - {key(5)}) is None
         assert len(policy) == capacity - 2 and key(5) in policy
+
+    def test_insert_all_is_insert_of_each_key_in_order(self) -> None:
+        """A batch (how the primary tier inserts) may be faster, never different."""
+        batched, single = self.make_twins()
+        for policy in (batched, single):
+            for i in range(self.capacity):
+                policy.insert(key(i))
+            policy.touch([key(1), key(2)])
+            assert policy.evict(3, {key(1)}) is not None  # leaves ghosts, where kept
+        # New keys, a repeat, evicted keys (ghosts) and a resident one, in one batch.
+        batch = [key(100), key(0), key(101), key(100), *(key(i) for i in range(3, 6)), key(2)]
+        batched.insert_all(batch)
+        for k in batch:
+            single.insert(k)
+        assert len(batched) == len(single)
+        assert all((k in batched) == (k in single) for k in map(key, range(200)))
+        assert batched.evict(len(batched), ()) == single.evict(len(single), ())
+
+    def test_evict_looks_at_each_protected_key_a_bounded_number_of_times(self) -> None:
+        """Cost, not correctness: an eviction of n keys with p protected ones in
+        its way tests about n + p keys, never n × p (a promotion evicts once
+        per chunk while protecting the whole chain)."""
+        capacity = 64
+        policy = self.make_policy(capacity)
+        for i in range(capacity):
+            policy.insert(key(i))
+        protected = _CountingKeys(key(i) for i in range(32))  # the oldest half
+        victims = policy.evict(16, protected)
+        assert victims is not None and not set(victims) & protected.keys
+        assert protected.looked_at <= 2 * (32 + 16), protected.looked_at
 
     def test_failed_evict_changes_nothing(self) -> None:
         """No victim, no ghost, no counter, no adaptive target may move on a failure."""
@@ -252,3 +283,23 @@ def _drain(policy: CachePolicy) -> list[ChunkKey]:
 
 
 __all__ = ["PolicyContractTests", "key"]
+
+
+class _CountingKeys(Collection[ChunkKey]):
+    """A protected collection that counts every key a policy looks at."""
+
+    def __init__(self, keys: Iterable[ChunkKey]) -> None:
+        self.keys = frozenset(keys)
+        self.looked_at = 0
+
+    def __contains__(self, item: object) -> bool:
+        self.looked_at += 1
+        return item in self.keys
+
+    def __iter__(self) -> Iterator[ChunkKey]:
+        for item in self.keys:
+            self.looked_at += 1
+            yield item
+
+    def __len__(self) -> int:
+        return len(self.keys)

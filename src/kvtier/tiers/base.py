@@ -256,6 +256,13 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         """Facts for ``kvtier check`` and logs (backend, paths, modes)."""
         return {"type": self.tier_type}
 
+    def discard(self, keys: Sequence[ChunkKey]) -> None:
+        """Remove these chunks where the tier holds them, best effort; may block.
+
+        For tools, not engines: ``kvtier check`` and ``kvtier bench`` remove
+        their probe chunks with it. Default: nothing (the chunks age out).
+        """
+
     def health(self) -> Sequence[HealthCheck]:
         """Checks ``kvtier check`` runs before its round trip (may block briefly).
 

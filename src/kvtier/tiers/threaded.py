@@ -142,6 +142,13 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
     def _discard(self, key: ChunkKey) -> None:
         """Delete a chunk found corrupt. Default: nothing to delete."""
 
+    def discard(self, keys: Sequence[ChunkKey]) -> None:
+        for key in keys:
+            try:
+                self._discard(key)
+            except Exception as exc:  # best effort: what stays ages out
+                logger.debug("tier %s: cannot discard %s: %s", self.tier_type, key.hex(), exc)
+
     def _known(self, key: ChunkKey) -> bool | None:
         """Answer a lookup without I/O when a local index can, else ``None``."""
         return None
