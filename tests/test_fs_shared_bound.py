@@ -119,6 +119,7 @@ def test_a_load_of_a_chunk_another_tier_evicted_is_a_quiet_miss(
     caplog.set_level(logging.INFO, logger="kvtier")
     result = first.load(mine[:2], [0, 1])
     assert not result.success and result.succeeded == frozenset()
+    assert result.vanished == frozenset(mine[:2])  # misses for the manager, not failures
     tier = fs_tier(first)
     assert tier.stats.corrupt_chunks == 0
     assert tier.vanished_chunks == 2

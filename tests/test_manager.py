@@ -283,3 +283,32 @@ def test_a_drained_slow_tier_has_reported_every_job(
         assert cache.manager.tiers[0].stats.chunks_stored == 4
         assert not cache.manager.busy
     assert not [r for r in caplog.records if "unreported" in r.getMessage()]
+
+
+@pytest.mark.parametrize("tier_type", ["memory", "fs"])
+def test_a_chunk_gone_between_lookup_and_load_is_a_miss_not_a_failure(
+    tier_type: str, data: np.ndarray, tmp_path: Any
+) -> None:
+    """Another process (or the tier's own bound) evicted it after the lookup said HIT."""
+    entry: dict[str, Any] = {"type": tier_type}
+    if tier_type == "fs":
+        entry["root_dir"] = str(tmp_path)
+    cache = make_cache(entry)
+    try:
+        cache.store(TOKENS, data)
+        cache.drain()
+        cache.manager.reset()
+        tier = cache.manager.tiers[0]
+        keys = cache.keys(TOKENS)
+        assert peek(cache, TOKENS, "r1").pending  # all four found: promotions queued
+        for key in keys[2:]:
+            tier._discard(key)  # gone before the load runs, as another process would do
+        cache.drain()
+        assert peek(cache, TOKENS, "r1").hit_chunks == 2
+        assert tier.stats.chunks_loaded == 2
+        assert tier.stats.load_failures == 0
+        out = np.zeros_like(data)
+        assert cache.load(TOKENS, 8, out[:2]) == 8
+        np.testing.assert_array_equal(out[:2], data[:2])
+    finally:
+        cache.close()

@@ -59,6 +59,11 @@ class MissingDependencyError(KVTierError, ImportError):
         )
 
 
+class ChunkVanishedError(KVTierError, KeyError):
+    """A chunk the tier held is gone when a load reads it (evicted since the
+    lookup, possibly by another process): a miss, not a failure."""
+
+
 class CorruptChunkError(KVTierError, ValueError):
     """Stored chunk bytes failed an integrity check and must not be served."""
 

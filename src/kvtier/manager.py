@@ -87,16 +87,21 @@ class _Outcome:
     bad: list[ChunkKey]
     nbytes: int
     seconds: float
+    #: Of ``bad``: keys the tier no longer held (misses, not failures).
+    vanished: int = 0
 
     @classmethod
     def of(cls, job: _Job, result: JobResult) -> _Outcome:
         """Raises ``TypeError`` or ``ValueError`` on a malformed result."""
         succeeded = frozenset(result.succeeded)
+        bad = [key for key in job.keys if key not in succeeded]
+        vanished = frozenset(result.vanished)
         return cls(
             good=[key for key in job.keys if key in succeeded],
-            bad=[key for key in job.keys if key not in succeeded],
+            bad=bad,
             nbytes=int(result.nbytes),
             seconds=float(result.seconds),
+            vanished=sum(key in vanished for key in bad),
         )
 
 
@@ -394,7 +399,9 @@ class TieringManager:
             tier.count(
                 chunks_loaded=len(outcome.good),
                 bytes_loaded=outcome.nbytes,
-                load_failures=len(outcome.bad),
+                # A chunk evicted since the lookup (by another process, say) is
+                # a miss: the request recomputes it, and nothing failed.
+                load_failures=len(outcome.bad) - outcome.vanished,
             )
             self._cascade(loaded, targets)
         else:

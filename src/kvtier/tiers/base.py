@@ -91,6 +91,9 @@ class JobResult:
     succeeded: frozenset[ChunkKey]
     nbytes: int
     seconds: float
+    #: Keys of a load that the tier no longer held (evicted since the lookup):
+    #: misses for the manager, not failures.
+    vanished: frozenset[ChunkKey] = frozenset()
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from pydantic import ByteSize, Field
 
 from kvtier import integrity
+from kvtier.errors import ChunkVanishedError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
 from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
@@ -72,7 +73,7 @@ class MemoryTier(ThreadedTier[MemoryTierOptions]):
         with self._chunks_lock:
             value = self._chunks.get(key)
             if value is None:
-                raise KeyError("chunk evicted")
+                raise ChunkVanishedError("chunk evicted")
             self._chunks.move_to_end(key)
         integrity.unframe_into(value, out, namespace=self.namespace, key=key)
 

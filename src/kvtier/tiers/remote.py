@@ -405,10 +405,11 @@ class RemoteTier(ThreadedTier[RemoteOptionsT]):
             if state.reported:  # answered at its deadline: the slots may be another's now
                 return ok
             for index, (key, value, slot) in enumerate(zip(keys, values, slots, strict=True)):
-                if value is None or (
-                    isinstance(value, BaseException) and not isinstance(value, CorruptChunkError)
-                ):
-                    continue  # absent, or that item's backend error (counted above)
+                if value is None:
+                    self._vanished(key)  # evicted or expired since the lookup
+                    continue
+                if isinstance(value, BaseException) and not isinstance(value, CorruptChunkError):
+                    continue  # that item's backend error (counted above)
                 try:
                     if isinstance(value, CorruptChunkError):
                         raise value

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import Field
 
-from kvtier.errors import CorruptChunkError
+from kvtier.errors import ChunkVanishedError, CorruptChunkError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import (
     JobResult,
@@ -88,6 +88,8 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
         self._threaded_sequence = itertools.count()
         self._threaded_jobs: dict[int, _JobState] = {}
         self._threaded_finished: list[JobResult] = []
+        # Keys loads found gone, until their job reports them (see _vanished).
+        self._threaded_vanished: set[ChunkKey] = set()
         self._threaded_to_check: list[ChunkKey] = []
         self._threaded_checking: set[ChunkKey] = set()
         self._threaded_checked: dict[ChunkKey, bool] = {}
@@ -262,9 +264,17 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
         except CorruptChunkError as exc:
             self._discard_corrupt(key, exc)
             return False
+        except ChunkVanishedError:
+            self._vanished(key)
+            return False
         except Exception as exc:
             logger.debug("tier %s: chunk %s failed: %r", self.tier_type, key.hex()[:16], exc)
             return False
+
+    def _vanished(self, key: ChunkKey) -> None:
+        """Note that a load found ``key`` gone: its job reports it as a miss."""
+        with self._threaded_lock:
+            self._threaded_vanished.add(key)
 
     def _discard_corrupt(self, key: ChunkKey, exc: CorruptChunkError) -> None:
         """Log, count and delete a chunk that failed verification."""
@@ -369,6 +379,12 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
         """Report a job as it stands; the caller holds the lock."""
         state.reported = True
         del self._threaded_jobs[state.job.job_id]
+        vanished = frozenset(
+            key
+            for key in state.job.keys
+            if key in self._threaded_vanished and key not in state.succeeded
+        )
+        self._threaded_vanished.difference_update(vanished)
         self._threaded_finished.append(
             JobResult(
                 job_id=state.job.job_id,
@@ -376,6 +392,7 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
                 succeeded=frozenset(state.succeeded),
                 nbytes=state.nbytes,
                 seconds=time.perf_counter() - state.started,
+                vanished=vanished,
             )
         )
         self._threaded_idle.notify_all()

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import ByteSize, Field
 
+from kvtier.errors import ChunkVanishedError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
 from kvtier.tiers.fs import io as chunk_io
@@ -368,14 +369,14 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
         try:
             read_chunk(self.dir.chunk_path(key), out, self.namespace, key, direct=self.direct)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
             # Evicted, most likely by another process: a miss, not damage.
             with self._stats_lock:
                 self.vanished_chunks += 1
             self._keys.discard(key)
             if self._bound is not None:
                 self._bound.forget(key)
-            raise
+            raise ChunkVanishedError(f"chunk file gone: {exc.filename}") from exc
         if self._bound is not None and self._bound.touch(key):
             try:
                 self._bound.flush()
