@@ -277,7 +277,21 @@ def test_skip_existing_sends_only_missing_chunks(s3_server: S3Server, s3_bucket:
 
 
 @pytest.mark.parametrize(
-    "url", ["minio:9000", "not a url", "http://[::1", "ftp://minio:9000", "http://", "http://h:0"]
+    "url",
+    [
+        "minio:9000",
+        "not a url",
+        "http://[::1",
+        "ftp://minio:9000",
+        "http://",
+        "http://h:0",
+        "http://minio :9000",  # host names the client library itself refuses
+        "http://mïnio:9000",
+        "http://my_minio:9000",
+        "http://-minio:9000",
+        "http://minio:9000\n",
+        " http://minio:9000",
+    ],
 )
 def test_a_malformed_endpoint_fails_when_the_config_loads(url: str) -> None:
     layout = small_layout()

@@ -36,7 +36,6 @@ when the endpoint comes back.
 from __future__ import annotations
 
 import math
-import urllib.parse
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -49,6 +48,7 @@ from kvtier.errors import (
     describe_error,
 )
 from kvtier.keys import ChunkKey
+from kvtier.tiers.addresses import host_problem, split_url
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.remote import (
     Exists,
@@ -280,17 +280,10 @@ class ObjectStoreTier(RemoteTier):
 def _endpoint_problem(url: str) -> str | None:
     """What is wrong with an S3 endpoint URL, or ``None``."""
     try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
+        parts = split_url(url, ("http", "https"))
     except ValueError as exc:
-        return f"not a valid URL ({exc})"
-    if parts.scheme not in ("http", "https"):
-        return "the URL must start with http:// or https://"
-    if not parts.hostname:
-        return "the URL names no host"
-    if port == 0:
-        return "port 0 is not a server's port"
-    return None
+        return str(exc)
+    return host_problem(parts.hostname or "")
 
 
 def _connect(options: ObjectStoreTierOptions) -> tuple[type[Exception], Any]:
