@@ -160,3 +160,22 @@ def test_idle_tls_sessions_are_closed_and_clients_reconnect(pki: PKI) -> None:
             assert node.server.counters.refused == node.server.counters.timed_out == 0
         finally:
             client.close()
+
+
+def test_an_encrypted_key_is_a_clear_error_not_a_prompt(pki: PKI, tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(pki.node.key.read_bytes(), password=None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"hunter2"),
+        )
+    )
+    # OpenSSL would otherwise ask for the pass phrase on the terminal.
+    for entry in (server_tls(pki), client_tls(pki, pki.client)):
+        entry["tls_key_file"] = str(encrypted)
+        with pytest.raises(ConfigError, match=r"encrypted\.key is encrypted; .*openssl pkey"):
+            load_config(tier_config(**entry))
