@@ -77,9 +77,11 @@ def weights_identity(path: str | os.PathLike[str], *, full_read: bool = False) -
     """Identify the weight files at ``path`` (a model directory or one weights file).
 
     Every regular file under a directory counts, except hidden ones (names
-    starting with ``.``); symbolic links to files are followed, as in a Hugging
-    Face cache snapshot. Raises :class:`FileNotFoundError` when ``path`` does
-    not exist and :class:`ValueError` when it holds no file.
+    starting with ``.``); symbolic links to files and directories are followed
+    (as in a Hugging Face cache snapshot, or shards kept on another disk), each
+    directory once, and files are named by their path under ``path``. Raises
+    :class:`FileNotFoundError` when ``path`` does not exist and
+    :class:`ValueError` when it holds no file.
     """
     root = Path(path)
     if not root.exists():
@@ -131,8 +133,17 @@ def _model_files(root: Path) -> Iterator[tuple[str, Path]]:
     if root.is_file():
         yield root.name, root
         return
-    for directory, subdirs, names in os.walk(root):
-        subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+    seen: set[str] = set()
+    # Linked directories hold weights too (shards on another disk); each real
+    # directory is walked once, so a link cycle ends.
+    for directory, subdirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(directory)
+        if real in seen:
+            subdirs[:] = []
+            continue
+        seen.add(real)
+        # Sorted: which of two links to one directory names its files is fixed.
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
         for name in names:
             file = Path(directory, name)
             if not name.startswith(".") and file.is_file():
@@ -213,8 +224,8 @@ def _safetensors_windows(fd: int, size: int) -> list[tuple[int, int]]:
     windows = [(0, 8 + header_bytes)]
     try:
         header = json.loads(os.pread(fd, header_bytes, 8))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return windows
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return windows  # RecursionError: a header of deeply nested arrays
     if not isinstance(header, dict):
         return windows
     data_start = 8 + header_bytes
@@ -226,7 +237,7 @@ def _safetensors_windows(fd: int, size: int) -> list[tuple[int, int]]:
             continue
         begin, end = data_start + offsets[0], data_start + offsets[1]
         length = end - begin
-        if length <= 0 or end > size:
+        if begin < data_start or length <= 0 or end > size:
             continue
         if length <= 3 * TENSOR_WINDOW_BYTES:
             windows.append((begin, length))
