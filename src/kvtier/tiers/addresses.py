@@ -30,7 +30,10 @@ def host_problem(host: str) -> str | None:
         return f"host {host!r} is not ASCII: write an international name in its xn-- (IDNA) form"
     labels = host.removesuffix(".").split(".")
     if len(host) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
-        return f"host {host!r} is not a host name (letters, digits, '-' and '.' only)"
+        return (
+            f"host {host!r} is not a host name (labels of 1 to 63 letters, digits and "
+            "inner '-', joined by '.')"
+        )
     return None
 
 
