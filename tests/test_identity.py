@@ -267,6 +267,29 @@ def test_weights_in_a_linked_directory_count(model_dir: Path, tmp_path: Path) ->
     assert weights_identity(model_dir).digest != identity.digest
 
 
+def test_an_unreadable_file_counts_by_size_and_time(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readable = weights_identity(model_dir)
+    denied = model_dir / "extra.bin"
+    real_open = open
+
+    def deny(file: object, *args: object, **kwargs: object) -> object:
+        # What the OS answers a non-root user for a file of mode 000.
+        if Path(str(file)) == denied:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(weights_module, "open", deny, raising=False)
+    identity = weights_identity(model_dir)  # the engine starts: no exception
+    assert identity.files == readable.files and identity.total_bytes == readable.total_bytes
+    assert identity.digest != readable.digest
+    assert weights_identity(model_dir).digest == identity.digest
+    stat = denied.stat()
+    os.utime(denied, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert weights_identity(model_dir).digest != identity.digest
+
+
 def test_missing_or_empty_paths_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"absent does not exist"):
         weights_identity(tmp_path / "absent")

@@ -10,7 +10,9 @@ is identified by what is cheap to read and changes when it does:
 - its modification time in nanoseconds, unless the file is a blob of a
   Hugging Face cache, whose name is already a hash of its content;
 - files of at most :data:`SMALL_FILE_BYTES` (configs, custom modelling
-  code) are read whole instead, and their times do not matter.
+  code) are read whole instead, and their times do not matter;
+- a file this process may not read (the engine cannot load it either) by its
+  name, size and time only.
 
 ``full_read=True`` reads every byte of every file instead (and ignores
 times): the strongest identity, at the cost of reading the checkpoint.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import struct
@@ -46,6 +49,8 @@ MAX_SAFETENSORS_HEADER = 100_000_000
 READ_THREADS = 8
 #: Block size of full reads.
 _READ_BLOCK = 8 * 1024 * 1024
+
+logger = logging.getLogger(__name__)
 
 _HUB_BLOB_NAME = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 _HUB_REVISION = re.compile(r"^[0-9a-f]{40}$")
@@ -152,6 +157,19 @@ def _model_files(root: Path) -> Iterator[tuple[str, Path]]:
 
 def _file_record(name: str, file: Path, full_read: bool) -> tuple[bytes, int, int]:
     """``(record bytes, file size, bytes read)`` for one file."""
+    try:
+        return _content_record(name, file, full_read)
+    except PermissionError:
+        # The engine, running as this user, cannot read it either: its bytes
+        # cannot reach the KV. Its size and time still count, so the identity
+        # changes when it does, or when it becomes readable.
+        logger.warning("kvtier: %s is not readable; identified by its size and time", file)
+        stat = os.stat(file)
+        record = f"{name}\0size={stat.st_size}\0unreadable\0mtime_ns={stat.st_mtime_ns}\n"
+        return record.encode(), stat.st_size, 0
+
+
+def _content_record(name: str, file: Path, full_read: bool) -> tuple[bytes, int, int]:
     with open(file, "rb") as handle:
         stat = os.fstat(handle.fileno())
         size = stat.st_size
