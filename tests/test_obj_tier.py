@@ -314,6 +314,12 @@ def test_well_formed_endpoints_load(url: str) -> None:
     load_config({"secondary_tiers": [{"type": "obj", "bucket": "kv-bucket", "endpoint_url": url}]})
 
 
+@pytest.mark.parametrize("bucket", ["kv/cache", "kv cache", "kv:cache", "kv\ncache", "kvé-cache"])
+def test_a_bucket_name_no_client_accepts_fails_when_the_config_loads(bucket: str) -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.bucket: .*for example kv-cache"):
+        load_config({"secondary_tiers": [{"type": "obj", "bucket": bucket}]})
+
+
 def test_a_missing_bucket_names_its_entry(s3_server: S3Server) -> None:
     layout = small_layout()
     config = {

@@ -36,6 +36,7 @@ when the endpoint comes back.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -61,6 +62,8 @@ from kvtier.tiers.remote import (
 #: Error codes of a GET on an object the bucket does not hold. A missing
 #: bucket (``NoSuchBucket``) is not among them: that is an outage.
 _ABSENT = frozenset({"NoSuchKey"})
+
+_BUCKET_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class ObjectStoreTierOptions(RemoteTierOptions):
@@ -102,6 +105,18 @@ class ObjectStoreTierOptions(RemoteTierOptions):
 
     retries: int = Field(default=2, ge=0, le=10)
     """Further attempts after a throttled, failed or timed-out request."""
+
+    @field_validator("bucket")
+    @classmethod
+    def _check_bucket_name(cls, bucket: str) -> str:
+        # The characters any S3 client accepts; a server may ask for fewer
+        # (AWS and MinIO: lowercase letters, digits, '.' and '-').
+        if not _BUCKET_NAME.fullmatch(bucket):
+            raise ValueError(
+                "a bucket name holds letters, digits, '.', '-' and '_' only "
+                "(S3 rules: lowercase letters, digits, '.' and '-', for example kv-cache)"
+            )
+        return bucket
 
     @field_validator("endpoint_url")
     @classmethod
