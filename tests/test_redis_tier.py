@@ -236,7 +236,8 @@ def test_unreachable_server_fails_at_start_naming_it(redis_server: RedisServer) 
         ({"startup_nodes": ["nohostport"]}, "not host:port"),
         ({"startup_nodes": ["h:99999"]}, "out of range"),
         ({"startup_nodes": ["::1:7000"]}, "IPv6 address in brackets"),
-        ({"startup_nodes": ["my_node:7000"]}, "not a host name"),
+        ({"startup_nodes": ["no de:7000"]}, "not a host name"),
+        ({"startup_nodes": ["-node:7000"]}, "not a host name"),
         ({"url": " redis://h:1"}, "whitespace"),
         ({"url": "redis:// h:1"}, "whitespace"),
         ({"url": "redis://h:1?db=x"}, "query option is invalid"),
@@ -475,6 +476,7 @@ def test_a_malformed_url_never_shows_its_password() -> None:
         "unix:///run/r.sock",
         "redis://h:6379/0?socket_keepalive=true",
         "redis://redis.cache.internal.:6379",
+        "redis://kv_cache:6379",  # a container service name
     ],
 )
 def test_well_formed_urls_load(url: str) -> None:

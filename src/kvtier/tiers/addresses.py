@@ -15,10 +15,15 @@ from collections.abc import Collection
 
 #: One label of a DNS name (RFC 1123): letters, digits and inner hyphens.
 _LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+#: The same with underscores, which resolvers accept (container service names).
+_LABEL_UNDERSCORE = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 
 
-def host_problem(host: str) -> str | None:
-    """What is wrong with a host name or IP address, or ``None``."""
+def host_problem(host: str, *, underscores: bool = True) -> str | None:
+    """What is wrong with a host name or IP address, or ``None``.
+
+    ``underscores=False`` for clients that refuse them (botocore).
+    """
     if not host:
         return "the address names no host"
     try:
@@ -28,12 +33,13 @@ def host_problem(host: str) -> str | None:
         pass
     if not host.isascii():
         return f"host {host!r} is not ASCII: write an international name in its xn-- (IDNA) form"
+    label = _LABEL_UNDERSCORE if underscores else _LABEL
     labels = host.removesuffix(".").split(".")
-    if len(host) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
-        return (
-            f"host {host!r} is not a host name (labels of 1 to 63 letters, digits and "
-            "inner '-', joined by '.')"
+    if len(host) > 253 or not all(label.fullmatch(part) for part in labels):
+        allowed = (
+            "letters, digits, '_' and inner '-'" if underscores else "letters, digits and inner '-'"
         )
+        return f"host {host!r} is not a host name (labels of 1 to 63 {allowed}, joined by '.')"
     return None
 
 

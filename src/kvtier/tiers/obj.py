@@ -298,7 +298,8 @@ def _endpoint_problem(url: str) -> str | None:
         parts = split_url(url, ("http", "https"))
     except ValueError as exc:
         return str(exc)
-    return host_problem(parts.hostname or "")
+    # botocore refuses host names with '_' when it builds the client.
+    return host_problem(parts.hostname or "", underscores=False)
 
 
 def _connect(options: ObjectStoreTierOptions) -> tuple[type[Exception], Any]:
