@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,35 @@ def test_bench_table_and_bad_tier_index(tmp_path: Path) -> None:
         assert header in shown.stdout
     wrong = CliRunner().invoke(cli, ["bench", config, "--tier", "3"])
     assert wrong.exit_code == 2 and "no tier 3" in wrong.output
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "message"),
+    [
+        ("bench", ["--timeout", "0"], "'--timeout': 0.0 is not in the range x>0"),
+        ("bench", ["--timeout", "-1"], "'--timeout': -1.0 is not in the range x>0"),
+        ("bench", ["--timeout", "nan"], "'--timeout': 'nan' is not a number of seconds"),
+        ("check", ["--timeout", "nan"], "'--timeout': 'nan' is not a number of seconds"),
+        ("bench", ["--chunks", "0"], "'--chunks': 0 is not in the range x>=1"),
+        ("bench", ["--batch", "-2"], "'--batch': -2 is not in the range x>=1"),
+        ("bench", ["--chunk-kib", "0"], "'--chunk-kib': 0 is not in the range x>=1"),
+        ("bench", ["--tier", "-1"], "no tier -1: .* names 1 tier \\(indexes 0 to 0\\)"),
+    ],
+)
+def test_bad_options_name_the_option_and_run_nothing(
+    tmp_path: Path, command: str, args: list[str], message: str
+) -> None:
+    config = write_config(tmp_path, {"type": "memory"})
+    result = CliRunner().invoke(cli, [command, config, *args])
+    assert result.exit_code == 2, result.output
+    assert re.search(message, result.output), result.output
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+
+
+def test_bench_runs_a_tier_named_twice_once(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"type": "memory"})
+    report = bench_json(config, "--chunks", "4", "--chunk-kib", "16", "--tier", "0", "--tier", "0")
+    assert [entry["tier"] for entry in report["tiers"]] == [0]
 
 
 class _ReadOnlyTier(MemoryTier):

@@ -178,3 +178,32 @@ def test_layout_and_config_must_agree_on_chunk_tokens() -> None:
 
     with pytest.raises(LayoutMismatchError, match="chunk_tokens"):
         KVCache({"chunk_tokens": 32}, small_layout(chunk_tokens=16))
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        # Each fails a check of the whole entry, which reports the entry as its input.
+        {
+            "type": "p2p",
+            "secret": "hunter2-hunter2-hunter2-hunter2",
+            "listen": "127.0.0.1:0",
+            "max_handshakes": 4,
+            "max_handshakes_per_source": 8,
+        },
+        {"type": "redis", "url": "redis://h:1", "password": "hunter2", "startup_nodes": ["h:1"]},
+        {"type": "redis", "url": "redis://u:hunter2@h:1", "io_threads": 8, "max_connections": 4},
+        {
+            "type": "obj",
+            "bucket": "kv-bucket",
+            "access_key_id": "AKIA",
+            "secret_access_key": "hunter2",
+            "profile": "default",
+        },
+    ],
+)
+def test_an_invalid_entry_never_shows_its_secrets(entry: dict[str, object]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({"secondary_tiers": [entry]})
+    assert "secondary_tiers[0]" in str(caught.value)
+    assert "hunter2" not in str(caught.value)

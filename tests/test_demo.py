@@ -218,3 +218,34 @@ def test_the_quick_demo_says_why_its_hits_do_not_pay(tmp_path: Path) -> None:
     assert speedups, output
     # Whatever this machine measures, a hit slower than a prefill never goes unexplained.
     assert ("did not pay off" in output) == any(s < 1 for s in speedups)
+
+
+def test_a_model_context_shorter_than_the_workload_is_a_clear_error(tmp_path: Path) -> None:
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "model")
+    result = CliRunner().invoke(
+        cli,
+        ["demo", "--quick", "--model", str(tmp_path / "model"), "--dir", str(tmp_path / "kv")],
+        env=WIDE,
+    )
+    assert result.exit_code == 2, result.output
+    assert "more than the model's context of 64" in result.output
+    assert "--system-tokens" in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_a_model_failing_mid_workload_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvtier.demo.workload
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("shape mismatch in attention")
+
+    monkeypatch.setattr(kvtier.demo.workload, "run_demo", fail)
+    result = CliRunner().invoke(cli, ["demo", "--quick", "--dir", str(tmp_path)], env=WIDE)
+    assert result.exit_code == 1
+    assert "the workload failed on the llama model: RuntimeError: shape mismatch" in result.output
+    assert isinstance(result.exception, SystemExit)

@@ -237,6 +237,59 @@ def test_a_header_that_does_not_parse_still_identifies_the_file(tmp_path: Path) 
     assert weights_identity(huge).files == 1
 
 
+def test_a_header_with_hostile_offsets_or_nesting_still_identifies_the_file(
+    tmp_path: Path,
+) -> None:
+    before_data = {"t": {"dtype": "F32", "shape": [4], "data_offsets": [-10_000, 16]}}
+    for name, header in (
+        ("before.safetensors", json.dumps(before_data).encode()),
+        ("nested.safetensors", b"[" * 100_000 + b"]" * 100_000),
+    ):
+        path = tmp_path / name
+        path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(200_000))
+        before = digest(path)
+        flip(path, 8)  # inside the header
+        assert digest(path) != before
+
+
+def test_weights_in_a_linked_directory_count(model_dir: Path, tmp_path: Path) -> None:
+    shards = tmp_path / "other-disk"
+    shards.mkdir()
+    (model_dir / "model.safetensors").rename(shards / "model.safetensors")
+    (model_dir / "shards").symlink_to(shards, target_is_directory=True)
+    (shards / "cycle").symlink_to(model_dir, target_is_directory=True)  # walked once
+    (model_dir / "again").symlink_to(shards, target_is_directory=True)
+    identity = weights_identity(model_dir)
+    assert identity.files == 3  # config.json, extra.bin, the shard once
+    assert weights_identity(model_dir).digest == identity.digest
+    weights = shards / "model.safetensors"
+    flip(weights, tensor_span(weights, "model.norm.weight")[0])
+    assert weights_identity(model_dir).digest != identity.digest
+
+
+def test_an_unreadable_file_counts_by_size_and_time(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readable = weights_identity(model_dir)
+    denied = model_dir / "extra.bin"
+    real_open = open
+
+    def deny(file: object, *args: object, **kwargs: object) -> object:
+        # What the OS answers a non-root user for a file of mode 000.
+        if Path(str(file)) == denied:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(weights_module, "open", deny, raising=False)
+    identity = weights_identity(model_dir)  # the engine starts: no exception
+    assert identity.files == readable.files and identity.total_bytes == readable.total_bytes
+    assert identity.digest != readable.digest
+    assert weights_identity(model_dir).digest == identity.digest
+    stat = denied.stat()
+    os.utime(denied, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert weights_identity(model_dir).digest != identity.digest
+
+
 def test_missing_or_empty_paths_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"absent does not exist"):
         weights_identity(tmp_path / "absent")

@@ -277,7 +277,21 @@ def test_skip_existing_sends_only_missing_chunks(s3_server: S3Server, s3_bucket:
 
 
 @pytest.mark.parametrize(
-    "url", ["minio:9000", "not a url", "http://[::1", "ftp://minio:9000", "http://", "http://h:0"]
+    "url",
+    [
+        "minio:9000",
+        "not a url",
+        "http://[::1",
+        "ftp://minio:9000",
+        "http://",
+        "http://h:0",
+        "http://minio :9000",  # host names the client library itself refuses
+        "http://mïnio:9000",
+        "http://my_minio:9000",
+        "http://-minio:9000",
+        "http://minio:9000\n",
+        " http://minio:9000",
+    ],
 )
 def test_a_malformed_endpoint_fails_when_the_config_loads(url: str) -> None:
     layout = small_layout()
@@ -298,6 +312,12 @@ def test_a_malformed_endpoint_fails_when_the_config_loads(url: str) -> None:
 )
 def test_well_formed_endpoints_load(url: str) -> None:
     load_config({"secondary_tiers": [{"type": "obj", "bucket": "kv-bucket", "endpoint_url": url}]})
+
+
+@pytest.mark.parametrize("bucket", ["kv/cache", "kv cache", "kv:cache", "kv\ncache", "kvé-cache"])
+def test_a_bucket_name_no_client_accepts_fails_when_the_config_loads(bucket: str) -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.bucket: .*for example kv-cache"):
+        load_config({"secondary_tiers": [{"type": "obj", "bucket": bucket}]})
 
 
 def test_a_missing_bucket_names_its_entry(s3_server: S3Server) -> None:

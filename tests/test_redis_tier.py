@@ -234,6 +234,17 @@ def test_unreachable_server_fails_at_start_naming_it(redis_server: RedisServer) 
         ({}, "exactly one of 'url'"),
         ({"url": "redis://h:1", "startup_nodes": ["h:1"]}, "exactly one of 'url'"),
         ({"startup_nodes": ["nohostport"]}, "not host:port"),
+        ({"startup_nodes": ["h:99999"]}, "out of range"),
+        ({"startup_nodes": ["::1:7000"]}, "IPv6 address in brackets"),
+        ({"startup_nodes": ["no de:7000"]}, "not a host name"),
+        ({"startup_nodes": ["-node:7000"]}, "not a host name"),
+        ({"url": " redis://h:1"}, "whitespace"),
+        ({"url": "redis:// h:1"}, "whitespace"),
+        ({"url": "redis://h:1?db=x"}, "query option is invalid"),
+        ({"url": "redis://h:1/٣"}, "database must be a number"),
+        ({"url": "redis://h:1/0/1"}, "database must be a number"),
+        ({"url": "redis://rédis:1"}, "not ASCII"),
+        ({"url": "redis://"}, "names no host"),
         ({"url": "redis://h:1", "io_threads": 8, "max_connections": 4}, "below io_threads"),
         ({"url": "redis://h:1", "ttl_s": 0}, "greater than 0"),
         ({"url": "redis://h:1", "key_prefx": "x"}, "did you mean 'key_prefix'"),
@@ -458,7 +469,15 @@ def test_a_malformed_url_never_shows_its_password() -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["redis://h:6379/0", "rediss://user:pw@h:6380/2", "redis://[::1]:6379", "unix:///run/r.sock"],
+    [
+        "redis://h:6379/0",
+        "rediss://user:pw@h:6380/2",
+        "redis://[::1]:6379",
+        "unix:///run/r.sock",
+        "redis://h:6379/0?socket_keepalive=true",
+        "redis://redis.cache.internal.:6379",
+        "redis://kv_cache:6379",  # a container service name
+    ],
 )
 def test_well_formed_urls_load(url: str) -> None:
     load_config({"secondary_tiers": [{"type": "redis", "url": url}]})

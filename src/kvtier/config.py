@@ -177,7 +177,7 @@ def _problems_from(
             shown = (
                 "(value hidden)"
                 if _is_secret(model, loc)
-                else f"(got {_redacted(error['input'])!r})"
+                else f"(got {_redacted(model, loc, error['input'])!r})"
             )
             message += " " + shown
         if error["type"].startswith("byte_size"):
@@ -189,9 +189,23 @@ def _problems_from(
 _URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
 
 
-def _redacted(value: Any) -> Any:
-    """``value`` with the password of a URL in it (``redis://:pw@host``) masked."""
-    return _URL_PASSWORD.sub(r"\1***@", value) if isinstance(value, str) else value
+def _redacted(model: type[BaseModel], loc: tuple[int | str, ...], value: Any) -> Any:
+    """``value`` (found at ``loc`` of ``model``) with every secret in it masked.
+
+    A model-level check reports its whole entry as the input, so the secret
+    fields inside a mapping and the password of a URL (``redis://:pw@host``)
+    anywhere in it are masked too.
+    """
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(r"\1***@", value)
+    if isinstance(value, Mapping):
+        return {
+            key: "***" if _is_secret(model, (*loc, key)) else _redacted(model, (*loc, key), item)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redacted(model, (*loc, i), item) for i, item in enumerate(value))
+    return value
 
 
 def _join(prefix: str, loc: tuple[int | str, ...]) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from kvtier.cli import cli
@@ -65,3 +68,35 @@ def test_bench_skips_a_pull_only_tier(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["bench", str(config), "--chunks", "4", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["tiers"][0]["skipped"].startswith("a pull-only tier")
+
+
+def test_peer_on_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        entry = {"type": "p2p", "secret": SECRET, "listen": f"127.0.0.1:{port}"}
+        config = write(tmp_path / "p.json", {"secondary_tiers": [entry]})
+        result = CliRunner().invoke(cli, ["peer", str(config)])
+    assert result.exit_code == 1, result.output
+    assert f"cannot start the node: OSError: [Errno {errno.EADDRINUSE}]" in result.output
+    assert f"127.0.0.1:{port}" in result.output and "secondary_tiers[0]" in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--chunk-kib", "0"], "'--chunk-kib': 0 is not in the range x>=1"),
+        (["--chunk-kib", "-1"], "'--chunk-kib': -1 is not in the range x>=1"),
+        (["--synthetic-chunks", "-1"], "'--synthetic-chunks': -1 is not in the range x>=0"),
+    ],
+)
+def test_peer_refuses_bad_sizes_naming_the_option(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    entry = {"type": "p2p", "secret": SECRET, "listen": "127.0.0.1:0"}
+    config = write(tmp_path / "p.json", {"secondary_tiers": [entry]})
+    result = CliRunner().invoke(cli, ["peer", str(config), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -160,3 +163,73 @@ def test_idle_tls_sessions_are_closed_and_clients_reconnect(pki: PKI) -> None:
             assert node.server.counters.refused == node.server.counters.timed_out == 0
         finally:
             client.close()
+
+
+def test_an_encrypted_key_is_a_clear_error_not_a_prompt(pki: PKI, tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(pki.node.key.read_bytes(), password=None)
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"hunter2"),
+        )
+    )
+    # OpenSSL would otherwise ask for the pass phrase on the terminal.
+    for entry in (server_tls(pki), client_tls(pki, pki.client)):
+        entry["tls_key_file"] = str(encrypted)
+        with pytest.raises(ConfigError, match=r"encrypted\.key is encrypted; .*openssl pkey"):
+            load_config(tier_config(**entry))
+
+
+class _TricklingProxy:
+    """Forwards to ``target``; the server's bytes go back one at a time, slowly."""
+
+    def __init__(self, target: tuple[str, int], interval_s: float) -> None:
+        self.target, self.interval_s = target, interval_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.stop = threading.Event()
+        self.forwarded_back = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            client, _ = self.listener.accept()
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
+            while not self.stop.is_set():
+                byte = server.recv(1)
+                if not byte:
+                    break
+                client.sendall(byte)
+                self.forwarded_back += 1
+                self.stop.wait(self.interval_s)
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+
+
+def test_a_peer_trickling_its_tls_handshake_is_given_up_at_the_deadline(pki: PKI) -> None:
+    settings = TLSSettings(pki.node.cert, pki.node.key, pki.ca)
+    with served(tls=settings.server_context()) as node:
+        # A handshake of ~1 KB at 20 bytes a second: each read is quick, the whole is not.
+        proxy = _TricklingProxy(node.server.address, interval_s=0.05)
+        client = peer_client(node, tls=settings.client_context(), connect_timeout=0.5)
+        client.address = proxy.address
+        try:
+            with pytest.raises((TimeoutError, OSError)):
+                client.query([node.key])
+            assert client.counters.connects == 0
+        finally:
+            client.close()
+            proxy.close()

@@ -31,6 +31,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from kvtier.cli.options import POSITIVE, Seconds
 from kvtier.cli.probe import PHASES, bench_tier, probe_layout
 from kvtier.config import load_config
 from kvtier.errors import KVTierError, describe_error
@@ -49,13 +50,21 @@ def copy_baseline(slots: np.ndarray, batch: int, rounds: int) -> float:
 
 @click.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--chunks", default=128, show_default=True, help="Chunks to move per tier.")
-@click.option("--chunk-kib", default=256, show_default=True, help="Size of each chunk in KiB.")
-@click.option("--batch", default=8, show_default=True, help="Chunks per store or load job.")
+@click.option(
+    "--chunks", type=POSITIVE, default=128, show_default=True, help="Chunks to move per tier."
+)
+@click.option(
+    "--chunk-kib", type=POSITIVE, default=256, show_default=True, help="Size of each chunk in KiB."
+)
+@click.option(
+    "--batch", type=POSITIVE, default=8, show_default=True, help="Chunks per store or load job."
+)
 @click.option(
     "--tier", "tier_indexes", type=int, multiple=True, help="Bench only this tier (repeatable)."
 )
-@click.option("--timeout", default=60.0, show_default=True, help="Seconds allowed per job.")
+@click.option(
+    "--timeout", type=Seconds(), default=60.0, show_default=True, help="Seconds allowed per job."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def bench(
     config: Path,
@@ -72,19 +81,21 @@ def bench(
     (no engine ever reads them; the tier's eviction ages them out). Exits
     non-zero if any tier fails a chunk.
     """
-    if chunks < 1 or batch < 1 or chunk_kib < 1:
-        raise click.BadParameter("--chunks, --batch and --chunk-kib must be positive")
     try:
         settings = load_config(config)
     except KVTierError as exc:
         click.echo(str(exc), err=True)
         sys.exit(2)
-    unknown = [i for i in tier_indexes if not 0 <= i < len(settings.secondary_tiers)]
+    count = len(settings.secondary_tiers)
+    unknown = [i for i in tier_indexes if not 0 <= i < count]
     if unknown:
+        valid = f"0 to {count - 1}" if count else "none"
         raise click.BadParameter(
-            f"no tier {unknown[0]}: {config} names {len(settings.secondary_tiers)} tiers",
+            f"no tier {unknown[0]}: {config} names {count} tier{'' if count == 1 else 's'} "
+            f"(indexes {valid})",
             param_hint="--tier",
         )
+    tier_indexes = tuple(dict.fromkeys(tier_indexes))  # each tier once, in the order given
     batch = min(batch, chunks)
     layout = probe_layout(settings.chunk_tokens, chunk_kib)
     # A primary tier of exactly the slots the bench uses, private to this

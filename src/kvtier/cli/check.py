@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvtier.cli.options import POSITIVE, Seconds
 from kvtier.cli.probe import PHASES, bench_tier, probe_layout
 from kvtier.config import load_config
 from kvtier.errors import KVTierError, describe_error
@@ -118,21 +119,21 @@ def _abandon(message: str) -> NoReturn:
 @click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
     "--chunks",
-    type=click.IntRange(min=1),
+    type=POSITIVE,
     default=4,
     show_default=True,
     help="Chunks to round-trip per tier.",
 )
 @click.option(
     "--chunk-kib",
-    type=click.IntRange(min=1),
+    type=POSITIVE,
     default=256,
     show_default=True,
     help="Size of each probe chunk, in KiB.",
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=Seconds(),
     default=30.0,
     show_default=True,
     help="Seconds allowed per tier step: start-up, health checks, each transfer, shutdown.",

@@ -128,7 +128,8 @@ def demo(
             model, tokenizer = load_local_model(model_path, torch_dtype)
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError...
             click.echo(
-                f"cannot load a model from {model_path}: {describe_error(exc)}\n"
+                # The first line: transformers appends every model type it knows.
+                f"cannot load a model from {model_path}: {describe_error(exc).splitlines()[0]}\n"
                 "--model takes a local Hugging Face causal-LM directory (config.json and "
                 "its weights, e.g. what save_pretrained() writes); leave it out to run "
                 "the built-in model",
@@ -144,6 +145,15 @@ def demo(
         turns=turns or size.turns,
         new_tokens=new_tokens or size.new_tokens,
     )
+    context = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(context, int) and workload.longest_sequence > context:
+        click.echo(
+            f"the workload needs up to {workload.longest_sequence:,} tokens per conversation, "
+            f"more than the model's context of {context:,} (max_position_embeddings); "
+            "make it shorter with --system-tokens, --turns or --new-tokens",
+            err=True,
+        )
+        sys.exit(2)
     try:
         kv = PrefixCache(model, settings, model_id=model_id)
     except Exception as exc:
@@ -151,7 +161,12 @@ def demo(
         sys.exit(1)
     with kv:
         _describe(console, model, origin, kv, settings, workload)
-        run = _run_with_progress(console, kv, workload)
+        try:
+            run = _run_with_progress(console, kv, workload)
+        except Exception as exc:  # a model that loads but cannot run this workload
+            kind = model.config.model_type
+            click.echo(f"the workload failed on the {kind} model: {describe_error(exc)}", err=True)
+            sys.exit(1)
         _report(console, run, kv)
     sys.exit(1 if run.mismatches() else 0)
 

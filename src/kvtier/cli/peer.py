@@ -19,9 +19,10 @@ from typing import Any
 import click
 import numpy as np
 
+from kvtier.cli.options import POSITIVE
 from kvtier.cli.probe import probe_layout
 from kvtier.config import load_config
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, describe_error
 from kvtier.facade import KVCache
 from kvtier.layout import KVLayout
 from kvtier.tiers.p2p import PeerTier
@@ -65,6 +66,7 @@ def read_layout(path: Path) -> KVLayout:
 )
 @click.option(
     "--chunk-kib",
+    type=POSITIVE,
     default=256,
     show_default=True,
     help="Chunk size of the synthetic layout used without --layout.",
@@ -72,6 +74,7 @@ def read_layout(path: Path) -> KVLayout:
 @click.option(
     "--synthetic-chunks",
     "synthetic_count",
+    type=click.IntRange(min=0),
     default=0,
     show_default=True,
     help="Store this many chunks of seeded random data at startup.",
@@ -88,10 +91,17 @@ def peer(
     try:
         settings = load_config(config)
         layout = read_layout(layout_path) if layout_path else None
+    except KVTierError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(2)
+    try:
         cache = KVCache(settings, layout or probe_layout(settings.chunk_tokens, chunk_kib))
     except KVTierError as exc:
         click.echo(str(exc), err=True)
         sys.exit(2)
+    except Exception as exc:  # a port in use, a backend down: the node cannot start
+        click.echo(f"cannot start the node: {describe_error(exc)}", err=True)
+        sys.exit(1)
     stop = threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:

@@ -95,6 +95,14 @@ class ChatWorkload:
     def requests(self) -> int:
         return self.conversations * self.turns
 
+    @property
+    def longest_sequence(self) -> int:
+        """Most tokens one conversation can reach: every turn's prompt and full reply."""
+        return max(
+            len(self.system) + sum(len(turn) for turn in turns) + len(turns) * self.new_tokens
+            for turns in self.user_turns
+        )
+
 
 def chat_workload(
     tokenizer: Tokenizer,

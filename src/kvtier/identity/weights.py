@@ -10,7 +10,9 @@ is identified by what is cheap to read and changes when it does:
 - its modification time in nanoseconds, unless the file is a blob of a
   Hugging Face cache, whose name is already a hash of its content;
 - files of at most :data:`SMALL_FILE_BYTES` (configs, custom modelling
-  code) are read whole instead, and their times do not matter.
+  code) are read whole instead, and their times do not matter;
+- a file this process may not read (the engine cannot load it either) by its
+  name, size and time only.
 
 ``full_read=True`` reads every byte of every file instead (and ignores
 times): the strongest identity, at the cost of reading the checkpoint.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import struct
@@ -46,6 +49,8 @@ MAX_SAFETENSORS_HEADER = 100_000_000
 READ_THREADS = 8
 #: Block size of full reads.
 _READ_BLOCK = 8 * 1024 * 1024
+
+logger = logging.getLogger(__name__)
 
 _HUB_BLOB_NAME = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 _HUB_REVISION = re.compile(r"^[0-9a-f]{40}$")
@@ -77,9 +82,11 @@ def weights_identity(path: str | os.PathLike[str], *, full_read: bool = False) -
     """Identify the weight files at ``path`` (a model directory or one weights file).
 
     Every regular file under a directory counts, except hidden ones (names
-    starting with ``.``); symbolic links to files are followed, as in a Hugging
-    Face cache snapshot. Raises :class:`FileNotFoundError` when ``path`` does
-    not exist and :class:`ValueError` when it holds no file.
+    starting with ``.``); symbolic links to files and directories are followed
+    (as in a Hugging Face cache snapshot, or shards kept on another disk), each
+    directory once, and files are named by their path under ``path``. Raises
+    :class:`FileNotFoundError` when ``path`` does not exist and
+    :class:`ValueError` when it holds no file.
     """
     root = Path(path)
     if not root.exists():
@@ -131,8 +138,17 @@ def _model_files(root: Path) -> Iterator[tuple[str, Path]]:
     if root.is_file():
         yield root.name, root
         return
-    for directory, subdirs, names in os.walk(root):
-        subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+    seen: set[str] = set()
+    # Linked directories hold weights too (shards on another disk); each real
+    # directory is walked once, so a link cycle ends.
+    for directory, subdirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(directory)
+        if real in seen:
+            subdirs[:] = []
+            continue
+        seen.add(real)
+        # Sorted: which of two links to one directory names its files is fixed.
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
         for name in names:
             file = Path(directory, name)
             if not name.startswith(".") and file.is_file():
@@ -141,6 +157,19 @@ def _model_files(root: Path) -> Iterator[tuple[str, Path]]:
 
 def _file_record(name: str, file: Path, full_read: bool) -> tuple[bytes, int, int]:
     """``(record bytes, file size, bytes read)`` for one file."""
+    try:
+        return _content_record(name, file, full_read)
+    except PermissionError:
+        # The engine, running as this user, cannot read it either: its bytes
+        # cannot reach the KV. Its size and time still count, so the identity
+        # changes when it does, or when it becomes readable.
+        logger.warning("kvtier: %s is not readable; identified by its size and time", file)
+        stat = os.stat(file)
+        record = f"{name}\0size={stat.st_size}\0unreadable\0mtime_ns={stat.st_mtime_ns}\n"
+        return record.encode(), stat.st_size, 0
+
+
+def _content_record(name: str, file: Path, full_read: bool) -> tuple[bytes, int, int]:
     with open(file, "rb") as handle:
         stat = os.fstat(handle.fileno())
         size = stat.st_size
@@ -213,8 +242,8 @@ def _safetensors_windows(fd: int, size: int) -> list[tuple[int, int]]:
     windows = [(0, 8 + header_bytes)]
     try:
         header = json.loads(os.pread(fd, header_bytes, 8))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return windows
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return windows  # RecursionError: a header of deeply nested arrays
     if not isinstance(header, dict):
         return windows
     data_start = 8 + header_bytes
@@ -226,7 +255,7 @@ def _safetensors_windows(fd: int, size: int) -> list[tuple[int, int]]:
             continue
         begin, end = data_start + offsets[0], data_start + offsets[1]
         length = end - begin
-        if length <= 0 or end > size:
+        if begin < data_start or length <= 0 or end > size:
             continue
         if length <= 3 * TENSOR_WINDOW_BYTES:
             windows.append((begin, length))

@@ -36,7 +36,7 @@ when the endpoint comes back.
 from __future__ import annotations
 
 import math
-import urllib.parse
+import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -49,6 +49,7 @@ from kvtier.errors import (
     describe_error,
 )
 from kvtier.keys import ChunkKey
+from kvtier.tiers.addresses import host_problem, split_url
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.remote import (
     Exists,
@@ -62,6 +63,8 @@ from kvtier.tiers.remote import (
 #: Error codes of a GET on an object the bucket does not hold. A missing
 #: bucket (``NoSuchBucket``) is not among them: that is an outage.
 _ABSENT = frozenset({"NoSuchKey"})
+
+_BUCKET_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class ObjectStoreTierOptions(RemoteTierOptions):
@@ -103,6 +106,18 @@ class ObjectStoreTierOptions(RemoteTierOptions):
 
     retries: int = Field(default=2, ge=0, le=10)
     """Further attempts after a throttled, failed or timed-out request."""
+
+    @field_validator("bucket")
+    @classmethod
+    def _check_bucket_name(cls, bucket: str) -> str:
+        # The characters any S3 client accepts; a server may ask for fewer
+        # (AWS and MinIO: lowercase letters, digits, '.' and '-').
+        if not _BUCKET_NAME.fullmatch(bucket):
+            raise ValueError(
+                "a bucket name holds letters, digits, '.', '-' and '_' only "
+                "(S3 rules: lowercase letters, digits, '.' and '-', for example kv-cache)"
+            )
+        return bucket
 
     @field_validator("endpoint_url")
     @classmethod
@@ -281,17 +296,11 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
 def _endpoint_problem(url: str) -> str | None:
     """What is wrong with an S3 endpoint URL, or ``None``."""
     try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
+        parts = split_url(url, ("http", "https"))
     except ValueError as exc:
-        return f"not a valid URL ({exc})"
-    if parts.scheme not in ("http", "https"):
-        return "the URL must start with http:// or https://"
-    if not parts.hostname:
-        return "the URL names no host"
-    if port == 0:
-        return "port 0 is not a server's port"
-    return None
+        return str(exc)
+    # botocore refuses host names with '_' when it builds the client.
+    return host_problem(parts.hostname or "", underscores=False)
 
 
 def _connect(options: ObjectStoreTierOptions) -> tuple[type[Exception], Any]:

@@ -36,6 +36,7 @@ from kvtier.errors import (
     MissingDependencyError,
     describe_error,
 )
+from kvtier.tiers.addresses import host_problem, parse_host_port, split_url
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.remote import (
     Exists,
@@ -107,9 +108,10 @@ class RedisTierOptions(RemoteTierOptions):
                 "and 'startup_nodes' (cluster seeds as host:port)"
             )
         for node in self.startup_nodes:
-            host, _, port = node.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"startup_nodes: {node!r} is not host:port")
+            try:
+                parse_host_port(node)
+            except ValueError as exc:
+                raise ValueError(f"startup_nodes: {exc}") from None
         if self.max_connections < self.io_threads:
             raise ValueError(
                 f"max_connections={self.max_connections} is below io_threads={self.io_threads}: "
@@ -230,21 +232,30 @@ def _connected(options: RedisTierOptions) -> Any:
 def _url_problem(url: str) -> str | None:
     """What is wrong with a Redis URL, or ``None``."""
     try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
+        parts = split_url(url, _URL_SCHEMES)
     except ValueError as exc:
-        return f"not a valid URL ({exc})"
-    if parts.scheme not in _URL_SCHEMES:
-        return f"the scheme must be one of {', '.join(s + '://' for s in _URL_SCHEMES)}"
+        return str(exc)
     if parts.scheme == "unix":
         return None if parts.path else "a unix:// URL needs the socket's path"
-    if not parts.hostname:
-        return "the URL names no host"
-    if port == 0:
-        return "port 0 is not a server's port"
+    problem = host_problem(parts.hostname or "")
+    if problem:
+        return problem
     database = parts.path.strip("/")
-    if database and not database.isdigit():
+    if database and not (database.isascii() and database.isdigit()):
         return f"the database must be a number, got {database!r}"
+    return _query_problem(url) if parts.query else None
+
+
+def _query_problem(url: str) -> str | None:
+    """What redis-py finds wrong in a URL's query options (``?db=x``), or ``None``."""
+    try:
+        from redis.connection import parse_url
+    except ImportError:
+        return None  # the tier's start names the missing extra
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        return f"a query option is invalid ({exc})"
     return None
 
 
@@ -271,10 +282,7 @@ def _connect(options: RedisTierOptions) -> Any:
         common["max_connections"] = options.max_connections
         if options.url is not None:
             return RedisCluster.from_url(options.url, **common)
-        nodes = []
-        for node in options.startup_nodes:
-            host, _, port = node.rpartition(":")
-            nodes.append(ClusterNode(host, int(port)))
+        nodes = [ClusterNode(*parse_host_port(node)) for node in options.startup_nodes]
         return RedisCluster(startup_nodes=nodes, **common)
     pool = redis.BlockingConnectionPool.from_url(
         str(options.url),

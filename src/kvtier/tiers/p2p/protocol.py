@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from kvtier.errors import PeerAuthError, PeerProtocolError
 from kvtier.integrity import HEADER_BYTES
 from kvtier.layout import KEY_BYTES
+from kvtier.tiers.addresses import parse_host_port
 
 MAGIC = b"KP"
 VERSION = 1
@@ -272,17 +273,7 @@ def send_message(sock: socket.socket, kind: MessageType, body: bytes = b"") -> N
 
 def parse_address(text: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
     """``host:port`` or ``[v6-address]:port`` as ``(host, port)``; ``ValueError`` if not."""
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"{text!r} is not host:port")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"{text!r}: write an IPv6 address in brackets, [::1]:port")
-    port = int(port_text)
-    if not (0 if allow_port_zero else 1) <= port <= 65535:
-        raise ValueError(f"{text!r}: port {port} out of range")
-    return host, port
+    return parse_host_port(text, allow_port_zero=allow_port_zero)
 
 
 def format_address(host: str, port: int) -> str:

@@ -32,7 +32,7 @@ class TLSSettings:
             raise ValueError("the peer service needs a certificate: set tls_cert_file")
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.load_cert_chain(self.cert_file, self.key_file)
+        self._load_own_certificate(context, self.cert_file)
         if self.require_client_cert:
             if self.ca_file is None:
                 raise ValueError("requiring client certificates needs tls_ca_file")
@@ -52,5 +52,18 @@ class TLSSettings:
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.check_hostname = self.check_hostname
         if self.cert_file is not None:
-            context.load_cert_chain(self.cert_file, self.key_file)
+            self._load_own_certificate(context, self.cert_file)
         return context
+
+    def _load_own_certificate(self, context: ssl.SSLContext, cert_file: Path) -> None:
+        key_file = self.key_file or cert_file
+
+        def refuse_password() -> str:
+            # Without this, OpenSSL would prompt on the terminal and block the node.
+            raise ValueError(
+                f"the private key in {key_file} is encrypted; kvtier reads unencrypted keys "
+                f"only: write one with `openssl pkey -in {key_file} -out KEY` and give it "
+                "as tls_key_file (readable by this node's user only)"
+            )
+
+        context.load_cert_chain(cert_file, self.key_file, password=refuse_password)

@@ -1,0 +1,27 @@
+"""Option types shared by the commands."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import click
+
+
+class Seconds(click.FloatRange):
+    """A positive number of seconds: ``inf`` waits forever, ``nan`` and ``0`` are refused."""
+
+    name = "seconds"
+
+    def __init__(self) -> None:
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if math.isnan(seconds):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return seconds
+
+
+#: Counts and sizes that must be at least one.
+POSITIVE = click.IntRange(min=1)
