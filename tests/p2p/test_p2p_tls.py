@@ -192,6 +192,9 @@ class _TricklingProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()[:2]
         self.stop = threading.Event()
+        #: Cleared: the server's bytes go back at full speed.
+        self.trickling = threading.Event()
+        self.trickling.set()
         self.forwarded_back = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -206,7 +209,8 @@ class _TricklingProxy:
                     break
                 client.sendall(byte)
                 self.forwarded_back += 1
-                self.stop.wait(self.interval_s)
+                if self.trickling.is_set():
+                    self.stop.wait(self.interval_s)
 
     @staticmethod
     def _pipe(source: socket.socket, sink: socket.socket) -> None:
@@ -230,6 +234,25 @@ def test_a_peer_trickling_its_tls_handshake_is_given_up_at_the_deadline(pki: PKI
             with pytest.raises((TimeoutError, OSError)):
                 client.query([node.key])
             assert client.counters.connects == 0
+        finally:
+            client.close()
+            proxy.close()
+
+
+def test_an_authenticated_peer_trickling_its_reply_is_given_up_at_the_deadline() -> None:
+    """``request_timeout_s`` bounds the whole answer, not each read of it."""
+    with served() as node:
+        proxy = _TricklingProxy(node.server.address, interval_s=0.05)
+        proxy.trickling.clear()
+        # Each byte comes 0.05 s after the last: well inside a per-read timeout,
+        # but the whole answer takes several times the request timeout.
+        client = peer_client(node, request_timeout=0.3)
+        client.address = proxy.address
+        try:
+            assert client.query([node.key]) == [True]  # authenticated, pooled
+            proxy.trickling.set()
+            with pytest.raises((TimeoutError, OSError)):
+                client.query([node.key])
         finally:
             client.close()
             proxy.close()

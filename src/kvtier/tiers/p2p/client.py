@@ -119,27 +119,38 @@ class PeerClient:
 
     # Requests ----------------------------------------------------------------
 
+    def _send(self, sock: socket.socket, kind: MessageType, body: bytes) -> float:
+        """Send a request; returns the instant its whole reply must have arrived by.
+
+        One deadline for the reply, not one per read: a peer that trickles its
+        answer a byte at a time would otherwise hold a worker indefinitely.
+        """
+        sock.settimeout(self._request_timeout)
+        protocol.send_message(sock, kind, body)
+        return time.monotonic() + self._request_timeout
+
     def _query(self, sock: socket.socket, *, keys: list[bytes]) -> list[bool]:
-        protocol.send_message(sock, MessageType.QUERY, protocol.encode_keys(keys))
-        frame = protocol.read_frame(sock, {MessageType.HOLDS: (len(keys), len(keys))})
-        return protocol.decode_holds(protocol.recv_exact(sock, frame.length), len(keys))
+        deadline = self._send(sock, MessageType.QUERY, protocol.encode_keys(keys))
+        frame = protocol.read_frame(sock, {MessageType.HOLDS: (len(keys), len(keys))}, deadline)
+        holds = protocol.recv_exact(sock, frame.length, deadline)
+        return protocol.decode_holds(holds, len(keys))
 
     def _fetch(self, sock: socket.socket, *, key: bytes, out: memoryview) -> bool:
-        protocol.send_message(sock, MessageType.FETCH, key)
+        deadline = self._send(sock, MessageType.FETCH, key)
         length = protocol.chunk_length(len(out))
         frame = protocol.read_frame(
-            sock, {MessageType.CHUNK: (length, length), MessageType.MISSING: (0, 0)}
+            sock, {MessageType.CHUNK: (length, length), MessageType.MISSING: (0, 0)}, deadline
         )
         if frame.kind is MessageType.MISSING:
             return False
         header = unpack_header(
-            protocol.recv_exact(sock, HEADER_BYTES),
+            protocol.recv_exact(sock, HEADER_BYTES, deadline),
             namespace=self._namespace,
             key=key,
             payload_bytes=len(out),
         )
         # Straight into the reserved slot; verified before anyone may read it.
-        protocol.recv_into_exact(sock, out)
+        protocol.recv_into_exact(sock, out, deadline)
         header.verify(out)
         return True
 

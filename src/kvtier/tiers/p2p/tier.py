@@ -75,8 +75,9 @@ class PeerTierOptions(ThreadedTierOptions):
     authentication: the whole handshake, however its bytes are paced."""
 
     request_timeout_s: float = Field(default=5.0, gt=0, le=3600)
-    """Seconds a peer may stay silent while answering a request (and the peer
-    service's limit for receiving a whole request); a lookup gives all peers
+    """Seconds a peer has to deliver its whole answer to a request, however it
+    paces the bytes (and the peer service's limit for receiving a whole
+    request); a lookup gives all peers
     together 3 × connect (a handshake cut short is tried again, three times
     in all) + request timeout."""
 
