@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.tiers.p2p import PeerTierOptions
-from kvtier.tiers.p2p.admission import HandshakeBudget, SessionBudget
+from kvtier.tiers.p2p.admission import HandshakeBudget, SessionBudget, source_of
 
 
 def test_a_source_at_its_limit_displaces_its_own_oldest() -> None:
@@ -95,3 +95,28 @@ def test_the_per_source_limit_defaults_to_half_the_handshake_budget() -> None:
     assert options(max_handshakes=10, max_handshakes_per_source=10).handshakes_per_source == 10
     with pytest.raises(ConfigError, match=r"max_handshakes_per_source \(11\) exceeds"):
         options(max_handshakes=10, max_handshakes_per_source=11)
+
+
+@pytest.mark.parametrize(
+    ("host", "source"),
+    [
+        ("10.1.2.3", "10.1.2.3"),
+        ("2001:db8:1:2::1", "2001:db8:1:2::/64"),
+        ("2001:db8:1:2:ffff:ffff:ffff:fffe", "2001:db8:1:2::/64"),
+        ("2001:db8:1:3::1", "2001:db8:1:3::/64"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("::ffff:192.0.2.7", "192.0.2.7"),
+        ("::1", "::/64"),
+    ],
+)
+def test_an_ipv6_host_counts_as_its_64_network(host: str, source: str) -> None:
+    assert source_of(host) == source
+
+
+def test_rotating_through_one_ipv6_network_stays_within_the_per_source_limit() -> None:
+    budget: HandshakeBudget[str] = HandshakeBudget(limit=8, per_source=2)
+    for index in range(6):
+        budget.add(f"conn{index}", source_of(f"2001:db8::{index + 1}"), deadline=1.0)
+    assert budget.held_by("2001:db8::/64") == 2
+    budget.add("honest", source_of("2001:db8:0:1::5"), deadline=1.0)
+    assert "honest" in budget

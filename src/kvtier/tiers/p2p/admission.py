@@ -9,11 +9,30 @@ to close.
 
 from __future__ import annotations
 
+import ipaddress
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 C = TypeVar("C", bound=Hashable)
+
+#: An IPv6 host usually holds a whole /64: a per-source limit per address would
+#: let it rotate through addresses of its own network.
+IPV6_SOURCE_PREFIX = 64
+
+
+def source_of(host: str) -> str:
+    """The source a connection from ``host`` counts against: an IPv4 address,
+    or the /64 network of an IPv6 one (IPv4-mapped addresses count as IPv4)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, IPV6_SOURCE_PREFIX), strict=False))
+    return str(address)
 
 
 class HandshakeBudget(Generic[C]):

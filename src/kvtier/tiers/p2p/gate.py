@@ -25,7 +25,7 @@ from typing import cast
 
 from kvtier.errors import PeerProtocolError
 from kvtier.tiers.p2p import protocol
-from kvtier.tiers.p2p.admission import HandshakeBudget
+from kvtier.tiers.p2p.admission import HandshakeBudget, source_of
 from kvtier.tiers.p2p.counters import ServerCounters
 from kvtier.tiers.p2p.protocol import MessageType
 
@@ -256,11 +256,11 @@ class HandshakeGate:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls is not None:
             sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        source = str(address[0])
+        host = str(address[0])
         handshake = Handshake(
-            sock, source, protocol.format_address(source, int(address[1])), self._hello()
+            sock, source_of(host), protocol.format_address(host, int(address[1])), self._hello()
         )
-        displaced = self.budget.add(handshake, source, self._clock() + self._timeout)
+        displaced = self.budget.add(handshake, handshake.source, self._clock() + self._timeout)
         if displaced is not None:
             self._end(
                 displaced,
