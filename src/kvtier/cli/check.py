@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar, cast
+from typing import NoReturn, TypeVar
 
 import click
 import numpy as np
@@ -24,6 +23,7 @@ from kvtier.keys import chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.specs.factory import OffloadingSpecFactory
 from kvtier.tiers.base import HealthCheck, Lookup, SecondaryTier
+from kvtier.tiers.deadlines import CallTimeout, call_within
 from kvtier.tiers.drive import resolve_lookup
 from kvtier.units import format_bytes
 
@@ -68,40 +68,17 @@ def _readable(name: str, value: object) -> object:
     return value
 
 
-class _StepTimeout(Exception):
-    pass
-
-
 def _bounded(step: Callable[[], T], timeout: float) -> T:
-    """``step()``, or :class:`_StepTimeout` if it has not returned within ``timeout`` s.
-
-    The step runs on a daemon thread: a tier stuck in a call that never returns
-    cannot be interrupted, only left behind (the command then exits at once).
-    """
-    outcome: list[Any] = []
-
-    def run() -> None:
-        try:
-            outcome.append((True, step()))
-        except BaseException as exc:
-            outcome.append((False, exc))
-
-    worker = threading.Thread(target=run, name="kvtier-check-step", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if not outcome:
-        raise _StepTimeout
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return cast(T, value)
+    """``step()`` within ``timeout`` s (:class:`CallTimeout` if not): a stuck tier
+    is left behind on its thread, and the command then exits at once."""
+    return call_within(step, timeout, name="kvtier-check-step")
 
 
 def _health(tier: SecondaryTier, timeout: float) -> list[HealthCheck]:
     """The tier's own checks; a hook that raises or hangs is one failed check."""
     try:
         return _bounded(lambda: list(tier.health()), timeout)
-    except _StepTimeout:
+    except CallTimeout:
         return [HealthCheck("health", False, f"health() did not return within {timeout:g} s")]
     except Exception as exc:
         return [HealthCheck("health", False, describe_error(exc))]
@@ -160,7 +137,7 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
     try:
         spec = OffloadingSpecFactory.create_spec(settings, layout)
         manager = _bounded(spec.build_manager, timeout)
-    except _StepTimeout:
+    except CallTimeout:
         where = getattr(spec, "starting", None) or "the tiers"
         _abandon(f"cannot start the tiers: {where} did not start within {timeout:g} s (--timeout)")
     except Exception as exc:
@@ -197,7 +174,7 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
     finally:
         try:
             _bounded(manager.shutdown, timeout)
-        except _StepTimeout:
+        except CallTimeout:
             console.print(table)
             _abandon(f"the tiers did not shut down within {timeout:g} s (--timeout)")
     if not manager.tiers:

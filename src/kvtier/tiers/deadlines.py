@@ -1,4 +1,5 @@
-"""``Deadlines``: run callbacks when their time comes, on one thread per tier.
+"""``Deadlines``: run callbacks when their time comes, on one thread per tier;
+:func:`call_within`: wait a bounded time for a call that may never return.
 
 A remote tier answers for every job within its deadline, even while its
 workers are stuck in a socket read: this thread fires the deadline and the
@@ -13,8 +14,60 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class CallTimeout(TimeoutError):
+    """:func:`call_within`'s call did not return in time (the call's own
+    ``TimeoutError`` stays apart from it)."""
+
+
+def call_within(
+    call: Callable[[], T],
+    timeout_s: float,
+    *,
+    name: str,
+    dispose: Callable[[T], None] | None = None,
+) -> T:
+    """``call()`` on a daemon thread of its own, waiting at most ``timeout_s``.
+
+    A call stuck in a client library cannot be interrupted, only left behind:
+    :class:`CallTimeout` then, and a result that comes later goes to
+    ``dispose`` (a client to close).
+    """
+    outcome: list[tuple[bool, Any]] = []
+    lock = threading.Lock()
+    abandoned = False
+
+    def run() -> None:
+        try:
+            result: tuple[bool, Any] = (True, call())
+        except BaseException as exc:
+            result = (False, exc)
+        with lock:
+            outcome.append(result)
+            late = abandoned
+        if late and result[0] and dispose is not None:
+            try:
+                dispose(result[1])
+            except Exception:
+                logger.debug("%s: disposing a late result failed", name)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    with lock:
+        if not outcome:
+            abandoned = True
+            raise CallTimeout(f"no answer within {timeout_s}s")
+    succeeded, value = outcome[0]
+    if not succeeded:
+        raise value
+    return cast(T, value)
 
 
 class Deadlines:

@@ -51,7 +51,7 @@ from kvtier.tiers.base import (
     TransferJob,
 )
 from kvtier.tiers.circuit import BreakerState, CircuitBreaker
-from kvtier.tiers.deadlines import Deadlines
+from kvtier.tiers.deadlines import Deadlines, call_within
 from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions, _JobState
 
 logger = logging.getLogger(__name__)
@@ -506,40 +506,8 @@ class RemoteTier(ThreadedTier[RemoteOptionsT]):
             )
 
     def _bounded(self, call: Callable[[], T], timeout_s: float, dispose: Callable[[T], None]) -> T:
-        """``call()`` on a thread of its own, waiting at most ``timeout_s``.
-
-        Raises :class:`TimeoutError` when it does not end in time; a result
-        that comes later is handed to ``dispose`` (a client to close).
-        """
-        outcome: list[Any] = []
-        lock = threading.Lock()
-        abandoned = False
-
-        def run() -> None:
-            try:
-                result: tuple[bool, Any] = (True, call())
-            except BaseException as exc:
-                result = (False, exc)
-            with lock:
-                outcome.append(result)
-                late = abandoned
-            if late and result[0]:
-                try:
-                    dispose(result[1])
-                except Exception:
-                    logger.debug("tier %s: disposing a late result failed", self.tier_type)
-
-        thread = threading.Thread(target=run, name=f"kvtier-{self.tier_type}-call", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        with lock:
-            if not outcome:
-                abandoned = True
-                raise TimeoutError(f"no answer within {timeout_s}s")
-        succeeded, value = outcome[0]
-        if not succeeded:
-            raise value
-        return value
+        """:func:`call_within` on a thread named after this tier."""
+        return call_within(call, timeout_s, name=f"kvtier-{self.tier_type}-call", dispose=dispose)
 
     def _start(self, connect: Callable[[], T], dispose: Callable[[T], None], target: str) -> T:
         """Connect and ping within ``startup_timeout_s``, or fail with a clear message.
