@@ -19,9 +19,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtier.errors import KVTierError
+from kvtier.errors import KVTierError, MissingDependencyError
 from kvtier.policies.factory import CachePolicyFactory, policy_registry
 from kvtier.sim.cascade import CascadeResult, replay_cascade
+from kvtier.sim.plot import load_matplotlib, plot_format, plot_report
 from kvtier.sim.replay import CellResult, belady_min, replay
 from kvtier.sim.synthetic import chat_trace
 from kvtier.sim.trace import (
@@ -111,6 +112,13 @@ _BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 )
 @click.option("--limit", type=int, help="Replay only the first N requests.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also draw hit ratio against capacity, one line per policy and MIN, to this "
+    ".svg or .png file (needs the 'plot' extra: matplotlib).",
+)
 def simulate(
     trace: Path | None,
     chat_seed: int | None,
@@ -121,6 +129,7 @@ def simulate(
     secondary: str | None,
     limit: int | None,
     as_json: bool,
+    plot_path: Path | None,
 ) -> None:
     """Replay TRACE through eviction policies at several primary-tier capacities.
 
@@ -131,6 +140,7 @@ def simulate(
     MIN, and the share of the LRU-to-MIN gap it closes. With --secondary,
     also the hits each tier serves when an LRU-evicting secondary tier sits
     behind the primary one (every transfer done before the next request).
+    With --plot, also draws hit ratio against capacity to an SVG or PNG file.
     """
     if (trace is None) == (chat_seed is None):
         raise click.UsageError("give a TRACE file or --chat-seed, not both or neither")
@@ -142,6 +152,8 @@ def simulate(
             policy_registry.resolve(name, None, entry="--policy")
         except KVTierError as exc:
             raise click.BadParameter(str(exc), param_hint="--policy") from None
+    if plot_path is not None:
+        _check_plotting(plot_path)
     try:
         requests = _load(trace, chat_seed, block_size, limit)
     except TraceFormatError as exc:
@@ -159,6 +171,30 @@ def simulate(
         click.echo(json.dumps(report, indent=2))
     else:
         Console().print(_table(report))
+    if plot_path is not None:
+        try:
+            plot_report(report, plot_path)
+        except OSError as exc:
+            click.echo(
+                f"kvtier simulate: cannot write the plot {str(plot_path)!r}: {exc}", err=True
+            )
+            sys.exit(2)
+
+
+def _check_plotting(path: Path) -> None:
+    """Fail before any replay when the plot could not be drawn: a suffix that names
+    no image format, or matplotlib (the ``plot`` extra) not installed."""
+    try:
+        plot_format(path)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--plot") from None
+    if not path.parent.is_dir():
+        raise click.BadParameter(f"{str(path.parent)!r} is not a directory", param_hint="--plot")
+    try:
+        load_matplotlib()
+    except MissingDependencyError as exc:
+        click.echo(f"kvtier simulate --plot needs matplotlib: {exc}", err=True)
+        sys.exit(2)
 
 
 def _chunk_bytes(text: str | None) -> int | None:
