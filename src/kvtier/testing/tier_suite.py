@@ -49,8 +49,9 @@ class TierHarness:
         self.layout = layout
         self.buffer = SlotBuffer(num_slots, layout.slot_bytes)
         self.spec = TieringSpec(config, layout)
-        self.tier: SecondaryTier = SecondaryTierFactory.create_secondary_tier(
-            config.secondary_tiers[0].as_dict(), self.buffer.view, self.spec
+        entry = config.secondary_tiers[0]
+        self.tier: SecondaryTier = SecondaryTierFactory.build_secondary_tier(
+            entry.tier_class, entry.tier_type, entry.options, self.buffer.view, self.spec
         )
         self.rng = np.random.default_rng(1234)
 
