@@ -413,7 +413,7 @@ def test_the_contract_harness_validates_once_too(counted: list[str]) -> None:
     harness = TierHarness({"type": "counting", "label": "h"}, small_layout())
     try:
         assert counted == ["h"]
-        assert harness.tier.options.label == "h"  # type: ignore[attr-defined]
+        assert harness.tier.options.label == "h"
     finally:
         harness.close()
 
@@ -430,7 +430,7 @@ def test_arguments_a_tier_changes_before_the_base_are_validated_again(
     )
     try:
         assert counted == ["r", "r-renamed"]
-        assert tier.options.label == "r-renamed"  # type: ignore[attr-defined]
+        assert tier.options.label == "r-renamed"
     finally:
         tier.shutdown()
         buffer.close()
