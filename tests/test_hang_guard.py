@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 import pytest
 
 from kvtier.keys import ChunkKey
-from kvtier.policies import register_policy
+from kvtier.policies import CachePolicy, register_policy
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.testing import PolicyContractTests, TierContractTests, TierHarness, small_layout
 from kvtier.testing.hang_guard import DEFAULT_CALL_TIMEOUT_S, HangGuard
@@ -208,3 +208,21 @@ def test_the_calls_own_timeout_is_not_taken_for_a_hang() -> None:
 def test_a_guard_needs_a_positive_bound() -> None:
     with pytest.raises(ValueError, match="call_timeout_s must be positive"):
         HangGuard(LRUCachePolicy, 0)
+
+
+class NamelessPolicySuite(PolicyContractTests):
+    """Builds its policy itself, with no name to resolve."""
+
+    call_timeout_s = TINY_GUARD_S
+
+    def make_policy(self, capacity: int | None = None) -> CachePolicy:
+        return HangingPolicy(capacity or self.capacity)
+
+
+def test_a_suite_that_builds_its_own_policy_is_guarded_too() -> None:
+    with pytest.raises(pytest.fail.Exception) as failure:
+        NamelessPolicySuite().test_evict_zero_is_empty()
+    assert "test_evict_zero_is_empty (with CachePolicy) did not return" in str(failure.value)
+    stuck = guard_thread("CachePolicy.test_evict_zero_is_empty")
+    RELEASE.set()
+    assert ends_once_released(stuck)
