@@ -7,8 +7,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "kvtier.tiers.fs._chunkio",
-            ["src/kvtier/tiers/fs/_chunkio.c"],
+            "kvtier.tiers.fs._native._chunkio",
+            ["src/kvtier/tiers/fs/_native/_chunkio.c"],
             optional=True,
         )
     ]

@@ -32,15 +32,20 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 from pydantic import ByteSize, TypeAdapter
 
 from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.testing import TierHarness, small_layout
-from kvtier.testing.servers import MooncakeMaster
 from kvtier.tiers.base import TransferJob
 from kvtier.tiers.mooncake import MooncakeTier
+
+# The loopback servers are kvtier's test fixtures (tests/servers.py), not part
+# of the installed package: import them from this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.servers import MooncakeMaster
 
 MiB = 1 << 20
 

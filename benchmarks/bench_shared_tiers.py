@@ -30,15 +30,20 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import ByteSize, TypeAdapter
 
 from kvtier.keys import ChunkKey
 from kvtier.testing import TierHarness, small_layout
-from kvtier.testing.servers import RedisServer, S3Server
 from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
 from kvtier.tiers.redis import RedisTier
+
+# The loopback servers are kvtier's test fixtures (tests/servers.py), not part
+# of the installed package: import them from this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.servers import RedisServer, S3Server
 
 MiB = 1 << 20
 

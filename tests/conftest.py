@@ -14,14 +14,14 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.testing import restore_registries
-from kvtier.testing.servers import (
+from kvtier.tiers.fs import io as fs_io
+from tests.servers import (
     MooncakeMaster,
     RedisClusterServers,
     RedisServer,
     S3Server,
     mooncake_binary,
 )
-from kvtier.tiers.fs import io as fs_io
 
 
 @pytest.fixture(params=sorted(fs_io.IMPLEMENTATIONS))

@@ -4,12 +4,14 @@ import logging
 import subprocess
 import sys
 import textwrap
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
+from pydantic import field_validator
 
 from kvtier import (
     CachePolicyFactory,
+    KVCache,
     OffloadingSpecFactory,
     PluginLoadError,
     SecondaryTierFactory,
@@ -24,9 +26,9 @@ from kvtier.policies import CachePolicy
 from kvtier.primary import SlotBuffer
 from kvtier.specs import OffloadingSpec
 from kvtier.specs.tiering import TieringSpec
-from kvtier.testing import small_layout
-from kvtier.tiers import SecondaryTier, tier_registry
-from kvtier.tiers.memory import MemoryTier
+from kvtier.testing import TierHarness, small_layout
+from kvtier.tiers import SecondaryTier, TierOptions, tier_registry
+from kvtier.tiers.memory import MemoryTier, MemoryTierOptions
 
 pytestmark = pytest.mark.usefixtures("registries")
 
@@ -342,3 +344,115 @@ def test_the_policy_and_spec_classes_are_resolved_once_per_configuration(
         assert sorted(resolved) == ["arc", "tiering"]  # building did not look them up again
     finally:
         manager.shutdown()
+
+
+# Validation once per configuration ---------------------------------------
+
+#: The ``label`` of each CountingTier entry, once per validation of its options.
+VALIDATED: list[str] = []
+
+
+class CountingTierOptions(MemoryTierOptions):
+    label: str = ""
+
+    @field_validator("label")
+    @classmethod
+    def _count(cls, label: str) -> str:
+        VALIDATED.append(label)
+        return label
+
+
+class CountingTier(MemoryTier):
+    """The memory tier, counting every validation of its options."""
+
+    Options: ClassVar[type[TierOptions]] = CountingTierOptions
+
+
+class RenamingTier(CountingTier):
+    """Changes its arguments before the base sees them: they are validated anew."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs["label"] = kwargs["label"] + "-renamed"
+        super().__init__(**kwargs)
+
+
+@pytest.fixture
+def counted() -> list[str]:
+    register_tier("counting", __name__, "CountingTier")
+    register_tier("renaming", __name__, "RenamingTier")
+    VALIDATED.clear()
+    return VALIDATED
+
+
+def test_each_tier_entry_is_validated_once_from_load_config_to_a_running_tier(
+    counted: list[str],
+) -> None:
+    layout = small_layout()
+    config = load_config(
+        {
+            "chunk_tokens": layout.chunk_tokens,
+            "cpu_bytes_to_use": 4 * layout.slot_bytes,
+            "secondary_tiers": [
+                {"type": "counting", "label": "a", "max_bytes": "1MiB"},
+                {"type": "counting", "label": "b"},
+            ],
+        }
+    )
+    assert counted == ["a", "b"]
+    with KVCache(config, layout) as cache:
+        tiers = cache.manager.tiers
+        assert counted == ["a", "b"]
+        # The very objects load_config validated, and the options they say.
+        assert all(
+            t.options is e.options for t, e in zip(tiers, config.secondary_tiers, strict=True)
+        )
+        assert isinstance(tiers[0], CountingTier) and tiers[0].max_bytes == 1 << 20
+
+
+def test_the_contract_harness_validates_once_too(counted: list[str]) -> None:
+    harness = TierHarness({"type": "counting", "label": "h"}, small_layout())
+    try:
+        assert counted == ["h"]
+        assert harness.tier.options.label == "h"
+    finally:
+        harness.close()
+
+
+def test_arguments_a_tier_changes_before_the_base_are_validated_again(
+    counted: list[str],
+) -> None:
+    config = load_config({"secondary_tiers": [{"type": "renaming", "label": "r"}]})
+    entry = config.secondary_tiers[0]
+    buffer = SlotBuffer(4, small_layout().slot_bytes)
+    spec = TieringSpec(load_config({"chunk_tokens": 16}), small_layout())
+    tier = SecondaryTierFactory.build_secondary_tier(
+        entry.tier_class, entry.tier_type, entry.options, buffer.view, spec
+    )
+    try:
+        assert counted == ["r", "r-renamed"]
+        assert tier.options.label == "r-renamed"
+    finally:
+        tier.shutdown()
+        buffer.close()
+
+
+def test_a_tier_built_from_a_plain_mapping_validates_its_options(counted: list[str]) -> None:
+    tier = build({"type": "counting", "label": "m"})
+    try:
+        assert counted == ["m"]
+        assert isinstance(tier.options, CountingTierOptions)
+    finally:
+        tier.shutdown()
+
+
+def test_options_of_another_tier_class_are_refused(counted: list[str]) -> None:
+    layout = small_layout()
+    buffer = SlotBuffer(4, layout.slot_bytes)
+    spec = TieringSpec(load_config({"chunk_tokens": layout.chunk_tokens}), layout)
+    try:
+        with pytest.raises(TypeError, match="CountingTier takes CountingTierOptions"):
+            SecondaryTierFactory.build_secondary_tier(
+                CountingTier, "counting", MemoryTierOptions(), buffer.view, spec
+            )
+    finally:
+        buffer.close()

@@ -111,7 +111,7 @@ def test_the_compiled_implementation_is_built() -> None:
     if "compiled" in io.IMPLEMENTATIONS:
         assert io.IMPLEMENTATION == "compiled"
     elif os.environ.get("CI"):
-        pytest.fail("CI builds kvtier with a C compiler, but kvtier.tiers.fs._chunkio is missing")
+        pytest.fail("CI builds kvtier with a C compiler, but its compiled fs chunk I/O is missing")
     else:
         pytest.skip("kvtier was built without a C compiler: the fs tier does its I/O in Python")
 

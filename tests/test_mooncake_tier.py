@@ -19,10 +19,10 @@ from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependenc
 from kvtier.integrity import frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import FakeClock, recover, wait_until
-from kvtier.testing.servers import MooncakeMaster, free_port
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.mooncake import MooncakeTier
 from tests.conftest import need_mooncake
+from tests.servers import MooncakeMaster, free_port
 from tests.test_shared_engines import run_engine
 
 

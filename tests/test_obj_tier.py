@@ -14,9 +14,9 @@ from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependenc
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import FakeClock, recover
-from kvtier.testing.servers import S3Server, free_port
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.remote import RemoteTier
+from tests.servers import S3Server, free_port
 
 
 class TestObjectStoreTierContract(TierContractTests):

@@ -15,10 +15,10 @@ from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependenc
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import FakeClock, recover, wait_until
-from kvtier.testing.servers import RedisClusterServers, RedisServer, ServerError, free_port
 from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.remote import RemoteTier
 from tests.conftest import need_redis_server
+from tests.servers import RedisClusterServers, RedisServer, ServerError, free_port
 
 
 def raw_client(url: str) -> Any:

@@ -21,11 +21,11 @@ from kvtier import KVCache
 from kvtier.errors import BackendUnavailableError
 from kvtier.testing import TierHarness, small_layout
 from kvtier.testing.outages import FakeClock, FaultProxy, recover, wait_until
-from kvtier.testing.servers import RedisServer, S3Server, free_port
 from kvtier.tiers.base import Lookup, LookupContext, TransferJob
 from kvtier.tiers.circuit import BreakerState
 from kvtier.tiers.remote import RemoteTier
 from tests.conftest import need_redis_server, need_s3_server
+from tests.servers import RedisServer, S3Server, free_port
 
 
 class Calls:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.testing.servers import RedisServer, S3Server
+from tests.servers import RedisServer, S3Server
 
 ENGINE = Path(__file__).with_name("shared_engine.py")
 

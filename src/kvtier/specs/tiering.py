@@ -41,12 +41,13 @@ class TieringSpec(OffloadingSpec):
         try:
             for index, tier_config in enumerate(self.config.secondary_tiers):
                 self.starting = f"secondary_tiers[{index}] (type {tier_config.tier_type!r})"
-                # Resolved once, by load_config: the class is not looked up again.
+                # Resolved and validated once, by load_config: neither the class
+                # is looked up nor the options validated again.
                 tiers.append(
                     SecondaryTierFactory.build_secondary_tier(
                         tier_config.tier_class,
                         tier_config.tier_type,
-                        tier_config.options.model_dump(exclude_unset=True),
+                        tier_config.options,
                         buffer.view,
                         self,
                         entry=f"secondary_tiers[{index}]",

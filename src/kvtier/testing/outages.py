@@ -20,12 +20,13 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
-from kvtier.testing.servers import LOOPBACK
-
 if TYPE_CHECKING:
     from typing_extensions import Self
 
     from kvtier.tiers.remote import RemoteTier
+
+#: Every proxy listens on, and forwards to, this address only.
+LOOPBACK = "127.0.0.1"
 
 Mode = Literal["forward", "stall", "delay", "status", "cut"]
 

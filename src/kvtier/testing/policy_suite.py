@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -14,10 +15,26 @@ from hypothesis import strategies as st
 from kvtier.keys import ChunkKey
 from kvtier.policies.base import CachePolicy, Clock
 from kvtier.policies.factory import policy_registry
+from kvtier.testing.hang_guard import DEFAULT_CALL_TIMEOUT_S, HangGuard
 
 
 def key(i: int) -> ChunkKey:
     return ChunkKey(i.to_bytes(32, "little"))
+
+
+def guarded(test: Callable[..., None]) -> Callable[..., None]:
+    """Run the test's body under the suite's hang guard (its calls into the
+    policy are too many and too quick to bound one by one)."""
+
+    @functools.wraps(test)
+    def run(self: PolicyContractTests, *args: Any, **kwargs: Any) -> None:
+        # A suite that builds its policy in make_policy, without a name, still
+        # gets the guard; its failures then name the test, not the method.
+        plugin = self.policy_class() if self.policy_name else CachePolicy
+        guard = HangGuard(plugin, self.call_timeout_s)
+        guard(test.__name__, lambda: test(self, *args, **kwargs))
+
+    return run
 
 
 def ticking_clock() -> Clock:
@@ -40,9 +57,17 @@ class PolicyContractTests:
     #: whose choices depend on anything else (threads, ``id()``, the wall
     #: clock): the twin tests are then skipped, the others still run.
     deterministic: ClassVar[bool] = True
+    #: Seconds each test may run before it fails as hung, naming the policy
+    #: method it is stuck in. A hang guard, not a speed check: raise it for a
+    #: policy that is that slow.
+    call_timeout_s: ClassVar[float] = DEFAULT_CALL_TIMEOUT_S
+
+    def policy_class(self) -> type[CachePolicy]:
+        """The class under test."""
+        return policy_registry.resolve(self.policy_name, self.module_path)
 
     def make_policy(self, capacity: int | None = None) -> CachePolicy:
-        cls = policy_registry.resolve(self.policy_name, self.module_path)
+        cls = self.policy_class()
         return cls(capacity or self.capacity, rng=random.Random(0), clock=ticking_clock())
 
     def make_twins(self, capacity: int | None = None) -> tuple[CachePolicy, CachePolicy]:
@@ -50,6 +75,7 @@ class PolicyContractTests:
             pytest.skip(f"{self.policy_name} is not deterministic")
         return self.make_policy(capacity), self.make_policy(capacity)
 
+    @guarded
     def test_tracks_inserted_keys(self) -> None:
         policy = self.make_policy()
         for i in range(5):
@@ -59,6 +85,7 @@ class PolicyContractTests:
         assert policy.get(key(3)) and not policy.get(key(99))
         assert key(99) not in policy
 
+    @guarded
     def test_evict_returns_distinct_unprotected_victims(self) -> None:
         policy = self.make_policy()
         for i in range(8):
@@ -70,6 +97,7 @@ class PolicyContractTests:
         assert all(v not in policy for v in victims)
         assert len(policy) == 4
 
+    @guarded
     def test_evict_is_atomic_when_too_few_are_evictable(self) -> None:
         policy = self.make_policy()
         for i in range(6):
@@ -79,12 +107,14 @@ class PolicyContractTests:
         assert len(policy) == 6 and all(key(i) in policy for i in range(6))
         assert sorted(policy.evict(2, protected) or []) == sorted([key(4), key(5)])
 
+    @guarded
     def test_evict_zero_is_empty(self) -> None:
         policy = self.make_policy()
         policy.insert(key(1))
         assert policy.evict(0, ()) == []
         assert key(1) in policy
 
+    @guarded
     def test_remove_touch_and_clear(self) -> None:
         policy = self.make_policy()
         for i in range(4):
@@ -96,6 +126,7 @@ class PolicyContractTests:
         policy.clear()
         assert len(policy) == 0 and policy.evict(1, ()) is None
 
+    @guarded
     def test_evict_more_than_tracked_is_none(self) -> None:
         policy = self.make_policy()
         for i in range(3):
@@ -103,6 +134,7 @@ class PolicyContractTests:
         assert policy.evict(4, ()) is None
         assert len(policy) == 3 and all(key(i) in policy for i in range(3))
 
+    @guarded
     def test_protected_may_be_any_collection(self) -> None:
         policy = self.make_policy()
         for i in range(4):
@@ -113,6 +145,7 @@ class PolicyContractTests:
         assert policy.evict(1, protected) is None
         assert len(policy) == 2
 
+    @guarded
     def test_evict_ends_when_nearly_everything_is_protected(self) -> None:
         capacity = 64
         policy = self.make_policy(capacity)
@@ -127,6 +160,7 @@ class PolicyContractTests:
         assert policy.evict(2, everything - {key(5)}) is None
         assert len(policy) == capacity - 2 and key(5) in policy
 
+    @guarded
     def test_insert_all_is_insert_of_each_key_in_order(self) -> None:
         """A batch (how the primary tier inserts) may be faster, never different."""
         batched, single = self.make_twins()
@@ -144,6 +178,7 @@ class PolicyContractTests:
         assert all((k in batched) == (k in single) for k in map(key, range(200)))
         assert batched.evict(len(batched), ()) == single.evict(len(single), ())
 
+    @guarded
     def test_evict_looks_at_each_protected_key_a_bounded_number_of_times(self) -> None:
         """Cost, not correctness: an eviction of n keys with p protected ones in
         its way tests about n + p keys, never n × p (a promotion evicts once
@@ -157,6 +192,7 @@ class PolicyContractTests:
         assert victims is not None and not set(victims) & protected.keys
         assert protected.looked_at <= 2 * (32 + 16), protected.looked_at
 
+    @guarded
     def test_failed_evict_changes_nothing(self) -> None:
         """No victim, no ghost, no counter, no adaptive target may move on a failure."""
         failed, twin = self.make_twins()
@@ -172,6 +208,7 @@ class PolicyContractTests:
             _warm_up(policy, self.capacity, start=self.capacity)
         assert _drain(failed) == _drain(twin)
 
+    @guarded
     def test_contains_is_not_an_access(self) -> None:
         probed, twin = self.make_twins()
         for policy in (probed, twin):
@@ -180,6 +217,7 @@ class PolicyContractTests:
             _ = key(i) in probed
         assert _drain(probed) == _drain(twin)
 
+    @guarded
     def test_clear_forgets_history(self) -> None:
         cleared, fresh = self.make_twins()
         _warm_up(cleared, self.capacity)
@@ -193,6 +231,7 @@ class PolicyContractTests:
             _warm_up(policy, self.capacity)
         assert _drain(cleared) == _drain(fresh)
 
+    @guarded
     def test_matches_a_set_model(self) -> None:
         """Random calls against a set; a twin that skips the failed evicts must agree."""
 

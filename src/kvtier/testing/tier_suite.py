@@ -13,6 +13,7 @@ from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.primary import SlotBuffer
 from kvtier.specs.tiering import TieringSpec
+from kvtier.testing.hang_guard import DEFAULT_CALL_TIMEOUT_S, HangGuard
 from kvtier.tiers.base import JobResult, Lookup, SecondaryTier, TransferJob
 from kvtier.tiers.drive import resolve_lookup, run_job
 from kvtier.tiers.factory import SecondaryTierFactory
@@ -36,9 +37,23 @@ def small_layout(
 
 
 class TierHarness:
-    """A tier over its own primary buffer, with helpers to move random chunks."""
+    """A tier over its own primary buffer, with helpers to move random chunks.
 
-    def __init__(self, tier_config: dict[str, Any], layout: KVLayout, num_slots: int = 32):
+    Every call the helpers make into the tier, its constructor included, runs
+    under a :class:`~kvtier.testing.hang_guard.HangGuard`: one that does not
+    return within ``call_timeout_s`` fails the test, naming the tier class and
+    the method. ``call_timeout_s`` also bounds the wait for a job's result or
+    a lookup's answer.
+    """
+
+    def __init__(
+        self,
+        tier_config: dict[str, Any],
+        layout: KVLayout,
+        num_slots: int = 32,
+        *,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    ):
         config = load_config(
             {
                 "chunk_tokens": layout.chunk_tokens,
@@ -46,12 +61,22 @@ class TierHarness:
                 "secondary_tiers": [tier_config],
             }
         )
+        entry = config.secondary_tiers[0]
         self.layout = layout
+        self.call_timeout_s = call_timeout_s
+        self.guard = HangGuard(entry.tier_class, call_timeout_s)
         self.buffer = SlotBuffer(num_slots, layout.slot_bytes)
         self.spec = TieringSpec(config, layout)
-        self.tier: SecondaryTier = SecondaryTierFactory.create_secondary_tier(
-            config.secondary_tiers[0].as_dict(), self.buffer.view, self.spec
-        )
+        try:
+            self.tier: SecondaryTier = self.guard(
+                "__init__",
+                lambda: SecondaryTierFactory.build_secondary_tier(
+                    entry.tier_class, entry.tier_type, entry.options, self.buffer.view, self.spec
+                ),
+            )
+        except BaseException:
+            self.buffer.close()
+            raise
         self.rng = np.random.default_rng(1234)
 
     def keys(self, n: int) -> list[ChunkKey]:
@@ -65,17 +90,41 @@ class TierHarness:
         return data
 
     def store(self, keys: list[ChunkKey], slots: list[int]) -> JobResult:
-        return run_job(self.tier, TransferJob(tuple(keys), tuple(slots)), loading=False)
+        """Store ``keys`` from ``slots``; wait for the result."""
+        return self._run(TransferJob(tuple(keys), tuple(slots)), loading=False)
 
     def load(self, keys: list[ChunkKey], slots: list[int]) -> JobResult:
-        return run_job(self.tier, TransferJob(tuple(keys), tuple(slots)), loading=True)
+        """Load ``keys`` into ``slots``; wait for the result."""
+        return self._run(TransferJob(tuple(keys), tuple(slots)), loading=True)
 
     def lookup(self, key: ChunkKey) -> Lookup:
-        return resolve_lookup(self.tier, key)
+        """Ask until the tier answers HIT or MISS."""
+        return resolve_lookup(self.tier, key, timeout=self.call_timeout_s, invoke=self.guard)
+
+    def submit_store(self, job: TransferJob) -> None:
+        """Submit ``job`` without waiting for its result."""
+        self.guard("submit_store", lambda: self.tier.submit_store(job))
+
+    def finished_jobs(self) -> list[JobResult]:
+        return self.guard("get_finished_jobs", self.tier.get_finished_jobs)
+
+    def drain(self) -> None:
+        self.guard("drain", self.tier.drain)
+
+    def shutdown(self) -> None:
+        self.guard("shutdown", self.tier.shutdown)
 
     def close(self) -> None:
-        self.tier.shutdown()
-        self.buffer.close()
+        """Shut the tier down (even after a hang: that may release it), free the buffer."""
+        try:
+            self.shutdown()
+        finally:
+            self.buffer.close()
+
+    def _run(self, job: TransferJob, *, loading: bool) -> JobResult:
+        return run_job(
+            self.tier, job, loading=loading, timeout=self.call_timeout_s, invoke=self.guard
+        )
 
 
 class TierContractTests:
@@ -85,14 +134,22 @@ class TierContractTests:
     tier_config: ClassVar[dict[str, Any]] = {}
     #: Whether stored chunks are still there after the tier restarts.
     persistent: ClassVar[bool] = False
+    #: Seconds any one call into the tier may take before the test fails as
+    #: hung, naming the method. A hang guard, not a speed check: raise it for
+    #: a backend that is that slow.
+    call_timeout_s: ClassVar[float] = DEFAULT_CALL_TIMEOUT_S
 
     def make_config(self) -> dict[str, Any]:
         """The tier entry; override to use fixtures (``tmp_path``, a server URL)."""
         return dict(self.tier_config)
 
+    def make_harness(self) -> TierHarness:
+        """A harness over the tier :meth:`make_config` describes."""
+        return TierHarness(self.make_config(), small_layout(), call_timeout_s=self.call_timeout_s)
+
     @pytest.fixture
     def harness(self) -> Iterator[TierHarness]:
-        harness = TierHarness(self.make_config(), small_layout())
+        harness = self.make_harness()
         yield harness
         harness.close()
 
@@ -101,7 +158,7 @@ class TierContractTests:
         data = harness.fill(range(4))
         stored = harness.store(keys, [0, 1, 2, 3])
         assert stored.success and stored.succeeded == frozenset(keys)
-        harness.tier.drain()
+        harness.drain()
         assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 4
         harness.buffer.array[4:8] = 0
         loaded = harness.load(keys, [4, 5, 6, 7])
@@ -116,7 +173,7 @@ class TierContractTests:
         present, absent = harness.keys(2)
         harness.fill([0])
         assert harness.store([present], [0]).success
-        harness.tier.drain()
+        harness.drain()
         result = harness.load([present, absent], [1, 2])
         assert not result.success
         assert result.succeeded == frozenset([present])
@@ -126,7 +183,7 @@ class TierContractTests:
         keys = harness.keys(2)
         harness.fill([0, 1])
         assert harness.store(keys, [0, 1]).success
-        harness.tier.drain()
+        harness.drain()
         again = harness.store(keys, [0, 1])
         assert again.success and again.succeeded == frozenset(keys)
 
@@ -134,15 +191,15 @@ class TierContractTests:
         keys = harness.keys(1)
         harness.fill([0])
         harness.store(keys, [0])
-        harness.tier.drain()
-        assert harness.tier.get_finished_jobs() == []
+        harness.drain()
+        assert harness.finished_jobs() == []
 
     def test_slots_are_not_touched_after_drain(self, harness: TierHarness) -> None:
         keys = harness.keys(8)
         harness.fill(range(8))
-        harness.tier.submit_store(TransferJob(tuple(keys), tuple(range(8))))
-        harness.tier.drain()
-        results = harness.tier.get_finished_jobs()
+        harness.submit_store(TransferJob(tuple(keys), tuple(range(8))))
+        harness.drain()
+        results = harness.finished_jobs()
         assert len(results) == 1 and results[0].success
         # Stored copies must be independent of the slots they came from.
         expected = harness.buffer.array[:8].copy()
@@ -158,18 +215,17 @@ class TierContractTests:
             load_config({"secondary_tiers": [config]})
 
     def test_shutdown_is_idempotent(self) -> None:
-        harness = TierHarness(self.make_config(), small_layout())
-        harness.tier.shutdown()
-        harness.tier.shutdown()
-        harness.buffer.close()
+        harness = self.make_harness()
+        harness.shutdown()
+        harness.close()  # shuts down again
 
     def test_restart_keeps_chunks_exactly_when_persistent(self) -> None:
-        first = TierHarness(self.make_config(), small_layout())
+        first = self.make_harness()
         keys = first.keys(2)
         data = first.fill([0, 1])
         assert first.store(keys, [0, 1]).success
         first.close()
-        second = TierHarness(self.make_config(), small_layout())
+        second = self.make_harness()
         try:
             if not self.persistent:
                 assert [second.lookup(k) for k in keys] == [Lookup.MISS] * 2

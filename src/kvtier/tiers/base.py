@@ -13,7 +13,9 @@ import enum
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
@@ -158,6 +160,44 @@ class TierOptions(BaseModel):
 #: makes ``self.options`` an ``AcmeTierOptions`` to the type checker.
 OptionsT = TypeVar("OptionsT", bound=TierOptions)
 
+# Options validated already, and the keyword arguments made of them, while
+# the factory constructs a tier with those arguments (see handed_over).
+_handed_over: ContextVar[tuple[TierOptions, dict[str, Any]] | None] = ContextVar(
+    "kvtier_validated_tier_options", default=None
+)
+
+
+@contextmanager
+def handed_over(options: TierOptions) -> Iterator[dict[str, Any]]:
+    """The constructor keyword arguments of ``options``, validated already.
+
+    A tier is constructed with its options as keyword arguments (the plugin
+    contract). While this block runs, :class:`SecondaryTier` takes ``options``
+    itself when exactly these arguments reach it, instead of validating them
+    a second time: a configuration's options are validated once. Arguments a
+    subclass changed on their way are validated as usual.
+    """
+    arguments = {name: getattr(options, name) for name in options.model_fields_set}
+    token = _handed_over.set((options, arguments))
+    try:
+        yield arguments
+    finally:
+        _handed_over.reset(token)
+
+
+def _validated(model: type[TierOptions], options: Mapping[str, Any]) -> TierOptions:
+    """``options`` validated against ``model``, or the object they were made of."""
+    handed = _handed_over.get()
+    if handed is not None:
+        validated, arguments = handed
+        if (
+            type(validated) is model
+            and options.keys() == arguments.keys()
+            and all(options[name] is value for name, value in arguments.items())
+        ):
+            return validated
+    return model.model_validate(options)
+
 
 class SecondaryTier(ABC, Generic[OptionsT]):
     """Base of every secondary tier, built-in or out-of-tree.
@@ -190,8 +230,9 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         self._flat_view = primary_kv_view.cast("B")
         self._slot_bytes = int((primary_kv_view.shape or (0, 0))[1])
         self.tier_type = tier_type
-        #: The entry's options, validated against :attr:`Options`.
-        self.options = cast(OptionsT, self.Options.model_validate(options))
+        #: The entry's options, validated against :attr:`Options` (once: a
+        #: configuration that validated them hands them over as they are).
+        self.options = cast(OptionsT, _validated(self.Options, options))
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvtier.errors import BackendUnavailableError
 from kvtier.plugins import PluginRegistry
-from kvtier.tiers.base import SecondaryTier, TierSpec
+from kvtier.tiers.base import SecondaryTier, TierOptions, TierSpec, handed_over
 
 tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
     kind="secondary tier",
@@ -70,7 +70,7 @@ class SecondaryTierFactory:
     def build_secondary_tier(
         cls: type[SecondaryTier],
         tier_type: str,
-        options: Mapping[str, Any],
+        options: TierOptions | Mapping[str, Any],
         primary_kv_view: memoryview,
         spec: TierSpec,
         *,
@@ -78,8 +78,19 @@ class SecondaryTierFactory:
     ) -> SecondaryTier:
         """Construct a tier whose class was resolved already (a validated
         configuration holds it): errors say ``entry``, the class is not
-        looked up again."""
+        looked up again. ``options`` validated already (an instance of
+        ``cls.Options``) are not validated again."""
         try:
+            if isinstance(options, TierOptions):
+                if type(options) is not cls.Options:
+                    raise TypeError(
+                        f"{cls.__qualname__} takes {cls.Options.__qualname__}, "
+                        f"not {type(options).__qualname__}"
+                    )
+                with handed_over(options) as arguments:
+                    return cls(
+                        spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **arguments
+                    )
             return cls(
                 spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **dict(options)
             )

@@ -206,7 +206,8 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
         """The S3 error code of a client error, ``None`` for any other failure."""
         if not isinstance(exc, self._client_error):
             return None
-        return str(exc.response.get("Error", {}).get("Code", ""))  # type: ignore[attr-defined]
+        response: dict[str, Any] = getattr(exc, "response", {})  # botocore's ClientError has it
+        return str(response.get("Error", {}).get("Code", ""))
 
     def _is_absent(self, exc: Exception) -> bool:
         return self._error_code(exc) in _ABSENT

@@ -175,7 +175,7 @@ try:
     # The same two functions compiled (_chunkio.c): each runs its whole
     # sequence of system calls with the GIL released, so I/O threads do not
     # queue for the GIL between calls. Built at install where a C compiler is.
-    import kvtier.tiers.fs._chunkio as _chunkio
+    from kvtier.tiers.fs._native import _chunkio
 except ImportError:  # pragma: no cover - depends on the install
     IMPLEMENTATION = "python"
 else:

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from kvtier.tiers.fs.layout import ChunkFile, write_abandoned
 
@@ -252,7 +252,8 @@ class SharedIndex:
                     queued.done = True
         if request.error is not None:
             raise request.error
-        return request.result  # type: ignore[return-value]
+        # Done without an error: the change returned its result (None is a result too).
+        return cast(_T, request.result)
 
     def _reserve_one(
         self, db: sqlite3.Connection, key: bytes, size: int, temp_path: str
