@@ -30,8 +30,11 @@ import ctypes
 import ipaddress
 import logging
 import mmap
+import os
 import socket
+import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -267,21 +270,61 @@ def _address(buffer: ValueBuffer) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
-def _reach(address: str, timeout_s: float) -> None:
-    """Raise unless something accepts TCP connections at ``address``.
+#: A request of coro_rpc, the master's RPC framework: magic, version,
+#: serialization, message type, sequence number, function id, payload and
+#: attachment lengths; and the header of its answer: magic, version, error
+#: code, message type, sequence number, payload and attachment lengths.
+_RPC_REQUEST = struct.Struct("<BBBBIIII")
+_RPC_ANSWER = struct.Struct("<BBBBIII")
+_RPC_MAGIC = 21
+#: Function ids are hashes of registered names: none is 0.
+_NO_FUNCTION = 0
 
-    Mooncake's ``setup`` holds the interpreter lock while it retries an
-    unreachable master (about 90 s): no thread could give up on it, so the
-    master must be known to listen before it is called.
+
+def _master_answers(address: str, timeout_s: float) -> None:
+    """Raise unless ``mooncake_master``'s RPC service answers at ``address``
+    within ``timeout_s``.
+
+    Mooncake's ``setup`` holds the interpreter lock for as long as it waits
+    for a master (20 tries of 30 s against one that accepts connections but
+    does not answer): no thread could give up on it, so the master must be
+    known to answer first. This asks it for a function no service has, which
+    a serving master answers at once with an error of the same sequence
+    number; a frozen one, or another server on that port, does not.
     """
     host, _, port = address.rpartition(":")
+    give_up = time.monotonic() + timeout_s
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            pass
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     except OSError as exc:
         raise ConnectionError(
             f"mooncake_master does not listen there ({describe_error(exc)})"
         ) from exc
+    sequence = int.from_bytes(os.urandom(4), "little")
+    answer = b""
+    with conn:
+        try:
+            conn.sendall(_RPC_REQUEST.pack(_RPC_MAGIC, 0, 0, 0, sequence, _NO_FUNCTION, 0, 0))
+            while len(answer) < _RPC_ANSWER.size:
+                conn.settimeout(max(give_up - time.monotonic(), 1e-3))
+                part = conn.recv(_RPC_ANSWER.size - len(answer))
+                if not part:
+                    break
+                answer += part
+        except TimeoutError as exc:
+            raise ConnectionError(
+                f"mooncake_master accepts connections there but does not answer within "
+                f"{timeout_s}s (frozen or overloaded, or another service on that port)"
+            ) from exc
+        except OSError as exc:
+            raise ConnectionError(
+                f"mooncake_master did not answer there ({describe_error(exc)})"
+            ) from exc
+    if len(answer) < _RPC_ANSWER.size:
+        raise ConnectionError("the service there closed the connection without answering")
+    magic, *_, echoed, _, _ = _RPC_ANSWER.unpack(answer)
+    if magic != _RPC_MAGIC or echoed != sequence:
+        raise ConnectionError("the service there does not answer as mooncake_master does")
 
 
 def _connected(options: MooncakeTierOptions) -> Any:
@@ -290,7 +333,7 @@ def _connected(options: MooncakeTierOptions) -> Any:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
         raise MissingDependencyError("mooncake-transfer-engine", "mooncake") from exc
-    _reach(options.master_server_address, options.startup_timeout_s)
+    _master_answers(options.master_server_address, options.startup_timeout_s)
     store = MooncakeDistributedStore()
     code = store.setup(
         {
