@@ -22,7 +22,7 @@ each (median of the rounds), the tier / raw ratio of each round (median and
 range; target: at least 0.8), and the CPU seconds this process spent per GiB
 on each side. Run::
 
-    python benchmarks/bench_mooncake.py [--sizes 2MiB,256KiB] [--volume 64MiB] [--repeat 12]
+    python benchmarks/bench_mooncake.py [--sizes 2MiB,256KiB] [--volume 64MiB] [--repeat 24]
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="2MiB,256KiB", help="Chunk sizes, comma-separated.")
     parser.add_argument("--volume", default="64MiB", help="Bytes moved per phase and round.")
-    parser.add_argument("--repeat", type=int, default=12, help="Rounds counted per size.")
+    parser.add_argument("--repeat", type=int, default=24, help="Rounds counted per size.")
     parser.add_argument("--warmup", type=int, default=1, help="Rounds run first, not counted.")
     parser.add_argument(
         "--io-threads", type=int, default=4, help="The tier's io_threads, and the raw client's."

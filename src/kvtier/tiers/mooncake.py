@@ -7,14 +7,15 @@ read from it over TCP or RDMA by the Mooncake transfer engine. Every kvtier
 process running this tier is such a client; so can be standalone storage
 processes (``mooncake_client``), which keep chunks when engines restart.
 
-Values move without a copy through Python: each worker frames chunks into a
-buffer registered with the transfer engine, which sends them with
-``batch_put_from`` and reads them back into it with ``batch_get_into``; a read
-value is verified there before its payload is copied into the primary slot,
-so a corrupt, torn or foreign value never reaches it (it is a miss, removed
-and counted). Existence checks are one ``batch_is_exist`` per batch. No call
-reads or writes a primary slot itself: a job answered at its deadline gives
-its slots back while the call may still be running.
+Values move with one copy each way, outside the interpreter lock: each
+worker frames chunks into a buffer registered with the transfer engine
+(checksummed there, in cache), which sends them with ``batch_put_from`` and
+reads them back into it with ``batch_get_into``; a read value is verified
+there before its payload is copied into the primary slot, so a corrupt,
+torn or foreign value never reaches it (it is a miss, removed and counted).
+Existence checks are one ``batch_is_exist`` per batch. No call reads or
+writes a primary slot itself: a job answered at its deadline gives its slots
+back while the call may still be running.
 
 Outages are :class:`~kvtier.tiers.remote.RemoteTier`'s: a stopped master makes
 calls fail at once, a frozen one makes them block in the client library until
@@ -103,7 +104,9 @@ class MooncakeTierOptions(RemoteTierOptions):
 
     io_threads: int = Field(default=4, ge=1, le=64)
     """Worker threads, each running one batched call at a time (each keeps a
-    registered buffer of 8 chunks)."""
+    registered buffer of 8 chunks). Mooncake's client polls while a transfer
+    runs, keeping a core busy per thread in a call: keep this at or below the
+    cores the tier can have."""
 
     @field_validator("master_server_address")
     @classmethod
