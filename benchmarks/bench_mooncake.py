@@ -199,14 +199,16 @@ def measure(
     if not isinstance(tier, MooncakeTier):
         raise SystemExit("not a mooncake tier")
     raw = RawMooncake(master, tier.options.io_threads, tier.io_batch, tier.value_bytes)
+    # Names as long as the tier's, under a prefix of their own.
+    prefix = tier.options.key_prefix
+    raw_prefix = "raw:".ljust(len(prefix), "-")
     seconds: dict[str, list[float]] = {phase: [] for phase in PHASES}
     cpu = dict.fromkeys(PHASES, 0.0)
     try:
         harness.fill(range(chunks))
         for round_ in range(warmup + rounds):
             keys = harness.keys(chunks)
-            # Names as long as the tier's, under a prefix of their own.
-            names = ["kvraw:" + tier.store_name(k)[len("kvtier:") :] for k in harness.keys(chunks)]
+            names = [raw_prefix + tier.store_name(k)[len(prefix) :] for k in harness.keys(chunks)]
             actions: dict[str, Callable[[], object]] = {
                 "raw_store": partial(raw.put, names),
                 "tier_store": partial(run_job, tier, keys, loading=False),
