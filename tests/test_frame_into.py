@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.integrity import HEADER_BYTES, frame, frame_into, unframe_into
+from kvtier.integrity import HEADER_BYTES, copy_bytes, frame, frame_into, unframe_into
 
 NAMESPACE, KEY = b"n" * 32, b"k" * 32
 
@@ -24,3 +24,15 @@ def test_frame_into_writes_exactly_what_frame_returns() -> None:
 def test_frame_into_refuses_a_buffer_of_another_size(delta: int) -> None:
     with pytest.raises(ValueError, match="cannot hold"):
         frame_into(bytearray(HEADER_BYTES + 64 + delta), NAMESPACE, KEY, b"x" * 64)
+
+
+def test_copy_bytes_copies_any_byte_buffer_and_refuses_another_length() -> None:
+    data = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    for source in (data, memoryview(data), bytearray(data)):
+        out = bytearray(len(data))
+        copy_bytes(memoryview(out), source)
+        assert out == data
+    with pytest.raises(ValueError):
+        copy_bytes(memoryview(bytearray(len(data) - 1)), data)
+    with pytest.raises(ValueError):
+        copy_bytes(memoryview(bytes(len(data))), data)  # read-only destination

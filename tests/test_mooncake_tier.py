@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -293,6 +296,63 @@ def test_unreachable_master_fails_at_start_naming_it() -> None:
     assert "does not listen" in str(caught.value)
 
 
+def test_a_frozen_master_at_start_fails_it_without_holding_the_interpreter() -> None:
+    """Mooncake's setup holds the interpreter lock for minutes against a master
+    that accepts but never answers: the tier must find out before calling it."""
+    need_mooncake()
+    with MooncakeMaster() as master:
+        master.pause()
+        try:
+            options = {**master.tier_options(), "startup_timeout_s": 0.5}
+            with pytest.raises(BackendUnavailableError, match=re.escape(master.address)):
+                TierHarness(options, small_layout())
+        finally:
+            master.resume()
+        # Thawed, it serves again.
+        harness = TierHarness({**master.tier_options(), "startup_timeout_s": 5.0}, small_layout())
+        try:
+            keys = harness.keys(2)
+            harness.fill([0, 1])
+            assert harness.store(keys, [0, 1]).success
+        finally:
+            harness.close()
+
+
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n"])
+def test_another_service_on_the_master_port_fails_at_start(answer: bytes | None) -> None:
+    """A port that accepts but stays silent, or answers in another protocol."""
+    need_mooncake()
+    listener = socket.create_server(("127.0.0.1", 0))
+    served = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(64)
+            if answer is not None:
+                conn.sendall(answer)
+            served.wait(10)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    options = {
+        "type": "mooncake",
+        "master_server_address": address,
+        "global_segment_size": 0,
+        "startup_timeout_s": 0.5,
+    }
+    try:
+        with pytest.raises(BackendUnavailableError, match=re.escape(address)) as caught:
+            TierHarness(options, small_layout())
+        if answer is not None:
+            assert "does not answer as mooncake_master" in str(caught.value)
+    finally:
+        served.set()
+        server.join(10)
+        listener.close()
+
+
 def test_check_and_bench_run_on_the_tier(
     mooncake_master: MooncakeMaster, key_prefix: str, tmp_path: Path
 ) -> None:
@@ -383,7 +443,7 @@ def test_a_loopback_local_hostname_with_a_remote_master_is_warned_about(
     def unreachable(address: str, timeout_s: float) -> None:
         raise ConnectionError(f"not dialled in tests: {address}")  # nothing leaves loopback
 
-    monkeypatch.setattr(mooncake_tier, "_reach", unreachable)
+    monkeypatch.setattr(mooncake_tier, "_master_answers", unreachable)
     for master, warned in (("10.0.0.5", True), ("127.0.0.1", False)):
         caplog.clear()
         options = {"type": "mooncake", "master_server_address": f"{master}:50051"}

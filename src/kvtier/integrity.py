@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kvtier.errors import CorruptChunkError
@@ -95,13 +96,16 @@ def frame_into(
 
     For tiers that send many chunks: one buffer per worker, reused, spares the
     fresh multi-MiB allocation (and its page faults) :func:`frame` pays per chunk.
+    The checksum is taken over the copy in ``out``, still in cache, and so
+    covers exactly the bytes that are sent.
     """
     size = HEADER_BYTES + len(payload)
     if len(out) != size:
         raise ValueError(f"a {len(out)}-byte buffer cannot hold a {size}-byte framed chunk")
     view = memoryview(out).cast("B")
-    view[:HEADER_BYTES] = pack_header(namespace, key, payload)
-    view[HEADER_BYTES:] = payload
+    framed = view[HEADER_BYTES:]
+    copy_bytes(framed, payload)
+    view[:HEADER_BYTES] = pack_header(namespace, key, framed)
 
 
 def unframe_into(
@@ -116,4 +120,14 @@ def unframe_into(
     header = unpack_header(view, namespace=namespace, key=key, payload_bytes=len(out))
     payload = view[HEADER_BYTES:]
     header.verify(payload)
-    out[:] = payload
+    copy_bytes(out, payload)
+
+
+def copy_bytes(out: memoryview, data: bytes | memoryview) -> None:
+    """``out[:] = data`` for byte buffers of equal length, without the interpreter lock.
+
+    A memoryview assignment holds the lock for the whole copy, so the other
+    workers of a tier could not even enter or leave their backend calls
+    meanwhile; numpy's copy lets them.
+    """
+    np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(data, np.uint8))

@@ -7,14 +7,15 @@ read from it over TCP or RDMA by the Mooncake transfer engine. Every kvtier
 process running this tier is such a client; so can be standalone storage
 processes (``mooncake_client``), which keep chunks when engines restart.
 
-Values move without a copy through Python: each worker frames chunks into a
-buffer registered with the transfer engine, which sends them with
-``batch_put_from`` and reads them back into it with ``batch_get_into``; a read
-value is verified there before its payload is copied into the primary slot,
-so a corrupt, torn or foreign value never reaches it (it is a miss, removed
-and counted). Existence checks are one ``batch_is_exist`` per batch. No call
-reads or writes a primary slot itself: a job answered at its deadline gives
-its slots back while the call may still be running.
+Values move with one copy each way, outside the interpreter lock: each
+worker frames chunks into a buffer registered with the transfer engine
+(checksummed there, in cache), which sends them with ``batch_put_from`` and
+reads them back into it with ``batch_get_into``; a read value is verified
+there before its payload is copied into the primary slot, so a corrupt,
+torn or foreign value never reaches it (it is a miss, removed and counted).
+Existence checks are one ``batch_is_exist`` per batch. No call reads or
+writes a primary slot itself: a job answered at its deadline gives its slots
+back while the call may still be running.
 
 Outages are :class:`~kvtier.tiers.remote.RemoteTier`'s: a stopped master makes
 calls fail at once, a frozen one makes them block in the client library until
@@ -30,8 +31,11 @@ import ctypes
 import ipaddress
 import logging
 import mmap
+import os
 import socket
+import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -100,7 +104,9 @@ class MooncakeTierOptions(RemoteTierOptions):
 
     io_threads: int = Field(default=4, ge=1, le=64)
     """Worker threads, each running one batched call at a time (each keeps a
-    registered buffer of 8 chunks)."""
+    registered buffer of 8 chunks). Mooncake's client polls while a transfer
+    runs, keeping a core busy per thread in a call: keep this at or below the
+    cores the tier can have."""
 
     @field_validator("master_server_address")
     @classmethod
@@ -267,21 +273,61 @@ def _address(buffer: ValueBuffer) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
-def _reach(address: str, timeout_s: float) -> None:
-    """Raise unless something accepts TCP connections at ``address``.
+#: A request of coro_rpc, the master's RPC framework: magic, version,
+#: serialization, message type, sequence number, function id, payload and
+#: attachment lengths; and the header of its answer: magic, version, error
+#: code, message type, sequence number, payload and attachment lengths.
+_RPC_REQUEST = struct.Struct("<BBBBIIII")
+_RPC_ANSWER = struct.Struct("<BBBBIII")
+_RPC_MAGIC = 21
+#: Function ids are hashes of registered names: none is 0.
+_NO_FUNCTION = 0
 
-    Mooncake's ``setup`` holds the interpreter lock while it retries an
-    unreachable master (about 90 s): no thread could give up on it, so the
-    master must be known to listen before it is called.
+
+def _master_answers(address: str, timeout_s: float) -> None:
+    """Raise unless ``mooncake_master``'s RPC service answers at ``address``
+    within ``timeout_s``.
+
+    Mooncake's ``setup`` holds the interpreter lock for as long as it waits
+    for a master (20 tries of 30 s against one that accepts connections but
+    does not answer): no thread could give up on it, so the master must be
+    known to answer first. This asks it for a function no service has, which
+    a serving master answers at once with an error of the same sequence
+    number; a frozen one, or another server on that port, does not.
     """
     host, _, port = address.rpartition(":")
+    give_up = time.monotonic() + timeout_s
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            pass
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
     except OSError as exc:
         raise ConnectionError(
             f"mooncake_master does not listen there ({describe_error(exc)})"
         ) from exc
+    sequence = int.from_bytes(os.urandom(4), "little")
+    answer = b""
+    with conn:
+        try:
+            conn.sendall(_RPC_REQUEST.pack(_RPC_MAGIC, 0, 0, 0, sequence, _NO_FUNCTION, 0, 0))
+            while len(answer) < _RPC_ANSWER.size:
+                conn.settimeout(max(give_up - time.monotonic(), 1e-3))
+                part = conn.recv(_RPC_ANSWER.size - len(answer))
+                if not part:
+                    break
+                answer += part
+        except TimeoutError as exc:
+            raise ConnectionError(
+                f"mooncake_master accepts connections there but does not answer within "
+                f"{timeout_s}s (frozen or overloaded, or another service on that port)"
+            ) from exc
+        except OSError as exc:
+            raise ConnectionError(
+                f"mooncake_master did not answer there ({describe_error(exc)})"
+            ) from exc
+    if len(answer) < _RPC_ANSWER.size:
+        raise ConnectionError("the service there closed the connection without answering")
+    magic, *_, echoed, _, _ = _RPC_ANSWER.unpack(answer)
+    if magic != _RPC_MAGIC or echoed != sequence:
+        raise ConnectionError("the service there does not answer as mooncake_master does")
 
 
 def _connected(options: MooncakeTierOptions) -> Any:
@@ -290,7 +336,7 @@ def _connected(options: MooncakeTierOptions) -> Any:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
         raise MissingDependencyError("mooncake-transfer-engine", "mooncake") from exc
-    _reach(options.master_server_address, options.startup_timeout_s)
+    _master_answers(options.master_server_address, options.startup_timeout_s)
     store = MooncakeDistributedStore()
     code = store.setup(
         {
