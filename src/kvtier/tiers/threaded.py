@@ -335,6 +335,10 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
                 _LOAD if loading else _STORE, self._threaded_run_batch(state, batch)
             )
 
+    def _backlog(self) -> int:
+        """Tasks queued that no worker has taken yet."""
+        return self._threaded_queue.qsize()
+
     def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
         """A job's (key, slot) pairs in backend batches of :attr:`io_batch`."""
         return [pending[i : i + self.io_batch] for i in range(0, len(pending), self.io_batch)]
