@@ -345,20 +345,21 @@ def summarise(
     for other in ("raw", "vllm"):
         if not runs.get(other):
             continue
-        ratio = {
-            phase: round(
-                statistics.median(
-                    theirs[f"{phase}_s"] / ours[f"{phase}_s"]
-                    for ours, theirs in zip(runs["kvtier"], runs[other], strict=True)
-                ),
-                3,
-            )
-            for phase in ("store", "load")
-        }
+        ratio: dict[str, Any] = {}
+        for phase in ("store", "load"):
+            per_round = [
+                theirs[f"{phase}_s"] / ours[f"{phase}_s"]
+                for ours, theirs in zip(runs["kvtier"], runs[other], strict=True)
+            ]
+            ratio[phase] = round(statistics.median(per_round), 3)
+            ratio[f"{phase}_range"] = [round(min(per_round), 3), round(max(per_round), 3)]
         summary[f"kvtier_vs_{other}"] = ratio
+        store, load = (
+            f"{ratio[p]:.2f}x ({ratio[p + '_range'][0]:.2f}-{ratio[p + '_range'][1]:.2f})"
+            for p in ("store", "load")
+        )
         print(
-            f"kvtier / {other}: store {ratio['store']:.2f}x, load {ratio['load']:.2f}x "
-            "(median of per-round ratios)"
+            f"kvtier / {other}: store {store}, load {load} (median and range of per-round ratios)"
         )
     return summary
 
