@@ -87,7 +87,7 @@ def test_grouped_jobs_move_every_byte_and_fail_only_the_bad_chunk(
 
 
 @pytest.mark.parametrize("bounded", [False, True], ids=["unbounded", "max_bytes"])
-def test_a_chunk_another_process_stored_is_neither_hashed_nor_written(
+def test_a_chunk_another_process_stored_is_neither_hashed_nor_written_in_a_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounded: bool
 ) -> None:
     root = tmp_path / "kv"
@@ -108,12 +108,25 @@ def test_a_chunk_another_process_stored_is_neither_hashed_nor_written(
             return real_checksum(payload)
 
         monkeypatch.setattr(integrity, "checksum", counting)
+        tier = fs_tier(late)
+        monkeypatch.setattr(tier, "_backlog", lambda: tier.io_threads)  # one group of three
         late.fill(range(3))
         assert late.store(keys, [0, 1, 2]).success
         assert hashed == [LAYOUT.slot_bytes]  # only the chunk that was missing
         after = os.stat(path)
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
         assert fs_tier(late).held_bytes == 3 * FILE_BYTES
+        # A chunk alone is hashed (unless the shared index already counts
+        # it), but its store still finds the file in place and leaves it.
+        (alone,) = other.keys(1)
+        assert other.store([alone], [0]).success
+        before = os.stat(fs_tier(late).dir.chunk_path(alone))
+        hashed.clear()
+        monkeypatch.setattr(tier, "_backlog", lambda: 0)
+        assert late.store([alone], [0]).success
+        after = os.stat(fs_tier(late).dir.chunk_path(alone))
+        assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+        assert hashed == ([] if bounded else [LAYOUT.slot_bytes])
     finally:
         late.close()
         other.close()

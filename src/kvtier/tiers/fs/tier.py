@@ -335,19 +335,22 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         return [pending[i::groups] for i in range(groups)]
 
     def _store_batch(self, keys: Sequence[ChunkKey], payloads: Sequence[memoryview]) -> list[bool]:
-        # Chunks already on disk (another process stored them, or this one
-        # before a restart) are found first, all with one system-call run:
-        # they are neither hashed nor written.
+        # In a group, chunks already on disk (another process stored them,
+        # or this one before a restart) are found first, all with one
+        # system-call run: they are neither hashed nor written. A chunk
+        # alone is left to the check write_chunk makes in the same GIL
+        # release as its write: a run of its own would give up and wait
+        # for the GIL once more for every chunk, to save a hash only for
+        # the rare one that is there already.
         paths = [self.dir.chunk_path(key) for key in keys]
-        on_disk = chunk_io.complete_files(paths, self.file_bytes)
+        on_disk = chunk_io.complete_files(paths, self.file_bytes) if len(paths) > 1 else [False]
         return [
             self._attempt(functools.partial(self._store_at, path, present), key, payload)
             for key, payload, path, present in zip(keys, payloads, paths, on_disk, strict=True)
         ]
 
     def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        path = self.dir.chunk_path(key)
-        self._store_at(path, chunk_io.complete_files([path], self.file_bytes)[0], key, payload)
+        self._store_at(self.dir.chunk_path(key), False, key, payload)
 
     def _store_at(self, path: str, on_disk: bool, key: ChunkKey, payload: memoryview) -> None:
         """Store ``key`` at ``path``, whose complete file was found there
