@@ -416,4 +416,5 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
                 vanished=vanished,
             )
         )
-        self._threaded_idle.notify_all()
+        if not self._threaded_jobs:  # what drain() waits for: no wake-up per job
+            self._threaded_idle.notify_all()
