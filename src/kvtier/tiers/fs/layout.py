@@ -22,6 +22,7 @@ million chunks (2 TB of 2 MiB chunks).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -214,8 +215,32 @@ class NamespaceDir:
                 yield OddEntry(directory, f"unreadable directory ({exc.strerror})", None)
 
 
+class _WriterTag:
+    """``<host>.<pid>.`` and a nonce unique to each temp name of this process.
+
+    Made once per process (again after a fork) instead of per name: a
+    ``getpid`` and a ``getrandom`` call per stored chunk cost the store path
+    two system calls. The random start keeps a reused pid from meeting the
+    names its previous owner left behind.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+        os.register_at_fork(after_in_child=self.reset)
+
+    def reset(self) -> None:
+        self.prefix = f"{HOST}.{os.getpid()}."
+        self.nonces = itertools.count(secrets.randbits(48) << 16)
+
+    def name(self, directory: str, what: str) -> str:
+        return f"{directory}/.{what}.{self.prefix}{next(self.nonces):x}.tmp"
+
+
+_writer = _WriterTag()
+
+
 def _temp_name(directory: str, what: str) -> str:
-    return f"{directory}/.{what}.{HOST}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    return _writer.name(directory, what)
 
 
 def mode_kind(mode: int) -> str:

@@ -21,9 +21,15 @@ whose files are gone: the index over-counts until they are evicted or found
 missing, never under-counts. A writer killed mid-write leaves a row that
 becomes evictable once it is known to be dead (its temp file goes with it).
 
+The mark "done" needs no transaction of its own: until it is written, the
+row reads as a write in flight whose temp file is gone and whose chunk file
+is in place, which every check already takes as a finished write (it is
+what a writer killed between its rename and its mark leaves). So marks wait
+in memory and go in with the next change, like use stamps.
+
 Cost is kept off the load path: a load records its use in memory, and uses
 are written in batches (with the next change, or at most once a second by a
-loading thread). A store costs two short changes, reserve and done, and
+loading thread). A store costs one short change, its reservation, and
 threads storing at once share transactions (group commit). The flock queues
 processes in the kernel (woken at once on release) instead of SQLite's
 sleeping busy handler; a mutex queues this process's threads.
@@ -150,6 +156,7 @@ class SharedIndex:
         self._queued: list[_Queued[Any]] = []
         self._stamps: dict[bytes, float] = {}
         self._forget: set[bytes] = set()
+        self._done: dict[bytes, str] = {}
         self._last_flush = time.monotonic()
         self._lock_fd = os.open(
             os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
@@ -223,12 +230,10 @@ class SharedIndex:
 
     def written(self, key: bytes, temp_path: str) -> None:
         """The write to ``temp_path`` renamed its file into place: its row is
-        a chunk's now, no longer a write in flight."""
-        self._batched(
-            lambda db: db.execute(
-                "UPDATE chunks SET temp = NULL WHERE key = ? AND temp = ?", (key, temp_path)
-            )
-        )
+        a chunk's now, no longer a write in flight. Recorded in memory and
+        written with the next change (see the module docstring)."""
+        with self._pending_lock:
+            self._done[key] = temp_path
 
     def _batched(self, change: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run ``change`` in a transaction. Group commit: whoever gets the lock
@@ -300,7 +305,7 @@ class SharedIndex:
             self._forget.add(key)
 
     def flush(self) -> None:
-        """Write pending use stamps and forgotten keys now."""
+        """Write pending use stamps, forgotten keys and finished writes now."""
         with self._change():
             pass
 
@@ -308,7 +313,13 @@ class SharedIndex:
         with self._pending_lock:
             stamps, self._stamps = self._stamps, {}
             forget, self._forget = self._forget, set()
+            done, self._done = self._done, {}
             self._last_flush = time.monotonic()
+        if done:
+            # Only the row of that write: another may have replaced it since.
+            self._db.executemany(
+                "UPDATE chunks SET temp = NULL WHERE key = ? AND temp = ?", list(done.items())
+            )
         if stamps:
             self._db.executemany(
                 "UPDATE chunks SET used = max(used, ?) WHERE key = ?",
@@ -457,7 +468,7 @@ class SharedIndex:
         return Totals(nbytes, count)
 
     def close(self) -> None:
-        """Write pending stamps and close the database."""
+        """Write pending changes and close the database."""
         try:
             self.flush()
         except sqlite3.Error as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import os
 import sqlite3
 import stat
@@ -93,6 +94,8 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     """Chunk files under ``root_dir/<namespace hex>/``; see the module docstring."""
 
     Options: ClassVar[type[TierOptions]] = FilesystemTierOptions
+    #: Most chunks one I/O task moves (see :meth:`_split`).
+    io_batch: ClassVar[int] = 8
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -319,10 +322,40 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [key in self._keys or self._on_disk(key) for key in keys]
 
+    def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
+        # While workers are idle a job goes one chunk per task, so that its
+        # chunks move in parallel. Once the queue holds work for every
+        # worker, more tasks add no parallelism: grouping chunks then pays
+        # the queue, the wake-up and the job's lock once per group. Groups
+        # take every n-th chunk, so that the job's chunks still start in
+        # about their order (a prefix's first chunks first).
+        idle = max(1, self.io_threads - self._backlog())
+        size = min(self.io_batch, max(1, math.ceil(len(pending) / idle)))
+        groups = math.ceil(len(pending) / size)
+        return [pending[i::groups] for i in range(groups)]
+
+    def _store_batch(self, keys: Sequence[ChunkKey], payloads: Sequence[memoryview]) -> list[bool]:
+        # In a group, chunks already on disk (another process stored them,
+        # or this one before a restart) are found first, all with one
+        # system-call run: they are neither hashed nor written. A chunk
+        # alone is left to the check write_chunk makes in the same GIL
+        # release as its write: a run of its own would give up and wait
+        # for the GIL once more for every chunk, to save a hash only for
+        # the rare one that is there already.
+        paths = [self.dir.chunk_path(key) for key in keys]
+        on_disk = chunk_io.complete_files(paths, self.file_bytes) if len(paths) > 1 else [False]
+        return [
+            self._attempt(functools.partial(self._store_at, path, present), key, payload)
+            for key, payload, path, present in zip(keys, payloads, paths, on_disk, strict=True)
+        ]
+
     def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        # A chunk another process (or our past self) stored is not written
-        # again; write_chunk checks for it with the same GIL release as the write.
-        path = self.dir.chunk_path(key)
+        self._store_at(self.dir.chunk_path(key), False, key, payload)
+
+    def _store_at(self, path: str, on_disk: bool, key: ChunkKey, payload: memoryview) -> None:
+        """Store ``key`` at ``path``, whose complete file was found there
+        (``on_disk``) or not. One found missing may still appear meanwhile:
+        :func:`write_chunk` looks again, with the same GIL release as the write."""
         temp = self.dir.temp_path(path)
         bound = self._bound
         if bound is not None:
@@ -334,7 +367,7 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
             if plan == "full":
                 raise OSError(errno.ENOSPC, f"max_bytes={self.max_bytes} taken by writes in flight")
         try:
-            written = write_chunk(
+            written = not on_disk and write_chunk(
                 path, temp, self.namespace, key, payload, direct=self.direct, fsync=self.fsync
             )
         except BaseException as exc:

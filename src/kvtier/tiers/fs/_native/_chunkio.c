@@ -154,7 +154,46 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
     return result;
 }
 
+/* complete(paths, size) -> [bool]: which paths hold a regular file of exactly
+ * size bytes (lstat: a symlink is not one), all looked at in one GIL release. */
+static PyObject *complete(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *paths_obj;
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "On", &paths_obj, &size)) return NULL;
+    PyObject *paths = PySequence_Fast(paths_obj, "complete() takes a sequence of paths");
+    if (paths == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(paths);
+    PyObject **encoded = PyMem_Calloc(count ? count : 1, sizeof(PyObject *));
+    char *found = PyMem_Calloc(count ? count : 1, 1);
+    PyObject *result = NULL;
+    Py_ssize_t ready = 0;
+    if (encoded == NULL || found == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; ready < count; ready++)
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(paths, ready), &encoded[ready]))
+            goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        struct stat info;
+        found[i] = lstat(PyBytes_AS_STRING(encoded[i]), &info) == 0 && S_ISREG(info.st_mode) &&
+                   info.st_size == (off_t)size;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(count);
+    for (Py_ssize_t i = 0; result != NULL && i < count; i++)
+        PyList_SET_ITEM(result, i, PyBool_FromLong(found[i]));
+done:
+    for (Py_ssize_t i = 0; i < ready; i++) Py_DECREF(encoded[i]);
+    PyMem_Free(encoded);
+    PyMem_Free(found);
+    Py_DECREF(paths);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"complete", complete, METH_VARARGS, "complete(paths, size) -> [is a regular file of size]"},
     {"store", store, METH_VARARGS, "store(temp, final, payload, trailer, direct, fsync) -> written"},
     {"load", load, METH_VARARGS, "load(path, out, trailer, direct, stamp_after_s) -> bytes read"},
     {NULL, NULL, 0, NULL},

@@ -1,7 +1,10 @@
 # The compiled chunk-file I/O (_chunkio.c); see kvtier.tiers.fs.io for the contract.
+from collections.abc import Sequence
+
 from typing_extensions import Buffer
 
 def store(
     temp_path: str, final_path: str, payload: Buffer, trailer: Buffer, direct: bool, fsync: bool, /
 ) -> bool: ...
 def load(path: str, out: Buffer, trailer: Buffer, direct: bool, stamp_after_s: float, /) -> int: ...
+def complete(paths: Sequence[str], size: int, /) -> list[bool]: ...
