@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
@@ -86,15 +87,17 @@ class LeafFirstLRUCachePolicy(CachePolicy):
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
         # insert inlined for the primary tier's batches: new keys that an
         # eviction announced join the current group.
-        group_of, current = self._group_of, self._current
-        for index, key in enumerate(keys):
-            if not self._announced or key in group_of:
-                for rest in keys[index:]:  # the general case, key by key
-                    self.insert(rest)
-                return
-            self._announced -= 1
-            group_of[key] = self._serial
+        group_of, current, serial = self._group_of, self._current, self._serial
+        joined = 0
+        for key in itertools.islice(keys, self._announced):
+            if key in group_of:
+                break
+            group_of[key] = serial
             current[key] = None
+            joined += 1
+        self._announced -= joined
+        for key in keys[joined:]:  # the general case, key by key
+            self.insert(key)
 
     def remove(self, key: ChunkKey) -> None:
         if key in self._group_of:
