@@ -43,6 +43,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -140,57 +141,71 @@ def replay(trace: Sequence[Sequence[bytes]], tier: Any) -> tuple[int, int, int]:
 
 
 class DictLRU:
-    """The least bookkeeping a Python LRU primary tier can do: the baseline."""
+    """The least bookkeeping a correct Python LRU primary tier can do: the baseline.
+
+    Correct means what any primary tier shared by an engine and its tiers'
+    I/O threads must do, and no more: a lock around each call, reference
+    counts (a chunk being written or read is never evicted), and a store
+    never evicts a chunk of its own request (that would break the very
+    prefix it stores). No policy object, no checks of the caller's input.
+    """
 
     def __init__(self, num_slots: int) -> None:
+        self.lock = threading.Lock()
         self.slot_of: dict[bytes, int] = {}
         self.refs: dict[bytes, int] = {}
         self.order: OrderedDict[bytes, None] = OrderedDict()  # ready keys, oldest first
         self.free = list(range(num_slots))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        hits = 0
-        for key in keys:
-            if self.refs.get(key, -1) < 0:
-                break
-            self.order.move_to_end(key)
-            hits += 1
-        return hits
+        with self.lock:
+            hits = 0
+            for key in keys:
+                if self.refs.get(key, -1) < 0:
+                    break
+                self.order.move_to_end(key)
+                hits += 1
+            return hits
 
     def pin_prefix(self, keys: Sequence[bytes]) -> list[int]:
-        for key in keys:
-            self.refs[key] += 1
-        return [self.slot_of[key] for key in keys]
+        with self.lock:
+            for key in keys:
+                self.refs[key] += 1
+            return [self.slot_of[key] for key in keys]
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self.refs[key] -= 1
+        with self.lock:
+            for key in keys:
+                self.refs[key] -= 1
 
     def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
-        new = [key for key in keys if key not in self.slot_of]
-        shortfall = len(new) - len(self.free)
-        if shortfall > 0:
-            victims = []
-            for key in self.order:
-                if self.refs[key] == 0:
-                    victims.append(key)
-                    if len(victims) == shortfall:
-                        break
-            if len(victims) < shortfall:
-                return None
-            for key in victims:
-                del self.order[key], self.refs[key]
-                self.free.append(self.slot_of.pop(key))
-        reserved = {}
-        for key in new:
-            reserved[key] = self.slot_of[key] = self.free.pop()
-            self.refs[key] = -1
-        return reserved
+        with self.lock:
+            new = [key for key in keys if key not in self.slot_of]
+            shortfall = len(new) - len(self.free)
+            if shortfall > 0:
+                own = set(keys) if len(new) < len(keys) else ()
+                victims = []
+                for key in self.order:
+                    if self.refs[key] == 0 and key not in own:
+                        victims.append(key)
+                        if len(victims) == shortfall:
+                            break
+                if len(victims) < shortfall:
+                    return None
+                for key in victims:
+                    del self.order[key], self.refs[key]
+                    self.free.append(self.slot_of.pop(key))
+            reserved = {}
+            for key in new:
+                reserved[key] = self.slot_of[key] = self.free.pop()
+                self.refs[key] = -1
+            return reserved
 
     def complete_store(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self.refs[key] = 0
-            self.order[key] = None
+        with self.lock:
+            for key in keys:
+                self.refs[key] = 0
+                self.order[key] = None
 
 
 class SeedAdapter:

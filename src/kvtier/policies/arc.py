@@ -61,18 +61,31 @@ class ARCCachePolicy(CachePolicy):
             self._trim_ghosts()
 
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
-        # The primary tier inserts every new chunk: the common case, a key seen
-        # nowhere, inlined. The ghost trim of a run of such keys is done once,
-        # before the next other key: the lists only grow through the run, so one
-        # trim pops exactly the ghosts a trim after each key would have popped.
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        # insert inlined for the primary tier's batches: every new chunk comes
+        # through here. A run of keys seen nowhere has its ghosts trimmed once,
+        # before the next other key: the lists only grow through the run, so
+        # one trim pops exactly the ghosts a trim after each key would have.
+        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
         untrimmed = False
         for key in keys:
             if key in t1 or key in t2 or key in b1 or key in b2:
-                if untrimmed:
+                if untrimmed:  # the next key sees the lists as trimmed after each key
                     self._trim_ghosts()
                     untrimmed = False
-                self.insert(key)
+                if key in t1 or key in t2:
+                    self.insert(key)  # the general case
+                    continue
+                if key in b1:
+                    self.p = min(capacity, self.p + max(1, len(b2) // len(b1)))
+                    del b1[key]
+                elif key in b2:
+                    self.p = max(0, self.p - max(1, len(b1) // len(b2)))
+                    del b2[key]
+                else:  # its ghost was just trimmed: a key seen nowhere
+                    t1[key] = None
+                    untrimmed = True
+                    continue
+                t2[key] = None
             else:
                 t1[key] = None
                 untrimmed = True

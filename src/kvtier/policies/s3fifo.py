@@ -108,7 +108,8 @@ class S3FIFOCachePolicy(CachePolicy):
                     if from_small:
                         # The oldest unaccessed key goes; accessed ones move to main.
                         while small:
-                            key = small.popitem(last=False)[0]
+                            key = next(iter(small))
+                            del small[key]
                             if key in protected:
                                 held_small.append(key)
                             elif freqs[key]:
@@ -122,16 +123,18 @@ class S3FIFOCachePolicy(CachePolicy):
                     else:
                         # The oldest key with no frequency left goes; others re-queue.
                         while main:
-                            key = main.popitem(last=False)[0]
+                            key = next(iter(main))
                             if key in protected:
+                                del main[key]
                                 held_main.append(key)
                                 continue
                             freq = freqs[key]
                             if not freq:
+                                del main[key]
                                 victim = key
                                 break
                             freqs[key] = freq - 1
-                            main[key] = None
+                            main.move_to_end(key)
                     if victim is not None:
                         break
                 # Unreachable by the count above; a loud failure beats a wrong victim.
