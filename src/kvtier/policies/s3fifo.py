@@ -89,8 +89,6 @@ class S3FIFOCachePolicy(CachePolicy):
         evictable = unprotected(itertools.chain(self._small, self._main), protected)
         if next(itertools.islice(evictable, n - 1, None), _NONE) is _NONE:
             return None
-        small, main, ghost, freqs = self._small, self._main, self._ghost, self._freq
-        small_capacity, ghost_capacity = self.small_capacity, self.capacity
         # Protected keys met at a queue's head are set aside and put back in
         # front when done: the order S3-FIFO leaves them in (every key behind
         # them moved or went), and each is looked at once, not once per victim.
@@ -99,53 +97,68 @@ class S3FIFOCachePolicy(CachePolicy):
         victims = []
         try:
             for _ in range(n):
-                # Per victim: from small while it holds its share, else from main;
-                # from the other queue when the first has none. Both loops end: each
-                # step takes a key off small, or spends one unit of a bounded frequency.
-                small_first = len(small) + len(held_small) >= small_capacity
-                victim = None
-                for from_small in (small_first, not small_first):
-                    if from_small:
-                        # The oldest unaccessed key goes; accessed ones move to main.
-                        while small:
-                            key = next(iter(small))
-                            del small[key]
-                            if key in protected:
-                                held_small.append(key)
-                            elif freqs[key]:
-                                main[key] = None
-                            else:
-                                ghost[key] = None  # remembers about as many as it holds
-                                if len(ghost) > ghost_capacity:
-                                    ghost.popitem(last=False)
-                                victim = key
-                                break
-                    else:
-                        # The oldest key with no frequency left goes; others re-queue.
-                        while main:
-                            key = next(iter(main))
-                            if key in protected:
-                                del main[key]
-                                held_main.append(key)
-                                continue
-                            freq = freqs[key]
-                            if not freq:
-                                del main[key]
-                                victim = key
-                                break
-                            freqs[key] = freq - 1
-                            main.move_to_end(key)
-                    if victim is not None:
-                        break
+                if len(self._small) + len(held_small) >= self.small_capacity:
+                    victim = self._evict_small(protected, held_small) or self._evict_main(
+                        protected, held_main
+                    )
+                else:
+                    victim = self._evict_main(protected, held_main) or self._evict_small(
+                        protected, held_small
+                    )
                 # Unreachable by the count above; a loud failure beats a wrong victim.
                 if victim is None:
                     raise RuntimeError("S3-FIFO found no victim although enough keys are evictable")
-                del freqs[victim]
+                del self._freq[victim]
                 victims.append(victim)
         finally:
-            _put_back(small, held_small)
-            _put_back(main, held_main)
+            _put_back(self._small, held_small)
+            _put_back(self._main, held_main)
         return victims
+
+    def _evict_small(
+        self, protected: Collection[ChunkKey], held: list[ChunkKey]
+    ) -> ChunkKey | None:
+        """Drop the oldest unaccessed small key, promoting accessed ones on the way.
+
+        Ends because every step removes a key from the small queue.
+        """
+        small = self._small
+        while small:
+            key = next(iter(small))
+            del small[key]
+            if key in protected:
+                held.append(key)
+                continue
+            if self._freq[key] > 0:
+                self._main[key] = None
+                continue
+            self._ghost[key] = None
+            # The ghost remembers about as many keys as the cache holds.
+            if len(self._ghost) > self.capacity:
+                self._ghost.popitem(last=False)
+            return key
+        return None
+
+    def _evict_main(self, protected: Collection[ChunkKey], held: list[ChunkKey]) -> ChunkKey | None:
+        """Drop the oldest main key with no frequency left, re-queueing the others.
+
+        Ends because every re-queue spends one unit of a bounded frequency.
+        """
+        main, freqs = self._main, self._freq
+        while main:
+            key = next(iter(main))
+            if key in protected:
+                del main[key]
+                held.append(key)
+                continue
+            freq = freqs[key]
+            if freq > 0:
+                freqs[key] = freq - 1
+                main.move_to_end(key)
+                continue
+            del main[key]
+            return key
+        return None
 
     def clear(self) -> None:
         for queue in (self._small, self._main, self._ghost):
