@@ -273,12 +273,10 @@ class PrimaryTier:
         with self._lock:
             pins = self._pins
             for done, key in enumerate(keys):
-                count = pins.get(key, 0)
-                if count == 1:
-                    del pins[key]
-                elif count:
+                count = pins.pop(key, 0)  # most chunks have one reader: one dict operation
+                if count > 1:
                     pins[key] = count - 1
-                else:
+                elif not count:
                     for undone in keys[:done]:  # put back what this call took
                         pins[undone] = pins.get(undone, 0) + 1
                     raise ValueError(f"chunk {key.hex()[:16]} is not pinned")
