@@ -49,13 +49,17 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         #: insert came since, so an evict serves the touching request.
         self._touched: tuple[int, int] = (-1, -1)
 
-    def _open(self, announced: bool = True) -> None:
+    def _open(self, announced: bool = True, group: _Group | None = None) -> None:
+        """Start the next group: ``group`` (out of its place) or a new, empty one."""
         if not self._current:
             self._groups.pop(self._serial, None)
             self._unannounced.discard(self._serial)
         self._serial += 1
-        self._current = _group(self._serial)
-        self._groups[self._serial] = self._current
+        if group is None:
+            group = _group(self._serial)
+        else:
+            group.serial = self._serial
+        self._current = self._groups[self._serial] = group
         if not announced:
             self._unannounced.add(self._serial)
 
@@ -110,14 +114,20 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             self._leave(key)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
-        keys = list(keys)
+        keys = keys if isinstance(keys, list) else list(keys)
         if self._touched == (self._serial, len(keys)) and list(self._current) == keys:
             # The same hits touched again with nothing in between (a lookup, then
             # the load of what it found): they already are the newest group.
             return
-        self._open()
         self._announced = 0
-        if not self._adopt(keys):
+        leading = self._led_by(keys)
+        if leading is not None:
+            # Those keys become the new group as they are; only the keys after
+            # them move, into a group that takes their old group's place.
+            self._split_after(leading, len(keys))
+            self._open(group=leading)
+        else:
+            self._open()
             # _leave and _join inlined: the primary tier touches every hit of every request.
             group_of, current = self._group_of, self._current
             last = current
@@ -134,33 +144,31 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             self._drop_if_empty(last)
         self._touched = (self._serial, len(self._current))
 
-    def _adopt(self, keys: list[ChunkKey]) -> bool:
-        """Touch ``keys`` at the cost of the rest of their group, if they are its oldest keys.
+    def _led_by(self, keys: list[ChunkKey]) -> _Group | None:
+        """The group whose oldest keys are ``keys``, in order, if there is one.
 
-        The common case: a request hits the prefix the last request of that
-        prefix used, and those keys lead that request's group, in order. The
-        group then becomes the new current one as it is, and only the keys
-        after them (that request's own suffix) move: into a group that takes
-        its place (and serial) among the older groups.
+        The common case: a request hits the prefix the previous request of that
+        prefix used, and those keys lead that request's group.
         """
         group = self._group_of.get(keys[0]) if keys else None
         count = len(keys)
         if group is None or len(group) < count or list(itertools.islice(group, count)) != keys:
-            return False
-        serial, groups, group_of = group.serial, self._groups, self._group_of
+            return None
+        return group
+
+    def _split_after(self, group: _Group, count: int) -> None:
+        """Move the keys after the first ``count`` of ``group`` into a group in its place."""
+        serial, group_of = group.serial, self._group_of
         rest = _group(serial)
         for key in list(itertools.islice(group, count, None)):
             del group[key]
             group_of[key] = rest
             rest[key] = None
         if rest:
-            groups[serial] = rest
+            self._groups[serial] = rest
         else:
-            del groups[serial]
+            del self._groups[serial]
             self._unannounced.discard(serial)
-        group.serial = self._serial
-        groups[self._serial] = self._current = group
-        return True
 
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
         if n <= 0:
