@@ -48,7 +48,7 @@ class LRUCachePolicy(CachePolicy):
         self._order.pop(key, None)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
-        keys = keys if isinstance(keys, list | tuple) else list(keys)
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         try:
             # The primary tier touches only tracked keys: one C-level pass.
             deque(map(self._order.move_to_end, keys), maxlen=0)

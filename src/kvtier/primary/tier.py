@@ -246,7 +246,7 @@ class PrimaryTier:
         """How many leading chunks of ``keys`` are ready; those are touched (see
         :meth:`touch`) in the same pass. The manager's lookup of a request."""
         with self._lock:
-            ready = self._ready_prefix(keys)
+            ready = list(takewhile(self._ready.__contains__, keys))  # _ready_prefix, inlined
             if ready:
                 self.hits += len(ready)
                 self.policy.touch(ready)
@@ -269,7 +269,7 @@ class PrimaryTier:
         Atomic: raises ``ValueError`` naming the first key that is not pinned
         (as often as it appears), unpinning nothing.
         """
-        keys = keys if isinstance(keys, list | tuple) else list(keys)
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         with self._lock:
             pins = self._pins
             for done, key in enumerate(keys):
