@@ -24,7 +24,8 @@ the same trace in the same run:
 
 Rounds alternate between the systems, so load from elsewhere on the machine
 hits all alike; each figure is the median over rounds, and each ratio the
-median of the ratios within a round.
+median of the ratios within a round (the table adds the lowest and highest
+of those against ``dict-lru``).
 
 Run: ``python benchmarks/bench_primary.py [--seed-venv DIR] [--rounds N] [--json]``;
 ``--quick`` replays a tiny trace once (a check of the drivers, not a figure).
@@ -409,12 +410,12 @@ def measure(spec: TraceSpec, rounds: int, seed_venv: Path | None) -> tuple[Round
     return measured, note, sum(map(len, trace))
 
 
-def _median_ratio(rounds: Rounds, system: tuple[str, str], reference: tuple[str, str]) -> float:
-    """Median over rounds of ``system``'s speed over ``reference``'s in the same round."""
-    return statistics.median(
+def _ratios(rounds: Rounds, system: tuple[str, str], reference: tuple[str, str]) -> list[float]:
+    """Per round, ``system``'s speed over ``reference``'s in the same round."""
+    return [
         r[reference].seconds / r[system].seconds * r[system].chunk_ops / r[reference].chunk_ops
         for r in rounds
-    )
+    ]
 
 
 def summarise(rounds: Rounds, chunks: int) -> list[dict[str, Any]]:
@@ -429,7 +430,8 @@ def summarise(rounds: Rounds, chunks: int) -> list[dict[str, Any]]:
         seed_policy = system[1] if system[1] in seeds else "lru"
         vs_seed = None
         if system[0] != "seed" and seed_policy in seeds:
-            vs_seed = _median_ratio(rounds, system, ("seed", seed_policy))
+            vs_seed = statistics.median(_ratios(rounds, system, ("seed", seed_policy)))
+        vs_dict_lru = _ratios(rounds, system, ("dict-lru", "lru"))
         rows.append(
             {
                 **asdict(first),
@@ -437,7 +439,8 @@ def summarise(rounds: Rounds, chunks: int) -> list[dict[str, Any]]:
                 "rounds": len(rounds),
                 "ops_per_s": first.chunk_ops / seconds,
                 "hit_rate": first.hit_chunks / chunks,
-                "vs_dict_lru": _median_ratio(rounds, system, ("dict-lru", "lru")),
+                "vs_dict_lru": statistics.median(vs_dict_lru),
+                "vs_dict_lru_range": [min(vs_dict_lru), max(vs_dict_lru)],
                 "vs_seed": vs_seed,
             }
         )
@@ -455,13 +458,14 @@ def report(rows: list[dict[str, Any]], note: str, spec: TraceSpec, as_json: bool
     )
     print(note)
     header = f"{'system':<9} {'policy':<8} {'chunk-ops':>10} {'s':>7} {'ops/s':>10} "
-    print(header + f"{'hit rate':>8} {'/dict-lru':>9} {'/seed':>6}")
+    print(header + f"{'hit rate':>8} {'/dict-lru':>9} {'(rounds)':>11} {'/seed':>6}")
     for row in rows:
         vs_seed = "-" if row["vs_seed"] is None else f"{row['vs_seed']:.2f}"
+        low, high = row["vs_dict_lru_range"]
         print(
             f"{row['system']:<9} {row['policy']:<8} {row['chunk_ops']:>10} "
             f"{row['seconds']:>7.3f} {row['ops_per_s']:>10.3g} {row['hit_rate']:>8.3f} "
-            f"{row['vs_dict_lru']:>9.2f} {vs_seed:>6}"
+            f"{row['vs_dict_lru']:>9.2f} {f'{low:.2f}-{high:.2f}':>11} {vs_seed:>6}"
         )
 
 
