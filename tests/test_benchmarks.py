@@ -54,6 +54,12 @@ def test_bench_primary_replays_the_same_trace_through_every_system() -> None:
     assert rows[("dict-lru", "lru")]["vs_dict_lru"] == pytest.approx(1.0)
 
 
+def test_bench_primary_times_each_policy_alone_on_the_calls_it_got() -> None:
+    out = run_quick("bench_primary.py", "--policy-cost")
+    assert set(out["policy_seconds"]) == {"lru", "arc", "s3fifo", "leaf-lru"}
+    assert all(seconds > 0 for seconds in out["policy_seconds"].values())
+
+
 def test_bench_primary_refuses_zero_rounds() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_primary.py"), "--rounds", "0"],
