@@ -238,7 +238,10 @@ class PrimaryTier:
                 slot = ready.get(key)
                 if slot is None:
                     break
-                pins[key] = pins.get(key, 0) + 1
+                if key in pins:
+                    pins[key] += 1
+                else:  # the common case: one dict operation
+                    pins[key] = 1
                 slots.append(slot)
             return slots
 
