@@ -240,7 +240,7 @@ class PrimaryTier:
                     break
                 if key in pins:
                     pins[key] += 1
-                else:  # the common case: one dict operation
+                else:  # the common case, no reader yet: no read of a count
                     pins[key] = 1
                 slots.append(slot)
             return slots
