@@ -47,9 +47,17 @@ def test_bench_primary_replays_the_same_trace_through_every_system() -> None:
         # Every request looks up at least one chunk and at most all of them.
         assert trace["requests"] <= row["lookup_chunks"] <= row["chunk_ops"]
         assert row["vs_dict_lru"] > 0 and row["vs_seed"] is None
+        low, high = row["vs_dict_lru_range"]
+        assert low <= row["vs_dict_lru"] <= high
     # Every system saw the same trace: the same chunks in all.
     assert len({round(row["hit_chunks"] / row["hit_rate"]) for row in rows.values()}) == 1
     assert rows[("dict-lru", "lru")]["vs_dict_lru"] == pytest.approx(1.0)
+
+
+def test_bench_primary_times_each_policy_alone_on_the_calls_it_got() -> None:
+    out = run_quick("bench_primary.py", "--policy-cost")
+    assert set(out["policy_seconds"]) == {"lru", "arc", "s3fifo", "leaf-lru"}
+    assert all(seconds > 0 for seconds in out["policy_seconds"].values())
 
 
 def test_bench_primary_refuses_zero_rounds() -> None:

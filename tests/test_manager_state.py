@@ -124,11 +124,12 @@ class ManagerMachine(RuleBasedStateMachine):
     def slots_are_consistent(self) -> None:
         primary = self.manager.primary
         assert all(refs >= -1 for refs in primary.refcounts().values())
-        slots = list(primary._slot_of.values())
+        resident = primary.slots()
+        slots, free = list(resident.values()), primary.free_slots()
         assert len(slots) == len(set(slots))
-        assert len(slots) + len(primary._free) == primary.num_slots
-        assert set(slots).isdisjoint(primary._free)
-        assert set(primary._slot_of) == set(primary.refcounts())
+        assert len(slots) + len(free) == primary.num_slots
+        assert set(slots).isdisjoint(free)
+        assert set(resident) == set(primary.refcounts())
         idle = {k for k, r in primary.refcounts().items() if r >= 0}
         assert len(primary.policy) == len(idle)
         assert all(k in primary.policy for k in idle)

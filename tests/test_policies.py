@@ -224,6 +224,49 @@ def test_leaf_lru_gives_up_a_requests_deepest_chunks_first() -> None:
     assert policy.evict(1, ()) == [k[6]]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_leaf_lru_touch_of_a_groups_leading_keys_decides_as_touching_key_by_key(
+    seed: int,
+) -> None:
+    """A request's hits are mostly the keys that lead the previous request's
+    group; leaf-lru then takes that group over instead of moving its keys.
+    A twin whose touches carry one untracked key more (which forbids that)
+    must make the very same choices."""
+    rng = random.Random(seed)
+    capacity = 24
+    adopting, moving = make("leaf-lru", capacity), make("leaf-lru", capacity)
+    untracked = key(10**6)
+    prefixes = [[key(1000 * p + i) for i in range(rng.randint(3, 12))] for p in range(4)]
+    for request in range(300):
+        chain = rng.choice(prefixes) + [key(10**5 + 10 * request + i) for i in range(3)]
+        chain = chain[:capacity]
+        hits = 0
+        while hits < len(chain) and chain[hits] in adopting:
+            hits += 1
+        assert all((k in adopting) == (k in moving) for k in chain)
+        if hits:
+            adopting.touch(chain[:hits])
+            moving.touch([*chain[:hits], untracked])
+        new = chain[hits:]
+        shortfall = len(adopting) + len(new) - capacity
+        if shortfall > 0:
+            victims = adopting.evict(shortfall, set(chain))
+            assert victims == moving.evict(shortfall, set(chain))
+            assert victims is not None
+        adopting.insert_all(new)
+        moving.insert_all(new)
+    assert _drain(adopting) == _drain(moving)
+
+
+def _drain(policy: CachePolicy) -> list[ChunkKey]:
+    order = []
+    while len(policy):
+        victims = policy.evict(1, ())
+        assert victims is not None
+        order += victims
+    return order
+
+
 def replay_hits(name: str, capacity: int, requests: list[tuple[int, ...]]) -> int:
     primary = PrimaryReplay(make(name, capacity))
     return sum(primary.request(blocks) for blocks in requests)

@@ -69,7 +69,7 @@ def test_prepare_store_evicts_idle_chunks_in_policy_order(primary: PrimaryTier) 
     stored(primary, 1, 2, 3, 4)
     primary.touch([key(1)])
     reserved = primary.prepare_store([key(5)])
-    assert reserved is not None and key(2) not in set(primary._slot_of)
+    assert reserved is not None and key(2) not in primary.slots()
     assert primary.evictions == 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
@@ -60,16 +61,36 @@ class ARCCachePolicy(CachePolicy):
             self._trim_ghosts()
 
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
-        # The primary tier inserts every new chunk: the common case, a key
-        # seen nowhere, inlined; the ghost trim runs only when a bound is passed.
+        # insert inlined for the primary tier's batches: every new chunk comes
+        # through here. A run of keys seen nowhere has its ghosts trimmed once,
+        # before the next other key: the lists only grow through the run, so
+        # one trim pops exactly the ghosts a trim after each key would have.
         t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
+        untrimmed = False
         for key in keys:
             if key in t1 or key in t2 or key in b1 or key in b2:
-                self.insert(key)
-                continue
-            t1[key] = None
-            if len(t1) + len(b1) > capacity or len(t1) + len(t2) + len(b1) + len(b2) > 2 * capacity:
-                self._trim_ghosts()
+                if untrimmed:  # the next key sees the lists as trimmed after each key
+                    self._trim_ghosts()
+                    untrimmed = False
+                if key in t1 or key in t2:
+                    self.insert(key)  # the general case
+                    continue
+                if key in b1:
+                    self.p = min(capacity, self.p + max(1, len(b2) // len(b1)))
+                    del b1[key]
+                elif key in b2:
+                    self.p = max(0, self.p - max(1, len(b1) // len(b2)))
+                    del b2[key]
+                else:  # its ghost was just trimmed: a key seen nowhere
+                    t1[key] = None
+                    untrimmed = True
+                    continue
+                t2[key] = None
+            else:
+                t1[key] = None
+                untrimmed = True
+        if untrimmed:
+            self._trim_ghosts()
 
     def remove(self, key: ChunkKey) -> None:
         # Not an eviction, so no ghost: its return would teach nothing.
@@ -89,34 +110,29 @@ class ARCCachePolicy(CachePolicy):
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
         if n <= 0:
             return []
-        # Choose every victim before changing anything, so a shortfall changes nothing.
-        from_t1 = unprotected(self._t1, protected)
-        from_t2 = unprotected(self._t2, protected)
-        t1_left = len(self._t1)
-        victims: list[tuple[ChunkKey, bool]] = []
-        while len(victims) < n:
-            # ARC's REPLACE: shrink T1 while it is over its target, else T2;
-            # fall back to the other list when protected keys exhaust one.
-            prefer_t1 = t1_left > self.p
-            first, second = (from_t1, from_t2) if prefer_t1 else (from_t2, from_t1)
-            victim = next(first, None)
-            in_t1 = prefer_t1
-            if victim is None:
-                victim = next(second, None)
-                in_t1 = not prefer_t1
-            if victim is None:
-                return None
-            victims.append((victim, in_t1))
-            t1_left -= in_t1
-        for victim, in_t1 in victims:
-            if in_t1:
-                del self._t1[victim]
-                self._b1[victim] = None
-            else:
-                del self._t2[victim]
-                self._b2[victim] = None
+        # ARC's REPLACE, once per victim: take from T1 while it is over its
+        # target p, else from T2; from the other list when protected keys
+        # exhaust one. Only taking from T1 moves the comparison, so the victims
+        # are, in order: the oldest of T1 down to its target, then the oldest
+        # of T2, then (T2 exhausted) more of T1. Chosen before anything
+        # changes, so a shortfall changes nothing.
+        t1, t2 = self._t1, self._t2
+        from_t1 = unprotected(t1, protected)
+        over_target = min(n, max(0, len(t1) - self.p))
+        first = list(itertools.islice(from_t1, over_target))
+        from_t2 = list(itertools.islice(unprotected(t2, protected), n - len(first)))
+        then_t1 = []
+        if len(first) == over_target:  # else T1 ran out: T2 was all that was left
+            then_t1 = list(itertools.islice(from_t1, n - len(first) - len(from_t2)))
+        if len(first) + len(from_t2) + len(then_t1) < n:
+            return None
+        b1, b2 = self._b1, self._b2
+        for victims, resident, ghosts in ((first, t1, b1), (from_t2, t2, b2), (then_t1, t1, b1)):
+            for victim in victims:
+                del resident[victim]
+                ghosts[victim] = None
         self._trim_ghosts()
-        return [victim for victim, _ in victims]
+        return first + from_t2 + then_t1
 
     def _trim_ghosts(self) -> None:
         # ARC's directory bounds: |T1| + |B1| <= c and all four lists <= 2c.

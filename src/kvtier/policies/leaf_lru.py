@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
@@ -27,42 +28,52 @@ class LeafFirstLRUCachePolicy(CachePolicy):
     new chunks, which join the group (a new one if nothing was hit). Inserts
     that no eviction announced, as while the tier fills, cannot be told apart
     by request, so they keep plain LRU order. Work per operation is LRU's
-    plus one dict lookup; state is one group id per key.
+    plus one dict lookup; state is one group reference per key. A touch of
+    the keys that lead one group (a request hitting the prefix the previous
+    request of that prefix used) takes the group over as it is, moving only
+    the keys after them.
     """
 
     def __init__(self, capacity: int, **kwargs: Any) -> None:
         super().__init__(capacity, **kwargs)
-        # Groups, least recently used first; each holds its keys oldest first.
-        self._groups: OrderedDict[int, dict[ChunkKey, None]] = OrderedDict()
-        self._group_of: dict[ChunkKey, int] = {}
-        # Groups of inserts no request announced: evicted oldest first, as LRU.
+        # Groups by serial, least recently used first; each holds its keys oldest first.
+        self._groups: OrderedDict[int, _Group] = OrderedDict()
+        self._group_of: dict[ChunkKey, _Group] = {}
+        # Serials of groups of inserts no request announced: evicted oldest first, as LRU.
         self._unannounced: set[int] = set()
         self._serial = 0
-        self._current: dict[ChunkKey, None] = {}
+        self._current = _group(self._serial)
         #: Inserts still to join the current request's group.
         self._announced = 0
         #: The group the last touch opened, and its size then: while both hold, no
         #: insert came since, so an evict serves the touching request.
         self._touched: tuple[int, int] = (-1, -1)
 
-    def _open(self, announced: bool = True) -> None:
+    def _open(self, announced: bool = True, group: _Group | None = None) -> None:
+        """Start the next group: ``group`` (out of its place) or a new, empty one."""
         if not self._current:
             self._groups.pop(self._serial, None)
             self._unannounced.discard(self._serial)
         self._serial += 1
-        self._current = {}
-        self._groups[self._serial] = self._current
+        if group is None:
+            group = _group(self._serial)
+        else:
+            group.serial = self._serial
+        self._current = self._groups[self._serial] = group
         if not announced:
             self._unannounced.add(self._serial)
 
+    def _drop_if_empty(self, group: _Group) -> None:
+        """Forget an emptied group, unless it is the current one."""
+        if not group and group is not self._current and self._groups.get(group.serial) is group:
+            del self._groups[group.serial]
+            self._unannounced.discard(group.serial)
+
     def _leave(self, key: ChunkKey) -> None:
         """Take a tracked key out of its group, dropping the group once empty."""
-        serial = self._group_of.pop(key)
-        group = self._groups[serial]
+        group = self._group_of.pop(key)
         del group[key]
-        if not group and group is not self._current:
-            del self._groups[serial]
-            self._unannounced.discard(serial)
+        self._drop_if_empty(group)
 
     def get(self, key: ChunkKey) -> bool:
         if key not in self._group_of:
@@ -75,65 +86,89 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             self._announced -= 1
         elif self._serial not in self._unannounced:
             self._open(announced=False)
-        serial = self._serial
-        old = self._group_of.setdefault(key, serial)
-        if old != serial:  # never from the primary tier, which inserts only new keys
-            self._group_of[key] = old
-            self._leave(key)
-            self._group_of[key] = serial
-        self._current[key] = None
+        current = self._current
+        old = self._group_of.get(key)
+        if old is not current:  # never from the primary tier, which inserts only new keys
+            if old is not None:
+                self._leave(key)
+            self._group_of[key] = current
+        current[key] = None
 
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
         # insert inlined for the primary tier's batches: new keys that an
         # eviction announced join the current group.
         group_of, current = self._group_of, self._current
-        for index, key in enumerate(keys):
-            if not self._announced or key in group_of:
-                for rest in keys[index:]:  # the general case, key by key
-                    self.insert(rest)
-                return
-            self._announced -= 1
-            group_of[key] = self._serial
+        joined = 0
+        for key in itertools.islice(keys, self._announced):
+            if key in group_of:
+                break
+            group_of[key] = current
             current[key] = None
+            joined += 1
+        self._announced -= joined
+        for key in keys[joined:]:  # the general case, key by key
+            self.insert(key)
 
     def remove(self, key: ChunkKey) -> None:
         if key in self._group_of:
             self._leave(key)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
-        keys = list(keys)
+        keys = keys if isinstance(keys, list) else list(keys)
         if self._touched == (self._serial, len(keys)) and list(self._current) == keys:
             # The same hits touched again with nothing in between (a lookup, then
             # the load of what it found): they already are the newest group.
             return
-        self._open()
         self._announced = 0
-        # _leave and _join inlined: the primary tier touches every hit of every request.
-        group_of, groups, serial, current = (
-            self._group_of,
-            self._groups,
-            self._serial,
-            self._current,
-        )
-        # A chain's keys mostly come from one group (its last request): look each
-        # group up once per run of its keys.
-        last, group = -1, current
-        for key in keys:
-            old = group_of.get(key)
-            if old is None:
-                continue
-            if old != last:
-                if not group and last != serial and last in groups:
-                    del groups[last]
-                    self._unannounced.discard(last)
-                last, group = old, groups[old]
+        leading = self._led_by(keys)
+        if leading is not None:
+            # Those keys become the new group as they are; only the keys after
+            # them move, into a group that takes their old group's place.
+            self._split_after(leading, len(keys))
+            self._open(group=leading)
+        else:
+            self._open()
+            # _leave and _join inlined: the primary tier touches every hit of every request.
+            group_of, current = self._group_of, self._current
+            last = current
+            for key in keys:
+                group = group_of.get(key)
+                if group is None:
+                    continue
+                if group is not last:
+                    self._drop_if_empty(last)
+                    last = group
+                del group[key]
+                group_of[key] = current
+                current[key] = None
+            self._drop_if_empty(last)
+        self._touched = (self._serial, len(self._current))
+
+    def _led_by(self, keys: list[ChunkKey]) -> _Group | None:
+        """The group whose oldest keys are ``keys``, in order, if there is one.
+
+        The common case: a request hits the prefix the previous request of that
+        prefix used, and those keys lead that request's group.
+        """
+        group = self._group_of.get(keys[0]) if keys else None
+        count = len(keys)
+        if group is None or len(group) < count or list(itertools.islice(group, count)) != keys:
+            return None
+        return group
+
+    def _split_after(self, group: _Group, count: int) -> None:
+        """Move the keys after the first ``count`` of ``group`` into a group in its place."""
+        serial, group_of = group.serial, self._group_of
+        rest = _group(serial)
+        for key in list(itertools.islice(group, count, None)):
             del group[key]
-            group_of[key] = serial
-            current[key] = None
-        if not group and last != serial and last in groups:
-            del groups[last]
-            self._unannounced.discard(last)
-        self._touched = (serial, len(current))
+            group_of[key] = rest
+            rest[key] = None
+        if rest:
+            self._groups[serial] = rest
+        else:
+            del self._groups[serial]
+            self._unannounced.discard(serial)
 
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
         if n <= 0:
@@ -154,12 +189,11 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         # _leave inlined: the primary tier evicts for most stores.
         group_of, groups, current = self._group_of, self._groups, self._current
         for key in victims:
-            serial = group_of.pop(key)
-            group = groups[serial]
+            group = group_of.pop(key)
             del group[key]
             if not group and group is not current:
-                del groups[serial]
-                self._unannounced.discard(serial)
+                del groups[group.serial]
+                unannounced.discard(group.serial)
         if self._touched != (self._serial, len(self._current)):
             self._open()  # a request that hit nothing: its new chunks start a group
         self._touched = (-1, -1)
@@ -170,7 +204,7 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         self._groups.clear()
         self._group_of.clear()
         self._unannounced.clear()
-        self._current = {}
+        self._current = _group(self._serial)
         self._announced = 0
         self._touched = (-1, -1)
 
@@ -179,3 +213,18 @@ class LeafFirstLRUCachePolicy(CachePolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._group_of
+
+
+class _Group(dict[ChunkKey, None]):
+    """The keys one request used last, oldest first, and its place among the groups."""
+
+    __slots__ = ("serial",)
+    serial: int
+
+
+def _group(serial: int) -> _Group:
+    # Not an __init__: a group is made per request, and a Python-level
+    # constructor costs more than the rest of making it.
+    group = _Group()
+    group.serial = serial
+    return group

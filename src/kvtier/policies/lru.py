@@ -33,18 +33,22 @@ class LRUCachePolicy(CachePolicy):
             order[key] = None
 
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
-        order = self._order  # insert inlined: the primary tier inserts every new chunk
-        for key in keys:
-            if key in order:
+        order = self._order
+        expected = len(order) + len(keys)
+        for key in keys:  # the primary tier's case: new keys, each once
+            order[key] = None
+        if len(order) != expected:
+            # A key was tracked already, or listed twice: where insert would
+            # have moved it to the end, assignment left it in place. Moving
+            # every key to the end again, in order, gives insert's order.
+            for key in keys:
                 order.move_to_end(key)
-            else:
-                order[key] = None
 
     def remove(self, key: ChunkKey) -> None:
         self._order.pop(key, None)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
-        keys = keys if isinstance(keys, list | tuple) else list(keys)
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         try:
             # The primary tier touches only tracked keys: one C-level pass.
             deque(map(self._order.move_to_end, keys), maxlen=0)

@@ -12,6 +12,8 @@ from kvtier.policies.base import CachePolicy, unprotected
 
 #: Frequencies saturate here (two bits), so a hot key earns at most three reprieves.
 MAX_FREQ = 3
+#: No key: what a search that found none returns.
+_NONE = object()
 
 
 class S3FIFOCachePolicy(CachePolicy):
@@ -85,7 +87,7 @@ class S3FIFOCachePolicy(CachePolicy):
         # first whether it can succeed: it can exactly when n keys are
         # unprotected. Stops at the n-th, so it costs about n, not |protected|.
         evictable = unprotected(itertools.chain(self._small, self._main), protected)
-        if sum(1 for _ in itertools.islice(evictable, n)) < n:
+        if next(itertools.islice(evictable, n - 1, None), _NONE) is _NONE:
             return None
         # Protected keys met at a queue's head are set aside and put back in
         # front when done: the order S3-FIFO leaves them in (every key behind

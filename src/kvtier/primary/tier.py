@@ -32,14 +32,14 @@ class PrimaryTier:
         self.buffer = buffer
         self.policy = policy
         self._lock = threading.Lock()
-        self._slot_of: dict[ChunkKey, int] = {}
-        # Ready keys and their readers; keys being written. A key is in at most one.
-        # Kept apart so that "ready?" is one C-level membership test.
-        self._readers: dict[ChunkKey, int] = {}
-        self._writing: set[ChunkKey] = set()
-        # Keys with readers (count > 0): the resident keys the policy must not pick.
-        # Kept as a set so an eviction never scans every slot to find them.
-        self._pinned: set[ChunkKey] = set()
+        # Every resident key is in exactly one of _ready and _writing, with its
+        # slot; _pins holds the readers of the pinned ready keys (never 0).
+        # Laid out so that the calls made for every request do one dict
+        # operation per chunk each: "ready?" and "pinned?" are one C-level
+        # membership test, and an eviction skips pinned keys without a scan.
+        self._ready: dict[ChunkKey, int] = {}
+        self._writing: dict[ChunkKey, int] = {}
+        self._pins: dict[ChunkKey, int] = {}
         # Pop from the end: low slot numbers are handed out first.
         self._free: list[int] = list(range(buffer.num_slots - 1, -1, -1))
         self.evictions = 0
@@ -57,29 +57,43 @@ class PrimaryTier:
 
     def __len__(self) -> int:
         """Slots holding a chunk or a write in flight."""
-        return len(self._slot_of)
+        return len(self._ready) + len(self._writing)
 
     def is_ready(self, key: ChunkKey) -> bool:
         """Resident with its bytes complete."""
-        return key in self._readers
+        return key in self._ready
 
     def is_writing(self, key: ChunkKey) -> bool:
         return key in self._writing
 
     def refcount(self, key: ChunkKey) -> int | None:
         """Readers of a ready chunk, :data:`WRITING` while written, ``None`` if absent."""
-        readers = self._readers.get(key)
-        if readers is None and key in self._writing:
-            return WRITING
-        return readers
+        if key in self._ready:
+            return self._pins.get(key, 0)
+        return WRITING if key in self._writing else None
 
     def refcounts(self) -> dict[ChunkKey, int]:
         """:meth:`refcount` of every resident key (a snapshot)."""
         with self._lock:
-            return {**dict.fromkeys(self._writing, WRITING), **self._readers}
+            pins = self._pins
+            return {
+                **dict.fromkeys(self._writing, WRITING),
+                **{key: pins.get(key, 0) for key in self._ready},
+            }
 
     def slot_of(self, key: ChunkKey) -> int | None:
-        return self._slot_of.get(key)
+        slot = self._ready.get(key)
+        return slot if slot is not None else self._writing.get(key)
+
+    def slots(self) -> dict[ChunkKey, int]:
+        """The slot of every resident key, ready or being written (a snapshot)."""
+        with self._lock:
+            return {**self._writing, **self._ready}
+
+    def free_slots(self) -> list[int]:
+        """Slots holding nothing (a snapshot)."""
+        with self._lock:
+            return list(self._free)
 
     def prepare_store(
         self, keys: Sequence[ChunkKey], protect: Collection[ChunkKey] = ()
@@ -93,32 +107,50 @@ class PrimaryTier:
         it is consulted, never copied.
         """
         with self._lock:
-            slot_of = self._slot_of
-            new = [key for key in dict.fromkeys(keys) if key not in slot_of]
-            shortfall = len(new) - len(self._free)
+            ready, writing, free = self._ready, self._writing, self._free
+            # The new keys, each once, in order: the answer, its slots still to come.
+            reserved = {key: -1 for key in keys if key not in ready and key not in writing}
+            shortfall = len(reserved) - len(free)
             if shortfall > 0:
-                # Chunks being written are not yet known to the policy; chunks of
-                # this very request stay: evicting them would break its prefix.
-                # Only its resident idle ones need naming: the pinned are in _pinned.
-                readers = self._readers
-                own = {key for key in keys if readers.get(key) == 0} if len(new) < len(keys) else ()
-                protected: Collection[ChunkKey] = self._pinned
-                if own or protect:
-                    protected = _Protected(self._pinned, own, protect)
-                victims = self.policy.evict(shortfall, protected)
+                victims = self._evict(shortfall, keys, len(reserved) < len(keys), protect)
                 if victims is None:
                     return None
-                free = self._free
                 for victim in victims:
-                    free.append(slot_of.pop(victim))
-                    del readers[victim]
+                    free.append(ready.pop(victim))
                 self.evictions += len(victims)
-            free, writing = self._free, self._writing
-            reserved = {}
-            for key in new:
-                reserved[key] = slot_of[key] = free.pop()
-                writing.add(key)
+            for key in reserved:
+                reserved[key] = free.pop()
+            writing.update(reserved)
             return reserved
+
+    def _evict(
+        self, n: int, keys: Sequence[ChunkKey], some_resident: bool, protect: Collection[ChunkKey]
+    ) -> list[ChunkKey] | None:
+        """Have the policy give up ``n`` idle chunks, none of ``keys`` or ``protect``.
+
+        Under the lock. Chunks being written are not yet known to the policy,
+        and pinned ones are in :attr:`_pins`. Of the request's own chunks
+        (evicting them would break its prefix) only the resident idle ones
+        need naming.
+        """
+        pins = self._pins
+        own: list[ChunkKey] = []
+        if some_resident:
+            ready = self._ready
+            own = [key for key in keys if key in ready and key not in pins]
+        if protect:
+            return self.policy.evict(n, _Protected(pins.keys(), set(own), protect))
+        if not own:
+            return self.policy.evict(n, pins.keys())
+        # Idle, so not pinned: lent to the pinned keys for this one call, which
+        # keeps each membership test the policy makes a single dict lookup.
+        for key in own:
+            pins[key] = 0
+        try:
+            return self.policy.evict(n, pins.keys())
+        finally:
+            for key in own:
+                pins.pop(key, None)  # a key listed twice was lent once
 
     def complete_store(
         self, keys: Iterable[ChunkKey], success: bool = True, *, pins: int = 0
@@ -134,25 +166,24 @@ class PrimaryTier:
             raise ValueError(f"pins must be >= 0, got {pins}")
         with self._lock:
             writing = self._writing
-            written = []
+            # Each key once, in order; keys not being written (or repeats) skipped.
+            written = {}
             for key in keys:
-                if key in writing:  # else not being written, or a repeat
-                    writing.remove(key)
-                    written.append(key)
-            ready = self._track(written) if success and written else []
-            slot_of, readers = self._slot_of, self._readers
-            if len(ready) < len(written):  # failed writes, or chunks the policy refused
-                kept = set(ready)
-                for key in written:
-                    if key not in kept:
-                        self._free.append(slot_of.pop(key))
-            completed = {}
-            for key in ready:
-                readers[key] = pins
-                completed[key] = slot_of[key]
+                slot = writing.pop(key, None)
+                if slot is not None:
+                    written[key] = slot
+            if not success or not written:
+                self._free.extend(written.values())
+                return {}
+            tracked = self._track(list(written))
+            if len(tracked) < len(written):  # chunks the policy refused
+                refused = dict(written)
+                written = {key: refused.pop(key) for key in tracked}
+                self._free.extend(refused.values())
+            self._ready.update(written)
             if pins:
-                self._pinned.update(ready)
-            return completed
+                self._pins.update(dict.fromkeys(written, pins))
+            return written
 
     def _track(self, keys: list[ChunkKey]) -> list[ChunkKey]:
         """Hand newly ready keys to the policy; returns those it now tracks.
@@ -201,13 +232,24 @@ class PrimaryTier:
         access for the policy: the lookup that found the chunks counted it.
         """
         with self._lock:
-            return self._pin(self._ready_prefix(keys))
+            ready, pins = self._ready, self._pins
+            slots = []
+            for key in keys:  # _ready_prefix and _pin in one pass: every hit is pinned
+                slot = ready.get(key)
+                if slot is None:
+                    break
+                if key in pins:
+                    pins[key] += 1
+                else:  # the common case, no reader yet: no read of a count
+                    pins[key] = 1
+                slots.append(slot)
+            return slots
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading chunks of ``keys`` are ready; those are touched (see
         :meth:`touch`) in the same pass. The manager's lookup of a request."""
         with self._lock:
-            ready = self._ready_prefix(keys)
+            ready = list(takewhile(self._ready.__contains__, keys))  # _ready_prefix, inlined
             if ready:
                 self.hits += len(ready)
                 self.policy.touch(ready)
@@ -215,15 +257,14 @@ class PrimaryTier:
 
     def _ready_prefix(self, keys: Iterable[ChunkKey]) -> list[ChunkKey]:
         """The leading ready keys; under the lock."""
-        return list(takewhile(self._readers.__contains__, keys))
+        return list(takewhile(self._ready.__contains__, keys))
 
     def _pin(self, keys: Sequence[ChunkKey]) -> list[int]:
         """Add a reader to each of the ready ``keys``; under the lock."""
-        readers = self._readers
+        pins, ready = self._pins, self._ready
         for key in keys:
-            readers[key] += 1
-        self._pinned.update(keys)
-        return list(map(self._slot_of.__getitem__, keys))
+            pins[key] = pins.get(key, 0) + 1
+        return [ready[key] for key in keys]
 
     def complete_load(self, keys: Iterable[ChunkKey]) -> None:
         """Unpin chunks pinned by :meth:`prepare_load`.
@@ -231,19 +272,17 @@ class PrimaryTier:
         Atomic: raises ``ValueError`` naming the first key that is not pinned
         (as often as it appears), unpinning nothing.
         """
-        keys = list(keys)
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         with self._lock:
-            readers, pinned = self._readers, self._pinned
+            pins = self._pins
             for done, key in enumerate(keys):
-                count = readers.get(key, 0)
-                if count <= 0:
+                count = pins.pop(key, 0)  # most chunks have one reader: one dict operation
+                if count > 1:
+                    pins[key] = count - 1
+                elif not count:
                     for undone in keys[:done]:  # put back what this call took
-                        readers[undone] += 1
-                        pinned.add(undone)
+                        pins[undone] = pins.get(undone, 0) + 1
                     raise ValueError(f"chunk {key.hex()[:16]} is not pinned")
-                readers[key] = count - 1
-                if count == 1:
-                    pinned.discard(key)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
         """Record that readers found these chunks: the policy's recency, and :attr:`hits`.
@@ -253,17 +292,17 @@ class PrimaryTier:
         """
         keys = list(keys)
         with self._lock:
-            self.hits += sum(map(self._readers.__contains__, keys))
+            self.hits += sum(map(self._ready.__contains__, keys))
             self.policy.touch(keys)
 
     def remove_idle(self, keys: Iterable[ChunkKey]) -> int:
         """Drop idle chunks (e.g. found stale); busy ones stay. Returns how many."""
         removed = 0
         with self._lock:
+            ready, pins = self._ready, self._pins
             for key in keys:
-                if self._readers.get(key) == 0:
-                    del self._readers[key]
-                    self._free.append(self._slot_of.pop(key))
+                if key in ready and key not in pins:
+                    self._free.append(ready.pop(key))
                     self.policy.remove(key)
                     removed += 1
         return removed
@@ -271,11 +310,10 @@ class PrimaryTier:
     def clear(self) -> None:
         """Forget every chunk. Call only when nothing is pinned or writing."""
         with self._lock:
-            busy = len(self._writing) + len(self._pinned)
+            busy = len(self._writing) + len(self._pins)
             if busy:
                 raise RuntimeError(f"cannot clear the primary tier: {busy} slots busy")
-            self._slot_of.clear()
-            self._readers.clear()
+            self._ready.clear()
             self._free = list(range(self.num_slots - 1, -1, -1))
             self.policy.clear()
 
@@ -284,8 +322,8 @@ class PrimaryTier:
         with self._lock:
             return {
                 "free": len(self._free),
-                "idle": len(self._readers) - len(self._pinned),
-                "pinned": len(self._pinned),
+                "idle": len(self._ready) - len(self._pins),
+                "pinned": len(self._pins),
                 "writing": len(self._writing),
             }
 
@@ -298,7 +336,10 @@ class _Protected(Collection[ChunkKey]):
     __slots__ = ("_own", "_pinned", "_protect")
 
     def __init__(
-        self, pinned: set[ChunkKey], own: Collection[ChunkKey], protect: Collection[ChunkKey]
+        self,
+        pinned: Collection[ChunkKey],
+        own: Collection[ChunkKey],
+        protect: Collection[ChunkKey],
     ) -> None:
         self._pinned = pinned
         self._own = own
@@ -309,7 +350,7 @@ class _Protected(Collection[ChunkKey]):
         return key in self._pinned or key in self._own or key in self._protect
 
     def _union(self) -> set[ChunkKey]:
-        return self._pinned.union(self._own, self._protect)
+        return {*self._pinned, *self._own, *self._protect}
 
     def __iter__(self) -> Iterator[ChunkKey]:
         return iter(self._union())
