@@ -11,35 +11,18 @@ import numpy as np
 import pytest
 
 from kvtier import integrity
-from kvtier.testing import TierHarness, small_layout
+from kvtier.testing import TierHarness
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.fs import io as fs_io
-from kvtier.tiers.fs.io import TRAILER_BLOCK
 from kvtier.tiers.fs.layout import _TMP_NAME, HOST, NamespaceDir
+from tests.fs_support import FILE_BYTES, LAYOUT, fs_tier, open_tier
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
-
-LAYOUT = small_layout()
-FILE_BYTES = LAYOUT.slot_bytes + TRAILER_BLOCK
-
-
-def fs_tier(harness: TierHarness) -> FilesystemTier:
-    tier = harness.tier
-    assert isinstance(tier, FilesystemTier)
-    return tier
-
-
-def open_tier(root: Path, **options: object) -> TierHarness:
-    harness = TierHarness(
-        {"type": "fs", "root_dir": str(root), "io_threads": 4, **options}, LAYOUT, num_slots=32
-    )
-    assert fs_tier(harness).wait_index(30)
-    return harness
 
 
 @pytest.fixture
 def harness(tmp_path: Path) -> Iterator[TierHarness]:
-    h = open_tier(tmp_path / "kv")
+    h = open_tier(tmp_path / "kv", io_threads=4)
     yield h
     h.close()
 
@@ -92,8 +75,8 @@ def test_a_chunk_another_process_stored_is_neither_hashed_nor_written_in_a_group
 ) -> None:
     root = tmp_path / "kv"
     options = {"max_bytes": 8 * FILE_BYTES} if bounded else {}
-    late = open_tier(root, **options)  # indexed before the chunk exists
-    other = open_tier(root, **options)
+    late = open_tier(root, io_threads=4, **options)  # indexed before the chunk exists
+    other = open_tier(root, io_threads=4, **options)
     try:
         keys = other.keys(3)
         other.fill(range(3))

@@ -16,27 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.testing import TierHarness, small_layout
+from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup, LookupContext
-from kvtier.tiers.fs import FilesystemTier
-from kvtier.tiers.fs.io import TRAILER_BLOCK
+from tests.fs_support import FILE_BYTES, LAYOUT, fs_tier, open_tier
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
-
-LAYOUT = small_layout()
-FILE_BYTES = LAYOUT.slot_bytes + TRAILER_BLOCK
-
-
-def fs_tier(harness: TierHarness) -> FilesystemTier:
-    tier = harness.tier
-    assert isinstance(tier, FilesystemTier)
-    return tier
-
-
-def open_tier(root: Path, **options: object) -> TierHarness:
-    harness = TierHarness({"type": "fs", "root_dir": str(root), "io_threads": 2, **options}, LAYOUT)
-    assert fs_tier(harness).wait_index(30)
-    return harness
 
 
 @pytest.fixture
