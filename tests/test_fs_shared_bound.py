@@ -23,21 +23,16 @@ import pytest
 
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup
-from kvtier.tiers.fs import FilesystemTier, shared_index
 from kvtier.tiers.fs import io as fs_io
+from kvtier.tiers.fs import shared_index
 from kvtier.tiers.fs import tier as tier_module
 from kvtier.tiers.fs.io import TRAILER_BLOCK
+from tests.fs_support import fs_tier
 from tests.fs_worker import LAYOUT
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
 
 FILE_BYTES = LAYOUT.slot_bytes + TRAILER_BLOCK
-
-
-def fs_tier(harness: TierHarness) -> FilesystemTier:
-    tier = harness.tier
-    assert isinstance(tier, FilesystemTier)
-    return tier
 
 
 _seeds = itertools.count(10_000)  # not the seeds fs_worker gets below

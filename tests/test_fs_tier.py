@@ -17,8 +17,8 @@ from kvtier import KVCache
 from kvtier.errors import ConfigError
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.tiers.base import Lookup
-from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.fs.io import TRAILER_BLOCK
+from tests.fs_support import fs_tier
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
 
@@ -37,12 +37,6 @@ class TestFilesystemContract(TierContractTests):
 class TestFilesystemContractBufferedPrivate(TestFilesystemContract):
     def make_config(self) -> dict[str, Any]:
         return {**super().make_config(), "direct_io": "off", "shared": False}
-
-
-def fs_tier(harness: TierHarness) -> FilesystemTier:
-    tier = harness.tier
-    assert isinstance(tier, FilesystemTier)
-    return tier
 
 
 @pytest.fixture
