@@ -6,6 +6,8 @@ seed), then loads them back, and every loaded byte is checked. The systems:
 * ``raw-odirect``: the disk's floor for a file per chunk written from
   Python: ``--threads`` threads, ``O_DIRECT`` ``pwrite`` / ``preadv``, no
   checksum, trailer or rename;
+* ``raw-redis``: the same server's floor for a Python client: redis-py
+  ``SET`` / ``GET`` pipelines on ``--threads`` threads, bytes as they are;
 * ``kvtier-fs``, ``kvtier-redis``: kvtier's tiers (checksums on), one
   transfer job per ``--job-chunks`` chunks, ``io_threads = --threads``;
 * ``lmcache-disk``, ``lmcache-disk-odirect``, ``lmcache-redis``: LMCache
@@ -28,7 +30,8 @@ interleave the systems, each round starting with the next one in turn.
 
 Figures are GB/s (1e9 bytes/s). ``kvtier / peer`` is the median over rounds
 of the peer's seconds over kvtier's in the same round (``kvtier-fs`` against
-the file peers and ``raw-odirect``, ``kvtier-redis`` against the redis one).
+the file peers and ``raw-odirect``, ``kvtier-redis`` against ``raw-redis`` and
+the redis peer).
 
     python benchmarks/bench_peers.py --root /mnt/nvme/bench --volume 256MiB --rounds 3
 """
@@ -53,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_fs import run_jobs  # beside this script
+from bench_shared_tiers import RawRedis, in_parallel
 from peers.common import chunk_payloads, run_round
 from pydantic import ByteSize, TypeAdapter
 
@@ -63,6 +67,7 @@ from kvtier.specs.tiering import TieringSpec
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.factory import SecondaryTierFactory
 from kvtier.tiers.fs import FilesystemTier
+from kvtier.tiers.redis import RedisTier
 
 # The redis server helper; the one import to change if it moves.
 from kvtier.testing.servers import RedisServer  # isort: skip
@@ -78,18 +83,17 @@ class PeerSystem:
 
     driver: str
     env: str
-    redis: bool = False
 
 
 PEER_SYSTEMS = {
     "lmcache-disk": PeerSystem("lmcache_driver.py", ".venv-lmcache"),
     "lmcache-disk-odirect": PeerSystem("lmcache_driver.py", ".venv-lmcache"),
-    "lmcache-redis": PeerSystem("lmcache_driver.py", ".venv-lmcache", redis=True),
+    "lmcache-redis": PeerSystem("lmcache_driver.py", ".venv-lmcache"),
     "aibrix-shfs": PeerSystem("aibrix_driver.py", ".venv-aibrix"),
     "aibrix-rocksdb": PeerSystem("aibrix_driver.py", ".venv-aibrix"),
     "sglang-file": PeerSystem("sglang_driver.py", ".venv-sglang"),
 }
-LOCAL_SYSTEMS = ("raw-odirect", "kvtier-fs", "kvtier-redis")
+LOCAL_SYSTEMS = ("raw-odirect", "kvtier-fs", "raw-redis", "kvtier-redis")
 SYSTEMS = LOCAL_SYSTEMS + tuple(PEER_SYSTEMS)
 #: The kvtier system each system is compared with.
 BASELINE = {name: "kvtier-redis" if name.endswith("redis") else "kvtier-fs" for name in SYSTEMS}
@@ -153,6 +157,44 @@ class RawDirect:
 
     def close(self) -> None:
         self.buffer.close()
+
+
+class RawRedisClient:
+    """redis-py alone, as kvtier's redis tier uses it (``--threads`` threads, each
+    pipelining ``RedisTier.io_batch`` commands): SETs of each chunk's bytes,
+    GETs of them, no framing, checksum or copy into a buffer: the ceiling
+    for a Python client of this server."""
+
+    def __init__(self, url: str, threads: int) -> None:
+        self.raw = RawRedis(url, threads, RedisTier.io_batch)
+
+    def prepare(self, directory: str, payloads: Sequence[bytes]) -> None:
+        self.values = payloads
+        self.names = [f"raw:{i}" for i in range(len(payloads))]
+
+    def store(self) -> None:
+        self.raw.store(self.names, list(self.values))
+
+    def load(self) -> Sequence[Any]:
+        loaded: list[Any] = [None] * len(self.names)
+        batch = RedisTier.io_batch
+
+        def work(share: list[int]) -> None:
+            for start in range(0, len(share), batch):
+                pipe = self.raw.client.pipeline(transaction=False)
+                for index in share[start : start + batch]:
+                    pipe.get(self.names[index])
+                for index, value in zip(share[start : start + batch], pipe.execute(), strict=True):
+                    loaded[index] = value
+
+        in_parallel(self.raw.threads, list(range(len(self.names))), work)
+        return loaded
+
+    def clear(self) -> None:
+        self.values = []
+
+    def close(self) -> None:
+        self.raw.client.close()
 
 
 class KVTierTier:
@@ -303,6 +345,7 @@ def local_systems(
     """The systems of this process asked for, with buffers for one chunk size."""
     build: dict[str, Any] = {
         "raw-odirect": lambda: RawDirect(chunk, count, args.threads),
+        "raw-redis": lambda: RawRedisClient(redis_url, args.threads),
         "kvtier-fs": lambda: KVTierTier(
             {"type": "fs", "io_threads": args.threads}, chunk, count, args.job_chunks
         ),
@@ -332,7 +375,7 @@ class InProcess:
 
 
 def is_redis(name: str) -> bool:
-    return name == "kvtier-redis" or PEER_SYSTEMS.get(name, PeerSystem("", "")).redis
+    return name.endswith("redis")
 
 
 def measure(

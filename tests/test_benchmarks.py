@@ -146,3 +146,21 @@ def test_bench_peers_skips_a_missing_environment_with_its_reason(tmp_path: Path)
     assert set(out["sizes"][str(256 << 10)]) == {"kvtier-fs"}
     reason = out["skipped"]["aibrix-shfs"]
     assert str(tmp_path / "no-envs" / ".venv-aibrix") in reason and "peer-envs.sh" in reason
+
+
+def test_bench_peers_check_refuses_a_wrong_or_missing_chunk() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from peers.common import check_chunks, chunk_payloads
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    chunks = chunk_payloads(7, 3, 4096)
+    # The same seed gives the same bytes; another seed others.
+    assert chunks == chunk_payloads(7, 3, 4096) and chunks != chunk_payloads(8, 3, 4096)
+    assert check_chunks("peer", chunks, [bytearray(c) for c in chunks]) == 3
+    flipped = bytearray(chunks[1])
+    flipped[4095] ^= 1
+    with pytest.raises(RuntimeError, match="peer: 1 of 3 chunks loaded wrong or missing"):
+        check_chunks("peer", chunks, [chunks[0], flipped, chunks[2]])
+    with pytest.raises(RuntimeError, match="first: chunk 2"):
+        check_chunks("peer", chunks, [chunks[0], chunks[1], None])
