@@ -105,13 +105,14 @@ def check_every_chunk_verified(out: Any, system: str) -> None:
             assert row["kvtier_vs"]["store"] > 0 and row["kvtier_vs"]["load"] > 0
 
 
-def test_bench_peers_kvtier_and_the_disk_floor_verify_every_chunk(bench_peers_quick: Any) -> None:
+def test_bench_peers_kvtier_and_the_raw_floors_verify_every_chunk(bench_peers_quick: Any) -> None:
     out = bench_peers_quick
     assert set(out["sizes"]) == {str(2 << 20), str(256 << 10)}
-    for system in ("raw-odirect", "kvtier-fs", "kvtier-redis"):
+    for system in ("raw-odirect", "kvtier-fs", "raw-redis", "kvtier-redis"):
         check_every_chunk_verified(out, system)
     for rows in out["sizes"].values():
         assert rows["raw-odirect"]["kvtier_vs"]["baseline"] == "kvtier-fs"
+        assert rows["raw-redis"]["kvtier_vs"]["baseline"] == "kvtier-redis"
         # The files were evicted from the page cache before every load.
         assert rows["kvtier-fs"]["cold"] in ("drop_caches", "fadvise")
 
