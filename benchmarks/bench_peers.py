@@ -111,9 +111,8 @@ class RawDirect:
 
     def __init__(self, chunk: int, count: int, threads: int) -> None:
         self.chunk, self.count, self.threads = chunk, count, threads
-        self.buffer = SlotBuffer(
-            2 * count, chunk
-        )  # stored from the first half, loaded into the second
+        # Stored from the first half, loaded into the second.
+        self.buffer = SlotBuffer(2 * count, chunk)
 
     def prepare(self, directory: str, payloads: Sequence[bytes]) -> None:
         os.makedirs(directory)
