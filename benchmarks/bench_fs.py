@@ -172,12 +172,16 @@ def build_tier(work: Workload, root: Path, options: dict[str, Any]) -> Secondary
     )
 
 
-def run_jobs(tier: SecondaryTier, keys: list[bytes], job_chunks: int, loading: bool) -> None:
+def run_jobs(
+    tier: SecondaryTier, keys: list[bytes], job_chunks: int, loading: bool, first_slot: int = 0
+) -> None:
+    """Move ``keys`` from or into slots ``first_slot`` on, ``job_chunks`` a job."""
     pending = set()
     submit = tier.submit_load if loading else tier.submit_store
     for start in range(0, len(keys), job_chunks):
         part = keys[start : start + job_chunks]
-        job = TransferJob(tuple(part), tuple(range(start, start + len(part))))  # type: ignore[arg-type]
+        slots = range(first_slot + start, first_slot + start + len(part))
+        job = TransferJob(tuple(part), tuple(slots))  # type: ignore[arg-type]
         pending.add(job.job_id)
         submit(job)
     # Wait as the raw baseline waits for its futures: blocked until the

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # kvtier's whole test run: lint, types, the fast suite, the example tier
 # package, then the vLLM end-to-end suite and the SGLang suite, each in its own
-# environment.
+# environment. The peers' environments (.venv-lmcache, .venv-aibrix,
+# .venv-sglang: scripts/peer-envs.sh) are built before the fast suite, whose
+# benchmark tests drive the peers' storage layers.
 #
 # Creates .venv-test with kvtier and every extra (its own environment: the
 # README's .venv stays a plain install). The tests start (and stop) the
@@ -41,6 +43,13 @@ mypy
 lint-imports
 mypy examples/acme-kvtier/src examples/acme-kvtier/tests
 mypy benchmarks/*.py
+# The peers' environments, for benchmarks/bench_peers.py's drivers, which the
+# fast suite runs in their quick mode (tests/test_benchmarks.py): here none of
+# them may be missing.
+deactivate
+./scripts/peer-envs.sh
+. .venv-test/bin/activate
+export KVTIER_REQUIRE_PEER_ENVS=1
 # The vLLM and SGLang suites (tests/integrations) need their own environments:
 # they run below, not here.
 pytest -q -m "not slow" --ignore=tests/integrations

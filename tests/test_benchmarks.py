@@ -82,3 +82,94 @@ def test_bench_promotion_promotes_every_chunk_of_each_size() -> None:
         assert row["lookup_us_per_chunk"] > 0 and row["promotion_us_per_chunk"] > 0
     assert rows[0]["lookup_vs_smallest"] == pytest.approx(1.0)
     assert rows[0]["promotion_vs_smallest"] == pytest.approx(1.0)
+
+
+# The peers' drivers run in the peers' own environments (scripts/peer-envs.sh);
+# where one is missing its systems skip, saying so. CI builds them all and sets
+# KVTIER_REQUIRE_PEER_ENVS, which turns such a skip into a failure.
+PEER_SYSTEMS = (
+    "lmcache-disk",
+    "lmcache-disk-odirect",
+    "lmcache-redis",
+    "aibrix-shfs",
+    "aibrix-rocksdb",
+    "sglang-file",
+)
+
+
+@pytest.fixture(scope="module")
+def bench_peers_quick(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("bench-peers")
+    return run_quick("bench_peers.py", "--root", str(root))
+
+
+def check_every_chunk_verified(out: Any, system: str) -> None:
+    for chunk, rows in out["sizes"].items():
+        row = rows[system]
+        count = out["volume"] // int(chunk)
+        assert row["verified_chunks"] == [count] * out["rounds"]
+        assert row["store_median"] > 0 and row["load_median"] > 0
+        if system != row.get("kvtier_vs", {}).get("baseline", system):
+            assert row["kvtier_vs"]["store"] > 0 and row["kvtier_vs"]["load"] > 0
+
+
+def test_bench_peers_kvtier_and_the_raw_floors_verify_every_chunk(bench_peers_quick: Any) -> None:
+    out = bench_peers_quick
+    assert set(out["sizes"]) == {str(2 << 20), str(256 << 10)}
+    for system in ("raw-odirect", "kvtier-fs", "raw-redis", "kvtier-redis"):
+        check_every_chunk_verified(out, system)
+    for rows in out["sizes"].values():
+        assert rows["raw-odirect"]["kvtier_vs"]["baseline"] == "kvtier-fs"
+        assert rows["raw-redis"]["kvtier_vs"]["baseline"] == "kvtier-redis"
+        # The files were evicted from the page cache before every load.
+        assert rows["kvtier-fs"]["cold"] in ("drop_caches", "fadvise")
+
+
+@pytest.mark.parametrize("system", PEER_SYSTEMS)
+def test_bench_peers_driver_verifies_every_chunk(bench_peers_quick: Any, system: str) -> None:
+    out = bench_peers_quick
+    reason = out["skipped"].get(system)
+    if reason is not None:
+        assert "scripts/peer-envs.sh" in reason
+        if os.environ.get("KVTIER_REQUIRE_PEER_ENVS"):
+            pytest.fail(f"{system}: {reason}")
+        pytest.skip(f"{system}: {reason}")
+    check_every_chunk_verified(out, system)
+    baseline = "kvtier-redis" if system.endswith("redis") else "kvtier-fs"
+    for rows in out["sizes"].values():
+        assert rows[system]["kvtier_vs"]["baseline"] == baseline
+
+
+def test_bench_peers_skips_a_missing_environment_with_its_reason(tmp_path: Path) -> None:
+    out = run_quick(
+        "bench_peers.py",
+        "--root",
+        str(tmp_path / "root"),
+        "--peer-envs",
+        str(tmp_path / "no-envs"),
+        "--systems",
+        "kvtier-fs,aibrix-shfs",
+        "--chunk",
+        "256KiB",
+    )
+    assert set(out["sizes"][str(256 << 10)]) == {"kvtier-fs"}
+    reason = out["skipped"]["aibrix-shfs"]
+    assert str(tmp_path / "no-envs" / ".venv-aibrix") in reason and "peer-envs.sh" in reason
+
+
+def test_bench_peers_check_refuses_a_wrong_or_missing_chunk() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from peers.common import check_chunks, chunk_payloads
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    chunks = chunk_payloads(7, 3, 4096)
+    # The same seed gives the same bytes; another seed others.
+    assert chunks == chunk_payloads(7, 3, 4096) and chunks != chunk_payloads(8, 3, 4096)
+    assert check_chunks("peer", chunks, [bytearray(c) for c in chunks]) == 3
+    flipped = bytearray(chunks[1])
+    flipped[4095] ^= 1
+    with pytest.raises(RuntimeError, match="peer: 1 of 3 chunks loaded wrong or missing"):
+        check_chunks("peer", chunks, [chunks[0], flipped, chunks[2]])
+    with pytest.raises(RuntimeError, match="first: chunk 2"):
+        check_chunks("peer", chunks, [chunks[0], chunks[1], None])
