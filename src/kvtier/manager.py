@@ -256,9 +256,9 @@ class TieringManager:
 
     @_serialised
     def collect(self) -> None:
-        """Apply the results of jobs that ended since the last call, without
-        submitting anything: for an engine that asks again, within a step,
-        about chunks being promoted."""
+        """Apply the results of jobs that ended since the last call, as :meth:`step`
+        does first, but leave the promotions queued since for the step to submit:
+        for an engine that asks again, within a step, about chunks being promoted."""
         self._collect()
 
     @property
