@@ -87,6 +87,29 @@ def test_secondary_hit_promotes_in_one_batch_per_tier_and_request(
     assert cache.manager.tiers[1].loads == []  # type: ignore[attr-defined]
 
 
+def test_collect_makes_ended_promotions_ready_without_submitting_more(data: np.ndarray) -> None:
+    cache = make_cache({"type": "gated"}, {"type": "gated"})
+    try:
+        cache.store(TOKENS, data)
+        cache.drain()
+        cache.manager.reset()
+        first, second = cache.manager.tiers
+        assert peek(cache, TOKENS[:8], "r1") == LookupResult(0, True)
+        cache.step()  # submits the promotion of the first two chunks
+        first.release()  # type: ignore[attr-defined]  # ...and it ends
+        assert peek(cache, TOKENS, "r2") == LookupResult(0, True)  # queued, not submitted
+        cache.manager.collect()
+        # The ended promotion is ready within the same step...
+        assert peek(cache, TOKENS[:8], "r1") == LookupResult(2, False)
+        # ...and collecting submitted nothing: r2's promotion waits for the step.
+        assert len(first.loads) == 1  # type: ignore[attr-defined]
+        assert second.loads == []  # type: ignore[attr-defined]
+        cache.step()
+        assert len(first.loads) == 2  # type: ignore[attr-defined]
+    finally:
+        cache.close()
+
+
 def test_lookup_answers_the_leading_primary_hits_without_io(
     cache: KVCache, data: np.ndarray
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier import KVCache
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from tests.threaded_doubles import WORKERS_SEEN_IN_INIT, ObviousNamesTier, tier_threads
 
@@ -41,3 +42,21 @@ def test_a_constructor_failing_after_super_init_leaves_no_thread() -> None:
     with pytest.raises(OSError, match="the backend is not there"):
         TierHarness(entry, small_layout())
     assert tier_threads("FailingSetUpTier") == []
+
+
+def test_workers_start_when_the_manager_attaches_the_tier() -> None:
+    layout = small_layout()
+    config = {
+        "chunk_tokens": layout.chunk_tokens,
+        "cpu_bytes_to_use": 4 * layout.slot_bytes,
+        "secondary_tiers": [dict(ENTRY)],
+    }
+    cache = KVCache(config, layout)
+    try:
+        # Started before the first request needs them, so that starting
+        # threads does not sit on that request's time.
+        (tier,) = cache.manager.tiers
+        assert len(tier_threads(tier.tier_type)) == tier.io_threads == 3
+    finally:
+        cache.close()
+    assert tier_threads(tier.tier_type) == []

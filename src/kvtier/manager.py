@@ -254,6 +254,13 @@ class TieringManager:
         for tier in self.tiers:
             self._call(tier, "on_step_end")
 
+    @_serialised
+    def collect(self) -> None:
+        """Apply the results of jobs that ended since the last call, as :meth:`step`
+        does first, but leave the promotions queued since for the step to submit:
+        for an engine that asks again, within a step, about chunks being promoted."""
+        self._collect()
+
     @property
     def busy(self) -> bool:
         """Whether any job or promotion is still in flight."""

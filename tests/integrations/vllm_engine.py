@@ -5,8 +5,9 @@
 SPEC holds ``model``, ``prompts`` (token id lists), ``max_tokens``,
 ``extra_config`` (the connector's ``kv_connector_extra_config``; ``null`` for
 no connector), ``block_size``, ``multiprocessing``, ``hf_overrides``,
-``tensor_parallel_size``, ``pipeline_parallel_size``, ``engine_id`` and
-``reset_prefix_cache``; with ``started_file`` the engine writes that file once
+``tensor_parallel_size``, ``pipeline_parallel_size``, ``engine_id``,
+``reset_prefix_cache`` and ``reset_after`` (per prompt, overriding
+``reset_prefix_cache``); with ``started_file`` the engine writes that file once
 it has started and then waits to be killed. RESULT receives the greedy
 tokens, vLLM's cached-token count per prompt, the time to first token per
 prompt when ``ttft`` is set, and the engine start time.
@@ -108,17 +109,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"engine_start_s": start_s, "tokens": [], "cached": [], "ttft_s": []}
     if spec.get("ttft"):
         # One prompt at a time, one output token: the call's duration is the
-        # time to first token. vLLM's own prefix cache is emptied after each
-        # prompt (unless ``reset_prefix_cache`` is false), so a prefix can
+        # time to first token. vLLM's own prefix cache (not kvtier's) is
+        # emptied after each prompt (unless ``reset_prefix_cache`` is false,
+        # or ``reset_after`` says otherwise for that prompt), so a prefix can
         # only come back through kvtier.
         first_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        for prompt in prompts:
+        default_reset = spec.get("reset_prefix_cache", True)
+        resets = spec.get("reset_after") or [default_reset] * len(prompts)
+        for prompt, reset in zip(prompts, resets, strict=True):
             began = time.perf_counter()
             (output,) = llm.generate([prompt], first_token, use_tqdm=False)
             result["ttft_s"].append(time.perf_counter() - began)
             result["tokens"].append(list(output.outputs[0].token_ids))
             result["cached"].append(output.num_cached_tokens or 0)
-            if spec.get("reset_prefix_cache", True):
+            if reset:
                 llm.reset_prefix_cache()
     else:
         for output in llm.generate(prompts, params, use_tqdm=False):

@@ -2,10 +2,13 @@
 
 Needs torch alone (not the engine), so ``scripts/device_check.py`` runs it on
 any machine with an accelerator. The same torch ops serve every device. On
-the CPU a copy is a plain gather or scatter. On an accelerator (CUDA, or any
-torch device module with streams and events) every copy runs on a dedicated
-copy stream, ordered against the compute stream with events, and moves
-through pinned host memory, so the compute stream never waits on a host copy:
+the CPU pages move run by run: pages that follow each other both in the
+slots and in the engine's cache move with one plain copy, straight between
+slot and page (a gather then a scatter would move every byte twice, through
+a temporary). On an accelerator (CUDA, or any torch device module with
+streams and events) every copy runs on a dedicated copy stream, ordered
+against the compute stream with events, and moves through pinned host
+memory, so the compute stream never waits on a host copy:
 
 * store: the copy stream waits for the forward pass that computed the
   pages, gathers them on the device and copies them to pinned host memory;
@@ -63,6 +66,16 @@ class LayerPages:
         """Write rows ``[n, page]`` of :attr:`dtype` on the KV's device into ``block_ids``."""
         self.pages.index_copy_(0, block_ids, rows.reshape(len(block_ids), *self.page_shape))
 
+    def read_run(self, first_block: int, rows: torch.Tensor) -> None:
+        """Copy ``n`` consecutive rows ``[n, page]`` into the ``n`` blocks from ``first_block``."""
+        count = len(rows)
+        self.pages[first_block : first_block + count].copy_(rows.view(count, *self.page_shape))
+
+    def write_run(self, first_block: int, rows: torch.Tensor) -> None:
+        """Copy the ``n`` blocks from ``first_block`` into ``n`` consecutive rows ``[n, page]``."""
+        count = len(rows)
+        rows.view(count, *self.page_shape).copy_(self.pages[first_block : first_block + count])
+
 
 def _widest(pages: torch.Tensor, page_bytes: int) -> torch.Tensor:
     for wide in (torch.int64, torch.int32, torch.int16):
@@ -80,6 +93,25 @@ class CopyIndex(NamedTuple):
 
     rows: torch.Tensor
     block_ids: torch.Tensor
+
+    def runs(self, layer: int) -> list[tuple[int, int, int]]:
+        """Layer ``layer``'s pages as ``(first row, first block, count)`` runs of
+        pages consecutive both in the slots and in the KV cache."""
+        return contiguous_runs(self.rows[layer].tolist(), self.block_ids.tolist())
+
+
+def contiguous_runs(rows: list[int], blocks: list[int]) -> list[tuple[int, int, int]]:
+    """Pairs ``rows[i] ↔ blocks[i]`` as ``(first row, first block, count)``
+    runs in which both sides go up by one from pair to pair."""
+    runs: list[tuple[int, int, int]] = []
+    for row, block in zip(rows, blocks, strict=True):
+        if runs:
+            first_row, first_block, count = runs[-1]
+            if row == first_row + count and block == first_block + count:
+                runs[-1] = (first_row, first_block, count + 1)
+                continue
+        runs.append((row, block, 1))
+    return runs
 
 
 @dataclass
@@ -149,10 +181,10 @@ class Transfers:
         ``slot_rows`` is the primary buffer as host ``uint8`` rows of one page each.
         """
         if self._stream is None:
-            ids = index.block_ids.to(self.device)
             for layer, pages in enumerate(layers):
-                rows = slot_rows.view(pages.dtype).index_select(0, index.rows[layer])
-                pages.scatter(ids, rows.to(self.device))
+                rows = slot_rows.view(pages.dtype)
+                for row, block, count in index.runs(layer):
+                    pages.read_run(block, rows[row : row + count])
             return
         module = self._module
         compute = module.current_stream(self.device)
@@ -178,10 +210,10 @@ class Transfers:
     ) -> PendingStore:
         """Start copying engine blocks into slots; :meth:`PendingStore.finish` lands them."""
         if self._stream is None:
-            ids = index.block_ids.to(self.device)
             for layer, pages in enumerate(layers):
-                rows = pages.gather(ids).to("cpu")
-                slot_rows.view(pages.dtype).index_copy_(0, index.rows[layer], rows)
+                rows = slot_rows.view(pages.dtype)
+                for row, block, count in index.runs(layer):
+                    pages.write_run(block, rows[row : row + count])
             return PendingStore()
         module = self._module
         compute = module.current_stream(self.device)

@@ -18,7 +18,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import Field
 
@@ -32,6 +32,9 @@ from kvtier.tiers.base import (
     TierOptions,
     TransferJob,
 )
+
+if TYPE_CHECKING:
+    from kvtier.primary import PrimaryTier
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +107,10 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
         #: How long :meth:`shutdown` waits for workers still in a backend call
         #: (``None``: for ever). Tiers that answer jobs at a deadline bound it.
         self._threaded_join_timeout_s: float | None = None
-        #: Started on the first task, never in ``__init__``: a subclass's
-        #: ``__init__`` finishes its set-up before any worker can call a hook,
-        #: and a constructor that raises leaves no thread behind.
+        #: Started when the manager attaches the tier (or on the first task),
+        #: never in ``__init__``: a subclass's ``__init__`` finishes its set-up
+        #: before any worker can call a hook, and a constructor that raises
+        #: leaves no thread behind.
         self._threaded_workers: list[threading.Thread] = []
 
     @property
@@ -191,6 +195,13 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
                 self._threaded_to_check.append(key)
         return Lookup.PENDING
 
+    def on_attach(self, primary: PrimaryTier) -> None:
+        # Started now, not by the first request's promotion: starting dozens
+        # of threads would otherwise sit on that request's time to first token.
+        with self._threaded_lock:
+            if not self._threaded_closed:
+                self._threaded_start_workers()
+
     def on_step_end(self) -> None:
         with self._threaded_lock:
             batch, self._threaded_to_check = self._threaded_to_check, []
@@ -238,17 +249,7 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
         with self._threaded_lock:
             if self._threaded_closed:
                 raise RuntimeError(f"tier {self.tier_type!r} is shut down")
-            if not self._threaded_workers:
-                self._threaded_workers = [
-                    threading.Thread(
-                        target=self._threaded_work,
-                        name=f"kvtier-{self.tier_type}-{i}",
-                        daemon=True,
-                    )
-                    for i in range(self.io_threads)
-                ]
-                for worker in self._threaded_workers:
-                    worker.start()
+            self._threaded_start_workers()
         self._threaded_tasks[priority].append(task)
         self._threaded_tokens.put(None)
 
@@ -260,6 +261,21 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
             except IndexError:
                 continue
         return None
+
+    def _threaded_start_workers(self) -> None:
+        """Start the workers unless they run already; the caller holds the lock."""
+        if self._threaded_workers:
+            return
+        self._threaded_workers = [
+            threading.Thread(
+                target=self._threaded_work,
+                name=f"kvtier-{self.tier_type}-{i}",
+                daemon=True,
+            )
+            for i in range(self.io_threads)
+        ]
+        for worker in self._threaded_workers:
+            worker.start()
 
     def _threaded_work(self) -> None:
         while True:

@@ -149,6 +149,10 @@ class SchedulerSide:
         if first >= usable:
             return 0, False
         self.counters.lookups += 1
+        if state.waiting_since is not None:
+            # Asked again for chunks being promoted: take the promotions that
+            # ended since the last step now, not a step later.
+            self._safely(self.manager.collect)
         try:
             result = self.manager.lookup(state.keys[first:usable], request.request_id)
         except Exception:

@@ -293,6 +293,7 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
 
     def on_attach(self, primary: PrimaryTier) -> None:
         """Start serving the node's primary tier on the bound listen address."""
+        super().on_attach(primary)
         if self._server is not None and not self._server.serving:
             self._server.start(primary)
 
