@@ -52,7 +52,7 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.circuit import BreakerState, CircuitBreaker
 from kvtier.tiers.deadlines import Deadlines, call_within
-from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions, _JobState
+from kvtier.tiers.threaded import ThreadedBatchTier, ThreadedTierOptions, _JobState
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class RemoteTierStats(TierStats):
 RemoteOptionsT = TypeVar("RemoteOptionsT", bound=RemoteTierOptions)
 
 
-class RemoteTier(ThreadedTier[RemoteOptionsT]):
+class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     """Framing, verification, naming and outage handling over a batched remote store."""
 
     Options: ClassVar[type[TierOptions]] = RemoteTierOptions
@@ -371,7 +371,7 @@ class RemoteTier(ThreadedTier[RemoteOptionsT]):
         self._watch(done, f"existence check of {len(keys)} chunks", answer_miss)
         return run
 
-    # ThreadedTier hooks -------------------------------------------------------
+    # ThreadedBatchTier hooks --------------------------------------------------
 
     def _contains(self, keys: Sequence[ChunkKey]) -> list[bool | None]:
         if not self._sending():
@@ -443,14 +443,6 @@ class RemoteTier(ThreadedTier[RemoteOptionsT]):
         for bad_key, error in corrupt:  # deletes are backend calls: outside the guard
             self._discard_corrupt(bad_key, error)
         return ok
-
-    # Every transfer goes through _transfer, which guards the slots; these
-    # per-chunk hooks of ThreadedTier have nothing left to do.
-    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        raise NotImplementedError("remote tiers store in _transfer")
-
-    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
-        raise NotImplementedError("remote tiers load in _transfer")
 
     def _scratch(self, count: int) -> list[ValueBuffer]:
         """This worker's reusable value buffers, at least ``count`` of them.
