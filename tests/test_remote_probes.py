@@ -62,7 +62,9 @@ def test_a_thawed_backend_serves_at_the_next_probe_though_earlier_probes_hang(
     assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 2
 
 
-def test_a_long_freeze_strands_at_most_max_probe_threads(harness: TierHarness) -> None:
+def test_a_long_freeze_strands_at_most_max_probe_threads(
+    harness: TierHarness, caplog: pytest.LogCaptureFixture
+) -> None:
     tier = harness.tier
     assert isinstance(tier, FreezableTier)
     tier.max_probe_threads = 3  # type: ignore[misc]
@@ -76,6 +78,8 @@ def test_a_long_freeze_strands_at_most_max_probe_threads(harness: TierHarness) -
         assert len(tier.probe_threads) <= 3
     assert tier.stats.breaker_probes == 3  # type: ignore[attr-defined]
     wait_until(lambda: tier.backend.stuck == 3, what="3 calls stuck")
+    stuck_warnings = [r for r in caplog.records if "probes stuck" in r.getMessage()]
+    assert len(stuck_warnings) == 1  # once, not at every lookup
     # Once a stuck call ends (its client's timeout), probing resumes.
     tier.backend.thaw()
     tier.backend.release_stuck()

@@ -162,6 +162,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         #: Probe threads started and maybe still in a call (see ``max_probe_threads``).
         self._probe_threads: list[threading.Thread] = []
         self._probe_lock = threading.Lock()
+        self._probes_capped = False  # warned that max_probe_threads are stuck
         #: When a backend call last got an answer (``time.perf_counter``).
         self._last_answer = time.perf_counter()
         self.stats = RemoteTierStats()
@@ -264,9 +265,18 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         with self._probe_lock:
             self._probe_threads = [t for t in self._probe_threads if t.is_alive()]
             if len(self._probe_threads) >= self.max_probe_threads:
+                if not self._probes_capped:
+                    self._probes_capped = True
+                    logger.warning(
+                        "tier %s: %d probes stuck in backend calls; the next waits for one "
+                        "to end (the client's own timeouts bound them)",
+                        self.tier_type,
+                        len(self._probe_threads),
+                    )
                 return False
             if not self.breaker.take_probe():
                 return False
+            self._probes_capped = False
             probe = threading.Thread(
                 target=self._probe, name=f"kvtier-{self.tier_type}-probe", daemon=True
             )
