@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from kvtier.cli import cli
+from kvtier.cli.memory import available_memory, refuse_beyond_memory
 from kvtier.testing import restore_registries
 from kvtier.tiers import HealthCheck, register_tier, tier_registry
 from kvtier.tiers.memory import MemoryTier
@@ -160,3 +162,51 @@ def test_check_runs_each_tiers_health_checks(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["check", healthy, "--chunk-kib", "16"], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert "capacity" in result.stdout and "byte-exact" in result.stdout
+
+
+# 2**30 KiB (1 TiB) chunks: beyond any machine that runs these tests.
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_sizes_beyond_the_available_memory_are_refused_before_any_tier_starts(
+    tmp_path: Path, command: str
+) -> None:
+    root = tmp_path / "never-created"
+    config = write_config(tmp_path, {"type": "fs", "root_dir": str(root)})
+    result = CliRunner().invoke(
+        cli, [command, config, "--chunks", "3", "--chunk-kib", str(2**30)], terminal_width=200
+    )
+    assert result.exit_code == 2, result.output
+    message = " ".join(result.output.split())
+    assert "--chunks 3 × --chunk-kib 1073741824 needs" in message
+    assert "of memory" in message and "available (" in message
+    assert "lower --chunks or --chunk-kib" in message
+    assert not root.exists()  # refused before the fs tier made its directory
+
+
+def test_available_memory_is_the_lower_of_memavailable_and_the_cgroup_allowance(
+    tmp_path: Path,
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert available_memory(meminfo, cgroup) == (8000000 * 1024, f"MemAvailable in {meminfo}")
+    (cgroup / "memory.max").write_text("max\n")
+    assert available_memory(meminfo, cgroup) == (8000000 * 1024, f"MemAvailable in {meminfo}")
+    (cgroup / "memory.max").write_text(f"{3 << 30}\n")
+    (cgroup / "memory.current").write_text(f"{1 << 30}\n")
+    assert available_memory(meminfo, cgroup) == (
+        2 << 30,
+        f"the cgroup limit in {cgroup}/memory.max",
+    )
+
+
+def test_sizes_within_the_available_memory_pass_and_beyond_it_name_both_options() -> None:
+    available = (10 << 20, "MemAvailable in /proc/meminfo")
+    refuse_beyond_memory(10 << 20, 20, 512, "why", available)  # exactly fits: no error
+    with pytest.raises(click.UsageError) as refused:
+        refuse_beyond_memory((10 << 20) + 1, 20, 512, "its primary tier", available)
+    assert str(refused.value) == (
+        "--chunks 20 × --chunk-kib 512 needs 10.0 MiB of memory (its primary tier), more "
+        "than the 10.0 MiB available (MemAvailable in /proc/meminfo); lower --chunks or "
+        "--chunk-kib"
+    )

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from kvtier import KVCache
 from kvtier.cli import cli
 from kvtier.policies import CachePolicyFactory
-from kvtier.sim.replay import PrimaryReplay, belady_min, replay
+from kvtier.sim.replay import PrimaryReplay, belady_min, replay, store_step
 from kvtier.sim.synthetic import ChatShape, chat_trace
 from kvtier.sim.trace import Request, TraceFormatError, parse_records, read_trace
 from kvtier.testing import small_layout
@@ -227,3 +227,21 @@ def test_simulate_bad_trace_exits_2_naming_file_and_line(tmp_path: Path) -> None
     assert f"{path}:2: 'hash_ids' must be a list of ints, is a dict" in result.output
     assert "Traceback" not in result.output
     assert "not both or neither" in simulate(exit_code=2).output
+
+
+def test_the_store_step_makes_room_for_what_a_tier_lacks_then_returns_it_in_order() -> None:
+    asked: list[int] = []
+
+    def make_room(count: int) -> bool:
+        asked.append(count)
+        return True
+
+    # Holds 1 and 2 of 3: lacks 3 and 4 (3 given twice), one chunk must go.
+    assert store_step([2, 3, 3, 4], {1, 2}, 3, make_room) == [3, 4]
+    assert asked == [1]
+    # Room enough: nothing evicted.
+    assert store_step([5], {1}, 3, make_room) == [5]
+    assert asked == [1]
+    # No room to be made: nothing to insert, told apart from nothing lacked.
+    assert store_step([7, 8], {1, 2, 3}, 3, lambda count: False) is None
+    assert store_step([1, 2], {1, 2, 3}, 3, lambda count: False) == []

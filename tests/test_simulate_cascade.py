@@ -120,3 +120,15 @@ def test_a_bad_secondary_capacity_is_named() -> None:
     )
     assert result.exit_code == 2
     assert "--secondary" in result.output and "--chunk-bytes" in result.output
+
+
+def test_a_job_larger_than_the_secondary_tier_leaves_its_last_chunks_and_evicts_skipped_ones() -> (
+    None
+):
+    cascade = CascadeReplay(CachePolicyFactory.create_cache_policy("lru", 8), 3)
+    cascade.request([10, 11])
+    assert list(cascade.secondary) == [10, 11]
+    # 11 is held, so skipped; 20..23 are written in order, 20 evicts 10 then
+    # the skipped 11, and only the job's last three remain.
+    cascade.request([11, 20, 21, 22, 23])
+    assert list(cascade.secondary) == [21, 22, 23]

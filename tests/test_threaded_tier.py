@@ -6,6 +6,8 @@ import pytest
 
 from kvtier import KVCache
 from kvtier.testing import TierContractTests, TierHarness, small_layout
+from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.threaded import ThreadedBatchTier, ThreadedTier
 from tests.threaded_doubles import WORKERS_SEEN_IN_INIT, ObviousNamesTier, tier_threads
 
 ENTRY = {"type": "ObviousNamesTier", "module_path": "tests.threaded_doubles", "io_threads": 3}
@@ -60,3 +62,20 @@ def test_workers_start_when_the_manager_attaches_the_tier() -> None:
     finally:
         cache.close()
     assert tier_threads(tier.tier_type) == []
+
+
+@pytest.mark.parametrize(
+    "hook", ["_store_chunk", "_load_chunk", "_store_batch", "_load_batch", "_attempt"]
+)
+def test_remote_tiers_move_batches_by_one_path_with_no_per_chunk_hooks(hook: str) -> None:
+    # RemoteTier frames and guards whole batches in _transfer: per-chunk
+    # hooks beside it would be a second path that nothing takes.
+    assert hasattr(ThreadedTier, hook)
+    assert not hasattr(RemoteTier, hook)
+    assert issubclass(RemoteTier, ThreadedBatchTier)
+    assert not issubclass(RemoteTier, ThreadedTier)
+
+
+def test_a_batch_tier_without_transfer_is_refused_when_built() -> None:
+    assert ThreadedBatchTier.__abstractmethods__ == {"_contains", "_transfer"}
+    assert ThreadedTier.__abstractmethods__ == {"_contains", "_store_chunk", "_load_chunk"}

@@ -31,6 +31,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from kvtier.cli.memory import refuse_beyond_memory
 from kvtier.cli.options import POSITIVE, Seconds
 from kvtier.cli.probe import PHASES, bench_tier, probe_layout
 from kvtier.config import load_config
@@ -97,6 +98,13 @@ def bench(
         )
     tier_indexes = tuple(dict.fromkeys(tier_indexes))  # each tier once, in the order given
     batch = min(batch, chunks)
+    refuse_beyond_memory(
+        max(chunks, 3 * batch) * chunk_kib * 1024,
+        chunks,
+        chunk_kib,
+        "the chunks it moves, which a memory tier keeps in this process, or three batches "
+        "of slots if more",
+    )
     layout = probe_layout(settings.chunk_tokens, chunk_kib)
     # A primary tier of exactly the slots the bench uses, private to this
     # process whatever the configuration says about shared memory.

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvtier.cli.memory import refuse_beyond_memory
 from kvtier.cli.options import POSITIVE, Seconds
 from kvtier.cli.probe import PHASES, bench_tier, probe_layout
 from kvtier.config import load_config
@@ -127,6 +128,12 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
     except KVTierError as exc:
         click.echo(str(exc), err=True)
         sys.exit(2)
+    refuse_beyond_memory(
+        2 * chunks * chunk_kib * 1024,
+        chunks,
+        chunk_kib,
+        "its primary tier holds each chunk twice: stored from, and loaded into",
+    )
     layout = probe_layout(settings.chunk_tokens, chunk_kib)
     # Only the slots the probe needs (stores read one half, loads land in the
     # other), private whatever the configuration says about shared memory: a

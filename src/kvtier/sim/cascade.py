@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
 from kvtier.policies.base import CachePolicy
-from kvtier.sim.replay import Advance, PrimaryReplay
+from kvtier.sim.replay import Advance, PrimaryReplay, store_step
 from kvtier.sim.trace import Request
 
 
@@ -114,13 +114,26 @@ class CascadeReplay(PrimaryReplay):
             secondary.move_to_end(block)
         if promoted:
             policy.touch(keys[leading:hits])
-        # Written through; the tier skips what it holds when the job is submitted,
-        # so the job's own writes may then evict a chunk it skipped.
-        for block in [block for block in self.store(blocks) if block not in secondary]:
-            secondary[block] = None
-            if len(secondary) > self.secondary_capacity:
-                secondary.popitem(last=False)
+        self._write_through(self.store(blocks))
         return hits - len(promoted), len(promoted)
+
+    def _write_through(self, written: list[int]) -> None:
+        """The secondary tier's store of the chunks the primary tier just wrote.
+
+        The tier skips what it holds when the job is submitted, without
+        refreshing it, so the job's own writes may then evict a chunk it
+        skipped: its room is made among all it holds, oldest first. Of a job
+        larger than the whole tier, only its last chunks stay.
+        """
+        secondary, capacity = self.secondary, self.secondary_capacity
+
+        def evict_oldest(shortfall: int) -> bool:
+            for _ in range(min(shortfall, len(secondary))):
+                secondary.popitem(last=False)
+            return True
+
+        for block in (store_step(written, secondary, capacity, evict_oldest) or [])[-capacity:]:
+            secondary[block] = None
 
 
 def replay_cascade(

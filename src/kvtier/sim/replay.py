@@ -6,9 +6,10 @@ chunks of its prefix that are resident, up to the first that is not.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
@@ -17,6 +18,29 @@ from kvtier.sim.trace import Request
 
 #: Called after each replayed request, for a progress bar.
 Advance = Callable[[], None]
+#: Evicts the given number of chunks, none of the request being stored;
+#: whether it could (see :func:`store_step`).
+MakeRoom = Callable[[int], bool]
+
+
+def store_step(
+    blocks: Sequence[int], held: Collection[int], capacity: int, make_room: MakeRoom
+) -> list[int] | None:
+    """The store step every replayed tier shares: which of ``blocks`` a tier
+    holding ``held`` (of ``capacity`` chunks) must insert, after making room.
+
+    Returns the chunks it lacks, each once, in prefix order, for the caller to
+    insert; before that, ``make_room(n)`` was asked to evict ``n`` chunks, none
+    of ``blocks``, when they would not fit otherwise. ``None``, and nothing
+    inserted, when it could not: a tier's store is all or nothing. (Lacking
+    more than ``capacity`` chunks, ``n`` exceeds what the tier holds: the
+    primary tier stores at most ``capacity`` chunks of a request.)
+    """
+    new = [block for block in dict.fromkeys(blocks) if block not in held]
+    shortfall = len(held) + len(new) - capacity
+    if shortfall > 0 and not make_room(shortfall):
+        return None
+    return new
 
 
 @dataclass(frozen=True)
@@ -66,13 +90,17 @@ class PrimaryReplay:
         """``KVCache.store`` of a request: returns the chunks written (none if no room)."""
         policy, resident = self.policy, self.resident
         stored = blocks[: self.slots]
-        new = [block for block in dict.fromkeys(stored) if block not in resident]
-        shortfall = len(resident) + len(new) - self.slots
-        if shortfall > 0:
+
+        def make_room(shortfall: int) -> bool:
             victims = policy.evict(shortfall, set(stored))  # type: ignore[arg-type]
             if victims is None:  # the request alone fills the tier: it stores nothing
-                return []
+                return False
             resident.difference_update(victims)
+            return True
+
+        new = store_step(stored, resident, self.slots, make_room)
+        if new is None:
+            return []
         for block in new:
             resident.add(block)
             policy.insert(block)  # type: ignore[arg-type]
@@ -91,6 +119,34 @@ def replay(
         if advance is not None:
             advance()
     return CellResult(name, policy.capacity, hits, chunks)
+
+
+def _evict_furthest(
+    heap: list[tuple[int, int, int]],
+    resident: dict[int, int],
+    depth_of: dict[int, int],
+    own: set[int],
+    shortfall: int,
+) -> bool:
+    """MIN's victims: the chunks, none in ``own``, whose next use is furthest away.
+
+    Never short of them: a request's own chunks fit the capacity.
+    """
+    kept: list[tuple[int, int, int]] = []
+    while shortfall > 0:
+        entry = heapq.heappop(heap)
+        _, _, block = entry
+        if resident.get(block) != -entry[0]:
+            continue  # stale: the block was used again or evicted since
+        if block in own:
+            kept.append(entry)
+            continue
+        del resident[block]
+        del depth_of[block]
+        shortfall -= 1
+    for entry in kept:
+        heapq.heappush(heap, entry)
+    return True
 
 
 def belady_min(
@@ -132,23 +188,10 @@ def belady_min(
                 break
             hits += 1
         stored = blocks[:capacity]
-        new = [block for block in dict.fromkeys(stored) if block not in resident]
-        shortfall = len(resident) + len(new) - capacity
-        kept: list[tuple[int, int, int]] = []
-        own = set(stored)
-        while shortfall > 0:
-            entry = heapq.heappop(heap)
-            _, _, block = entry
-            if resident.get(block) != -entry[0]:
-                continue  # stale: the block was used again or evicted since
-            if block in own:
-                kept.append(entry)
-                continue
-            del resident[block]
-            del depth_of[block]
-            shortfall -= 1
-        for entry in kept:
-            heapq.heappush(heap, entry)
+
+        evict = functools.partial(_evict_furthest, heap, resident, depth_of, set(stored))
+        store_step(stored, resident, capacity, evict)
+        # Every stored chunk, new or not, gets its next use (MIN's "touch").
         for depth, block in enumerate(stored):
             upcoming_use = next_use[start + depth]
             if resident.get(block) != upcoming_use:

@@ -53,10 +53,11 @@ def recover(tier: RemoteTier, clock: FakeClock, timeout: float = 30.0) -> bool:
     if tier.breaker.closed:
         return True
     clock.advance(tier.breaker.max_backoff_s)
+    stuck = set(tier.probe_threads)
     tier._admit()
-    probe = tier._probe_thread
-    if probe is not None:
-        probe.join(timeout)
+    for probe in tier.probe_threads:
+        if probe not in stuck:  # the one just started; stuck ones may never end
+            probe.join(timeout)
     return tier.breaker.closed
 
 

@@ -231,8 +231,7 @@ class MooncakeTier(RemoteTier[MooncakeTierOptions]):
         client, self._client = self._client, None
         if client is None:
             return
-        probe = self._probe_thread
-        stuck = [t for t in [*self._threaded_workers, probe] if t is not None and t.is_alive()]
+        stuck = [t for t in self._threaded_workers if t.is_alive()] + self.probe_threads
         if stuck:
             # Closing the client under a call still in it (a frozen master)
             # could crash the process: it is left open for the process to end.

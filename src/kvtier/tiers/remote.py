@@ -52,7 +52,7 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.circuit import BreakerState, CircuitBreaker
 from kvtier.tiers.deadlines import Deadlines, call_within
-from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions, _JobState
+from kvtier.tiers.threaded import ThreadedBatchTier, ThreadedTierOptions, _JobState
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +139,18 @@ class RemoteTierStats(TierStats):
 RemoteOptionsT = TypeVar("RemoteOptionsT", bound=RemoteTierOptions)
 
 
-class RemoteTier(ThreadedTier[RemoteOptionsT]):
+class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     """Framing, verification, naming and outage handling over a batched remote store."""
 
     Options: ClassVar[type[TierOptions]] = RemoteTierOptions
     #: Between the store's prefix and namespace digest and the key digest.
     name_separator: ClassVar[str] = ":"
+    #: Probe threads alive at once, at most. A probe past its deadline is left
+    #: behind in its call (a thread cannot be interrupted) and the next one
+    #: goes out on a thread of its own after the backoff, so a thawed backend
+    #: is seen at the next probe whatever the stuck ones do; this bounds the
+    #: threads a long freeze strands (each ends with its client's timeout).
+    max_probe_threads: ClassVar[int] = 8
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -153,7 +159,10 @@ class RemoteTier(ThreadedTier[RemoteOptionsT]):
         self._deadline_s = options.deadline_s
         self._names_prefix = ""
         self._worker_local = threading.local()
-        self._probe_thread: threading.Thread | None = None
+        #: Probe threads started and maybe still in a call (see ``max_probe_threads``).
+        self._probe_threads: list[threading.Thread] = []
+        self._probe_lock = threading.Lock()
+        self._probes_capped = False  # warned that max_probe_threads are stuck
         #: When a backend call last got an answer (``time.perf_counter``).
         self._last_answer = time.perf_counter()
         self.stats = RemoteTierStats()
@@ -251,14 +260,36 @@ class RemoteTier(ThreadedTier[RemoteOptionsT]):
         """Whether a request may go to the backend; starts the probe when due."""
         if self.breaker.closed:
             return True
-        probe = self._probe_thread
-        if (probe is None or not probe.is_alive()) and self.breaker.take_probe():
-            self.count(breaker_probes=1)
-            self._probe_thread = threading.Thread(
+        # One probe at a time is the breaker's rule (half-open until the probe
+        # answers or misses its deadline); a stuck one only holds a thread.
+        with self._probe_lock:
+            self._probe_threads = [t for t in self._probe_threads if t.is_alive()]
+            if len(self._probe_threads) >= self.max_probe_threads:
+                if not self._probes_capped:
+                    self._probes_capped = True
+                    logger.warning(
+                        "tier %s: %d probes stuck in backend calls; the next waits for one "
+                        "to end (the client's own timeouts bound them)",
+                        self.tier_type,
+                        len(self._probe_threads),
+                    )
+                return False
+            if not self.breaker.take_probe():
+                return False
+            self._probes_capped = False
+            probe = threading.Thread(
                 target=self._probe, name=f"kvtier-{self.tier_type}-probe", daemon=True
             )
-            self._probe_thread.start()
+            self._probe_threads.append(probe)
+        self.count(breaker_probes=1)
+        probe.start()
         return False
+
+    @property
+    def probe_threads(self) -> list[threading.Thread]:
+        """Probe threads still alive: the one in flight and those stuck past their deadline."""
+        with self._probe_lock:
+            return [t for t in self._probe_threads if t.is_alive()]
 
     def _probe(self) -> None:
         done = threading.Event()
@@ -350,7 +381,7 @@ class RemoteTier(ThreadedTier[RemoteOptionsT]):
         self._watch(done, f"existence check of {len(keys)} chunks", answer_miss)
         return run
 
-    # ThreadedTier hooks -------------------------------------------------------
+    # ThreadedBatchTier hooks --------------------------------------------------
 
     def _contains(self, keys: Sequence[ChunkKey]) -> list[bool | None]:
         if not self._sending():
@@ -422,14 +453,6 @@ class RemoteTier(ThreadedTier[RemoteOptionsT]):
         for bad_key, error in corrupt:  # deletes are backend calls: outside the guard
             self._discard_corrupt(bad_key, error)
         return ok
-
-    # Every transfer goes through _transfer, which guards the slots; these
-    # per-chunk hooks of ThreadedTier have nothing left to do.
-    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        raise NotImplementedError("remote tiers store in _transfer")
-
-    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
-        raise NotImplementedError("remote tiers load in _transfer")
 
     def _scratch(self, count: int) -> list[ValueBuffer]:
         """This worker's reusable value buffers, at least ``count`` of them.

@@ -1,10 +1,15 @@
-"""A base for tiers whose backend calls block: it runs them on worker threads.
+"""Bases for tiers whose backend calls block: they run them on worker threads.
 
-Subclasses write plain blocking code (``_contains``, ``_store_chunk``,
-``_load_chunk``...) and get the whole non-blocking contract for free: batched
-existence checks that answer PENDING until they resolve, store and load jobs
-split into backend batches, loads served before stores, per-job results with
-partial success, corrupt chunks discarded and counted, clean drain.
+:class:`ThreadedTier` is the one tier authors subclass: they write plain
+blocking code (``_contains``, ``_store_chunk``, ``_load_chunk``...) and get the
+whole non-blocking contract for free: batched existence checks that answer
+PENDING until they resolve, store and load jobs split into backend batches,
+loads served before stores, per-job results with partial success, corrupt
+chunks discarded and counted, clean drain.
+
+:class:`ThreadedBatchTier` is that machinery with one hook for moving a batch
+of a job (``_transfer``), for tiers that move whole batches their own way
+(:class:`~kvtier.tiers.remote.RemoteTier`: framing, deadlines).
 """
 
 from __future__ import annotations
@@ -66,11 +71,12 @@ class _JobState:
 ThreadedOptionsT = TypeVar("ThreadedOptionsT", bound=ThreadedTierOptions)
 
 
-class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
-    """Implements the tier contract on a priority queue of worker threads."""
+class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
+    """Implements the tier contract on a priority queue of worker threads;
+    subclasses move each batch of a job in :meth:`_transfer`."""
 
     Options: ClassVar[type[TierOptions]] = ThreadedTierOptions
-    #: Keys handed to one ``_store_batch``/``_load_batch`` call.
+    #: Keys handed to one ``_transfer`` call.
     io_batch: ClassVar[int] = 1
     #: Keys handed to one ``_contains`` call.
     check_batch: ClassVar[int] = 256
@@ -138,19 +144,6 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
         :attr:`check_attempts` times), never taken as absent.
         """
 
-    @abstractmethod
-    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        """Persist one chunk; raise on failure."""
-
-    @abstractmethod
-    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
-        """Fill ``out`` with the chunk's verified bytes; raise on failure.
-
-        Raise :class:`CorruptChunkError` for bytes that fail verification:
-        the base then discards the chunk and counts it. Write into ``out``
-        only bytes that passed verification.
-        """
-
     def _discard(self, key: ChunkKey) -> None:
         """Delete a chunk found corrupt. Default: nothing to delete."""
 
@@ -164,14 +157,6 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
     def _known(self, key: ChunkKey) -> bool | None:
         """Answer a lookup without I/O when a local index can, else ``None``."""
         return None
-
-    def _store_batch(self, keys: Sequence[ChunkKey], payloads: Sequence[memoryview]) -> list[bool]:
-        """Store several chunks; override to pipeline. Default: one at a time."""
-        return [self._attempt(self._store_chunk, k, p) for k, p in zip(keys, payloads, strict=True)]
-
-    def _load_batch(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
-        """Load several chunks; override to pipeline. Default: one at a time."""
-        return [self._attempt(self._load_chunk, k, o) for k, o in zip(keys, outs, strict=True)]
 
     def _close(self) -> None:
         """Release connections and files after the workers stopped."""
@@ -288,22 +273,6 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
             except Exception:  # a worker must survive any backend surprise
                 logger.exception("tier %s: unexpected error in worker", self.tier_type)
 
-    def _attempt(
-        self, operation: Callable[[ChunkKey, memoryview], None], key: ChunkKey, view: memoryview
-    ) -> bool:
-        try:
-            operation(key, view)
-            return True
-        except CorruptChunkError as exc:
-            self._discard_corrupt(key, exc)
-            return False
-        except ChunkVanishedError:
-            self._vanished(key)
-            return False
-        except Exception as exc:
-            logger.debug("tier %s: chunk %s failed: %r", self.tier_type, key.hex()[:16], exc)
-            return False
-
     def _vanished(self, key: ChunkKey) -> None:
         """Note that a load found ``key`` gone: its job reports it as a miss."""
         with self._threaded_lock:
@@ -376,17 +345,15 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
         """A job's (key, slot) pairs in backend batches of :attr:`io_batch`."""
         return [pending[i : i + self.io_batch] for i in range(0, len(pending), self.io_batch)]
 
+    @abstractmethod
     def _transfer(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
-        """Move one batch of ``state``'s job; whether each key made it.
+        """Move one batch of ``state``'s job (a load when ``state.loading``)
+        between ``keys`` and their primary ``slots``; whether each key made it.
 
-        Tiers that answer jobs before their batches end (at a deadline)
-        override this to touch slots only under ``state.slots_guard`` and
-        only while ``state.reported`` is false.
+        Tiers that answer jobs before their batches end (at a deadline) touch
+        slots only under ``state.slots_guard`` and only while
+        ``state.reported`` is false.
         """
-        views = [self.slot(slot) for slot in slots]
-        if state.loading:
-            return self._load_batch(keys, views)
-        return self._store_batch(keys, views)
 
     def _threaded_run_batch(
         self, state: _JobState, batch: list[tuple[ChunkKey, int]]
@@ -434,3 +401,55 @@ class ThreadedTier(SecondaryTier[ThreadedOptionsT]):
         )
         if not self._threaded_jobs:  # what drain() waits for: no wake-up per job
             self._threaded_idle.notify_all()
+
+
+class ThreadedTier(ThreadedBatchTier[ThreadedOptionsT]):
+    """Implements the tier contract on worker threads over per-chunk hooks:
+    subclasses write ``_contains``, ``_store_chunk`` and ``_load_chunk``."""
+
+    @abstractmethod
+    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
+        """Persist one chunk; raise on failure."""
+
+    @abstractmethod
+    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
+        """Fill ``out`` with the chunk's verified bytes; raise on failure.
+
+        Raise :class:`CorruptChunkError` for bytes that fail verification:
+        the base then discards the chunk and counts it. Write into ``out``
+        only bytes that passed verification.
+        """
+
+    def _store_batch(self, keys: Sequence[ChunkKey], payloads: Sequence[memoryview]) -> list[bool]:
+        """Store several chunks (``io_batch`` at most); override to pipeline.
+        Default: one at a time."""
+        return [self._attempt(self._store_chunk, k, p) for k, p in zip(keys, payloads, strict=True)]
+
+    def _load_batch(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
+        """Load several chunks (``io_batch`` at most); override to pipeline.
+        Default: one at a time."""
+        return [self._attempt(self._load_chunk, k, o) for k, o in zip(keys, outs, strict=True)]
+
+    def _transfer(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+        views = [self.slot(slot) for slot in slots]
+        if state.loading:
+            return self._load_batch(keys, views)
+        return self._store_batch(keys, views)
+
+    def _attempt(
+        self, operation: Callable[[ChunkKey, memoryview], None], key: ChunkKey, view: memoryview
+    ) -> bool:
+        """Run one chunk's hook: a corrupt chunk is discarded and counted, a
+        vanished one noted, any other error fails that key alone."""
+        try:
+            operation(key, view)
+            return True
+        except CorruptChunkError as exc:
+            self._discard_corrupt(key, exc)
+            return False
+        except ChunkVanishedError:
+            self._vanished(key)
+            return False
+        except Exception as exc:
+            logger.debug("tier %s: chunk %s failed: %r", self.tier_type, key.hex()[:16], exc)
+            return False
