@@ -221,17 +221,18 @@ class KVTierTier:
             dtype="uint8",
             chunk_tokens=CHUNK_TOKENS,
         )
-        entry = dict(self.tier_config, **({"root_dir": directory} if directory else {}))
-        config = load_config(
-            {
-                "chunk_tokens": CHUNK_TOKENS,
-                "cpu_bytes_to_use": 2 * self.count * self.chunk,
-                "secondary_tiers": [entry],
-            }
-        )
-        self.tier = SecondaryTierFactory.create_secondary_tier(
-            config.secondary_tiers[0].as_dict(), self.buffer.view, TieringSpec(config, layout)
-        )
+        if self.tier is None:
+            entry = dict(self.tier_config, **({"root_dir": directory} if directory else {}))
+            config = load_config(
+                {
+                    "chunk_tokens": CHUNK_TOKENS,
+                    "cpu_bytes_to_use": 2 * self.count * self.chunk,
+                    "secondary_tiers": [entry],
+                }
+            )
+            self.tier = SecondaryTierFactory.create_secondary_tier(
+                config.secondary_tiers[0].as_dict(), self.buffer.view, TieringSpec(config, layout)
+            )
         if isinstance(self.tier, FilesystemTier):
             self.tier.wait_index(30)
         self.round += 1
@@ -253,11 +254,17 @@ class KVTierTier:
 
     def clear(self) -> None:
         assert self.tier is not None
-        self.tier.shutdown()
-        self.tier = None
+        if self.tier_config["type"] == "fs":
+            # A fresh directory each round. A redis tier lives on, as the
+            # raw client and the peer's backend do: its connections, threads
+            # and framing buffers are made once, not once a round.
+            self.tier.shutdown()
+            self.tier = None
         self.buffer.array[self.count :] = 0
 
     def close(self) -> None:
+        if self.tier is not None:
+            self.tier.shutdown()
         self.buffer.close()
 
 

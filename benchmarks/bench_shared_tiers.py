@@ -119,8 +119,15 @@ def in_parallel(threads: int, items: list[Any], work: Callable[[list[Any]], None
 class RawRedis:
     def __init__(self, url: str, threads: int, batch: int) -> None:
         import redis
+        from redis._parsers.encoders import Encoder
+        from redis.connection import PythonRespSerializer
 
-        self.client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(url))
+        # Commands packed as kvtier's redis tier packs them: large values
+        # handed to the socket as they are (redis-py's hiredis packer copies
+        # each twice); replies parsed by hiredis where it is installed.
+        packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+        pool = redis.BlockingConnectionPool.from_url(url, command_packer=packer)
+        self.client = redis.Redis(connection_pool=pool)
         self.threads, self.batch = threads, batch
 
     def store(self, names: list[str], values: list[Any]) -> None:
