@@ -62,7 +62,7 @@ class _Replies:
 
     def skip(self, size: int) -> None:
         """Read and drop ``size`` bytes (a value that cannot be a chunk)."""
-        scratch = memoryview(bytearray(min(size, 1 << 20)))
+        scratch = memoryview(bytearray(max(1, min(size, 1 << 20))))
         while size:
             part = min(size, len(scratch))
             self.into(scratch[:part])
@@ -121,6 +121,9 @@ def get_into(
 
 def _value(replies: _Replies, out: memoryview, error_class: type[Exception]) -> Reply:
     line = replies.line()
+    while line[:1] == b">":  # a RESP3 push (a server notice) may come before any reply
+        _skip_elements(replies, int(line[1:]))
+        line = replies.line()
     kind, rest = line[:1], line[1:]
     if kind == b"$":
         length = int(rest)
@@ -146,3 +149,17 @@ def _value(replies: _Replies, out: memoryview, error_class: type[Exception]) -> 
             return CorruptChunkError(f"the value is not a string: {message}")
         return error_class(message)
     raise ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
+
+
+def _skip_elements(replies: _Replies, count: int) -> None:
+    """Read past ``count`` replies of any RESP2/RESP3 type."""
+    for _ in range(count):
+        line = replies.line()
+        kind, rest = line[:1], line[1:]
+        if kind in (b"$", b"!", b"=") and int(rest) >= 0:
+            replies.skip(int(rest))
+            replies.end_of_value()
+        elif kind in (b"*", b">", b"~"):
+            _skip_elements(replies, max(0, int(rest)))
+        elif kind in (b"%", b"|"):
+            _skip_elements(replies, 2 * int(rest))
