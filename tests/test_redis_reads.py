@@ -82,3 +82,10 @@ def test_a_silent_server_times_out_as_redis_py_does() -> None:
     with pytest.raises(redis.exceptions.TimeoutError):
         get_into(connection, ["a"], [bytearray(4)], ttl_ms=None)
     assert connection.disconnected
+
+
+def test_a_reply_line_that_never_ends_fails_the_batch_and_closes_the_connection() -> None:
+    connection = ScriptedConnection(b"-" + b"x" * ((1 << 16) + 8192), then_close=True)
+    with pytest.raises(redis.exceptions.ConnectionError, match="no reply line"):
+        get_into(connection, ["a"], [bytearray(4)], ttl_ms=None)
+    assert connection.disconnected

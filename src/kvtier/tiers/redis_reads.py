@@ -27,6 +27,8 @@ Reply = memoryview | None | BaseException
 
 _CRLF = b"\r\n"
 _LINE_READ = 4096
+#: Longer than any reply line these commands get (a length, an error message).
+_LINE_LIMIT = 1 << 16
 
 
 class _Replies:
@@ -44,6 +46,8 @@ class _Replies:
 
     def line(self) -> bytes:
         while (end := self._pending.find(_CRLF)) < 0:
+            if len(self._pending) > _LINE_LIMIT:
+                raise ConnectionError(f"no reply line within {_LINE_LIMIT} bytes")
             self._pending += self._recv(_LINE_READ)
         line = bytes(self._pending[:end])
         del self._pending[: end + 2]
