@@ -552,3 +552,14 @@ def test_an_oversized_value_is_corrupt_and_its_neighbours_load_byte_exact(
         assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
     finally:
         harness.close()
+
+
+@pytest.mark.parametrize(
+    ("slot_bytes", "chunks"), [(64 << 20, 1), (2 << 20, 2), (1 << 20, 4), (256 << 10, 8), (4096, 8)]
+)
+def test_pipelines_carry_a_few_mib_of_large_chunks_and_io_batch_of_small_ones(
+    slot_bytes: int, chunks: int
+) -> None:
+    from kvtier.tiers.redis import RedisTier
+
+    assert RedisTier.batch_chunks(slot_bytes) == chunks

@@ -37,6 +37,7 @@ from kvtier.errors import (
     MissingDependencyError,
     describe_error,
 )
+from kvtier.keys import ChunkKey
 from kvtier.tiers.addresses import host_problem, parse_host_port, split_url
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.redis_reads import get_into
@@ -130,9 +131,19 @@ class RedisTier(RemoteTier[RedisTierOptions]):
     """Chunks as framed values in Redis/Valkey, moved in pipelines."""
 
     Options: ClassVar[type[TierOptions]] = RedisTierOptions
-    #: Chunks per pipeline: large enough to hide the round trip, small enough
-    #: that a job's batches spread over the workers.
+    #: Most chunks per pipeline: enough to hide the round trip of small
+    #: chunks, few enough that a job's batches spread over the workers.
     io_batch: ClassVar[int] = 8
+    #: Payload bytes per pipeline, which caps it for large chunks: a worker
+    #: verifies a value while it is still in cache, and the server serves
+    #: many workers' short pipelines at once rather than a few long ones
+    #: (2 MiB chunks: 2 a pipeline loaded 1.3-1.5x faster than 8, in one run).
+    pipeline_bytes: ClassVar[int] = 4 << 20
+
+    @classmethod
+    def batch_chunks(cls, slot_bytes: int) -> int:
+        """Chunks per pipeline for chunks of ``slot_bytes``."""
+        return max(1, min(cls.io_batch, cls.pipeline_bytes // max(1, slot_bytes)))
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -153,6 +164,10 @@ class RedisTier(RemoteTier[RedisTierOptions]):
             raise BackendUnavailableError(
                 self.tier_type, self._target, describe_error(exc)
             ) from exc
+
+    def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
+        size = self.batch_chunks(self.slot_bytes)
+        return [pending[i : i + size] for i in range(0, len(pending), size)]
 
     def _pipeline(self) -> Any:
         return self._client.pipeline(transaction=False)
