@@ -9,6 +9,10 @@ no multi-key command (``MGET``, multi-key ``EXISTS``) is ever sent, since those
 fail across slots. Keys carry no hash tag, so chunks spread over the cluster;
 a ``{...}`` in ``key_prefix`` would pin them all to one slot.
 
+On a single server, values skip redis-py's copies: commands are packed with
+its Python packer (a value goes to the socket as it is) and ``GET`` replies
+are received straight into the worker's buffers (:mod:`.redis_reads`).
+
 What a request waits is bounded by ``deadline_s`` (see
 :mod:`kvtier.tiers.remote`): a stopped or frozen server costs a request at
 most that, then nothing while the circuit breaker is open. Below it, each
