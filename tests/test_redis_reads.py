@@ -45,7 +45,7 @@ def test_pushes_nulls_and_errors_are_told_apart_from_values() -> None:
         b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
         b"!9\r\nERR other\r\n"
         b"$7\r\ntoolong\r\n"
-        b":1\r\n:0\r\n:1\r\n:1\r\n:1\r\n:1\r\n"
+        b":1\r\n:0\r\n>1\r\n+notice\r\n:1\r\n!5\r\nERR x\r\n:1\r\n:1\r\n"
     )
     connection = ScriptedConnection(answer)
     buffers = [bytearray(4) for _ in range(6)]

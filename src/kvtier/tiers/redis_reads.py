@@ -109,8 +109,8 @@ def get_into(
         replies = _Replies(connection._sock)
         results = [_value(replies, memoryview(buffer), ResponseError) for buffer in buffers]
         if ttl_ms is not None:
-            for _ in names:
-                replies.line()  # :1, :0 (gone meanwhile) or an error: nothing to do
+            for _ in names:  # :1, :0 (gone meanwhile) or an error: nothing to do
+                _skip_reply(replies, _reply_line(replies))
         if not replies.clean:
             raise ConnectionError("the server sent more than was asked")
     except BaseException as exc:
@@ -123,11 +123,17 @@ def get_into(
     return results
 
 
-def _value(replies: _Replies, out: memoryview, error_class: type[Exception]) -> Reply:
+def _reply_line(replies: _Replies) -> bytes:
+    """The first line of the next reply, past any RESP3 push (a server notice)."""
     line = replies.line()
-    while line[:1] == b">":  # a RESP3 push (a server notice) may come before any reply
+    while line[:1] == b">":
         _skip_elements(replies, int(line[1:]))
         line = replies.line()
+    return line
+
+
+def _value(replies: _Replies, out: memoryview, error_class: type[Exception]) -> Reply:
+    line = _reply_line(replies)
     kind, rest = line[:1], line[1:]
     if kind == b"$":
         length = int(rest)
@@ -158,12 +164,16 @@ def _value(replies: _Replies, out: memoryview, error_class: type[Exception]) -> 
 def _skip_elements(replies: _Replies, count: int) -> None:
     """Read past ``count`` replies of any RESP2/RESP3 type."""
     for _ in range(count):
-        line = replies.line()
-        kind, rest = line[:1], line[1:]
-        if kind in (b"$", b"!", b"=") and int(rest) >= 0:
-            replies.skip(int(rest))
-            replies.end_of_value()
-        elif kind in (b"*", b">", b"~"):
-            _skip_elements(replies, max(0, int(rest)))
-        elif kind in (b"%", b"|"):
-            _skip_elements(replies, 2 * int(rest))
+        _skip_reply(replies, replies.line())
+
+
+def _skip_reply(replies: _Replies, line: bytes) -> None:
+    """Read past the rest of the reply that ``line`` began."""
+    kind, rest = line[:1], line[1:]
+    if kind in (b"$", b"!", b"=") and int(rest) >= 0:
+        replies.skip(int(rest))
+        replies.end_of_value()
+    elif kind in (b"*", b">", b"~"):
+        _skip_elements(replies, max(0, int(rest)))
+    elif kind in (b"%", b"|"):
+        _skip_elements(replies, 2 * int(rest))
