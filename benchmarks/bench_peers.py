@@ -67,7 +67,6 @@ from kvtier.specs.tiering import TieringSpec
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.factory import SecondaryTierFactory
 from kvtier.tiers.fs import FilesystemTier
-from kvtier.tiers.redis import RedisTier
 
 # kvtier's loopback redis test fixture (bench_shared_tiers puts the checkout on sys.path).
 from tests.servers import RedisServer  # isort: skip
@@ -160,12 +159,12 @@ class RawDirect:
 
 class RawRedisClient:
     """redis-py alone, as kvtier's redis tier uses it (``--threads`` threads, each
-    pipelining ``RedisTier.io_batch`` commands): SETs of each chunk's bytes,
+    pipelining as many commands as the tier): SETs of each chunk's bytes,
     GETs of them, no framing, checksum or copy into a buffer: the ceiling
     for a Python client of this server."""
 
     def __init__(self, url: str, threads: int) -> None:
-        self.raw = RawRedis(url, threads, RedisTier.io_batch)
+        self.raw = RawRedis(url, threads)
 
     def prepare(self, directory: str, payloads: Sequence[bytes]) -> None:
         self.values = payloads
@@ -176,7 +175,7 @@ class RawRedisClient:
 
     def load(self) -> Sequence[Any]:
         loaded: list[Any] = [None] * len(self.names)
-        batch = RedisTier.io_batch
+        batch = self.raw.batch  # as the store pipelined
 
         def work(share: list[int]) -> None:
             for start in range(0, len(share), batch):
@@ -221,17 +220,18 @@ class KVTierTier:
             dtype="uint8",
             chunk_tokens=CHUNK_TOKENS,
         )
-        entry = dict(self.tier_config, **({"root_dir": directory} if directory else {}))
-        config = load_config(
-            {
-                "chunk_tokens": CHUNK_TOKENS,
-                "cpu_bytes_to_use": 2 * self.count * self.chunk,
-                "secondary_tiers": [entry],
-            }
-        )
-        self.tier = SecondaryTierFactory.create_secondary_tier(
-            config.secondary_tiers[0].as_dict(), self.buffer.view, TieringSpec(config, layout)
-        )
+        if self.tier is None:
+            entry = dict(self.tier_config, **({"root_dir": directory} if directory else {}))
+            config = load_config(
+                {
+                    "chunk_tokens": CHUNK_TOKENS,
+                    "cpu_bytes_to_use": 2 * self.count * self.chunk,
+                    "secondary_tiers": [entry],
+                }
+            )
+            self.tier = SecondaryTierFactory.create_secondary_tier(
+                config.secondary_tiers[0].as_dict(), self.buffer.view, TieringSpec(config, layout)
+            )
         if isinstance(self.tier, FilesystemTier):
             self.tier.wait_index(30)
         self.round += 1
@@ -253,11 +253,17 @@ class KVTierTier:
 
     def clear(self) -> None:
         assert self.tier is not None
-        self.tier.shutdown()
-        self.tier = None
+        if self.tier_config["type"] == "fs":
+            # A fresh directory each round. A redis tier lives on, as the
+            # raw client and the peer's backend do: its connections, threads
+            # and framing buffers are made once, not once a round.
+            self.tier.shutdown()
+            self.tier = None
         self.buffer.array[self.count :] = 0
 
     def close(self) -> None:
+        if self.tier is not None:
+            self.tier.shutdown()
         self.buffer.close()
 
 

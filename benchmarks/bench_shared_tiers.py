@@ -5,7 +5,7 @@ and read twice against the same freshly started server on loopback:
 
 * raw: the client library alone (redis-py pipelines / boto3 requests), with
   the tier's own concurrency (``io_threads`` threads; for Redis each thread
-  pipelines ``io_batch`` commands at a time), sending each chunk's bytes as
+  pipelines as many commands at a time), sending each chunk's bytes as
   they are and reading replies without copying them anywhere: no framing, no
   checksums;
 * tier: one kvtier store job and one load job of every chunk, through the
@@ -117,13 +117,25 @@ def in_parallel(threads: int, items: list[Any], work: Callable[[list[Any]], None
 
 
 class RawRedis:
-    def __init__(self, url: str, threads: int, batch: int) -> None:
-        import redis
+    """redis-py pipelines of as many chunks as the tier pipelines (see
+    ``RedisTier.batch_chunks``; a load pipelines as the last store did)."""
 
-        self.client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(url))
-        self.threads, self.batch = threads, batch
+    def __init__(self, url: str, threads: int) -> None:
+        import redis
+        from redis._parsers.encoders import Encoder
+        from redis.connection import PythonRespSerializer
+
+        # Commands packed as kvtier's redis tier packs them: large values
+        # handed to the socket as they are (redis-py's hiredis packer copies
+        # each twice); replies parsed by hiredis where it is installed.
+        packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+        pool = redis.BlockingConnectionPool.from_url(url, command_packer=packer)
+        self.client = redis.Redis(connection_pool=pool)
+        self.threads, self.batch = threads, RedisTier.io_batch
 
     def store(self, names: list[str], values: list[Any]) -> None:
+        self.batch = RedisTier.batch_chunks(len(values[0]) if values else 1)
+
         def work(share: list[tuple[str, Any]]) -> None:
             for start in range(0, len(share), self.batch):
                 pipe = self.client.pipeline(transaction=False)
@@ -261,7 +273,7 @@ WHOLE_JOBS = {"deadline_s": 60}
 def redis_setup(threads: int) -> Iterator[tuple[dict[str, Any], RawRedis, Callable[[], object]]]:
     with RedisServer() as server:
         config = {"type": "redis", "url": server.url, "io_threads": threads, **WHOLE_JOBS}
-        raw = RawRedis(server.url, threads, RedisTier.io_batch)
+        raw = RawRedis(server.url, threads)
         yield config, raw, lambda: raw.client.flushall()
 
 

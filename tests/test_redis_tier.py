@@ -514,3 +514,52 @@ def test_one_failing_cluster_node_costs_its_chunks_only(
     finally:
         full.command("CONFIG", "SET", "maxmemory", "0")
         harness.close()
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_an_oversized_value_is_corrupt_and_its_neighbours_load_byte_exact(
+    redis_server: RedisServer, key_prefix: str, protocol: int
+) -> None:
+    # Loads receive values straight into buffers: a value longer than a
+    # chunk must be read past whole, so the replies after it still line up.
+    url = f"{redis_server.url}?protocol={protocol}"
+    harness = TierHarness(
+        {"type": "redis", "url": url, "key_prefix": key_prefix, "ttl_s": 300}, small_layout()
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    client = raw_client(redis_server.url)
+    try:
+        keys = harness.keys(3)
+        harness.fill([0, 1, 2])
+        assert harness.store(keys, [0, 1, 2]).success
+        name = tier.store_name(keys[1])
+        client.set(name, client.get(name) + bytes(3 * 2**20 + 5))
+        harness.buffer.array[3:6] = 9
+        result = harness.load(keys, [3, 4, 5])
+        assert result.succeeded == frozenset([keys[0], keys[2]])
+        np.testing.assert_array_equal(harness.buffer.array[3], harness.buffer.array[0])
+        assert (harness.buffer.array[4] == 9).all()
+        np.testing.assert_array_equal(harness.buffer.array[5], harness.buffer.array[2])
+        assert tier.stats.corrupt_chunks == 1
+        assert client.exists(name) == 0
+        assert 0 < client.pttl(tier.store_name(keys[2])) <= 300_000
+        # The connection went back to the pool clean: the next loads are whole.
+        harness.buffer.array[3:6] = 9
+        assert harness.load([keys[2], keys[0]], [3, 4]).success
+        np.testing.assert_array_equal(harness.buffer.array[3], harness.buffer.array[2])
+        np.testing.assert_array_equal(harness.buffer.array[4], harness.buffer.array[0])
+        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize(
+    ("slot_bytes", "chunks"), [(64 << 20, 1), (2 << 20, 2), (1 << 20, 4), (256 << 10, 8), (4096, 8)]
+)
+def test_pipelines_carry_a_few_mib_of_large_chunks_and_io_batch_of_small_ones(
+    slot_bytes: int, chunks: int
+) -> None:
+    from kvtier.tiers.redis import RedisTier
+
+    assert RedisTier.batch_chunks(slot_bytes) == chunks

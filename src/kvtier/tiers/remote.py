@@ -9,7 +9,7 @@ write batched client calls:
 * integrity: every value is framed with :mod:`kvtier.integrity`'s header and
   verified *before* a byte of it reaches a primary slot; a corrupt, torn or
   foreign value is a miss, is deleted and is counted. Each worker frames into
-  buffers it keeps (``io_batch`` chunks' worth), so stores allocate nothing;
+  buffers it keeps (a batch's worth), so stores allocate nothing;
 * optional write deduplication (``skip_existing``): one batched existence
   check before a store, so chunks another engine already wrote are not sent again;
 * outages, bounded: every job and existence check has one deadline

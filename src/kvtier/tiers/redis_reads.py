@@ -1,0 +1,179 @@
+"""Pipelined ``GET``\\s read straight into buffers, for the ``redis`` tier's loads.
+
+redis-py hands a reply over as a fresh ``bytes``: with ``hiredis`` its bytes
+are copied from the socket into a read buffer, into the parser's own buffer,
+then into the ``bytes`` object, two of those copies with the interpreter
+lock held. Loads of large chunks are bound by that client CPU (the server
+only writes), so here a batch of ``GET``\\s goes out as one pipeline on a
+pooled connection, and each value is received with ``recv_into`` straight
+into a buffer the worker keeps (the socket's copy, without the lock); the
+tier then verifies it there and copies it into its slot.
+
+Only the replies of this module's own commands are read, and a connection
+is returned to the pool only once they all were: on any error it is closed,
+so the pool never hands out a socket holding half a reply.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.errors import CorruptChunkError
+
+#: Per name: a view of the value in its buffer, ``None`` when absent, or that item's error.
+Reply = memoryview | None | BaseException
+
+_CRLF = b"\r\n"
+_LINE_READ = 4096
+#: Longer than any reply line these commands get (a length, an error message).
+_LINE_LIMIT = 1 << 16
+
+
+class _Replies:
+    """RESP2 or RESP3 replies read from one socket, values received into given buffers."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._pending = bytearray()  # read past the last line, not yet consumed
+
+    def _recv(self, size: int) -> bytes:
+        data = self._sock.recv(size)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        return data
+
+    def line(self) -> bytes:
+        while (end := self._pending.find(_CRLF)) < 0:
+            if len(self._pending) > _LINE_LIMIT:
+                raise ConnectionError(f"no reply line within {_LINE_LIMIT} bytes")
+            self._pending += self._recv(_LINE_READ)
+        line = bytes(self._pending[:end])
+        del self._pending[: end + 2]
+        return line
+
+    def into(self, out: memoryview) -> None:
+        """Fill ``out`` exactly: what was read ahead first, then from the socket."""
+        taken = min(len(self._pending), len(out))
+        out[:taken] = self._pending[:taken]
+        del self._pending[:taken]
+        while taken < len(out):
+            got = self._sock.recv_into(out[taken:])
+            if not got:
+                raise ConnectionError("the server closed the connection")
+            taken += got
+
+    def skip(self, size: int) -> None:
+        """Read and drop ``size`` bytes (a value that cannot be a chunk)."""
+        scratch = memoryview(bytearray(max(1, min(size, 1 << 20))))
+        while size:
+            part = min(size, len(scratch))
+            self.into(scratch[:part])
+            size -= part
+
+    def end_of_value(self) -> None:
+        if self.line():
+            raise ConnectionError("a bulk reply did not end where its length said")
+
+    @property
+    def clean(self) -> bool:
+        return not self._pending
+
+
+def get_into(
+    connection: Any,
+    names: Sequence[str],
+    buffers: Sequence[bytearray | memoryview],
+    *,
+    ttl_ms: int | None,
+) -> list[Reply]:
+    """``GET`` each name into its buffer (then ``PEXPIRE`` them all when ``ttl_ms``), one
+    round trip on ``connection``, a connected redis-py connection its caller returns.
+
+    Raises redis-py's ``ConnectionError`` or ``TimeoutError`` (after closing
+    the connection) when the batch as a whole failed. A value whose length
+    is not its buffer's, or that is not a string, is that item's
+    :class:`CorruptChunkError`; another error the server answers is that
+    item's ``ResponseError``.
+    """
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    commands: list[tuple[Any, ...]] = [("GET", name) for name in names]
+    if ttl_ms is not None:
+        commands += [("PEXPIRE", name, ttl_ms) for name in names]
+    try:
+        connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+        replies = _Replies(connection._sock)
+        results = [_value(replies, memoryview(buffer), ResponseError) for buffer in buffers]
+        if ttl_ms is not None:
+            for _ in names:  # :1, :0 (gone meanwhile) or an error: nothing to do
+                _skip_reply(replies, _reply_line(replies))
+        if not replies.clean:
+            raise ConnectionError("the server sent more than was asked")
+    except BaseException as exc:
+        connection.disconnect()
+        if isinstance(exc, socket.timeout):
+            raise RedisTimeoutError(f"reading GET replies: {exc}") from exc
+        if isinstance(exc, (OSError, ValueError)):
+            raise RedisConnectionError(f"reading GET replies: {exc}") from exc
+        raise
+    return results
+
+
+def _reply_line(replies: _Replies) -> bytes:
+    """The first line of the next reply, past any RESP3 push (a server notice)."""
+    line = replies.line()
+    while line[:1] == b">":
+        _skip_elements(replies, int(line[1:]))
+        line = replies.line()
+    return line
+
+
+def _value(replies: _Replies, out: memoryview, error_class: type[Exception]) -> Reply:
+    line = _reply_line(replies)
+    kind, rest = line[:1], line[1:]
+    if kind == b"$":
+        length = int(rest)
+        if length < 0:
+            return None
+        if length != len(out):
+            replies.skip(length)
+            replies.end_of_value()
+            return CorruptChunkError(f"the value is {length} bytes, a chunk {len(out)}")
+        replies.into(out)
+        replies.end_of_value()
+        return out
+    if kind == b"_":  # RESP3's null
+        return None
+    if kind in (b"-", b"!"):  # an error, simple or (RESP3) with a length
+        if kind == b"!":
+            message_bytes = bytearray(int(rest))
+            replies.into(memoryview(message_bytes))
+            replies.end_of_value()
+            rest = bytes(message_bytes)
+        message = rest.decode("utf-8", "replace")
+        if message.startswith("WRONGTYPE"):
+            return CorruptChunkError(f"the value is not a string: {message}")
+        return error_class(message)
+    raise ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
+
+
+def _skip_elements(replies: _Replies, count: int) -> None:
+    """Read past ``count`` replies of any RESP2/RESP3 type."""
+    for _ in range(count):
+        _skip_reply(replies, replies.line())
+
+
+def _skip_reply(replies: _Replies, line: bytes) -> None:
+    """Read past the rest of the reply that ``line`` began."""
+    kind, rest = line[:1], line[1:]
+    if kind in (b"$", b"!", b"=") and int(rest) >= 0:
+        replies.skip(int(rest))
+        replies.end_of_value()
+    elif kind in (b"*", b">", b"~"):
+        _skip_elements(replies, max(0, int(rest)))
+    elif kind in (b"%", b"|"):
+        _skip_elements(replies, 2 * int(rest))

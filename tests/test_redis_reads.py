@@ -1,0 +1,91 @@
+"""Replies of pipelined GETs read into buffers, against scripted server bytes."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+
+redis = pytest.importorskip("redis")
+
+from kvtier.errors import CorruptChunkError  # noqa: E402
+from kvtier.tiers.redis_reads import get_into  # noqa: E402
+
+
+class ScriptedConnection:
+    """A redis-py-like connection whose server answers with the given bytes."""
+
+    def __init__(self, answer: bytes, *, then_close: bool = False) -> None:
+        self._sock, self.server = socket.socketpair()
+        self.answer, self.then_close = answer, then_close
+        self.sent = b""
+        self.disconnected = False
+
+    def pack_commands(self, commands: list[tuple[Any, ...]]) -> list[bytes]:
+        return [" ".join(map(str, command)).encode() for command in commands]
+
+    def send_packed_command(self, packed: list[bytes], check_health: bool = True) -> None:
+        self.sent = b"\n".join(packed)
+        self.server.sendall(self.answer)
+        if self.then_close:
+            self.server.close()
+
+    def disconnect(self) -> None:
+        self.disconnected = True
+        self._sock.close()
+
+
+def test_pushes_nulls_and_errors_are_told_apart_from_values() -> None:
+    answer = (
+        b">3\r\n$10\r\ninvalidate\r\n*1\r\n$1\r\nk\r\n%1\r\n+a\r\n:1\r\n"  # a RESP3 push
+        b"$4\r\nabcd\r\n"
+        b"_\r\n"
+        b"$-1\r\n"
+        b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
+        b"!9\r\nERR other\r\n"
+        b"$7\r\ntoolong\r\n"
+        b":1\r\n:0\r\n>1\r\n+notice\r\n:1\r\n!5\r\nERR x\r\n:1\r\n:1\r\n"
+    )
+    connection = ScriptedConnection(answer)
+    buffers = [bytearray(4) for _ in range(6)]
+    names = ["a", "b", "c", "d", "e", "f"]
+    replies = get_into(connection, names, buffers, ttl_ms=500)
+    assert bytes(replies[0]) == b"abcd"  # type: ignore[arg-type]
+    assert replies[1] is None and replies[2] is None
+    assert isinstance(replies[3], CorruptChunkError)
+    assert isinstance(replies[4], redis.exceptions.ResponseError)
+    assert "ERR other" in str(replies[4])
+    assert isinstance(replies[5], CorruptChunkError)  # 7 bytes where a chunk has 4
+    assert buffers[0] == b"abcd" and buffers[5] == bytearray(4)
+    assert connection.sent.count(b"PEXPIRE") == 6
+    assert not connection.disconnected  # every reply read: the connection is reusable
+
+
+def test_a_reply_cut_short_fails_the_batch_and_closes_the_connection() -> None:
+    connection = ScriptedConnection(b"$4\r\nabcd\r\n$4\r\nab", then_close=True)
+    with pytest.raises(redis.exceptions.ConnectionError, match="closed"):
+        get_into(connection, ["a", "b"], [bytearray(4), bytearray(4)], ttl_ms=None)
+    assert connection.disconnected
+
+
+def test_an_unexpected_reply_fails_the_batch_and_closes_the_connection() -> None:
+    connection = ScriptedConnection(b"+OK\r\n")
+    with pytest.raises(redis.exceptions.ConnectionError, match="unexpected reply"):
+        get_into(connection, ["a"], [bytearray(4)], ttl_ms=None)
+    assert connection.disconnected
+
+
+def test_a_silent_server_times_out_as_redis_py_does() -> None:
+    connection = ScriptedConnection(b"$4\r\nab")
+    connection._sock.settimeout(0.05)
+    with pytest.raises(redis.exceptions.TimeoutError):
+        get_into(connection, ["a"], [bytearray(4)], ttl_ms=None)
+    assert connection.disconnected
+
+
+def test_a_reply_line_that_never_ends_fails_the_batch_and_closes_the_connection() -> None:
+    connection = ScriptedConnection(b"-" + b"x" * ((1 << 16) + 8192), then_close=True)
+    with pytest.raises(redis.exceptions.ConnectionError, match="no reply line"):
+        get_into(connection, ["a"], [bytearray(4)], ttl_ms=None)
+    assert connection.disconnected
