@@ -402,12 +402,13 @@ def summarise(
             ratio[phase] = round(statistics.median(per_round), 3)
             ratio[f"{phase}_range"] = [round(min(per_round), 3), round(max(per_round), 3)]
         summary[f"kvtier_vs_{other}"] = ratio
-        store, load = (
+        store_ratio, load_ratio = (
             f"{ratio[p]:.2f}x ({ratio[p + '_range'][0]:.2f}-{ratio[p + '_range'][1]:.2f})"
             for p in ("store", "load")
         )
         print(
-            f"kvtier / {other}: store {store}, load {load} (median and range of per-round ratios)"
+            f"kvtier / {other}: store {store_ratio}, load {load_ratio}"
+            " (median and range of per-round ratios)"
         )
     return summary
 
