@@ -92,57 +92,81 @@ class S3FIFOCachePolicy(CachePolicy):
         # Protected keys met at a queue's head are set aside and put back in
         # front when done: the order S3-FIFO leaves them in (every key behind
         # them moved or went), and each is looked at once, not once per victim.
+        # Each helper takes victims until it has enough or it is no longer its
+        # queue's turn, so a run of victims from one queue costs one call.
         held_small: list[ChunkKey] = []
         held_main: list[ChunkKey] = []
-        victims = []
+        victims: list[ChunkKey] = []
+        small, small_capacity = self._small, self.small_capacity
         try:
-            for _ in range(n):
-                if len(self._small) + len(held_small) >= self.small_capacity:
-                    victim = self._evict_small(protected, held_small) or self._evict_main(
-                        protected, held_main
+            while len(victims) < n:
+                if len(small) + len(held_small) >= small_capacity:
+                    found = self._evict_small(protected, held_small, victims, n) or (
+                        self._evict_main(protected, held_main, victims, len(victims) + 1)
                     )
                 else:
-                    victim = self._evict_main(protected, held_main) or self._evict_small(
-                        protected, held_small
+                    found = self._evict_main(protected, held_main, victims, n) or (
+                        self._evict_small(protected, held_small, victims, len(victims) + 1)
                     )
-                # Unreachable by the count above; a loud failure beats a wrong victim.
-                if victim is None:
+                # A fallback to the small queue may promote all of it into an
+                # emptied main queue and find no victim: main's turn comes next.
+                # Both queues empty is unreachable by the count above; a loud
+                # failure beats a wrong victim.
+                if not found and not small and not self._main:
                     raise RuntimeError("S3-FIFO found no victim although enough keys are evictable")
-                del self._freq[victim]
-                victims.append(victim)
         finally:
-            _put_back(self._small, held_small)
+            _put_back(small, held_small)
             _put_back(self._main, held_main)
         return victims
 
     def _evict_small(
-        self, protected: Collection[ChunkKey], held: list[ChunkKey]
-    ) -> ChunkKey | None:
-        """Drop the oldest unaccessed small key, promoting accessed ones on the way.
+        self,
+        protected: Collection[ChunkKey],
+        held: list[ChunkKey],
+        victims: list[ChunkKey],
+        wanted: int,
+    ) -> bool:
+        """Drop the oldest unaccessed small keys, promoting accessed ones on the way.
 
-        Ends because every step removes a key from the small queue.
+        Takes victims until there are ``wanted`` or the small queue falls
+        below its share (then main's turn); ``False`` if the small queue ran
+        out before the next victim. Ends because every step removes a key
+        from the small queue.
         """
-        small = self._small
+        small, main, ghost, freqs = self._small, self._main, self._ghost, self._freq
+        small_capacity, capacity = self.small_capacity, self.capacity
         while small:
             key = next(iter(small))
             del small[key]
             if key in protected:
                 held.append(key)
                 continue
-            if self._freq[key] > 0:
-                self._main[key] = None
+            if freqs[key] > 0:
+                main[key] = None
                 continue
-            self._ghost[key] = None
+            del freqs[key]
+            ghost[key] = None
             # The ghost remembers about as many keys as the cache holds.
-            if len(self._ghost) > self.capacity:
-                self._ghost.popitem(last=False)
-            return key
-        return None
+            if len(ghost) > capacity:
+                ghost.popitem(last=False)
+            victims.append(key)
+            if len(victims) == wanted or len(small) + len(held) < small_capacity:
+                return True
+        return False
 
-    def _evict_main(self, protected: Collection[ChunkKey], held: list[ChunkKey]) -> ChunkKey | None:
-        """Drop the oldest main key with no frequency left, re-queueing the others.
+    def _evict_main(
+        self,
+        protected: Collection[ChunkKey],
+        held: list[ChunkKey],
+        victims: list[ChunkKey],
+        wanted: int,
+    ) -> bool:
+        """Drop the oldest main keys with no frequency left, re-queueing the others.
 
-        Ends because every re-queue spends one unit of a bounded frequency.
+        Takes victims until there are ``wanted`` (main's turn lasts: taking
+        from main leaves the small queue as it is); ``False`` if the main
+        queue ran out first. Ends because every re-queue spends one unit of a
+        bounded frequency.
         """
         main, freqs = self._main, self._freq
         while main:
@@ -157,8 +181,11 @@ class S3FIFOCachePolicy(CachePolicy):
                 main.move_to_end(key)
                 continue
             del main[key]
-            return key
-        return None
+            del freqs[key]
+            victims.append(key)
+            if len(victims) == wanted:
+                return True
+        return False
 
     def clear(self) -> None:
         for queue in (self._small, self._main, self._ghost):
