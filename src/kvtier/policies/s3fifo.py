@@ -170,20 +170,34 @@ class S3FIFOCachePolicy(CachePolicy):
         """
         main, freqs = self._main, self._freq
         while main:
-            key = next(iter(main))
-            if key in protected:
+            # One pass down the queue as it stands, changing it only after:
+            # a re-queued key goes behind every key still ahead of it, so the
+            # queue after the pass is the rest of it, then the re-queued keys
+            # in the order they were met (a pass per lap of the queue).
+            requeued: list[ChunkKey] = []
+            gone: list[ChunkKey] = []
+            found = False
+            for key in main:
+                if key in protected:
+                    held.append(key)
+                    gone.append(key)
+                    continue
+                freq = freqs[key]
+                if freq > 0:
+                    freqs[key] = freq - 1
+                    requeued.append(key)
+                    continue
+                del freqs[key]
+                victims.append(key)
+                gone.append(key)
+                if len(victims) == wanted:
+                    found = True
+                    break
+            for key in gone:
                 del main[key]
-                held.append(key)
-                continue
-            freq = freqs[key]
-            if freq > 0:
-                freqs[key] = freq - 1
+            for key in requeued:
                 main.move_to_end(key)
-                continue
-            del main[key]
-            del freqs[key]
-            victims.append(key)
-            if len(victims) == wanted:
+            if found:
                 return True
         return False
 
