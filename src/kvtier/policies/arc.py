@@ -134,6 +134,12 @@ class ARCCachePolicy(CachePolicy):
         from_t1 = unprotected(t1, protected)
         over_target = min(n, max(0, len(t1) - self.p))
         first = list(itertools.islice(from_t1, over_target))
+        if len(first) == n:  # the usual case: all from T1, so T2 need not be looked at
+            for key in first:
+                del t1[key]
+                self._b1[key] = None
+            self._trim_ghosts()
+            return first
         from_t2 = list(itertools.islice(unprotected(t2, protected), n - len(first)))
         then_t1 = []
         if len(first) == over_target:  # else T1 ran out: T2 was all that was left

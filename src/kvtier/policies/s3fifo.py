@@ -86,9 +86,12 @@ class S3FIFOCachePolicy(CachePolicy):
         # Eviction below promotes and re-queues keys as it goes, so decide
         # first whether it can succeed: it can exactly when n keys are
         # unprotected. Stops at the n-th, so it costs about n, not |protected|.
-        evictable = unprotected(itertools.chain(self._small, self._main), protected)
-        if next(itertools.islice(evictable, n - 1, None), _NONE) is _NONE:
-            return None
+        # Skipped when there are enough keys even if every protected one is
+        # resident: the primary tier's case, whose pins are few.
+        if len(self._freq) - len(protected) < n:
+            evictable = unprotected(itertools.chain(self._small, self._main), protected)
+            if next(itertools.islice(evictable, n - 1, None), _NONE) is _NONE:
+                return None
         # Protected keys met at a queue's head are set aside and put back in
         # front when done: the order S3-FIFO leaves them in (every key behind
         # them moved or went), and each is looked at once, not once per victim.
@@ -115,8 +118,10 @@ class S3FIFOCachePolicy(CachePolicy):
                 if not found and not small and not self._main:
                     raise RuntimeError("S3-FIFO found no victim although enough keys are evictable")
         finally:
-            _put_back(small, held_small)
-            _put_back(self._main, held_main)
+            if held_small:
+                _put_back(small, held_small)
+            if held_main:
+                _put_back(self._main, held_main)
         return victims
 
     def _evict_small(
