@@ -58,14 +58,19 @@ class S3FIFOCachePolicy(CachePolicy):
 
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
         # insert inlined for the primary tier's batches: the common case is a
-        # key neither resident nor remembered, which enters the small queue.
-        freq, ghost, small = self._freq, self._ghost, self._small
+        # key neither resident nor remembered, which enters the small queue,
+        # then one the ghost remembers, which enters the main queue.
+        freq, ghost, small, main = self._freq, self._ghost, self._small, self._main
         for key in keys:
-            if key in freq or key in ghost:
-                self.insert(key)
+            if key in freq:
+                self.insert(key)  # a hit: never from the primary tier
+                continue
+            if key in ghost:  # a chunk evicted not long ago, stored again
+                del ghost[key]
+                main[key] = None
             else:
                 small[key] = None
-                freq[key] = 0
+            freq[key] = 0
 
     def remove(self, key: ChunkKey) -> None:
         if self._freq.pop(key, None) is not None:
