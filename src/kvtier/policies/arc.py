@@ -135,9 +135,10 @@ class ARCCachePolicy(CachePolicy):
         over_target = min(n, max(0, len(t1) - self.p))
         first = list(itertools.islice(from_t1, over_target))
         if len(first) == n:  # the usual case: all from T1, so T2 need not be looked at
+            b1 = self._b1
             for key in first:
                 del t1[key]
-                self._b1[key] = None
+                b1[key] = None
             self._trim_ghosts()
             return first
         from_t2 = list(itertools.islice(unprotected(t2, protected), n - len(first)))
