@@ -158,6 +158,25 @@ def test_s3fifo_main_queue_spends_frequency_before_evicting() -> None:
     assert order[-2:] == [key(0), key(1)]
 
 
+def test_s3fifo_evicts_keys_its_small_queue_promotes_into_an_emptied_main() -> None:
+    policy = make("s3fifo", 20)  # small queue's share: 2
+    for i in range(4):
+        policy.insert(key(i))
+    # Key 0 stays in small, accessed; keys 1-3 go to main by way of the ghost.
+    for i in (1, 2, 3):
+        policy.remove(key(i))
+    policy._small.clear()
+    policy._small[key(0)] = None
+    for i in (1, 2, 3):
+        policy._ghost[key(i)] = None
+        policy.insert(key(i))
+    policy.touch([key(0), key(0), key(3), key(3)])
+    # Main runs dry after keys 1-3; the small queue's turn only promotes key 0
+    # into main, whose turn then evicts it once its frequency is spent.
+    assert policy.evict(4, ()) == [key(1), key(2), key(3), key(0)]
+    assert len(policy) == 0
+
+
 @pytest.mark.parametrize("name", ["lru", "arc", "s3fifo"])
 def test_primary_tier_never_evicts_busy_chunks(name: str) -> None:
     buffer = SlotBuffer(4, 64)

@@ -67,28 +67,42 @@ class ARCCachePolicy(CachePolicy):
         # one trim pops exactly the ghosts a trim after each key would have.
         t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
         untrimmed = False
+        p = self.p  # kept in a local through the batch, written back after
         for key in keys:
-            if key in t1 or key in t2 or key in b1 or key in b2:
+            if key in b1:
                 if untrimmed:  # the next key sees the lists as trimmed after each key
                     self._trim_ghosts()
                     untrimmed = False
-                if key in t1 or key in t2:
-                    self.insert(key)  # the general case
-                    continue
-                if key in b1:
-                    self.p = min(capacity, self.p + max(1, len(b2) // len(b1)))
+                if key in b1:  # the trim may have dropped its ghost
+                    step = len(b2) // len(b1)
+                    p += step if step > 1 else 1
+                    if p > capacity:
+                        p = capacity
                     del b1[key]
-                elif key in b2:
-                    self.p = max(0, self.p - max(1, len(b1) // len(b2)))
-                    del b2[key]
-                else:  # its ghost was just trimmed: a key seen nowhere
-                    t1[key] = None
-                    untrimmed = True
+                    t2[key] = None
                     continue
-                t2[key] = None
-            else:
-                t1[key] = None
-                untrimmed = True
+            elif key in b2:
+                if untrimmed:
+                    self._trim_ghosts()
+                    untrimmed = False
+                if key in b2:
+                    step = len(b1) // len(b2)
+                    p -= step if step > 1 else 1
+                    if p < 0:
+                        p = 0
+                    del b2[key]
+                    t2[key] = None
+                    continue
+            elif key in t1 or key in t2:
+                if untrimmed:
+                    self._trim_ghosts()
+                    untrimmed = False
+                self.insert(key)  # the general case: a hit, which leaves p alone
+                continue
+            # A key seen nowhere (or whose ghost was just trimmed).
+            t1[key] = None
+            untrimmed = True
+        self.p = p
         if untrimmed:
             self._trim_ghosts()
 
@@ -120,6 +134,13 @@ class ARCCachePolicy(CachePolicy):
         from_t1 = unprotected(t1, protected)
         over_target = min(n, max(0, len(t1) - self.p))
         first = list(itertools.islice(from_t1, over_target))
+        if len(first) == n:  # the usual case: all from T1, so T2 need not be looked at
+            b1 = self._b1
+            for key in first:
+                del t1[key]
+                b1[key] = None
+            self._trim_ghosts()
+            return first
         from_t2 = list(itertools.islice(unprotected(t2, protected), n - len(first)))
         then_t1 = []
         if len(first) == over_target:  # else T1 ran out: T2 was all that was left

@@ -58,14 +58,19 @@ class S3FIFOCachePolicy(CachePolicy):
 
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
         # insert inlined for the primary tier's batches: the common case is a
-        # key neither resident nor remembered, which enters the small queue.
-        freq, ghost, small = self._freq, self._ghost, self._small
+        # key neither resident nor remembered, which enters the small queue,
+        # then one the ghost remembers, which enters the main queue.
+        freq, ghost, small, main = self._freq, self._ghost, self._small, self._main
         for key in keys:
-            if key in freq or key in ghost:
-                self.insert(key)
+            if key in freq:
+                self.insert(key)  # a hit: never from the primary tier
+                continue
+            if key in ghost:  # a chunk evicted not long ago, stored again
+                del ghost[key]
+                main[key] = None
             else:
                 small[key] = None
-                freq[key] = 0
+            freq[key] = 0
 
     def remove(self, key: ChunkKey) -> None:
         if self._freq.pop(key, None) is not None:
@@ -86,79 +91,125 @@ class S3FIFOCachePolicy(CachePolicy):
         # Eviction below promotes and re-queues keys as it goes, so decide
         # first whether it can succeed: it can exactly when n keys are
         # unprotected. Stops at the n-th, so it costs about n, not |protected|.
-        evictable = unprotected(itertools.chain(self._small, self._main), protected)
-        if next(itertools.islice(evictable, n - 1, None), _NONE) is _NONE:
-            return None
+        # Skipped when there are enough keys even if every protected one is
+        # resident: the primary tier's case, whose pins are few.
+        if len(self._freq) - len(protected) < n:
+            evictable = unprotected(itertools.chain(self._small, self._main), protected)
+            if next(itertools.islice(evictable, n - 1, None), _NONE) is _NONE:
+                return None
         # Protected keys met at a queue's head are set aside and put back in
         # front when done: the order S3-FIFO leaves them in (every key behind
         # them moved or went), and each is looked at once, not once per victim.
+        # Each helper takes victims until it has enough or it is no longer its
+        # queue's turn, so a run of victims from one queue costs one call.
         held_small: list[ChunkKey] = []
         held_main: list[ChunkKey] = []
-        victims = []
+        victims: list[ChunkKey] = []
+        small, small_capacity = self._small, self.small_capacity
         try:
-            for _ in range(n):
-                if len(self._small) + len(held_small) >= self.small_capacity:
-                    victim = self._evict_small(protected, held_small) or self._evict_main(
-                        protected, held_main
+            while len(victims) < n:
+                if len(small) + len(held_small) >= small_capacity:
+                    found = self._evict_small(protected, held_small, victims, n) or (
+                        self._evict_main(protected, held_main, victims, len(victims) + 1)
                     )
                 else:
-                    victim = self._evict_main(protected, held_main) or self._evict_small(
-                        protected, held_small
+                    found = self._evict_main(protected, held_main, victims, n) or (
+                        self._evict_small(protected, held_small, victims, len(victims) + 1)
                     )
-                # Unreachable by the count above; a loud failure beats a wrong victim.
-                if victim is None:
+                # A fallback to the small queue may promote all of it into an
+                # emptied main queue and find no victim: main's turn comes next.
+                # Both queues empty is unreachable by the count above; a loud
+                # failure beats a wrong victim.
+                if not found and not small and not self._main:
                     raise RuntimeError("S3-FIFO found no victim although enough keys are evictable")
-                del self._freq[victim]
-                victims.append(victim)
         finally:
-            _put_back(self._small, held_small)
-            _put_back(self._main, held_main)
+            if held_small:
+                _put_back(small, held_small)
+            if held_main:
+                _put_back(self._main, held_main)
         return victims
 
     def _evict_small(
-        self, protected: Collection[ChunkKey], held: list[ChunkKey]
-    ) -> ChunkKey | None:
-        """Drop the oldest unaccessed small key, promoting accessed ones on the way.
+        self,
+        protected: Collection[ChunkKey],
+        held: list[ChunkKey],
+        victims: list[ChunkKey],
+        wanted: int,
+    ) -> bool:
+        """Drop the oldest unaccessed small keys, promoting accessed ones on the way.
 
-        Ends because every step removes a key from the small queue.
+        Takes victims until there are ``wanted`` or the small queue falls
+        below its share (then main's turn); ``False`` if the small queue ran
+        out before the next victim. Ends because every step removes a key
+        from the small queue.
         """
-        small = self._small
+        small, main, ghost, freqs = self._small, self._main, self._ghost, self._freq
+        small_capacity, capacity = self.small_capacity, self.capacity
         while small:
             key = next(iter(small))
             del small[key]
             if key in protected:
                 held.append(key)
                 continue
-            if self._freq[key] > 0:
-                self._main[key] = None
+            if freqs[key] > 0:
+                main[key] = None
                 continue
-            self._ghost[key] = None
+            del freqs[key]
+            ghost[key] = None
             # The ghost remembers about as many keys as the cache holds.
-            if len(self._ghost) > self.capacity:
-                self._ghost.popitem(last=False)
-            return key
-        return None
+            if len(ghost) > capacity:
+                ghost.popitem(last=False)
+            victims.append(key)
+            if len(victims) == wanted or len(small) + len(held) < small_capacity:
+                return True
+        return False
 
-    def _evict_main(self, protected: Collection[ChunkKey], held: list[ChunkKey]) -> ChunkKey | None:
-        """Drop the oldest main key with no frequency left, re-queueing the others.
+    def _evict_main(
+        self,
+        protected: Collection[ChunkKey],
+        held: list[ChunkKey],
+        victims: list[ChunkKey],
+        wanted: int,
+    ) -> bool:
+        """Drop the oldest main keys with no frequency left, re-queueing the others.
 
-        Ends because every re-queue spends one unit of a bounded frequency.
+        Takes victims until there are ``wanted`` (main's turn lasts: taking
+        from main leaves the small queue as it is); ``False`` if the main
+        queue ran out first. Ends because every re-queue spends one unit of a
+        bounded frequency.
         """
         main, freqs = self._main, self._freq
         while main:
-            key = next(iter(main))
-            if key in protected:
+            # One pass down the queue as it stands, changing it only after:
+            # a re-queued key goes behind every key still ahead of it, so the
+            # queue after the pass is the rest of it, then the re-queued keys
+            # in the order they were met (a pass per lap of the queue).
+            requeued: list[ChunkKey] = []
+            gone: list[ChunkKey] = []
+            found = False
+            for key in main:
+                if key in protected:
+                    held.append(key)
+                    gone.append(key)
+                    continue
+                freq = freqs[key]
+                if freq > 0:
+                    freqs[key] = freq - 1
+                    requeued.append(key)
+                    continue
+                del freqs[key]
+                victims.append(key)
+                gone.append(key)
+                if len(victims) == wanted:
+                    found = True
+                    break
+            for key in gone:
                 del main[key]
-                held.append(key)
-                continue
-            freq = freqs[key]
-            if freq > 0:
-                freqs[key] = freq - 1
+            for key in requeued:
                 main.move_to_end(key)
-                continue
-            del main[key]
-            return key
-        return None
+            if found:
+                return True
+        return False
 
     def clear(self) -> None:
         for queue in (self._small, self._main, self._ghost):
