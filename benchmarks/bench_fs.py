@@ -73,6 +73,28 @@ def parse_size(text: str) -> int:
     return int(TypeAdapter(ByteSize).validate_python(text))
 
 
+def add_workload_options(
+    parser: argparse.ArgumentParser,
+    *,
+    root_help: str,
+    volume: str,
+    threads: int,
+    threads_help: str,
+) -> None:
+    """The options every disk benchmark here shares: where, how much, what chunks,
+    how many rounds and threads."""
+    parser.add_argument("--root", type=Path, default=Path("kvtier-bench-fs"), help=root_help)
+    parser.add_argument("--volume", type=parse_size, default=parse_size(volume))
+    parser.add_argument(
+        "--chunk",
+        type=parse_size,
+        action="append",
+        help="Chunk size; repeatable (default: 2MiB and 256KiB).",
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=threads, help=threads_help)
+
+
 class Workload:
     """VOLUME bytes of random chunks in a page-aligned buffer, with their digests."""
 
@@ -258,22 +280,12 @@ class Peer:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--root",
-        type=Path,
-        default=Path("kvtier-bench-fs"),
-        help="Directory on the filesystem to measure (wiped per round).",
-    )
-    parser.add_argument("--volume", type=parse_size, default=parse_size("1GiB"))
-    parser.add_argument(
-        "--chunk",
-        type=parse_size,
-        action="append",
-        help="Chunk size; repeatable (default: 2MiB and 256KiB).",
-    )
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument(
-        "--threads", type=int, default=32, help="kvtier io_threads and raw threads."
+    add_workload_options(
+        parser,
+        root_help="Directory on the filesystem to measure (wiped per round).",
+        volume="1GiB",
+        threads=32,
+        threads_help="kvtier io_threads and raw threads.",
     )
     parser.add_argument(
         "--peer-threads",

@@ -55,10 +55,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_fs import run_jobs  # beside this script
+from bench_fs import add_workload_options, parse_size, run_jobs  # beside this script
 from bench_shared_tiers import RawRedis, in_parallel
 from peers.common import chunk_payloads, run_round
-from pydantic import ByteSize, TypeAdapter
 
 from kvtier.config import load_config
 from kvtier.layout import KVLayout
@@ -96,10 +95,6 @@ LOCAL_SYSTEMS = ("raw-odirect", "kvtier-fs", "raw-redis", "kvtier-redis")
 SYSTEMS = LOCAL_SYSTEMS + tuple(PEER_SYSTEMS)
 #: The kvtier system each system is compared with.
 BASELINE = {name: "kvtier-redis" if name.endswith("redis") else "kvtier-fs" for name in SYSTEMS}
-
-
-def parse_size(text: str) -> int:
-    return int(TypeAdapter(ByteSize).validate_python(text))
 
 
 # The systems run in this process ----------------------------------------------
@@ -463,22 +458,12 @@ def print_table(chunk: int, count: int, summary: dict[str, Any], out: Any) -> No
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--root",
-        type=Path,
-        default=Path("kvtier-bench-fs"),
-        help="Directory on the filesystem to measure (a fresh one per round, removed after).",
-    )
-    parser.add_argument("--volume", type=parse_size, default=parse_size("256MiB"))
-    parser.add_argument(
-        "--chunk",
-        type=parse_size,
-        action="append",
-        help="Chunk size; repeatable (default: 2MiB and 256KiB).",
-    )
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument(
-        "--threads", type=int, default=16, help="I/O threads of every system that has them."
+    add_workload_options(
+        parser,
+        root_help="Directory on the filesystem to measure (a fresh one per round, removed after).",
+        volume="256MiB",
+        threads=16,
+        threads_help="I/O threads of every system that has them.",
     )
     parser.add_argument(
         "--job-chunks", type=int, default=16, help="Chunks per kvtier transfer job."
