@@ -199,11 +199,22 @@ class RedisServer(_Process):
     def url(self) -> str:
         return f"redis://{LOOPBACK}:{self.port}/0"
 
+    @property
+    def unix_url(self) -> str:
+        """The same server through its unix socket (private to this user)."""
+        return f"unix://{self.unix_socket}?db=0"
+
+    @property
+    def unix_socket(self) -> str:
+        return os.path.join(self.workdir, "redis.sock")
+
     def _command(self) -> list[str]:
         command = [
             self.binary,
             "--bind", LOOPBACK,
             "--port", str(self.port),
+            "--unixsocket", self.unix_socket,
+            "--unixsocketperm", "700",
             "--save", "",
             "--appendonly", "no",
             "--dir", self.workdir,

@@ -39,6 +39,15 @@ class TestRedisTierContract(TierContractTests):
         return {"type": "redis", "url": self.url, "key_prefix": self.prefix}
 
 
+class TestRedisTierContractOverUnixSocket(TestRedisTierContract):
+    # Loads read replies off the connection's socket themselves: over a
+    # unix socket as over TCP.
+    @pytest.fixture(autouse=True)
+    def _server(self, redis_server: RedisServer, key_prefix: str) -> None:
+        self.url = redis_server.unix_url
+        self.prefix = key_prefix
+
+
 class TestRedisClusterTierContract(TierContractTests):
     persistent = True
 
