@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,8 @@ from kvtier.testing.outages import FakeClock, recover, wait_until
 from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.remote import RemoteTier
 from tests.conftest import need_redis_server
-from tests.servers import RedisClusterServers, RedisServer, ServerError, free_port
+from tests.p2p.certs import PKI, make_pki
+from tests.servers import LOOPBACK, RedisClusterServers, RedisServer, ServerError, free_port
 
 
 def raw_client(url: str) -> Any:
@@ -45,6 +47,47 @@ class TestRedisTierContractOverUnixSocket(TestRedisTierContract):
     @pytest.fixture(autouse=True)
     def _server(self, redis_server: RedisServer, key_prefix: str) -> None:
         self.url = redis_server.unix_url
+        self.prefix = key_prefix
+
+
+class _TlsRedisServer(RedisServer):
+    """``redis-server`` also listening for TLS, with a certificate of ``pki``'s CA."""
+
+    def __init__(self, pki: PKI) -> None:
+        self.pki = pki
+        super().__init__()
+
+    def _pick_ports(self) -> None:
+        super()._pick_ports()
+        self.tls_port = free_port()
+
+    @property
+    def tls_url(self) -> str:
+        return f"rediss://{LOOPBACK}:{self.tls_port}/0?ssl_ca_certs={self.pki.ca}"
+
+    def _command(self) -> list[str]:
+        return [
+            *super()._command(),
+            "--tls-port", str(self.tls_port),
+            "--tls-cert-file", str(self.pki.node.cert),
+            "--tls-key-file", str(self.pki.node.key),
+            "--tls-ca-cert-file", str(self.pki.ca),
+            "--tls-auth-clients", "no",
+        ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tls_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_TlsRedisServer]:
+    with _TlsRedisServer(make_pki(tmp_path_factory.mktemp("pki"))) as server:
+        yield server
+
+
+class TestRedisTierContractOverTls(TestRedisTierContract):
+    # Loads read replies off the connection's socket themselves: through TLS
+    # that is the SSL socket, which must decrypt what they receive.
+    @pytest.fixture(autouse=True)
+    def _server(self, tls_redis_server: _TlsRedisServer, key_prefix: str) -> None:  # type: ignore[override]
+        self.url = tls_redis_server.tls_url
         self.prefix = key_prefix
 
 
