@@ -187,13 +187,12 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         else:
             return None  # too few evictable: nothing changed
         # _leave inlined: the primary tier evicts for most stores.
-        group_of, groups, current = self._group_of, self._groups, self._current
+        group_of = self._group_of
         for key in victims:
             group = group_of.pop(key)
             del group[key]
-            if not group and group is not current:
-                del groups[group.serial]
-                unannounced.discard(group.serial)
+            if not group:
+                self._drop_if_empty(group)
         if self._touched != (self._serial, len(self._current)):
             self._open()  # a request that hit nothing: its new chunks start a group
         self._touched = (-1, -1)

@@ -249,7 +249,7 @@ class PrimaryTier:
         """How many leading chunks of ``keys`` are ready; those are touched (see
         :meth:`touch`) in the same pass. The manager's lookup of a request."""
         with self._lock:
-            ready = list(takewhile(self._ready.__contains__, keys))  # _ready_prefix, inlined
+            ready = self._ready_prefix(keys)
             if ready:
                 self.hits += len(ready)
                 self.policy.touch(ready)

@@ -88,7 +88,7 @@ class Deadlines:
         with self._wake:
             if self._closed:
                 return
-            if not self._thread.is_alive() and self._thread.ident is None:
+            if self._thread.ident is None:  # never started
                 self._thread.start()
             heapq.heappush(self._heap, (self._clock() + seconds, next(self._sequence), callback))
             self._wake.notify()

@@ -41,7 +41,6 @@ from kvtier.errors import (
     MissingDependencyError,
     describe_error,
 )
-from kvtier.keys import ChunkKey
 from kvtier.tiers.addresses import host_problem, parse_host_port, split_url
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.redis_reads import get_into
@@ -169,9 +168,8 @@ class RedisTier(RemoteTier[RedisTierOptions]):
                 self.tier_type, self._target, describe_error(exc)
             ) from exc
 
-    def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
-        size = self.batch_chunks(self.slot_bytes)
-        return [pending[i : i + size] for i in range(0, len(pending), size)]
+    def _batch_chunks(self) -> int:
+        return self.batch_chunks(self.slot_bytes)
 
     def _pipeline(self) -> Any:
         return self._client.pipeline(transaction=False)

@@ -342,8 +342,13 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         return sum(map(len, self._threaded_tasks))
 
     def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
-        """A job's (key, slot) pairs in backend batches of :attr:`io_batch`."""
-        return [pending[i : i + self.io_batch] for i in range(0, len(pending), self.io_batch)]
+        """A job's (key, slot) pairs in backend batches of :meth:`_batch_chunks`."""
+        size = self._batch_chunks()
+        return [pending[i : i + size] for i in range(0, len(pending), size)]
+
+    def _batch_chunks(self) -> int:
+        """Chunks per backend batch: :attr:`io_batch` unless a tier sizes them."""
+        return self.io_batch
 
     @abstractmethod
     def _transfer(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
@@ -383,12 +388,14 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         """Report a job as it stands; the caller holds the lock."""
         state.reported = True
         del self._threaded_jobs[state.job.job_id]
-        vanished = frozenset(
-            key
-            for key in state.job.keys
-            if key in self._threaded_vanished and key not in state.succeeded
-        )
-        self._threaded_vanished.difference_update(vanished)
+        vanished: frozenset[ChunkKey] = frozenset()
+        if self._threaded_vanished:  # nearly always empty: no scan of the job's keys
+            vanished = frozenset(
+                key
+                for key in state.job.keys
+                if key in self._threaded_vanished and key not in state.succeeded
+            )
+            self._threaded_vanished.difference_update(vanished)
         self._threaded_finished.append(
             JobResult(
                 job_id=state.job.job_id,
