@@ -103,9 +103,10 @@ def main() -> int:
     targets = list(range(1, 2 * pages, 2))
 
     def index(blocks: list[int]) -> object:
-        chunk = torch.arange(pages) // per_chunk
-        rows = (chunk[None, :] * layers + torch.arange(layers)[:, None]) * per_chunk
-        return copies.CopyIndex(rows + torch.arange(pages) % per_chunk, torch.tensor(blocks))
+        page = torch.arange(pages)
+        page_rows = page // per_chunk * layers * per_chunk + page % per_chunk
+        layer_rows = torch.arange(layers) * per_chunk
+        return copies.CopyIndex(page_rows, layer_rows, torch.tensor(blocks))
 
     store_index, load_index = index(sources), index(targets)
 

@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvtier.integrations import page_copies  # noqa: E402
 from kvtier.integrations.page_copies import (  # noqa: E402
     CopyIndex,
     LayerPages,
@@ -52,8 +53,8 @@ def _index(slots: list[int], positions: list[int], blocks: list[int]) -> CopyInd
     """Rows as the vLLM worker lays them out: ``[layer][position]`` inside a slot."""
     per_slot = SLOT_BYTES // PAGE_BYTES
     first = torch.tensor(slots) * per_slot + torch.tensor(positions)
-    layers = torch.arange(LAYERS)[:, None] * BLOCKS_PER_CHUNK
-    return CopyIndex(layers + first[None, :], torch.tensor(blocks))
+    layers = torch.arange(LAYERS) * BLOCKS_PER_CHUNK
+    return CopyIndex(first, layers, torch.tensor(blocks))
 
 
 CASES = {
@@ -89,7 +90,7 @@ def test_store_then_load_moves_each_page_to_its_row_and_back(block_first: bool, 
     fresh = [torch.zeros_like(t) for t in kv]
     fresh_pages = [LayerPages(f"layer{i}", t, NUM_BLOCKS, PAGE_BYTES) for i, t in enumerate(fresh)]
     targets = [NUM_BLOCKS - 1 - b for b in blocks]
-    transfers.load(fresh_pages, CopyIndex(index.rows, torch.tensor(targets)), slot_rows)
+    transfers.load(fresh_pages, index._replace(block_ids=torch.tensor(targets)), slot_rows)
     for layer in range(LAYERS):
         for source, target in zip(blocks, targets, strict=True):
             assert torch.equal(
@@ -98,3 +99,22 @@ def test_store_then_load_moves_each_page_to_its_row_and_back(block_first: bool, 
         others = [b for b in range(NUM_BLOCKS) if b not in targets]
         for block in others:
             assert not _page(fresh[layer], block, block_first).any()
+
+
+def test_runs_are_found_once_per_copy_not_once_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = page_copies.contiguous_runs
+
+    def counting(rows: list[int], blocks: list[int]) -> list[tuple[int, int, int]]:
+        calls.append(len(rows))
+        return real(rows, blocks)
+
+    monkeypatch.setattr(page_copies, "contiguous_runs", counting)
+    kv = _cache(True)
+    pages = [LayerPages(f"layer{i}", t, NUM_BLOCKS, PAGE_BYTES) for i, t in enumerate(kv)]
+    slot_rows = torch.zeros(SLOTS * SLOT_BYTES, dtype=torch.uint8).view(-1, PAGE_BYTES)
+    index = _index(*CASES["mixed"])
+    transfers = Transfers(torch.device("cpu"))
+    assert transfers.start_store(pages, index, slot_rows).finish()
+    transfers.load(pages, index, slot_rows)
+    assert calls == [3, 3]

@@ -88,16 +88,27 @@ def _widest(pages: torch.Tensor, page_bytes: int) -> torch.Tensor:
 
 
 class CopyIndex(NamedTuple):
-    """Which pages move: page ``i`` of layer ``l`` is slot row ``rows[l, i]`` and
-    KV block ``block_ids[i]``."""
+    """Which pages move: page ``i`` of layer ``l`` is KV block ``block_ids[i]``
+    and slot row ``layer_rows[l] + page_rows[i]``.
 
-    rows: torch.Tensor
+    Each layer's pages lie in the slots as layer 0's do, shifted by a row
+    offset, so pages that run on together do so in every layer: the runs are
+    found once per copy, not once per layer.
+    """
+
+    page_rows: torch.Tensor
+    layer_rows: torch.Tensor
     block_ids: torch.Tensor
 
-    def runs(self, layer: int) -> list[tuple[int, int, int]]:
-        """Layer ``layer``'s pages as ``(first row, first block, count)`` runs of
-        pages consecutive both in the slots and in the KV cache."""
-        return contiguous_runs(self.rows[layer].tolist(), self.block_ids.tolist())
+    @property
+    def rows(self) -> torch.Tensor:
+        """Slot rows ``[layer, page]``."""
+        return self.layer_rows[:, None] + self.page_rows[None, :]
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """The pages as ``(first row, first block, count)`` runs consecutive both
+        in the slots and in the KV cache; rows are layer 0's, add ``layer_rows[l]``."""
+        return contiguous_runs(self.page_rows.tolist(), self.block_ids.tolist())
 
 
 def contiguous_runs(rows: list[int], blocks: list[int]) -> list[tuple[int, int, int]]:
@@ -181,17 +192,19 @@ class Transfers:
         ``slot_rows`` is the primary buffer as host ``uint8`` rows of one page each.
         """
         if self._stream is None:
-            for layer, pages in enumerate(layers):
+            runs = index.runs()
+            for pages, shift in zip(layers, index.layer_rows.tolist(), strict=True):
                 rows = slot_rows.view(pages.dtype)
-                for row, block, count in index.runs(layer):
-                    pages.read_run(block, rows[row : row + count])
+                for row, block, count in runs:
+                    pages.read_run(block, rows[shift + row : shift + row + count])
             return
         module = self._module
         compute = module.current_stream(self.device)
         # The slots are read here, on the host, so they may be unpinned as
         # soon as this returns; pinned rows make the upload asynchronous.
+        layer_rows = index.rows
         host_rows = [
-            slot_rows.view(pages.dtype).index_select(0, index.rows[layer]).pin_memory()
+            slot_rows.view(pages.dtype).index_select(0, layer_rows[layer]).pin_memory()
             for layer, pages in enumerate(layers)
         ]
         # Blocks just allocated may still be read by work queued before.
@@ -210,10 +223,11 @@ class Transfers:
     ) -> PendingStore:
         """Start copying engine blocks into slots; :meth:`PendingStore.finish` lands them."""
         if self._stream is None:
-            for layer, pages in enumerate(layers):
+            runs = index.runs()
+            for pages, shift in zip(layers, index.layer_rows.tolist(), strict=True):
                 rows = slot_rows.view(pages.dtype)
-                for row, block, count in index.runs(layer):
-                    pages.write_run(block, rows[row : row + count])
+                for row, block, count in runs:
+                    pages.write_run(block, rows[shift + row : shift + row + count])
             return PendingStore()
         module = self._module
         compute = module.current_stream(self.device)
@@ -234,9 +248,11 @@ class Transfers:
         # pass must not overwrite them before the gather read them.
         compute.wait_event(read)
 
+        layer_rows = index.rows
+
         def complete() -> None:
             copied.synchronize()
             for layer, rows in enumerate(host_rows):
-                slot_rows.view(rows.dtype).index_copy_(0, index.rows[layer], rows)
+                slot_rows.view(rows.dtype).index_copy_(0, layer_rows[layer], rows)
 
         return PendingStore(ready=copied.query, complete=complete)

@@ -224,4 +224,4 @@ class WorkerSide:
         first += torch.tensor(copies.positions, dtype=torch.long)
         layers = torch.arange(self.shape.num_layers, dtype=torch.long) * per_chunk
         block_ids = torch.tensor(copies.block_ids, dtype=torch.long)
-        return CopyIndex(layers[:, None] + first[None, :], block_ids)
+        return CopyIndex(first, layers, block_ids)
