@@ -381,6 +381,8 @@ def test_check_and_bench_run_on_the_tier(
         ({"master_server_address": "http://h:50051"}, "not host:port"),
         ({"master_server_address": "h:0"}, "not host:port"),
         ({"master_server_address": "h:70000"}, "not host:port"),
+        ({"master_server_address": "::1:50051"}, "IPv6 address in brackets"),
+        ({"master_server_address": "bad_host!:50051"}, "not a host name"),
         ({"master_server_address": "h:1", "protocol": "udp"}, "'tcp' or 'rdma'"),
         ({"master_server_address": "h:1", "global_segment_size": "lots"}, "global_segment_size"),
         ({"master_server_address": "h:1", "local_buffer_size": -1}, "local_buffer_size"),

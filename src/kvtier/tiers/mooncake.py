@@ -47,6 +47,7 @@ from kvtier.errors import (
     MissingDependencyError,
     describe_error,
 )
+from kvtier.tiers.addresses import parse_host_port
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.remote import (
     Exists,
@@ -111,12 +112,13 @@ class MooncakeTierOptions(RemoteTierOptions):
     @field_validator("master_server_address")
     @classmethod
     def _check_master(cls, address: str) -> str:
-        host, _, port = address.rpartition(":")
-        if "://" in address or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        try:
+            parse_host_port(address)
+        except ValueError as exc:
             raise ValueError(
-                f"{address!r} is not host:port; write the master's RPC address "
-                "as host:port, e.g. 10.0.0.5:50051"
-            )
+                f"not host:port ({exc}); write the master's RPC address as host:port, "
+                "e.g. 10.0.0.5:50051 or [fd00::5]:50051"
+            ) from None
         return address
 
     @field_validator("protocol", mode="before")
@@ -137,7 +139,7 @@ class MooncakeTier(RemoteTier[MooncakeTierOptions]):
         options = self.options
         self._set_name_prefix(options.key_prefix)
         self._target = f"mooncake master {options.master_server_address}"
-        master_host = options.master_server_address.rpartition(":")[0]
+        master_host, _ = parse_host_port(options.master_server_address)
         if _loopback(options.local_hostname) and not _loopback(master_host):
             logger.warning(
                 "tier %s: local_hostname=%s while the master is at %s: clients on other "
@@ -294,10 +296,9 @@ def _master_answers(address: str, timeout_s: float) -> None:
     a serving master answers at once with an error of the same sequence
     number; a frozen one, or another server on that port, does not.
     """
-    host, _, port = address.rpartition(":")
     give_up = time.monotonic() + timeout_s
     try:
-        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+        conn = socket.create_connection(parse_host_port(address), timeout=timeout_s)
     except OSError as exc:
         raise ConnectionError(
             f"mooncake_master does not listen there ({describe_error(exc)})"
