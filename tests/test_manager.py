@@ -335,3 +335,32 @@ def test_a_chunk_gone_between_lookup_and_load_is_a_miss_not_a_failure(
         np.testing.assert_array_equal(out[:2], data[:2])
     finally:
         cache.close()
+
+
+def test_a_request_asked_again_counts_its_primary_hits_once(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    cache.store(TOKENS, data)
+    cache.drain()
+    cache.manager.reset()  # the tiers keep all four chunks
+    cache.store(TOKENS[:8], data[:2])  # two of them back in the primary tier
+    cache.drain()
+    fast = cache.manager.tiers[0]
+    hits_before = fast.stats.hits
+    primary = cache.manager.primary
+    before = primary.hits
+    assert peek(cache, TOKENS, "r1") == LookupResult(2, True)  # the rest is being promoted
+    assert peek(cache, TOKENS, "r1").pending  # asked again before the step
+    cache.step()
+    cache.step()
+    assert peek(cache, TOKENS, "r1") == LookupResult(4, False)
+    # r1's two resident chunks count once; its two promoted ones are the tier's hits.
+    assert primary.hits - before == 2
+    assert fast.stats.hits - hits_before == 2
+    # A later request finds all four resident: its own four hits.
+    assert peek(cache, TOKENS, "r2") == LookupResult(4, False)
+    assert primary.hits - before == 6
+    # Finished, a request id is forgotten: used again, it is a new request.
+    cache.manager.on_request_finished("r1")
+    assert peek(cache, TOKENS, "r1") == LookupResult(4, False)
+    assert primary.hits - before == 10

@@ -70,13 +70,14 @@ def test_store_then_promote_counts_chunks_bytes_hits_and_durations(cache: KVCach
     bucket = value(cache, "kvtier_tier_transfer_seconds_bucket", direction="load", le="+Inf")
     assert bucket == 1
 
-    # The promoted chunks were found in the primary tier when asked again;
-    # asking once more finds them there without a secondary lookup.
-    assert value(cache, "kvtier_primary_hits_total", None) == 5
+    # The promoted chunks count as the tier's hits only, however often the
+    # request asked again while they came; a new request finds them in the
+    # primary tier without a secondary lookup: each chunk served counts once.
+    assert value(cache, "kvtier_primary_hits_total", None) == 0
     assert cache.cached_prefix(tokens[: 2 * CHUNK_TOKENS]) == 2 * CHUNK_TOKENS
-    assert value(cache, "kvtier_primary_hits_total", None) == 7
+    assert value(cache, "kvtier_primary_hits_total", None) == 2
     assert value(cache, "kvtier_tier_lookups_total") == 5
-    assert cache.metrics.snapshot()["primary"]["hits"] == 7
+    assert cache.metrics.snapshot()["primary"]["hits"] == 2
 
     # An unknown prefix: the primary tier misses, so does the memory tier.
     assert cache.cached_prefix(list(range(100, 100 + CHUNK_TOKENS))) == 0

@@ -128,6 +128,10 @@ class TieringManager:
         # Promotions that failed, per request, so a request never retries a bad
         # chunk; forgotten when the request finishes. Anonymous lookups retry.
         self._failed: dict[str, set[tuple[int, ChunkKey]]] = defaultdict(set)
+        # Requests told to ask again: their primary hits were counted at the
+        # first ask, and what was promoted for them counts as the tier's hit,
+        # so a request's chunks count once, however many steps it waits.
+        self._asking: set[str] = set()
         self._closed = False
         #: Results a tier reported that could not be applied (each failed its job).
         self.unapplied_results = 0
@@ -152,7 +156,8 @@ class TieringManager:
         protects the same set of the chain's keys, made once.
         """
         primary = self.primary
-        hits = primary.lookup(keys)
+        asked_before = request_id is not None and request_id in self._asking
+        hits = primary.lookup(keys, count_hits=not asked_before)
         pending = False
         chain: set[ChunkKey] | None = None
         for index in range(hits, len(keys)):
@@ -168,6 +173,11 @@ class TieringManager:
             if found is None:
                 break
             pending = pending or found
+        if request_id is not None:
+            if pending:
+                self._asking.add(request_id)
+            elif asked_before:
+                self._asking.discard(request_id)
         return LookupResult(hits, pending)
 
     def _lookup_secondary(
@@ -237,6 +247,7 @@ class TieringManager:
     @_serialised
     def on_request_finished(self, request_id: str) -> None:
         self._failed.pop(request_id, None)
+        self._asking.discard(request_id)
         for tier in self.tiers:
             self._call(tier, "on_request_finished", request_id)
 
@@ -292,6 +303,7 @@ class TieringManager:
         """Drain, then empty the primary tier (the secondary tiers keep their chunks)."""
         self.drain()
         self._failed.clear()
+        self._asking.clear()
         self.primary.clear()
 
     @_serialised

@@ -155,7 +155,7 @@ class _ManagerCollector(Collector):
         )
         yield CounterMetricFamily(
             f"{PREFIX}_primary_hits",
-            "Chunks that lookups found ready in the primary (CPU) tier.",
+            "Chunks that requests found ready in the primary (CPU) tier, once per request.",
             value=primary.hits,
         )
 

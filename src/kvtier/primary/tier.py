@@ -245,13 +245,16 @@ class PrimaryTier:
                 slots.append(slot)
             return slots
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> int:
+    def lookup(self, keys: Sequence[ChunkKey], *, count_hits: bool = True) -> int:
         """How many leading chunks of ``keys`` are ready; those are touched (see
-        :meth:`touch`) in the same pass. The manager's lookup of a request."""
+        :meth:`touch`) in the same pass, and added to :attr:`hits` unless
+        ``count_hits`` is false (a request asking again). The manager's lookup
+        of a request."""
         with self._lock:
             ready = self._ready_prefix(keys)
             if ready:
-                self.hits += len(ready)
+                if count_hits:
+                    self.hits += len(ready)
                 self.policy.touch(ready)
             return len(ready)
 
