@@ -615,3 +615,26 @@ def test_pipelines_carry_a_few_mib_of_large_chunks_and_io_batch_of_small_ones(
     from kvtier.tiers.redis import RedisTier
 
     assert RedisTier.batch_chunks(slot_bytes) == chunks
+
+
+def test_a_probe_never_waits_for_a_pooled_connection(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    """Workers stuck on a frozen server can hold every pooled connection; the
+    probe that decides recovery opens its own, so it answers at once."""
+    options = {"url": redis_server.url, "key_prefix": key_prefix}
+    options |= {"max_connections": 2, "io_threads": 2, "socket_timeout_s": 0.5}
+    harness = TierHarness({"type": "redis", **options}, small_layout(chunk_tokens=4), 4)
+    try:
+        tier = harness.tier
+        assert isinstance(tier, RemoteTier)
+        pool = tier._client.connection_pool  # type: ignore[attr-defined]
+        held = [pool.get_connection() for _ in range(2)]
+        try:
+            tier._ping()  # before: waited socket_timeout_s, then "No connection available"
+        finally:
+            for connection in held:
+                pool.release(connection)
+        assert len(pool._connections) == 2  # the probe's connection was never pooled
+    finally:
+        harness.close()

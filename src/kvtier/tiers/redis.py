@@ -229,7 +229,21 @@ class RedisTier(RemoteTier[RedisTierOptions]):
         self._client.delete(name)
 
     def _ping(self) -> None:
-        self._client.ping()
+        if self.options.is_cluster:
+            self._client.ping()
+            return
+        # A connection of the probe's own, made as the pool makes them: a probe
+        # never waits for a pooled connection that stuck workers hold, and it
+        # tries what recovery needs, a fresh connect.
+        pool = self._client.connection_pool
+        connection = pool.connection_class(**pool.connection_kwargs)
+        try:
+            connection.send_command("PING")
+            reply = connection.read_response()
+        finally:
+            connection.disconnect()
+        if reply not in (b"PONG", "PONG", True):
+            raise ConnectionError(f"PING answered {reply!r}")
 
     def _close(self) -> None:
         super()._close()
