@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
 from kvtier.policies.base import CachePolicy
-from kvtier.sim.replay import Advance, PrimaryReplay, store_step
+from kvtier.sim.replay import Advance, PrimaryReplay
 from kvtier.sim.trace import Request
 
 
@@ -126,13 +126,10 @@ class CascadeReplay(PrimaryReplay):
         larger than the whole tier, only its last chunks stay.
         """
         secondary, capacity = self.secondary, self.secondary_capacity
-
-        def evict_oldest(shortfall: int) -> bool:
-            for _ in range(min(shortfall, len(secondary))):
-                secondary.popitem(last=False)
-            return True
-
-        for block in (store_step(written, secondary, capacity, evict_oldest) or [])[-capacity:]:
+        new = [block for block in dict.fromkeys(written) if block not in secondary][-capacity:]
+        for _ in range(len(secondary) + len(new) - capacity):  # none when it all fits
+            secondary.popitem(last=False)
+        for block in new:
             secondary[block] = None
 
 
