@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from kvtier.identity import (
+    AdapterIdentities,
     ModelIdentity,
+    WeightsIdentity,
     config_digest,
     hub_revision,
     identify_weights,
@@ -427,3 +429,70 @@ def test_model_identity_feeds_a_layout_namespace() -> None:
     one = replace(base, extra=identity.layout_extra)
     two = replace(base, extra=ModelIdentity("c" * 24, "declared:other").layout_extra)
     assert one.namespace != two.namespace != base.namespace
+
+
+# LoRA adapters -----------------------------------------------------------------
+
+
+def adapter(root: Path, seed: int) -> Path:
+    """A LoRA adapter's directory: its config and its weights."""
+    root.mkdir(parents=True)
+    (root / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    write_safetensors(root / "adapter_model.safetensors", seed=seed)
+    return root
+
+
+def test_adapters_are_told_apart_by_their_files_not_their_name_or_path(tmp_path: Path) -> None:
+    first, second = adapter(tmp_path / "a", 1), adapter(tmp_path / "b", 2)
+    engine_a, engine_b = AdapterIdentities(), AdapterIdentities()
+    # One name, other files (a retrained adapter deployed under its old name).
+    token_a = engine_a.token("support", 1, str(first))
+    token_b = engine_b.token("support", 1, str(second))
+    assert token_a is not None and token_b is not None and token_a != token_b
+    # The same files under another name, id or path (a copy keeping times) are one adapter.
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy)
+    assert engine_b.token("helpdesk", 7, str(copy)) == token_a
+
+
+def test_an_adapter_is_identified_once_until_the_engine_reloads_it_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.identity import adapters as adapters_module
+
+    path = adapter(tmp_path / "a", 1)
+    calls: list[Path] = []
+    real = adapters_module.weights_identity
+
+    def counting(located: Path) -> WeightsIdentity:
+        calls.append(located)
+        return real(located)
+
+    monkeypatch.setattr(adapters_module, "weights_identity", counting)
+    identities = AdapterIdentities()
+    before = identities.token("support", 1, str(path))
+    assert identities.token("support", 1, str(path)) == before
+    assert len(calls) == 1
+    # Retrained in place, size and time kept: the engine still runs what it
+    # loaded, until told to reload it.
+    weights = path / "adapter_model.safetensors"
+    stat = weights.stat()
+    write_safetensors(weights, seed=1, scale={"model.norm.weight": 2.0})
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert identities.token("support", 1, str(path)) == before
+    after = identities.token("support", 1, str(path), reload=True)
+    assert after is not None and after != before
+    assert identities.token("support", 1, str(path)) == after
+    assert len(calls) == 2
+
+
+def test_an_adapter_that_cannot_be_identified_has_no_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    identities = AdapterIdentities(cache_dirs=[tmp_path / "hub"])
+    assert identities.token("remote", 1, "org/not-downloaded-adapter") is None
+    assert "'remote'" in caplog.text and "not offloaded" in caplog.text
+    assert identities.token("nowhere", 2, str(tmp_path / "missing")) is None
+    assert identities.token("unnamed", 3, "") is None
+    (tmp_path / "empty").mkdir()
+    assert identities.token("empty", 4, str(tmp_path / "empty")) is None

@@ -393,6 +393,33 @@ def test_a_changed_config_override_never_gets_the_other_configs_chunks(
     _no_stale_hits(result)
 
 
+def test_a_lora_adapter_changed_under_its_name_never_gets_the_old_adapters_chunks(
+    model: Path, tmp_path: Path
+) -> None:
+    """An adapter retrained and deployed under its old name and path, size and
+    time kept: the next engine gets 0 hits, and the outputs of vLLM alone."""
+    from vllm_engine import make_adapter
+
+    adapter = make_adapter(tmp_path / "adapter", seed=1)
+    lora = {"name": "tuned", "path": str(adapter)}
+    tiers = [{"type": "fs", "root_dir": str(tmp_path / "fs")}]
+    old = _engine(tmp_path, "old", _spec(model, tmp_path, "old", tiers, lora=lora))
+    assert _fs_tier(old["stats"])["chunks_stored"] == 6
+
+    weights = adapter / "adapter_model.safetensors"
+    before = weights.stat()
+    make_adapter(tmp_path / "retrained", seed=2)
+    weights.write_bytes((tmp_path / "retrained" / "adapter_model.safetensors").read_bytes())
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    spec = _spec(model, tmp_path, "new", tiers, prefix_caching=False, lora=lora)
+    new = _engine(tmp_path, "new", spec)
+    plain = _engine(tmp_path, "plain", _spec(model, tmp_path, "plain", None, lora=lora))
+
+    assert new["tokens"] == plain["tokens"]
+    assert plain["tokens"] != old["tokens"]  # the retraining matters: old KV would be wrong
+    _no_stale_hits(new)
+
+
 # Pieces of the connector, without an engine ------------------------------------
 
 
@@ -404,32 +431,49 @@ def _request(tokens: list[int], **fields: Any) -> Any:
     )
 
 
-def test_request_keys_are_the_prefix_chain_of_the_prompt_and_salted() -> None:
+def test_request_keys_are_the_prefix_chain_of_the_prompt_and_salted(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from kvtier import chunk_keys
+    from kvtier.identity import AdapterIdentities
     from kvtier.integrations.vllm.scheduler import request_keys
 
     namespace = bytes(32)
     tokens = PROMPTS[0]
-    keys = request_keys(namespace, _request(tokens), CHUNK)
+    adapters = AdapterIdentities()
+    keys = request_keys(namespace, _request(tokens), CHUNK, adapters)
     assert keys == chunk_keys(namespace, tokens, CHUNK)
     assert len(keys) == len(tokens) // CHUNK
-    assert request_keys(namespace, _request(tokens), CHUNK) == keys  # deterministic
-    with_lora = _request(tokens)
-    with_lora.lora_request = SimpleNamespace(lora_name="adapter-a")
+    assert request_keys(namespace, _request(tokens), CHUNK, adapters) == keys  # deterministic
     salted = _request(tokens)
     salted.cache_salt = "tenant-1"
-    lora_keys = request_keys(namespace, with_lora, CHUNK)
-    salt_keys = request_keys(namespace, salted, CHUNK)
-    assert lora_keys is not None and salt_keys is not None
+    salt_keys = request_keys(namespace, salted, CHUNK, adapters)
+    # A LoRA adapter by its files: one name over other files is another adapter.
+    lora_keys = []
+    for seed in (1, 2):
+        files = tmp_path / f"adapter-{seed}"
+        files.mkdir()
+        (files / "adapter_model.safetensors").write_bytes(bytes([seed]) * 4096)
+        with_lora = _request(tokens)
+        with_lora.lora_request = SimpleNamespace(
+            lora_name="adapter-a", lora_int_id=1, lora_path=str(files)
+        )
+        lora_keys.append(request_keys(namespace, with_lora, CHUNK, AdapterIdentities()))
+    assert lora_keys[0] is not None and lora_keys[1] is not None and salt_keys is not None
     # Every key differs: the salt enters the first link of the chain.
-    assert not set(lora_keys) & set(keys)
+    assert not set(lora_keys[0]) & set(keys)
     assert not set(salt_keys) & set(keys)
-    assert not set(lora_keys) & set(salt_keys)
+    assert not set(lora_keys[0]) & set(salt_keys)
+    assert not set(lora_keys[0]) & set(lora_keys[1])
+    # An adapter whose files are not here is left to vLLM, as are multimodal prompts.
+    unknown = _request(tokens)
+    unknown.lora_request = SimpleNamespace(
+        lora_name="adapter-b", lora_int_id=2, lora_path="org/not-downloaded"
+    )
+    assert request_keys(namespace, unknown, CHUNK, adapters) is None
     multimodal = _request(tokens)
     multimodal.mm_features = ["an image"]
-    assert request_keys(namespace, multimodal, CHUNK) is None
+    assert request_keys(namespace, multimodal, CHUNK, adapters) is None
 
 
 def _model_config(model: Path, **options: Any) -> Any:

@@ -6,8 +6,9 @@ SPEC holds ``model``, ``prompts`` (token id lists), ``max_tokens``,
 ``extra_config`` (the connector's ``kv_connector_extra_config``; ``null`` for
 no connector), ``block_size``, ``multiprocessing``, ``hf_overrides``,
 ``tensor_parallel_size``, ``pipeline_parallel_size``, ``engine_id``,
-``reset_prefix_cache`` and ``reset_after`` (per prompt, overriding
-``reset_prefix_cache``); with ``started_file`` the engine writes that file once
+``reset_prefix_cache``, ``reset_after`` (per prompt, overriding
+``reset_prefix_cache``) and ``lora`` (``name`` and ``path`` of a LoRA adapter
+every prompt uses); with ``started_file`` the engine writes that file once
 it has started and then waits to be killed. RESULT receives the greedy
 tokens, vLLM's cached-token count per prompt, the time to first token per
 prompt when ``ttft`` is set, and the engine start time.
@@ -67,6 +68,37 @@ def make_model(out: str | Path, *, layers: int = 2, hidden: int = 64) -> Path:
     return out
 
 
+def make_adapter(out: str | Path, *, seed: int, rank: int = 8, layers: int = 2) -> Path:
+    """A random LoRA adapter (PEFT's format) on the k and v projections of
+    :func:`make_model`'s model, strong enough to change greedy outputs."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module in ("k_proj", "v_proj"):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, 64, generator=generator)
+            tensors[f"{name}.lora_B.weight"] = torch.randn(64, rank, generator=generator)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["k_proj", "v_proj"],
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if spec.get("multiprocessing") else "0"
@@ -98,6 +130,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         hf_overrides=spec.get("hf_overrides"),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         pipeline_parallel_size=spec.get("pipeline_parallel_size", 1),
+        **({"enable_lora": True, "max_lora_rank": 8, "max_loras": 1} if spec.get("lora") else {}),
     )
     start_s = time.perf_counter() - started
     if spec.get("started_file"):
@@ -105,6 +138,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         while True:  # until killed
             time.sleep(60)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    lora = None
+    if spec.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        lora = LoRARequest(spec["lora"]["name"], 1, spec["lora"]["path"])
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     result: dict[str, Any] = {"engine_start_s": start_s, "tokens": [], "cached": [], "ttft_s": []}
     if spec.get("ttft"):
@@ -125,7 +163,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             if reset:
                 llm.reset_prefix_cache()
     else:
-        for output in llm.generate(prompts, params, use_tqdm=False):
+        for output in llm.generate(prompts, params, use_tqdm=False, lora_request=lora):
             result["tokens"].append(list(output.outputs[0].token_ids))
             result["cached"].append(output.num_cached_tokens or 0)
     result["generate_s"] = time.perf_counter() - started - start_s

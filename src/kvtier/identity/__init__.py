@@ -10,6 +10,9 @@ layout's namespace (see :attr:`kvtier.layout.KVLayout.extra`):
   files they were loaded from, a fingerprint of weights held in memory, or
   an identity the user declares and answers for.
 
+A LoRA adapter changes a prefix's KV too: :class:`AdapterIdentities`
+identifies an adapter by its files, for the first link of a request's chain.
+
 An integration (vLLM's, SGLang's) needs a plain mapping of its resolved
 configuration and the model's name or path::
 
@@ -28,6 +31,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvtier.identity.adapters import AdapterIdentities
 from kvtier.identity.config import IGNORED_CONFIG_KEYS, config_digest
 from kvtier.identity.hub import locate_model
 from kvtier.identity.weights import WeightsIdentity, hub_revision, weights_identity
@@ -86,6 +90,7 @@ def declared_weights(model_id: str) -> str:
 
 __all__ = [
     "IGNORED_CONFIG_KEYS",
+    "AdapterIdentities",
     "ModelIdentity",
     "WeightsIdentity",
     "config_digest",

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.identity import AdapterIdentities
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import TieringManager
@@ -35,16 +36,19 @@ from .shared_memory import NameGuard
 logger = logging.getLogger(__name__)
 
 
-def request_keys(namespace: bytes, request: Any, chunk_tokens: int) -> list[ChunkKey] | None:
+def request_keys(
+    namespace: bytes, request: Any, chunk_tokens: int, adapters: AdapterIdentities
+) -> list[ChunkKey] | None:
     """Keys of the full chunks of a request's prompt, or ``None`` if kvtier must not serve it.
 
     The chain hashes the token ids themselves from the layout's namespace, so
     keys depend on nothing but the model, the page format and the tokens: not
     on vLLM's hash algorithm setting or ``PYTHONHASHSEED``, and not on the
     block size (chunks are whole blocks, but keys are per chunk). A LoRA
-    adapter and a cache salt change what a prefix means, so they are mixed
-    into the first chunk's key; prompts with multimodal inputs or embeddings
-    are not token-addressable and are left to vLLM.
+    adapter (by its files, see :class:`AdapterIdentities`) and a cache salt
+    change what a prefix means, so they are mixed into the first chunk's key;
+    a request whose adapter cannot be identified, and prompts with
+    multimodal inputs or embeddings (not token-addressable) are left to vLLM.
     """
     tokens = getattr(request, "prompt_token_ids", None)
     if tokens is None or getattr(request, "mm_features", None):
@@ -52,7 +56,15 @@ def request_keys(namespace: bytes, request: Any, chunk_tokens: int) -> list[Chun
     salt = b""
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        salt += b"lora\0" + str(getattr(lora, "lora_name", lora)).encode() + b"\0"
+        adapter = adapters.token(
+            str(getattr(lora, "lora_name", "")),
+            int(getattr(lora, "lora_int_id", 0)),
+            str(getattr(lora, "lora_path", "") or ""),
+            reload=bool(getattr(lora, "load_inplace", False)),
+        )
+        if adapter is None:
+            return None
+        salt += b"lora\0" + adapter.encode() + b"\0"
     cache_salt = getattr(request, "cache_salt", None)
     if cache_salt:
         salt += b"salt\0" + str(cache_salt).encode() + b"\0"
@@ -122,6 +134,7 @@ class SchedulerSide:
         # Until the name goes, it marks this engine as alive to stale-name cleanup.
         self._name_guard = NameGuard(buffer.shared_name)
         self._requests: dict[str, _Request] = {}
+        self._adapters = AdapterIdentities()
         self._next_step = 0
         self._loads = PageCopies()
         self._load_keys: list[ChunkKey] = []
@@ -337,7 +350,7 @@ class SchedulerSide:
     def _state(self, request: Any) -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
-            keys = request_keys(self.layout.namespace, request, self.chunk_tokens)
+            keys = request_keys(self.layout.namespace, request, self.chunk_tokens, self._adapters)
             state = self._requests[request.request_id] = _Request(request, keys)
             if keys is not None and self.manager.trace_recorder is not None:  # once a request
                 self.manager.trace_recorder.record(keys, len(request.prompt_token_ids))

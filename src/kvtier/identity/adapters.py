@@ -1,0 +1,70 @@
+"""Identities of LoRA adapters: a prefix's KV depends on the adapter that computed it.
+
+Engines that share a tier may load different files under one adapter name
+(an adapter retrained and deployed under its old name, on one engine
+before another), so neither the name nor the path tells two adapters apart:
+their files do. An adapter is identified as model weights are
+(:func:`~kvtier.identity.weights.weights_identity`: sizes, times and
+sampled content), once per adapter the engine loads, and again whenever the
+engine is told to reload it in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+from kvtier.identity.hub import locate_model
+from kvtier.identity.weights import weights_identity
+
+logger = logging.getLogger(__name__)
+
+#: What an engine loads an adapter by: its name, its id, and its path or repository id.
+AdapterRef = tuple[str, int, str]
+
+
+class AdapterIdentities:
+    """The identity of each LoRA adapter an engine serves, found from its files.
+
+    :meth:`token` is ``None`` for an adapter whose files cannot be found on
+    this machine (a repository id not in the local Hugging Face cache) or
+    read: KV of its requests must then be left to the engine, never shared.
+    Adapters are identified once per ``(name, id, path)``, as an engine loads
+    them once; ``reload=True`` (an engine told to load the adapter again in
+    place) identifies the files again.
+    """
+
+    def __init__(self, cache_dirs: Iterable[str | os.PathLike[str] | None] = (None,)) -> None:
+        self._cache_dirs = tuple(cache_dirs)
+        self._tokens: dict[AdapterRef, str | None] = {}
+
+    def token(self, name: str, adapter_id: int, path: str, *, reload: bool = False) -> str | None:
+        """The identity of the adapter's files, or ``None`` if they cannot be identified."""
+        ref = (name, adapter_id, path)
+        if reload or ref not in self._tokens:
+            self._tokens[ref] = self._find(name, path)
+        return self._tokens[ref]
+
+    def _find(self, name: str, path: str) -> str | None:
+        located = locate_model(path, cache_dirs=self._cache_dirs) if path else None
+        if located is None:
+            logger.warning(
+                "kvtier: LoRA adapter %r: %r is neither a local path nor in the local "
+                "Hugging Face cache, so its files cannot be identified; its requests "
+                "are left to the engine, not offloaded",
+                name,
+                path,
+            )
+            return None
+        try:
+            return weights_identity(located).token
+        except (OSError, ValueError) as exc:
+            logger.warning(
+                "kvtier: LoRA adapter %r: cannot identify %s (%s); its requests are "
+                "left to the engine, not offloaded",
+                name,
+                located,
+                exc,
+            )
+            return None
