@@ -361,6 +361,80 @@ def test_weights_changed_in_place_share_nothing(tmp_path: Path) -> None:
         changed.close()
 
 
+def test_a_lora_adapter_retrained_under_its_launch_name_shares_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang names an adapter of --lora-paths by its name and path: servers
+    launched with other files there must not share pages."""
+    from kvtier.integrations.sglang import settings
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    write_weights(adapter, bytes(64))
+    monkeypatch.setattr(settings, "launch_lora_paths", lambda: [f"tuned={adapter}"])
+    root, keys = tmp_path / "kv", page_hashes(TOKENS)
+    pool = host_pool()
+    fill(pool, seed=9)
+    backend = attach(pool, extra_config(fs_config(root)))
+    try:
+        assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
+    finally:
+        backend.close()
+    same = attach(host_pool(), extra_config(fs_config(root)))
+    try:
+        assert same.batch_exists(keys) == len(keys)  # the same adapters find their pages
+    finally:
+        same.close()
+    weights = adapter / "model.safetensors"
+    stat = weights.stat()
+    write_weights(adapter, bytes(range(64)))  # retrained, size and time kept
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    retrained = attach(host_pool(), extra_config(fs_config(root)))
+    try:
+        assert retrained.batch_exists(keys) == 0
+    finally:
+        retrained.close()
+
+
+def test_launch_adapters_are_read_in_every_form_sglang_takes_and_must_be_identifiable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from kvtier.integrations.sglang import settings
+
+    assert settings.launch_lora_paths() is None  # no server published its arguments here
+    forms = [
+        "a=/x/a",
+        "/x/b",
+        {"lora_name": "c", "lora_path": "/x/c"},
+        SimpleNamespace(lora_name="d", lora_path="/x/d"),
+    ]
+    assert settings.preloaded_adapters(forms) == [
+        ("a", "/x/a"),
+        ("/x/b", "/x/b"),
+        ("c", "/x/c"),
+        ("d", "/x/d"),
+    ]
+    assert settings.preloaded_adapters({"e": "/x/e"}) == [("e", "/x/e")]
+    assert settings.adapter_facts(None) == settings.adapter_facts([]) == ()
+    # Two adapters whose files trade places are another launch, not the same one.
+    first, second = tmp_path / "p1", tmp_path / "p2"
+    for directory, values in ((first, bytes(64)), (second, bytes(range(64)))):
+        directory.mkdir()
+        write_weights(directory, values)
+    launch = [f"x={first}", f"y={second}"]
+    before = settings.adapter_facts(launch)
+    swapped = tmp_path / "swap"
+    (first / "model.safetensors").rename(swapped)
+    (second / "model.safetensors").rename(first / "model.safetensors")
+    swapped.rename(second / "model.safetensors")
+    assert settings.adapter_facts(launch) != before
+    monkeypatch.setattr(settings, "launch_lora_paths", lambda: ["remote=org/not-downloaded"])
+    with pytest.raises(ConfigError, match="'remote'"):
+        attach(host_pool(), extra_config(fs_config(tmp_path / "kv")))
+
+
 def test_a_page_of_the_wrong_size_is_refused_and_nothing_is_stored(tmp_path: Path) -> None:
     pool = host_pool()
     keys = page_hashes(TOKENS[: 2 * PAGE])

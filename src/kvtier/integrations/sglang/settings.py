@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvtier.config import KVTierConfig, load_config, validate_options
 from kvtier.errors import ConfigError, LayoutMismatchError
 from kvtier.identity import (
+    AdapterIdentities,
     ModelIdentity,
     config_digest,
     declared_weights,
@@ -172,7 +173,74 @@ def model_facts(storage_config: Any, host_pool: Any, declared_id: str | None) ->
         weights = found.token
     architectures = config.get("architectures") or ["model"]
     identity = ModelIdentity(config_digest(config), weights)
-    return ModelFacts(declared_id or str(architectures[0]), identity.layout_extra)
+    extra = identity.layout_extra + adapter_facts(launch_lora_paths())
+    return ModelFacts(declared_id or str(architectures[0]), extra)
+
+
+def launch_lora_paths() -> Any:
+    """SGLang's ``--lora-paths`` as the server was launched with them, or
+    ``None`` outside a server (no arguments published) or with LoRA off."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        server_args = get_server_args()
+    except (ImportError, ValueError):  # not inside a server that published its arguments
+        return None
+    if getattr(server_args, "enable_lora", None) is False:
+        return None
+    return getattr(server_args, "lora_paths", None)
+
+
+def adapter_facts(lora_paths: Any) -> tuple[tuple[str, str], ...]:
+    """The identities of the LoRA adapters SGLang loads at launch, for the namespace.
+
+    SGLang seeds the page hashes of an adapter's requests with the adapter's
+    id, and for an adapter of ``--lora-paths`` that id derives from its name
+    and path alone: servers holding other files under one name and path
+    would share pages. A backend sees page hashes only, so the identities of
+    these adapters' files (:class:`AdapterIdentities`) enter the namespace of
+    every page, with their names and paths: servers share pages exactly when
+    they launch with the same adapters. (Adapters loaded later through
+    SGLang's API get random ids, so their pages are never shared.) An adapter
+    whose files cannot be identified fails the start.
+    """
+    identities = AdapterIdentities()
+    facts = []
+    for name, path in sorted(preloaded_adapters(lora_paths)):
+        token = identities.token(name, 0, path)
+        if token is None:
+            raise ConfigError(
+                [
+                    (
+                        "lora_paths",
+                        f"kvtier cannot identify LoRA adapter {name!r} at {path!r} (neither a "
+                        "local path nor in the local Hugging Face cache), so it cannot tell "
+                        "when its files change; download it first, or run without kvtier",
+                    )
+                ]
+            )
+        facts.append(f"{name}\0{path}\0{token}")
+    return (("lora", "\n".join(facts)),) if facts else ()
+
+
+def preloaded_adapters(lora_paths: Any) -> list[tuple[str, str]]:
+    """``(name, path)`` of each adapter in SGLang's ``lora_paths``: strings
+    ``NAME=PATH`` or ``PATH``, dicts, a ``{name: path}`` mapping, or the
+    ``LoRARef`` records SGLang parses them into."""
+    items = list(lora_paths.items()) if isinstance(lora_paths, Mapping) else (lora_paths or [])
+    adapters = []
+    for item in items:
+        if isinstance(item, tuple):
+            name, path = item
+        elif isinstance(item, str):
+            name, _, path = item.partition("=")
+            path = path or name
+        elif isinstance(item, Mapping):
+            name, path = item["lora_name"], item["lora_path"]
+        else:
+            name, path = item.lora_name, item.lora_path
+        adapters.append((str(name), str(path)))
+    return adapters
 
 
 def shard_facts(storage_config: Any) -> tuple[tuple[str, str], ...]:
