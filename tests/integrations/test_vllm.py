@@ -494,14 +494,12 @@ def _engine_config(
 
     import torch
     from vllm.config import LoadConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    spec = SimpleNamespace(
-        num_kv_heads=2,
-        head_size=32,
-        dtype=torch.float32,
-        block_size=block_size,
-        page_size_bytes=2 * 2 * 32 * block_size * 4,
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32
     )
+    assert spec.page_size_bytes == 2 * 2 * 32 * block_size * 4
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         model_config=model_config,
@@ -540,6 +538,26 @@ def test_chunk_tokens_must_be_whole_blocks(model: Path) -> None:
     model_config = _model_config(model)
     with pytest.raises(ConfigError, match=r"chunk_tokens.*multiple of vLLM's block_size=32"):
         kv_layout(*_engine_config(32, model_config=model_config), chunk_tokens=48)
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "chunked_local"])
+def test_a_cache_that_drops_pages_outside_a_window_is_refused(model: Path, kind: str) -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    from kvtier.errors import LayoutMismatchError
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    vllm_config, kv_cache_config = _engine_config(32, model_config=_model_config(model))
+    common = {"block_size": 32, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
+    windowed = (
+        SlidingWindowSpec(sliding_window=128, **common)
+        if kind == "sliding_window"
+        else ChunkedLocalAttentionSpec(attention_chunk_size=128, **common)
+    )
+    kv_cache_config.kv_cache_groups[0].kv_cache_spec = windowed
+    with pytest.raises(LayoutMismatchError, match=type(windowed).__name__):
+        kv_layout(vllm_config, kv_cache_config, chunk_tokens=64)
 
 
 def _namespace(model_config: Any, load_config: Any = None, **options: Any) -> bytes:

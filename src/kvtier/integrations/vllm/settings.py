@@ -153,11 +153,16 @@ def geometry(vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> VllmG
             f"(full attention); this one has {len(groups)}"
         )
     spec = groups[0].kv_cache_spec
-    for attribute in ("num_kv_heads", "head_size", "dtype", "block_size", "page_size_bytes"):
-        if not hasattr(spec, attribute):
-            raise LayoutMismatchError(
-                f"kvtier's vLLM connector needs an attention KV cache; got {type(spec).__name__}"
-            )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    # A sliding-window or chunked-local cache hands the blocks of tokens
+    # outside its window back (vLLM's block table then names a shared null
+    # block there): pages stored from them would not be those tokens' KV.
+    if not isinstance(spec, FullAttentionSpec):
+        raise LayoutMismatchError(
+            f"kvtier's vLLM connector serves full-attention KV caches; this model's is "
+            f"{type(spec).__name__}, which drops the pages of tokens outside its window"
+        )
     block_size = int(spec.block_size)
     if chunk_tokens % block_size:
         raise ConfigError(
