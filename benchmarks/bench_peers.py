@@ -7,13 +7,16 @@ seed), then loads them back, and every loaded byte is checked. The systems:
   Python: ``--threads`` threads, ``O_DIRECT`` ``pwrite`` / ``preadv``, no
   checksum, trailer or rename;
 * ``raw-redis``: the same server's floor for a Python client: redis-py
-  ``SET`` / ``GET`` pipelines on ``--threads`` threads, bytes as they are;
+  ``SET`` / ``GET`` pipelines on ``--redis-threads`` threads, bytes as they are;
 * ``kvtier-fs``, ``kvtier-redis``: kvtier's tiers (checksums on), one
-  transfer job per ``--job-chunks`` chunks, ``io_threads = --threads``;
+  transfer job per ``--job-chunks`` chunks, ``io_threads`` = ``--threads``
+  for ``fs`` and ``--redis-threads`` for ``redis`` (by default the redis
+  tier's own default: more threads only contend for the interpreter while
+  the server's single thread is the limit);
 * ``lmcache-disk``, ``lmcache-disk-odirect``, ``lmcache-redis``: LMCache
   0.5.6's ``StorageManager`` over ``LocalDiskBackend`` (without and with
   ``use_odirect``; ``disk_io_threads = --threads``) and over its redis
-  ``RemoteBackend``;
+  ``RemoteBackend`` (an asyncio loop, a connection per chunk in flight);
 * ``aibrix-shfs``, ``aibrix-rocksdb``: AIBrix KV cache 0.8.0's ``SHFS`` and
   ``ROCKSDB`` L2 connectors (an executor of ``--threads`` threads);
 * ``sglang-file``: SGLang 0.5.23's ``HiCacheFile`` (synchronous, one thread).
@@ -66,6 +69,7 @@ from kvtier.specs.tiering import TieringSpec
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.factory import SecondaryTierFactory
 from kvtier.tiers.fs import FilesystemTier
+from kvtier.tiers.redis import RedisTierOptions
 
 # kvtier's loopback redis test fixture (bench_shared_tiers puts the checkout on sys.path).
 from tests.servers import RedisServer  # isort: skip
@@ -345,12 +349,12 @@ def local_systems(
     """The systems of this process asked for, with buffers for one chunk size."""
     build: dict[str, Any] = {
         "raw-odirect": lambda: RawDirect(chunk, count, args.threads),
-        "raw-redis": lambda: RawRedisClient(redis_url, args.threads),
+        "raw-redis": lambda: RawRedisClient(redis_url, args.redis_threads),
         "kvtier-fs": lambda: KVTierTier(
             {"type": "fs", "io_threads": args.threads}, chunk, count, args.job_chunks
         ),
         "kvtier-redis": lambda: KVTierTier(
-            {"type": "redis", "url": redis_url, "io_threads": args.threads, "deadline_s": 60},
+            {"type": "redis", "url": redis_url, "io_threads": args.redis_threads, "deadline_s": 60},
             chunk,
             count,
             args.job_chunks,
@@ -464,6 +468,12 @@ def main() -> int:
         volume="256MiB",
         threads=16,
         threads_help="I/O threads of every system that has them.",
+    )
+    parser.add_argument(
+        "--redis-threads",
+        type=int,
+        default=RedisTierOptions.model_fields["io_threads"].default,
+        help="Threads of raw-redis and of kvtier's redis tier (default: the tier's own).",
     )
     parser.add_argument(
         "--job-chunks", type=int, default=16, help="Chunks per kvtier transfer job."
