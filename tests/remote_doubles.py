@@ -6,7 +6,14 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.tiers.remote import Exists, Fetched, PutErrors, RemoteTier, ValueBuffer
+from kvtier.tiers.remote import (
+    Exists,
+    Fetched,
+    FramedValue,
+    PutErrors,
+    RemoteTier,
+    ValueBuffer,
+)
 
 
 class Backend:
@@ -75,3 +82,21 @@ class FreezableTier(RemoteTier):
 
     def _ping(self) -> None:
         self.backend.call()
+
+
+class LateSendingTier(FreezableTier):
+    """Sends framed values in place (:attr:`sends_framed`), reading the slot
+    only when the send goes out: :attr:`gate` holds every send until set, as a
+    socket whose buffer is full holds the rest of a value."""
+
+    sends_framed = True
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gate = threading.Event()
+
+    def _put_framed(self, names: Sequence[str], values: Sequence[FramedValue]) -> PutErrors:
+        self.gate.wait()
+        for name, (header, payload) in zip(names, values, strict=True):
+            self.backend.values[name] = header + bytes(payload)
+        return [None] * len(names)

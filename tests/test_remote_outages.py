@@ -25,6 +25,7 @@ from kvtier.tiers.base import Lookup, LookupContext, TransferJob
 from kvtier.tiers.circuit import BreakerState
 from kvtier.tiers.remote import RemoteTier
 from tests.conftest import need_redis_server, need_s3_server
+from tests.remote_doubles import LateSendingTier
 from tests.servers import RedisServer, S3Server, free_port
 
 
@@ -501,4 +502,33 @@ def test_lookups_wait_for_the_probe_so_the_first_request_after_recovery_hits(
         assert tier.stats.outage_skipped_lookups == 1  # type: ignore[attr-defined]
     finally:
         release.set()
+        harness.close()
+
+
+def test_a_value_sent_in_place_after_its_deadline_from_a_reused_slot_is_never_served() -> None:
+    """A tier that sends values straight from the slots can still be sending
+    when its job was answered at the deadline and the slot given to another
+    chunk: what reaches the store then no longer matches its checksum."""
+    entry = {"type": "LateSendingTier", "module_path": "tests.remote_doubles", "deadline_s": 0.2}
+    harness = TierHarness(entry, small_layout(), num_slots=4)
+    tier = harness.tier
+    assert isinstance(tier, LateSendingTier)
+    clock = FakeClock()
+    tier.breaker.clock = clock
+    try:
+        [key] = harness.keys(1)
+        harness.buffer.array[0] = 1
+        assert not harness.store([key], [0]).success  # answered at its deadline, send held
+        harness.buffer.array[0] = 2  # the slot's next chunk
+        tier.gate.set()
+        wait_until(lambda: bool(tier.backend.values), what="the late send")
+        assert recover(tier, clock)
+        assert harness.lookup(key) is Lookup.HIT
+        harness.buffer.array[1] = 9
+        assert not harness.load([key], [1]).success
+        assert (harness.buffer.array[1] == 9).all()  # the slot never saw the bytes
+        assert tier.stats.corrupt_chunks == 1
+        assert not tier.backend.values  # and the bad value is gone
+    finally:
+        tier.gate.set()
         harness.close()

@@ -47,6 +47,7 @@ from kvtier.tiers.redis_reads import get_into
 from kvtier.tiers.remote import (
     Exists,
     Fetched,
+    FramedValue,
     PutErrors,
     RemoteTier,
     RemoteTierOptions,
@@ -154,6 +155,8 @@ class RedisTier(RemoteTier[RedisTierOptions]):
         self._set_name_prefix(options.key_prefix)
         self._ttl_ms = None if options.ttl_s is None else max(1, round(options.ttl_s * 1000))
         self._target = _target(options)
+        # A cluster client keeps redis-py's own connections (and packer).
+        self.sends_framed = not options.is_cluster
         self._client: Any = None
         try:
             self._client = self._start(
@@ -185,6 +188,12 @@ class RedisTier(RemoteTier[RedisTierOptions]):
         ]
 
     def _put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
+        return self._set_many(names, values)
+
+    def _put_framed(self, names: Sequence[str], values: Sequence[FramedValue]) -> PutErrors:
+        return self._set_many(names, values)  # see _framed_serializer_class
+
+    def _set_many(self, names: Sequence[str], values: Sequence[object]) -> PutErrors:
         pipe = self._pipeline()
         for name, value in zip(names, values, strict=True):
             pipe.set(name, value, px=self._ttl_ms)
@@ -346,27 +355,54 @@ def _connect(options: RedisTierOptions) -> Any:
 
 @functools.cache
 def _sending_values_in_place(connection_class: type) -> type:
-    """``connection_class`` packing commands with redis-py's pure-Python packer.
+    """``connection_class`` packing commands with redis-py's Python packer (see
+    :func:`_framed_serializer_class`).
 
     With ``hiredis`` installed redis-py packs every command with it, which
     copies a value twice (``bytes()`` of a buffer, then into one command
     string) at about 1 GB/s with the interpreter lock held: slower than the
-    server takes values. The Python packer hands a large value to
-    ``sendall`` as it is, no copy at all; replies are still parsed by
+    server takes values. redis-py's pure-Python packer hands a large value
+    to ``sendall`` as it is, no copy at all; replies are still parsed by
     ``hiredis``.
     """
-    from redis.connection import PythonRespSerializer
 
     def _construct_command_packer(self: Any, packer: Any) -> Any:
         if packer is not None:
             return packer
-        return PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+        return _framed_serializer_class()(self._buffer_cutoff, self.encoder.encode)
 
     return type(
         f"InPlace{connection_class.__name__}",
         (connection_class,),
         {"_construct_command_packer": _construct_command_packer},
     )
+
+
+@functools.cache
+def _framed_serializer_class() -> type:
+    from redis.connection import PythonRespSerializer
+
+    class FramedSerializer(PythonRespSerializer):
+        """redis-py's Python packer, which also takes a :class:`FramedValue`
+        argument: one bulk string sent as its header, then its payload as it
+        lies in the slot (redis-py sends a memoryview piece by itself)."""
+
+        def pack(self, *args: Any) -> list[bytes | memoryview]:
+            at = next((i for i, arg in enumerate(args) if isinstance(arg, FramedValue)), None)
+            if at is None:
+                return list(super().pack(*args))
+            header, payload = args[at]
+            pieces = list(super().pack(*args[:at], payload, *args[at + 1 :]))
+            index = next(i for i, piece in enumerate(pieces) if piece is payload)
+            length = b"$%d\r\n" % len(payload)
+            before = pieces[index - 1]
+            if not before.endswith(length):
+                raise RuntimeError("redis-py packed a bulk string in an unknown way")
+            total = b"$%d\r\n" % (len(header) + len(payload))
+            pieces[index - 1] = bytes(before[: -len(length)]) + total + header
+            return pieces
+
+    return FramedSerializer
 
 
 def _target(options: RedisTierOptions) -> str:

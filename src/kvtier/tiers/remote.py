@@ -9,13 +9,17 @@ write batched client calls:
 * integrity: every value is framed with :mod:`kvtier.integrity`'s header and
   verified *before* a byte of it reaches a primary slot; a corrupt, torn or
   foreign value is a miss, is deleted and is counted. Each worker frames into
-  buffers it keeps (a batch's worth), so stores allocate nothing;
+  buffers it keeps (a batch's worth), so stores allocate nothing; a backend
+  that can send a value in two parts (:attr:`RemoteTier.sends_framed`) gets
+  the header and the slot itself, and no copy is made at all;
 * optional write deduplication (``skip_existing``): one batched existence
   check before a store, so chunks another engine already wrote are not sent again;
 * outages, bounded: every job and existence check has one deadline
   (``deadline_s``). A job still running then is answered with what it has
-  (its other chunks failed) and its slots are never touched again, however
-  long a worker stays stuck in a socket; a missed deadline with no answer
+  (its other chunks failed) and its slots are never written again, however
+  long a worker stays stuck in a socket (a value still being sent from a
+  slot given to another chunk meanwhile no longer matches its checksum, so
+  it is never served); a missed deadline with no answer
   from the backend meanwhile opens the
   :class:`~kvtier.tiers.circuit.CircuitBreaker`, as do ``breaker_failures``
   failed calls in a row. While it is open, lookups answer MISS, stores are
@@ -33,7 +37,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from pydantic import Field, model_validator
 
@@ -65,6 +69,15 @@ Exists = bool | BaseException
 ValueBuffer = bytearray | memoryview
 #: What a batched write gives back per name: ``None``, or the error that item met.
 PutErrors = list[BaseException | None]
+
+
+class FramedValue(NamedTuple):
+    """A value in its two parts, for a backend that sends them one after the
+    other: the integrity header, then the payload straight from its slot."""
+
+    header: bytes
+    payload: memoryview
+
 
 T = TypeVar("T")
 
@@ -204,6 +217,15 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
 
         Raise when the whole batch failed (connection lost, timeout).
         """
+
+    #: Whether stores go through :meth:`_put_framed` (no copy of the payload)
+    #: instead of :meth:`_put_many` with values framed into buffers.
+    sends_framed: bool = False
+
+    def _put_framed(self, names: Sequence[str], values: Sequence[FramedValue]) -> PutErrors:
+        """:meth:`_put_many` with each value in its two parts, for a backend
+        whose :attr:`sends_framed` is true: send them as one value."""
+        raise NotImplementedError(f"{type(self).__name__} does not send framed values")
 
     @abstractmethod
     def _get_many(self, names: Sequence[str]) -> list[Fetched]:
@@ -412,13 +434,28 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             # An item the store could not check is sent: a write is never wrong.
             held = [f is True for f in self._exists_many(names)]
         todo = [i for i, present in enumerate(held) if not present]
-        values = self._scratch(len(todo))
+        todo_names = [names[i] for i in todo]
         with state.slots_guard:
             if state.reported:  # answered at its deadline: the slots may hold other chunks now
                 return [False] * len(keys)
-            for value, i in zip(values, todo, strict=False):
-                integrity.frame_into(value, self.namespace, keys[i], self.slot(slots[i]))
-        errors = self._put_many([names[i] for i in todo], values[: len(todo)])
+            if self.sends_framed:
+                # Checksummed here, sent after from the slot itself: should the
+                # job be answered at its deadline meanwhile and a slot written
+                # again, its value no longer matches its checksum, and no load
+                # ever serves it.
+                framed = []
+                for i in todo:
+                    payload = self.slot(slots[i])
+                    header = integrity.pack_header(self.namespace, keys[i], payload)
+                    framed.append(FramedValue(header, payload))
+            else:
+                values = self._scratch(len(todo))
+                for value, i in zip(values, todo, strict=False):
+                    integrity.frame_into(value, self.namespace, keys[i], self.slot(slots[i]))
+        if self.sends_framed:
+            errors = self._put_framed(todo_names, framed)
+        else:
+            errors = self._put_many(todo_names, values[: len(todo)])
         if len(todo) < len(names):
             self._refresh_many([n for n, present in zip(names, held, strict=True) if present])
         self._outcome_of(errors)
