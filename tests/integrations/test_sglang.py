@@ -330,35 +330,42 @@ def test_a_model_kvtier_cannot_identify_needs_kvtier_model_id(tmp_path: Path, mo
         backend.close()
 
 
+def found_before_and_after_a_change_in_place(
+    root: Path, files: Path, seed: int, **config: Any
+) -> tuple[int, int]:
+    """Pages stored, then found by the same deployment, then by one whose
+    ``files/model.safetensors`` changed in place (size and time kept)."""
+    keys = page_hashes(TOKENS)
+    pool = host_pool()
+    fill(pool, seed=seed)
+    backend = attach(pool, extra_config(fs_config(root)), **config)
+    try:
+        assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
+    finally:
+        backend.close()
+    found = []
+    for change in (False, True):
+        if change:
+            weights = files / "model.safetensors"
+            stat = weights.stat()
+            write_weights(files, bytes(range(64)))  # k/v projections scaled, say
+            os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        again = attach(host_pool(), extra_config(fs_config(root)), **config)
+        try:
+            found.append(again.batch_exists(keys))
+        finally:
+            again.close()
+    return found[0], found[1]
+
+
 def test_weights_changed_in_place_share_nothing(tmp_path: Path) -> None:
     """New weights at the same path (size and time kept) never read the old pages."""
     model = Path(tmp_path / "model")
     model.mkdir()
     (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     write_weights(model, bytes(64))
-    root = tmp_path / "kv"
-    keys = page_hashes(TOKENS)
-    pool = host_pool()
-    fill(pool, seed=8)
-    backend = attach(pool, extra_config(fs_config(root)), model=str(model))
-    try:
-        assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
-    finally:
-        backend.close()
-    same = attach(host_pool(), extra_config(fs_config(root)), model=str(model))
-    try:
-        assert same.batch_exists(keys) == len(keys)  # the same weights find their pages
-    finally:
-        same.close()
-    weights = model / "model.safetensors"
-    stat = weights.stat()
-    write_weights(model, bytes(range(64)))  # k/v projections scaled, say
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    changed = attach(host_pool(), extra_config(fs_config(root)), model=str(model))
-    try:
-        assert changed.batch_exists(keys) == 0
-    finally:
-        changed.close()
+    found = found_before_and_after_a_change_in_place(tmp_path / "kv", model, 8, model=str(model))
+    assert found == (len(TOKENS) // PAGE, 0)
 
 
 def test_a_lora_adapter_retrained_under_its_launch_name_shares_nothing(
@@ -372,28 +379,8 @@ def test_a_lora_adapter_retrained_under_its_launch_name_shares_nothing(
     adapter.mkdir()
     write_weights(adapter, bytes(64))
     monkeypatch.setattr(settings, "launch_lora_paths", lambda: [f"tuned={adapter}"])
-    root, keys = tmp_path / "kv", page_hashes(TOKENS)
-    pool = host_pool()
-    fill(pool, seed=9)
-    backend = attach(pool, extra_config(fs_config(root)))
-    try:
-        assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
-    finally:
-        backend.close()
-    same = attach(host_pool(), extra_config(fs_config(root)))
-    try:
-        assert same.batch_exists(keys) == len(keys)  # the same adapters find their pages
-    finally:
-        same.close()
-    weights = adapter / "model.safetensors"
-    stat = weights.stat()
-    write_weights(adapter, bytes(range(64)))  # retrained, size and time kept
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    retrained = attach(host_pool(), extra_config(fs_config(root)))
-    try:
-        assert retrained.batch_exists(keys) == 0
-    finally:
-        retrained.close()
+    found = found_before_and_after_a_change_in_place(tmp_path / "kv", adapter, 9)
+    assert found == (len(TOKENS) // PAGE, 0)
 
 
 def test_launch_adapters_are_read_in_every_form_sglang_takes_and_must_be_identifiable(
