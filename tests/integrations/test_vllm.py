@@ -568,6 +568,19 @@ def _namespace(model_config: Any, load_config: Any = None, **options: Any) -> by
     return layout.namespace
 
 
+def test_the_kv_cache_dtype_and_the_layers_it_skips_are_in_the_namespace(model: Path) -> None:
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    namespaces = set()
+    for cache_dtype, skipped in (("auto", []), ("fp8", []), ("fp8", ["0"]), ("fp8", ["0", "1"])):
+        vllm_config, kv_cache_config = _engine_config(32, model_config=_model_config(model))
+        vllm_config.cache_config.cache_dtype = cache_dtype
+        vllm_config.cache_config.kv_cache_dtype_skip_layers = skipped
+        layout, _ = kv_layout(vllm_config, kv_cache_config, chunk_tokens=64)
+        namespaces.add(layout.namespace)
+    assert len(namespaces) == 4
+
+
 @pytest.mark.parametrize(
     "options",
     [

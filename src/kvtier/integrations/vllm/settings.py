@@ -267,6 +267,11 @@ def kv_layout(
             ("attention_isa", isa),
             ("block_size", str(shape.block_size)),
             ("kv_cache_dtype", str(vllm_config.cache_config.cache_dtype)),
+            # Layers left unquantised hold other bytes than the quantised ones.
+            (
+                "kv_cache_dtype_skip_layers",
+                ",".join(getattr(vllm_config.cache_config, "kv_cache_dtype_skip_layers", ())),
+            ),
             # Each rank's pages hold its share of the heads (and a stage's
             # layers): another parallel layout means other bytes per slot part.
             ("tensor_parallel_size", str(shape.tensor_parallel_size)),
