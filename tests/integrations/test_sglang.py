@@ -378,9 +378,53 @@ def test_a_lora_adapter_retrained_under_its_launch_name_shares_nothing(
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     write_weights(adapter, bytes(64))
-    monkeypatch.setattr(settings, "launch_lora_paths", lambda: [f"tuned={adapter}"])
+    monkeypatch.setattr(settings, "launch_lora_paths", lambda _args: [f"tuned={adapter}"])
     found = found_before_and_after_a_change_in_place(tmp_path / "kv", adapter, 9)
     assert found == (len(TOKENS) // PAGE, 0)
+
+
+def test_launch_arguments_that_change_the_kv_share_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On-the-fly quantisation or a config override given at launch changes
+    the KV the same files compute: such servers never read each other's pages."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.sglang import settings
+
+    scales = tmp_path / "kv_scales.json"
+    scales.write_text('{"k": 1.0}')
+    base = {name: None for name in settings.KV_SERVER_ARGS} | {"dtype": "auto"}
+    launches = {
+        "plain": base,
+        "fp8 weights": base | {"quantization": "fp8"},
+        "rope override": base | {"json_model_override_args": '{"rope_theta": 1000.0}'},
+        "kv scales": base | {"quantization_param_path": str(scales)},
+    }
+
+    def launched(launch: dict[str, Any]) -> None:
+        monkeypatch.setattr(settings, "launch_server_args", lambda: SimpleNamespace(**launch))
+
+    root, keys = tmp_path / "kv", page_hashes(TOKENS)
+    pool = host_pool()
+    fill(pool, seed=10)
+    for name, launch in launches.items():
+        launched(launch)
+        backend = attach(pool, extra_config(fs_config(root)))
+        try:
+            assert backend.batch_exists(keys) == 0, name  # nothing another launch stored
+            assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
+        finally:
+            backend.close()
+    # The same launch again finds its pages; the scales file by its content.
+    scales.write_text('{"k": 2.0}')
+    for launch, found in ((launches["rope override"], len(keys)), (launches["kv scales"], 0)):
+        launched(launch)
+        again = attach(host_pool(), extra_config(fs_config(root)))
+        try:
+            assert again.batch_exists(keys) == found
+        finally:
+            again.close()
 
 
 def test_launch_adapters_are_read_in_every_form_sglang_takes_and_must_be_identifiable(
@@ -390,7 +434,9 @@ def test_launch_adapters_are_read_in_every_form_sglang_takes_and_must_be_identif
 
     from kvtier.integrations.sglang import settings
 
-    assert settings.launch_lora_paths() is None  # no server published its arguments here
+    assert settings.launch_server_args() is None  # no server published its arguments here
+    assert settings.launch_lora_paths(None) is None
+    assert settings.launch_lora_paths(SimpleNamespace(enable_lora=False, lora_paths=["a"])) is None
     forms = [
         "a=/x/a",
         "/x/b",
@@ -417,7 +463,7 @@ def test_launch_adapters_are_read_in_every_form_sglang_takes_and_must_be_identif
     (second / "model.safetensors").rename(first / "model.safetensors")
     swapped.rename(second / "model.safetensors")
     assert settings.adapter_facts(launch) != before
-    monkeypatch.setattr(settings, "launch_lora_paths", lambda: ["remote=org/not-downloaded"])
+    monkeypatch.setattr(settings, "launch_lora_paths", lambda _args: ["remote=org/not-downloaded"])
     with pytest.raises(ConfigError, match="'remote'"):
         attach(host_pool(), extra_config(fs_config(tmp_path / "kv")))
 

@@ -9,10 +9,12 @@ nearest valid key instead of being silently ignored.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +28,7 @@ from kvtier.identity import (
     declared_weights,
     identify_weights,
     locate_model,
+    weights_identity,
 )
 from kvtier.layout import KVLayout
 
@@ -172,21 +175,61 @@ def model_facts(storage_config: Any, host_pool: Any, declared_id: str | None) ->
             )
         weights = found.token
     architectures = config.get("architectures") or ["model"]
+    server_args = launch_server_args()
+    settings = kv_server_settings(server_args)
+    if settings:  # read inside a server only: outside one there is none to read
+        config = {**config, "kvtier_sglang_server": settings}
     identity = ModelIdentity(config_digest(config), weights)
-    extra = identity.layout_extra + adapter_facts(launch_lora_paths())
+    extra = identity.layout_extra + adapter_facts(launch_lora_paths(server_args))
     return ModelFacts(declared_id or str(architectures[0]), extra)
 
 
-def launch_lora_paths() -> Any:
-    """SGLang's ``--lora-paths`` as the server was launched with them, or
-    ``None`` outside a server (no arguments published) or with LoRA off."""
+#: SGLang launch arguments that change the KV a model computes from the same
+#: files: on-the-fly quantisation, compute and KV dtypes, config overrides,
+#: the revision and how the weights are loaded.
+KV_SERVER_ARGS = (
+    "dtype",
+    "quantization",
+    "quantization_param_path",
+    "kv_cache_dtype",
+    "json_model_override_args",
+    "revision",
+    "load_format",
+    "model_impl",
+)
+
+
+def launch_server_args() -> Any:
+    """The arguments SGLang's server was launched with, or ``None`` outside a
+    server (a backend built by hand: no arguments were published)."""
     try:
         from sglang.srt.runtime_context import get_server_args
 
-        server_args = get_server_args()
-    except (ImportError, ValueError):  # not inside a server that published its arguments
+        return get_server_args()
+    except (ImportError, ValueError):
         return None
-    if getattr(server_args, "enable_lora", None) is False:
+
+
+def kv_server_settings(server_args: Any) -> dict[str, Any]:
+    """:data:`KV_SERVER_ARGS` as given at launch (JSON overrides parsed, a
+    quantisation parameter file by the identity of its content)."""
+    if server_args is None:
+        return {}
+    settings = {name: getattr(server_args, name, None) for name in KV_SERVER_ARGS}
+    overrides = settings["json_model_override_args"]
+    if isinstance(overrides, str) and overrides.strip():
+        with contextlib.suppress(ValueError):  # kept as written: still one digest per text
+            settings["json_model_override_args"] = json.loads(overrides)
+    scales = settings["quantization_param_path"]
+    if isinstance(scales, str) and Path(scales).is_file():
+        settings["quantization_param_path"] = weights_identity(scales).token
+    return settings
+
+
+def launch_lora_paths(server_args: Any) -> Any:
+    """SGLang's ``--lora-paths`` as the server was launched with them, or
+    ``None`` outside a server or with LoRA off."""
+    if server_args is None or getattr(server_args, "enable_lora", None) is False:
         return None
     return getattr(server_args, "lora_paths", None)
 
