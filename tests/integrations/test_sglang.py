@@ -400,6 +400,8 @@ def test_launch_arguments_that_change_the_kv_share_nothing(
         "fp8 weights": base | {"quantization": "fp8"},
         "rope override": base | {"json_model_override_args": '{"rope_theta": 1000.0}'},
         "kv scales": base | {"quantization_param_path": str(scales)},
+        "random weights": base | {"load_format": "dummy"},
+        "random weights again": base | {"load_format": "dummy"},
     }
 
     def launched(launch: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,6 +180,8 @@ def model_facts(storage_config: Any, host_pool: Any, declared_id: str | None) ->
     settings = kv_server_settings(server_args)
     if settings:  # read inside a server only: outside one there is none to read
         config = {**config, "kvtier_sglang_server": settings}
+    if settings.get("load_format") == "dummy":  # random weights: this process's own KV
+        weights = f"dummy:{uuid.uuid4().hex}"
     identity = ModelIdentity(config_digest(config), weights)
     extra = identity.layout_extra + adapter_facts(launch_lora_paths(server_args))
     return ModelFacts(declared_id or str(architectures[0]), extra)
