@@ -166,7 +166,7 @@ def test_s3fifo_evicts_keys_its_small_queue_promotes_into_an_emptied_main() -> N
     for i in (1, 2, 3):
         policy.remove(key(i))
     policy._small.clear()
-    policy._small[key(0)] = None
+    policy._small.append(key(0))
     for i in (1, 2, 3):
         policy._ghost[key(i)] = None
         policy.insert(key(i))

@@ -331,7 +331,8 @@ class PrimaryTier:
 class _Protected(Collection[ChunkKey]):
     """The keys an eviction must spare: pinned ones, the request's own, and
     those the caller protects. A view: a membership test is at most three set
-    lookups and nothing is copied, however long the protected chain."""
+    lookups and nothing is copied, however long the protected chain. Its
+    exact length is a union of the parts: a policy asks :meth:`size_bound`."""
 
     __slots__ = ("_own", "_pinned", "_protect")
 
@@ -357,3 +358,8 @@ class _Protected(Collection[ChunkKey]):
 
     def __len__(self) -> int:
         return len(self._union())
+
+    def size_bound(self) -> int:
+        """At least :func:`len`, without building the union (see
+        :func:`kvtier.policies.base.size_bound`)."""
+        return len(self._pinned) + len(self._own) + len(self._protect)
