@@ -160,11 +160,11 @@ class ARCCachePolicy(CachePolicy):
         b1, b2 = self._b1, self._b2
         excess = len(self._t1) + len(b1) - self.capacity
         while excess > 0 and b1:
-            b1.popitem(last=False)
+            b1.popitem(False)  # positional: a keyword costs more than the pop
             excess -= 1
         excess = len(self._t1) + len(self._t2) + len(b1) + len(b2) - 2 * self.capacity
         while excess > 0 and b2:
-            b2.popitem(last=False)
+            b2.popitem(False)
             excess -= 1
 
     def clear(self) -> None:

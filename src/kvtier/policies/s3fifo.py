@@ -169,7 +169,7 @@ class S3FIFOCachePolicy(CachePolicy):
             ghost[key] = None
             # The ghost remembers about as many keys as the cache holds.
             if len(ghost) > capacity:
-                ghost.popitem(last=False)
+                ghost.popitem(False)  # positional: a keyword costs more than the pop
             victims.append(key)
             if len(victims) == wanted or len(small) + len(held) < small_capacity:
                 return True
@@ -190,16 +190,26 @@ class S3FIFOCachePolicy(CachePolicy):
         bounded frequency.
         """
         main, counts = self._main, self._freq
-        take, requeue = main.popleft, main.append
         while main:
-            key = take()
-            if key in protected:
-                held.append(key)
-                continue
-            count = counts[key]
-            if count > MAIN:
+            # One pass down the queue as it stands, to its first victim or
+            # protected key: the keys before it are re-queued, which one
+            # rotation does in C (their order behind the rest is the order
+            # they were met in). A whole lap re-queues every key: no change.
+            requeued = 0
+            for key in main:
+                if key in protected:
+                    break
+                count = counts[key]
+                if count == MAIN:
+                    break
                 counts[key] = count - 1
-                requeue(key)
+                requeued += 1
+            else:
+                continue
+            main.rotate(-requeued)
+            key = main.popleft()
+            if counts[key] != MAIN or key in protected:
+                held.append(key)
                 continue
             del counts[key]
             victims.append(key)

@@ -133,21 +133,24 @@ class PrimaryTier:
         (evicting them would break its prefix) only the resident idle ones
         need naming.
         """
+        # The pinned keys go to the policy as the dict itself, a collection of
+        # them whose membership test is a fast C method (a keys view's, which
+        # filterfalse and map call once per key, is a slower slot wrapper).
         pins = self._pins
         own: list[ChunkKey] = []
         if some_resident:
             ready = self._ready
             own = [key for key in keys if key in ready and key not in pins]
         if protect:
-            return self.policy.evict(n, _Protected(pins.keys(), set(own), protect))
+            return self.policy.evict(n, _Protected(pins, set(own), protect))
         if not own:
-            return self.policy.evict(n, pins.keys())
+            return self.policy.evict(n, pins)
         # Idle, so not pinned: lent to the pinned keys for this one call, which
         # keeps each membership test the policy makes a single dict lookup.
         for key in own:
             pins[key] = 0
         try:
-            return self.policy.evict(n, pins.keys())
+            return self.policy.evict(n, pins)
         finally:
             for key in own:
                 pins.pop(key, None)  # a key listed twice was lent once
