@@ -101,8 +101,10 @@ class Driver:
         else:
             # Untracked keys too: a protected collection may name any key.
             chosen = rng.sample(tracked, rng.randint(0, len(tracked))) + self.some_keys(4)
+        # Every form a caller may pass: the primary tier's pins dict, a view,
+        # a list with repeats (whose len overstates it).
         form: Callable[[list[ChunkKey]], Collection[ChunkKey]] = rng.choice(
-            (set, frozenset, lambda keys: dict.fromkeys(keys).keys())
+            (set, frozenset, dict.fromkeys, lambda keys: dict.fromkeys(keys).keys(), _repeated)
         )
         return form(chosen)
 
@@ -144,6 +146,10 @@ class Driver:
             if victims is None:
                 return
         self.call("insert_all", new)
+
+
+def _repeated(keys: list[ChunkKey]) -> list[ChunkKey]:
+    return keys + keys[: len(keys) // 2]
 
 
 def _name(k: bytes) -> str:
