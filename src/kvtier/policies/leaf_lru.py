@@ -98,14 +98,13 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         # insert inlined for the primary tier's batches: new keys that an
         # eviction announced join the current group.
         group_of, current = self._group_of, self._current
-        join = current.append
-        joined = 0
+        join, before = current.append, len(current)
         for key in itertools.islice(keys, self._announced):
             if key in group_of:
                 break
             group_of[key] = current
             join(key)
-            joined += 1
+        joined = len(current) - before
         self._announced -= joined
         for key in keys[joined:]:  # the general case, key by key
             self.insert(key)
