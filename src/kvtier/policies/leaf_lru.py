@@ -128,21 +128,37 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             self._open(group=leading)
         else:
             self._open()
-            # _leave and _join inlined: the primary tier touches every hit of every request.
-            group_of, current = self._group_of, self._current
-            last = current
-            for key in keys:
-                group = group_of.get(key)
-                if group is None:
-                    continue
-                if group is not last:
-                    self._drop_if_empty(last)
-                    last = group
-                group.remove(key)
-                group_of[key] = current
-                current.append(key)
-            self._drop_if_empty(last)
+            self._gather(keys)
         self._touched = (self._serial, len(self._current))
+
+    def _gather(self, keys: list[ChunkKey]) -> None:
+        """Move each tracked key of ``keys``, in order, into the new current group.
+
+        Each group the keys leave is rebuilt once after, not searched once per
+        key: linear in the keys and the sizes of the groups they leave.
+        """
+        group_of, current = self._group_of, self._current
+        left: dict[int, _Group] = {}
+        last = current
+        repeated = False
+        for key in keys:
+            group = group_of.get(key)
+            if group is None:
+                continue
+            if group is current:
+                repeated = True  # listed twice: it ends where it was listed last
+            else:
+                if group is not last:
+                    left[id(group)] = last = group
+                group_of[key] = current
+            current.append(key)
+        if repeated:
+            current.reverse()
+            current[:] = dict.fromkeys(current)
+            current.reverse()
+        for group in left.values():
+            group[:] = [key for key in group if group_of[key] is group]
+            self._drop_if_empty(group)
 
     def _led_by(self, keys: list[ChunkKey]) -> _Group | None:
         """The group whose oldest keys are ``keys``, in order, if there is one.
