@@ -250,8 +250,9 @@ class _Group(list[ChunkKey]):
     """The keys one request used last, oldest first, and its place among the groups.
 
     A list, not a dict: keys join at the end and victims leave from an end,
-    so a list does in one C-level slice what a dict does key by key; a key
-    that moves to another group (rare: the common touch takes its group over)
+    so a list does in one C-level slice what a dict does key by key. Keys a
+    touch moves elsewhere leave by one rebuild of the list per touch; a key
+    removed (or inserted again elsewhere, which the primary tier never does)
     is searched for.
     """
 
