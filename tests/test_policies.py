@@ -166,7 +166,7 @@ def test_s3fifo_evicts_keys_its_small_queue_promotes_into_an_emptied_main() -> N
     for i in (1, 2, 3):
         policy.remove(key(i))
     policy._small.clear()
-    policy._small[key(0)] = None
+    policy._small.append(key(0))
     for i in (1, 2, 3):
         policy._ghost[key(i)] = None
         policy.insert(key(i))
@@ -275,6 +275,35 @@ def test_leaf_lru_touch_of_a_groups_leading_keys_decides_as_touching_key_by_key(
         adopting.insert_all(new)
         moving.insert_all(new)
     assert _drain(adopting) == _drain(moving)
+
+
+class _CountedKey(bytes):
+    """A key that counts the equality tests made on it: a search of a list
+    makes one per key it passes, a dict lookup of the same object none."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        _CountedKey.compared += 1
+        return bytes.__eq__(self, other)
+
+    __hash__ = bytes.__hash__
+
+
+def test_leaf_lru_touch_gathering_long_groups_is_linear_in_them() -> None:
+    """A touch that is not led by one group moves each key out of its group:
+    searching the group for each key would be quadratic in a long chain."""
+    length = 400
+    policy = make("leaf-lru", 4 * length)
+    chains = [[ChunkKey(_CountedKey(key(1000 * c + i))) for i in range(length)] for c in range(2)]
+    for chain in chains:
+        policy.insert_all(chain)  # unannounced: one group, oldest first
+    _CountedKey.compared = 0
+    # Every other key of both chains, interleaved: led by no group.
+    policy.touch([k for pair in zip(chains[0][::2], chains[1][::2], strict=True) for k in pair])
+    assert _CountedKey.compared <= 4 * length
+    # The keys left behind keep their order, oldest first (unannounced groups).
+    assert policy.evict(4, ()) == [chains[0][1], chains[0][3], chains[0][5], chains[0][7]]
 
 
 def _drain(policy: CachePolicy) -> list[ChunkKey]:

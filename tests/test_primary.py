@@ -276,3 +276,35 @@ def test_a_policy_that_refuses_one_key_of_a_batch_loses_only_that_chunk(
     assert ready == {key(1): reserved[key(1)], key(3): reserved[key(3)]}
     assert key(2) not in policy and key(3) in policy
     assert len(primary) == 2 and primary.busy_counts()["free"] == 2
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "leaf-lru"])
+def test_evictions_sparing_a_long_chain_never_build_its_union(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A promotion stores a chain chunk by chunk, protecting the whole chain:
+    a policy that took the protected view's exact length would copy the
+    chain once per chunk (quadratic in the chain). Counted, not timed."""
+    from kvtier.policies import CachePolicyFactory
+    from kvtier.primary import tier as tier_module
+
+    unions = []
+    build = tier_module._Protected._union
+    monkeypatch.setattr(
+        tier_module._Protected, "_union", lambda view: unions.append(1) or build(view)
+    )
+    slots = 80
+    primary = PrimaryTier(
+        SlotBuffer(slots, 64), CachePolicyFactory.create_cache_policy(name, slots)
+    )
+    stored(primary, *range(slots))
+    chain = [key(100 + i) for i in range(64)]
+    protect = set(chain)
+    for chunk in chain:
+        reserved = primary.prepare_store([chunk], protect=protect)
+        assert reserved is not None
+        primary.complete_store(list(reserved))
+    assert primary.evictions == 64 and unions == []
+    # The view still answers len exactly, for any other reader.
+    view = tier_module._Protected(primary._pins.keys(), {key(1)}, {key(1), key(2)})
+    assert len(view) == 2 and view.size_bound() >= 2

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
@@ -114,6 +114,16 @@ class ARCCachePolicy(CachePolicy):
     def touch(self, keys: Iterable[ChunkKey]) -> None:
         # ``get`` inlined: the primary tier touches every hit of every request.
         t1, t2 = self._t1, self._t2
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        try:
+            # Mostly keys seen again already, all in T2: one C-level pass.
+            deque(map(t2.move_to_end, keys), maxlen=0)
+            return
+        except KeyError:
+            # A key in T1 or untracked stopped it part-way: the whole touch again,
+            # key by key, leaves the order one pass leaves (each key moved
+            # once more, in order, behind the rest).
+            pass
         for key in keys:
             if key in t2:
                 t2.move_to_end(key)
@@ -160,11 +170,11 @@ class ARCCachePolicy(CachePolicy):
         b1, b2 = self._b1, self._b2
         excess = len(self._t1) + len(b1) - self.capacity
         while excess > 0 and b1:
-            b1.popitem(last=False)
+            b1.popitem(False)  # positional: a keyword costs more than the pop
             excess -= 1
         excess = len(self._t1) + len(self._t2) + len(b1) + len(b2) - 2 * self.capacity
         while excess > 0 and b2:
-            b2.popitem(last=False)
+            b2.popitem(False)
             excess -= 1
 
     def clear(self) -> None:

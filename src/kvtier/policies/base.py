@@ -84,3 +84,15 @@ class CachePolicy(ABC):
 def unprotected(entries: Iterable[ChunkKey], protected: Collection[ChunkKey]) -> Iterator[ChunkKey]:
     """Keys of ``entries`` (in their order: oldest first) outside ``protected``."""
     return filterfalse(protected.__contains__, entries)  # C-level for a set
+
+
+def size_bound(protected: Collection[ChunkKey]) -> int:
+    """An upper bound on ``len(protected)``, in constant time where ``len`` is not.
+
+    A collection whose exact length costs a pass over it (the primary tier's
+    view of the keys an eviction must spare, a union of its parts) offers a
+    cheap bound as a ``size_bound()`` method; any other collection's ``len``.
+    For a policy's shortcut when plenty of keys are evictable.
+    """
+    bound = getattr(protected, "size_bound", None)
+    return len(protected) if bound is None else int(bound())

@@ -72,7 +72,7 @@ class LeafFirstLRUCachePolicy(CachePolicy):
     def _leave(self, key: ChunkKey) -> None:
         """Take a tracked key out of its group, dropping the group once empty."""
         group = self._group_of.pop(key)
-        del group[key]
+        group.remove(key)
         self._drop_if_empty(group)
 
     def get(self, key: ChunkKey) -> bool:
@@ -92,19 +92,19 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             if old is not None:
                 self._leave(key)
             self._group_of[key] = current
-        current[key] = None
+            current.append(key)
 
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
         # insert inlined for the primary tier's batches: new keys that an
         # eviction announced join the current group.
         group_of, current = self._group_of, self._current
-        joined = 0
+        join, before = current.append, len(current)
         for key in itertools.islice(keys, self._announced):
             if key in group_of:
                 break
             group_of[key] = current
-            current[key] = None
-            joined += 1
+            join(key)
+        joined = len(current) - before
         self._announced -= joined
         for key in keys[joined:]:  # the general case, key by key
             self.insert(key)
@@ -115,7 +115,7 @@ class LeafFirstLRUCachePolicy(CachePolicy):
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
-        if self._touched == (self._serial, len(keys)) and list(self._current) == keys:
+        if self._touched == (self._serial, len(keys)) and self._current == keys:
             # The same hits touched again with nothing in between (a lookup, then
             # the load of what it found): they already are the newest group.
             return
@@ -128,21 +128,37 @@ class LeafFirstLRUCachePolicy(CachePolicy):
             self._open(group=leading)
         else:
             self._open()
-            # _leave and _join inlined: the primary tier touches every hit of every request.
-            group_of, current = self._group_of, self._current
-            last = current
-            for key in keys:
-                group = group_of.get(key)
-                if group is None:
-                    continue
-                if group is not last:
-                    self._drop_if_empty(last)
-                    last = group
-                del group[key]
-                group_of[key] = current
-                current[key] = None
-            self._drop_if_empty(last)
+            self._gather(keys)
         self._touched = (self._serial, len(self._current))
+
+    def _gather(self, keys: list[ChunkKey]) -> None:
+        """Move each tracked key of ``keys``, in order, into the new current group.
+
+        Each group the keys leave is rebuilt once after, not searched once per
+        key: linear in the keys and the sizes of the groups they leave.
+        """
+        group_of, current = self._group_of, self._current
+        left: dict[int, _Group] = {}
+        last = current
+        repeated = False
+        for key in keys:
+            group = group_of.get(key)
+            if group is None:
+                continue
+            if group is current:
+                repeated = True  # listed twice: it ends where it was listed last
+            else:
+                if group is not last:
+                    left[id(group)] = last = group
+                group_of[key] = current
+            current.append(key)
+        if repeated:
+            current.reverse()
+            current[:] = dict.fromkeys(current)
+            current.reverse()
+        for group in left.values():
+            group[:] = [key for key in group if group_of[key] is group]
+            self._drop_if_empty(group)
 
     def _led_by(self, keys: list[ChunkKey]) -> _Group | None:
         """The group whose oldest keys are ``keys``, in order, if there is one.
@@ -151,20 +167,18 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         prefix used, and those keys lead that request's group.
         """
         group = self._group_of.get(keys[0]) if keys else None
-        count = len(keys)
-        if group is None or len(group) < count or list(itertools.islice(group, count)) != keys:
+        if group is None or group[: len(keys)] != keys:
             return None
         return group
 
     def _split_after(self, group: _Group, count: int) -> None:
         """Move the keys after the first ``count`` of ``group`` into a group in its place."""
         serial, group_of = group.serial, self._group_of
-        rest = _group(serial)
-        for key in list(itertools.islice(group, count, None)):
-            del group[key]
-            group_of[key] = rest
-            rest[key] = None
+        rest = _group(serial, group[count:])
         if rest:
+            del group[count:]
+            for key in rest:
+                group_of[key] = rest
             self._groups[serial] = rest
         else:
             del self._groups[serial]
@@ -174,23 +188,41 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         if n <= 0:
             return []
         victims: list[ChunkKey] = []
+        # Per group that gives victims: how many, and whether a protected key
+        # lay between them (else they are the end of its list, or the start).
+        gave: list[tuple[_Group, bool, int, bool]] = []
         wanted, unannounced = n, self._unannounced
         for serial, group in self._groups.items():
-            for key in group if serial in unannounced else reversed(group):
-                if key not in protected:
-                    victims.append(key)
-                    wanted -= 1
-                    if not wanted:
-                        break
+            taken = len(victims)
+            oldest_first = serial in unannounced
+            spared = False
+            for key in group if oldest_first else reversed(group):
+                if key in protected:
+                    spared = True
+                    continue
+                victims.append(key)
+                wanted -= 1
+                if not wanted:
+                    break
+            if len(victims) > taken:
+                gave.append((group, oldest_first, len(victims) - taken, spared))
             if not wanted:
                 break
         else:
             return None  # too few evictable: nothing changed
-        # _leave inlined: the primary tier evicts for most stores.
         group_of = self._group_of
         for key in victims:
-            group = group_of.pop(key)
-            del group[key]
+            del group_of[key]
+        taken = 0
+        for group, oldest_first, count, spared in gave:
+            if spared:
+                gone = set(victims[taken : taken + count])
+                group[:] = [key for key in group if key not in gone]
+            elif oldest_first:
+                del group[:count]
+            else:
+                del group[-count:]
+            taken += count
             if not group:
                 self._drop_if_empty(group)
         if self._touched != (self._serial, len(self._current)):
@@ -214,16 +246,23 @@ class LeafFirstLRUCachePolicy(CachePolicy):
         return key in self._group_of
 
 
-class _Group(dict[ChunkKey, None]):
-    """The keys one request used last, oldest first, and its place among the groups."""
+class _Group(list[ChunkKey]):
+    """The keys one request used last, oldest first, and its place among the groups.
+
+    A list, not a dict: keys join at the end and victims leave from an end,
+    so a list does in one C-level slice what a dict does key by key. Keys a
+    touch moves elsewhere leave by one rebuild of the list per touch; a key
+    removed (or inserted again elsewhere, which the primary tier never does)
+    is searched for.
+    """
 
     __slots__ = ("serial",)
     serial: int
 
 
-def _group(serial: int) -> _Group:
+def _group(serial: int, keys: Iterable[ChunkKey] = ()) -> _Group:
     # Not an __init__: a group is made per request, and a Python-level
     # constructor costs more than the rest of making it.
-    group = _Group()
+    group = _Group(keys)
     group.serial = serial
     return group

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey
-from kvtier.policies.base import CachePolicy, unprotected
+from kvtier.policies.base import CachePolicy, size_bound, unprotected
 
 #: Frequencies saturate here (two bits), so a hot key earns at most three reprieves.
 MAX_FREQ = 3
+#: A resident key's count is its frequency in the small queue, ``MAIN`` plus it
+#: in the main queue: one dict lookup tells both which queue and how hot.
+MAIN = MAX_FREQ + 1
+#: The count after one more access, by count: saturating within each queue.
+_NEXT = (*range(1, MAX_FREQ + 1), MAX_FREQ, *range(MAIN + 1, MAIN + MAX_FREQ + 1), MAIN + MAX_FREQ)
 #: No key: what a search that found none returns.
 _NONE = object()
 
@@ -30,19 +35,20 @@ class S3FIFOCachePolicy(CachePolicy):
     def __init__(self, capacity: int, **kwargs: Any) -> None:
         super().__init__(capacity, **kwargs)
         self.small_capacity = max(1, capacity // 10)
-        # Queues are ordered oldest first; values unused.
-        self._small: OrderedDict[ChunkKey, None] = OrderedDict()
-        self._main: OrderedDict[ChunkKey, None] = OrderedDict()
-        self._ghost: OrderedDict[ChunkKey, None] = OrderedDict()
-        # Resident keys and their access counts since entering (or last re-queue).
+        # Queues are ordered oldest first. Keys enter at the tail and leave at
+        # the head, or, rarely (remove), from the middle: deques, not dicts.
+        self._small: deque[ChunkKey] = deque()
+        self._main: deque[ChunkKey] = deque()
+        self._ghost: OrderedDict[ChunkKey, None] = OrderedDict()  # values unused
+        # Resident keys and their counts (see MAIN): accesses since entering,
+        # or since their last re-queue.
         self._freq: dict[ChunkKey, int] = {}
 
     def get(self, key: ChunkKey) -> bool:
-        freq = self._freq.get(key)
-        if freq is None:
+        count = self._freq.get(key)
+        if count is None:
             return False
-        if freq < MAX_FREQ:
-            self._freq[key] = freq + 1
+        self._freq[key] = _NEXT[count]
         return True
 
     def insert(self, key: ChunkKey) -> None:
@@ -51,39 +57,42 @@ class S3FIFOCachePolicy(CachePolicy):
         if key in self._ghost:
             # Seen recently enough to be remembered: it has proven reuse.
             del self._ghost[key]
-            self._main[key] = None
+            self._main.append(key)
+            self._freq[key] = MAIN
         else:
-            self._small[key] = None
-        self._freq[key] = 0
+            self._small.append(key)
+            self._freq[key] = 0
 
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
         # insert inlined for the primary tier's batches: the common case is a
         # key neither resident nor remembered, which enters the small queue,
         # then one the ghost remembers, which enters the main queue.
-        freq, ghost, small, main = self._freq, self._ghost, self._small, self._main
+        counts, ghost, small, main = self._freq, self._ghost, self._small, self._main
         for key in keys:
-            if key in freq:
+            if key in counts:
                 self.insert(key)  # a hit: never from the primary tier
-                continue
-            if key in ghost:  # a chunk evicted not long ago, stored again
+            elif key in ghost:  # a chunk evicted not long ago, stored again
                 del ghost[key]
-                main[key] = None
+                main.append(key)
+                counts[key] = MAIN
             else:
-                small[key] = None
-            freq[key] = 0
+                small.append(key)
+                counts[key] = 0
 
     def remove(self, key: ChunkKey) -> None:
-        if self._freq.pop(key, None) is not None:
-            self._small.pop(key, None)
-            self._main.pop(key, None)
+        count = self._freq.pop(key, None)
+        if count is not None:
+            (self._small if count < MAIN else self._main).remove(key)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
         # ``get`` inlined: the primary tier touches every hit of every request.
+        # A plain loop: each key costs its dict lookups, which C-level
+        # batching (map, update) measured no cheaper.
         counts = self._freq
         for key in keys:
-            freq = counts.get(key)
-            if freq is not None and freq < MAX_FREQ:
-                counts[key] = freq + 1
+            count = counts.get(key)
+            if count is not None:
+                counts[key] = _NEXT[count]
 
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
         if n <= 0:
@@ -93,7 +102,7 @@ class S3FIFOCachePolicy(CachePolicy):
         # unprotected. Stops at the n-th, so it costs about n, not |protected|.
         # Skipped when there are enough keys even if every protected one is
         # resident: the primary tier's case, whose pins are few.
-        if len(self._freq) - len(protected) < n:
+        if len(self._freq) - size_bound(protected) < n:
             evictable = unprotected(itertools.chain(self._small, self._main), protected)
             if next(itertools.islice(evictable, n - 1, None), _NONE) is _NONE:
                 return None
@@ -105,7 +114,7 @@ class S3FIFOCachePolicy(CachePolicy):
         held_small: list[ChunkKey] = []
         held_main: list[ChunkKey] = []
         victims: list[ChunkKey] = []
-        small, small_capacity = self._small, self.small_capacity
+        small, main, small_capacity = self._small, self._main, self.small_capacity
         try:
             while len(victims) < n:
                 if len(small) + len(held_small) >= small_capacity:
@@ -120,13 +129,13 @@ class S3FIFOCachePolicy(CachePolicy):
                 # emptied main queue and find no victim: main's turn comes next.
                 # Both queues empty is unreachable by the count above; a loud
                 # failure beats a wrong victim.
-                if not found and not small and not self._main:
+                if not found and not small and not main:
                     raise RuntimeError("S3-FIFO found no victim although enough keys are evictable")
         finally:
             if held_small:
-                _put_back(small, held_small)
+                small.extendleft(reversed(held_small))
             if held_main:
-                _put_back(self._main, held_main)
+                main.extendleft(reversed(held_main))
         return victims
 
     def _evict_small(
@@ -143,22 +152,24 @@ class S3FIFOCachePolicy(CachePolicy):
         out before the next victim. Ends because every step removes a key
         from the small queue.
         """
-        small, main, ghost, freqs = self._small, self._main, self._ghost, self._freq
+        small, ghost, counts = self._small, self._ghost, self._freq
+        take, promote = small.popleft, self._main.append
         small_capacity, capacity = self.small_capacity, self.capacity
         while small:
-            key = next(iter(small))
-            del small[key]
+            key = take()
             if key in protected:
                 held.append(key)
                 continue
-            if freqs[key] > 0:
-                main[key] = None
+            count = counts[key]
+            if count:  # accessed: into main, with its frequency
+                promote(key)
+                counts[key] = count + MAIN
                 continue
-            del freqs[key]
+            del counts[key]
             ghost[key] = None
             # The ghost remembers about as many keys as the cache holds.
             if len(ghost) > capacity:
-                ghost.popitem(last=False)
+                ghost.popitem(False)  # positional: a keyword costs more than the pop
             victims.append(key)
             if len(victims) == wanted or len(small) + len(held) < small_capacity:
                 return True
@@ -178,36 +189,31 @@ class S3FIFOCachePolicy(CachePolicy):
         queue ran out first. Ends because every re-queue spends one unit of a
         bounded frequency.
         """
-        main, freqs = self._main, self._freq
+        main, counts = self._main, self._freq
         while main:
-            # One pass down the queue as it stands, changing it only after:
-            # a re-queued key goes behind every key still ahead of it, so the
-            # queue after the pass is the rest of it, then the re-queued keys
-            # in the order they were met (a pass per lap of the queue).
-            requeued: list[ChunkKey] = []
-            gone: list[ChunkKey] = []
-            found = False
+            # One pass down the queue as it stands, to its first victim or
+            # protected key: the keys before it are re-queued, which one
+            # rotation does in C (their order behind the rest is the order
+            # they were met in). A whole lap re-queues every key: no change.
+            requeued = 0
             for key in main:
                 if key in protected:
-                    held.append(key)
-                    gone.append(key)
-                    continue
-                freq = freqs[key]
-                if freq > 0:
-                    freqs[key] = freq - 1
-                    requeued.append(key)
-                    continue
-                del freqs[key]
-                victims.append(key)
-                gone.append(key)
-                if len(victims) == wanted:
-                    found = True
                     break
-            for key in gone:
-                del main[key]
-            for key in requeued:
-                main.move_to_end(key)
-            if found:
+                count = counts[key]
+                if count == MAIN:
+                    break
+                counts[key] = count - 1
+                requeued += 1
+            else:
+                continue
+            main.rotate(-requeued)
+            key = main.popleft()
+            if counts[key] != MAIN or key in protected:
+                held.append(key)
+                continue
+            del counts[key]
+            victims.append(key)
+            if len(victims) == wanted:
                 return True
         return False
 
@@ -221,10 +227,3 @@ class S3FIFOCachePolicy(CachePolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._freq
-
-
-def _put_back(queue: OrderedDict[ChunkKey, None], held: list[ChunkKey]) -> None:
-    """Return ``held`` keys to the head of ``queue``, in their order."""
-    for key in reversed(held):
-        queue[key] = None
-        queue.move_to_end(key, last=False)

@@ -133,21 +133,24 @@ class PrimaryTier:
         (evicting them would break its prefix) only the resident idle ones
         need naming.
         """
+        # The pinned keys go to the policy as the dict itself, a collection of
+        # them whose membership test is a fast C method (a keys view's, which
+        # filterfalse and map call once per key, is a slower slot wrapper).
         pins = self._pins
         own: list[ChunkKey] = []
         if some_resident:
             ready = self._ready
             own = [key for key in keys if key in ready and key not in pins]
         if protect:
-            return self.policy.evict(n, _Protected(pins.keys(), set(own), protect))
+            return self.policy.evict(n, _Protected(pins, set(own), protect))
         if not own:
-            return self.policy.evict(n, pins.keys())
+            return self.policy.evict(n, pins)
         # Idle, so not pinned: lent to the pinned keys for this one call, which
         # keeps each membership test the policy makes a single dict lookup.
         for key in own:
             pins[key] = 0
         try:
-            return self.policy.evict(n, pins.keys())
+            return self.policy.evict(n, pins)
         finally:
             for key in own:
                 pins.pop(key, None)  # a key listed twice was lent once
@@ -334,7 +337,8 @@ class PrimaryTier:
 class _Protected(Collection[ChunkKey]):
     """The keys an eviction must spare: pinned ones, the request's own, and
     those the caller protects. A view: a membership test is at most three set
-    lookups and nothing is copied, however long the protected chain."""
+    lookups and nothing is copied, however long the protected chain. Its
+    exact length is a union of the parts: a policy asks :meth:`size_bound`."""
 
     __slots__ = ("_own", "_pinned", "_protect")
 
@@ -360,3 +364,8 @@ class _Protected(Collection[ChunkKey]):
 
     def __len__(self) -> int:
         return len(self._union())
+
+    def size_bound(self) -> int:
+        """At least :func:`len`, without building the union (see
+        :func:`kvtier.policies.base.size_bound`)."""
+        return len(self._pinned) + len(self._own) + len(self._protect)
