@@ -1,6 +1,6 @@
-"""The compiled part of kvtier: the fs tier's chunk-file I/O (everything else
-is in pyproject.toml). ``optional``: without a C compiler the build goes on
-and the fs tier runs the same I/O in Python."""
+"""The compiled parts of kvtier: the fs tier's chunk-file I/O and the primary
+tier's per-chunk loops (everything else is in pyproject.toml). ``optional``:
+without a C compiler the build goes on and both run the same code in Python."""
 
 from setuptools import Extension, setup
 
@@ -10,6 +10,11 @@ setup(
             "kvtier.tiers.fs._native._chunkio",
             ["src/kvtier/tiers/fs/_native/_chunkio.c"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvtier.primary._native._slots",
+            ["src/kvtier/primary/_native/_slots.c"],
+            optional=True,
+        ),
     ]
 )

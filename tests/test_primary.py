@@ -9,8 +9,16 @@ import numpy as np
 import pytest
 
 from kvtier.policies.lru import LRUCachePolicy
-from kvtier.primary import WRITING, PrimaryTier, SlotBuffer
+from kvtier.primary import WRITING, PrimaryTier, SlotBuffer, loops
 from kvtier.testing.policy_suite import key
+
+
+@pytest.fixture(autouse=True, params=sorted(loops.IMPLEMENTATIONS))
+def slot_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test once per implementation of the per-chunk loops (compiled
+    where kvtier was built with a C compiler, and Python)."""
+    monkeypatch.setattr(loops, "active", loops.IMPLEMENTATIONS[request.param])
+    return str(request.param)
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ import logging
 import threading
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from itertools import takewhile
 
 from kvtier.keys import ChunkKey
 from kvtier.policies.base import CachePolicy
+from kvtier.primary import loops
 from kvtier.primary.buffer import SlotBuffer
 
 logger = logging.getLogger(__name__)
@@ -109,18 +109,15 @@ class PrimaryTier:
         with self._lock:
             ready, writing, free = self._ready, self._writing, self._free
             # The new keys, each once, in order: the answer, its slots still to come.
-            reserved = {key: -1 for key in keys if key not in ready and key not in writing}
+            reserved = loops.active.new_keys(ready, writing, keys)
             shortfall = len(reserved) - len(free)
             if shortfall > 0:
                 victims = self._evict(shortfall, keys, len(reserved) < len(keys), protect)
                 if victims is None:
                     return None
-                for victim in victims:
-                    free.append(ready.pop(victim))
+                loops.active.free_victims(ready, free, victims)
                 self.evictions += len(victims)
-            for key in reserved:
-                reserved[key] = free.pop()
-            writing.update(reserved)
+            loops.active.take_slots(reserved, free, writing)
             return reserved
 
     def _evict(
@@ -139,8 +136,7 @@ class PrimaryTier:
         pins = self._pins
         own: list[ChunkKey] = []
         if some_resident:
-            ready = self._ready
-            own = [key for key in keys if key in ready and key not in pins]
+            own = loops.active.idle_resident(self._ready, pins, keys)
         if protect:
             return self.policy.evict(n, _Protected(pins, set(own), protect))
         if not own:
@@ -168,13 +164,8 @@ class PrimaryTier:
         if pins < 0:
             raise ValueError(f"pins must be >= 0, got {pins}")
         with self._lock:
-            writing = self._writing
             # Each key once, in order; keys not being written (or repeats) skipped.
-            written = {}
-            for key in keys:
-                slot = writing.pop(key, None)
-                if slot is not None:
-                    written[key] = slot
+            written = loops.active.finish_writes(self._writing, keys)
             if not success or not written:
                 self._free.extend(written.values())
                 return {}
@@ -219,12 +210,12 @@ class PrimaryTier:
         pinning nothing. An access for the policy, unlike :meth:`pin_prefix`.
         """
         with self._lock:
-            ready = self._ready_prefix(keys)
-            if len(ready) < len(keys):
-                missing = keys[len(ready)]
+            found = loops.active.ready_count(self._ready, keys)
+            if found < len(keys):
+                missing = keys[found]
                 raise KeyError(f"chunk {missing.hex()[:16]} is not ready in the primary tier")
             self.policy.touch(keys)
-            return self._pin(keys)
+            return loops.active.pin_prefix(self._ready, self._pins, keys)
 
     def pin_prefix(self, keys: Sequence[ChunkKey]) -> list[int]:
         """Pin the leading ready chunks of ``keys``; returns their slots, in order.
@@ -235,18 +226,7 @@ class PrimaryTier:
         access for the policy: the lookup that found the chunks counted it.
         """
         with self._lock:
-            ready, pins = self._ready, self._pins
-            slots = []
-            for key in keys:  # _ready_prefix and _pin in one pass: every hit is pinned
-                slot = ready.get(key)
-                if slot is None:
-                    break
-                if key in pins:
-                    pins[key] += 1
-                else:  # the common case, no reader yet: no read of a count
-                    pins[key] = 1
-                slots.append(slot)
-            return slots
+            return loops.active.pin_prefix(self._ready, self._pins, keys)
 
     def lookup(self, keys: Sequence[ChunkKey], *, count_hits: bool = True) -> int:
         """How many leading chunks of ``keys`` are ready; those are touched (see
@@ -254,23 +234,12 @@ class PrimaryTier:
         ``count_hits`` is false (a request asking again). The manager's lookup
         of a request."""
         with self._lock:
-            ready = self._ready_prefix(keys)
-            if ready:
+            found = loops.active.ready_count(self._ready, keys)
+            if found:
                 if count_hits:
-                    self.hits += len(ready)
-                self.policy.touch(ready)
-            return len(ready)
-
-    def _ready_prefix(self, keys: Iterable[ChunkKey]) -> list[ChunkKey]:
-        """The leading ready keys; under the lock."""
-        return list(takewhile(self._ready.__contains__, keys))
-
-    def _pin(self, keys: Sequence[ChunkKey]) -> list[int]:
-        """Add a reader to each of the ready ``keys``; under the lock."""
-        pins, ready = self._pins, self._ready
-        for key in keys:
-            pins[key] = pins.get(key, 0) + 1
-        return [ready[key] for key in keys]
+                    self.hits += found
+                self.policy.touch(keys[:found])
+            return found
 
     def complete_load(self, keys: Iterable[ChunkKey]) -> None:
         """Unpin chunks pinned by :meth:`prepare_load`.
@@ -280,15 +249,9 @@ class PrimaryTier:
         """
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         with self._lock:
-            pins = self._pins
-            for done, key in enumerate(keys):
-                count = pins.pop(key, 0)  # most chunks have one reader: one dict operation
-                if count > 1:
-                    pins[key] = count - 1
-                elif not count:
-                    for undone in keys[:done]:  # put back what this call took
-                        pins[undone] = pins.get(undone, 0) + 1
-                    raise ValueError(f"chunk {key.hex()[:16]} is not pinned")
+            missing = loops.active.unpin(self._pins, keys)
+        if missing >= 0:
+            raise ValueError(f"chunk {keys[missing].hex()[:16]} is not pinned")
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
         """Record that readers found these chunks: the policy's recency, and :attr:`hits`.

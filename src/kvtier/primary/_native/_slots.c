@@ -1,0 +1,313 @@
+/* The primary tier's per-chunk loops (kvtier/primary/slots.py), compiled.
+ *
+ * Every request walks its chain of chunks a few times under the primary
+ * tier's lock: found?, pin, unpin, reserve, finish. In Python each step of
+ * those walks is a few bytecodes around one dict operation; here it is the
+ * dict operation alone. Same functions, same results, same errors as the
+ * Python ones, which tests hold them to.
+ *
+ * The dicts map keys to slot numbers (ready, writing) or reader counts
+ * (pins). Keys are hashable objects whose hash and equality may run Python
+ * code, so every borrowed reference is held across such calls and sequences
+ * are re-measured at each step. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* A sequence's items as a new reference to a list or tuple. */
+static PyObject *as_fast(PyObject *keys) {
+    return PySequence_Fast(keys, "keys must be a sequence");
+}
+
+/* ready_count(ready, keys) -> how many leading keys are in ready. */
+static PyObject *ready_count(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *ready, *keys;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &ready, &keys)) return NULL;
+    PyObject *seq = as_fast(keys);
+    if (seq == NULL) return NULL;
+    Py_ssize_t i = 0;
+    for (; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(key);
+        int found = PyDict_Contains(ready, key);
+        Py_DECREF(key);
+        if (found < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (!found) break;
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(i);
+}
+
+/* Add one reader to pins[key]. */
+static int add_reader(PyObject *pins, PyObject *key) {
+    PyObject *count = PyDict_GetItemWithError(pins, key);
+    if (count == NULL && PyErr_Occurred()) return -1;
+    Py_ssize_t readers = 0;
+    if (count != NULL) {
+        readers = PyLong_AsSsize_t(count);
+        if (readers == -1 && PyErr_Occurred()) return -1;
+    }
+    PyObject *more = PyLong_FromSsize_t(readers + 1);
+    if (more == NULL) return -1;
+    int failed = PyDict_SetItem(pins, key, more);
+    Py_DECREF(more);
+    return failed;
+}
+
+/* pin_prefix(ready, pins, keys) -> [slot]: a reader added to each leading
+ * ready key, up to the first one that is not ready; their slots. */
+static PyObject *pin_prefix(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *ready, *pins, *keys;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyDict_Type, &ready, &PyDict_Type, &pins, &keys))
+        return NULL;
+    PyObject *seq = as_fast(keys);
+    if (seq == NULL) return NULL;
+    PyObject *slots = PyList_New(0);
+    if (slots == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(key);
+        PyObject *slot = PyDict_GetItemWithError(ready, key);
+        Py_XINCREF(slot);
+        int failed = slot == NULL ? (PyErr_Occurred() ? -1 : 1) : add_reader(pins, key);
+        if (failed == 0) failed = PyList_Append(slots, slot);
+        Py_XDECREF(slot);
+        Py_DECREF(key);
+        if (failed > 0) break; /* not ready: the prefix ends here */
+        if (failed < 0) goto fail;
+    }
+    Py_DECREF(seq);
+    return slots;
+fail:
+    Py_XDECREF(slots);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* unpin(pins, keys) -> -1, or the index of the first key that had no reader
+ * left to take; then every reader taken before it is given back. */
+static PyObject *unpin(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *pins, *keys;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &pins, &keys)) return NULL;
+    PyObject *seq = as_fast(keys);
+    if (seq == NULL) return NULL;
+    Py_ssize_t done = 0, missing = -1;
+    for (; done < PySequence_Fast_GET_SIZE(seq); done++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, done);
+        Py_INCREF(key);
+        PyObject *count = PyDict_GetItemWithError(pins, key);
+        Py_ssize_t readers = 0;
+        int failed = 0;
+        if (count != NULL) {
+            readers = PyLong_AsSsize_t(count);
+            failed = readers == -1 && PyErr_Occurred() ? -1 : 0;
+        } else if (PyErr_Occurred()) {
+            failed = -1;
+        }
+        if (failed == 0 && readers > 1) {
+            PyObject *fewer = PyLong_FromSsize_t(readers - 1);
+            failed = fewer == NULL ? -1 : PyDict_SetItem(pins, key, fewer);
+            Py_XDECREF(fewer);
+        } else if (failed == 0 && readers == 1) {
+            failed = PyDict_DelItem(pins, key);
+        }
+        Py_DECREF(key);
+        if (failed < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (readers <= 0) {
+            missing = done;
+            break;
+        }
+    }
+    for (Py_ssize_t i = 0; missing >= 0 && i < missing && i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(key);
+        int failed = add_reader(pins, key);
+        Py_DECREF(key);
+        if (failed < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(missing);
+}
+
+/* new_keys(ready, writing, keys) -> {key: -1}: the keys in neither dict, each
+ * once, in the order of their first appearance. */
+static PyObject *new_keys(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *ready, *writing, *keys;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyDict_Type, &ready, &PyDict_Type, &writing, &keys))
+        return NULL;
+    PyObject *seq = as_fast(keys);
+    if (seq == NULL) return NULL;
+    PyObject *minus_one = PyLong_FromLong(-1);
+    PyObject *reserved = PyDict_New();
+    if (minus_one == NULL || reserved == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(key);
+        int present = PyDict_Contains(ready, key);
+        if (present == 0) present = PyDict_Contains(writing, key);
+        int failed = present < 0 ? -1 : (present ? 0 : PyDict_SetItem(reserved, key, minus_one));
+        Py_DECREF(key);
+        if (failed < 0) goto fail;
+    }
+    Py_DECREF(minus_one);
+    Py_DECREF(seq);
+    return reserved;
+fail:
+    Py_XDECREF(minus_one);
+    Py_XDECREF(reserved);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* idle_resident(ready, pins, keys) -> [key]: the keys in ready and not in pins. */
+static PyObject *idle_resident(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *ready, *pins, *keys;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyDict_Type, &ready, &PyDict_Type, &pins, &keys))
+        return NULL;
+    PyObject *seq = as_fast(keys);
+    if (seq == NULL) return NULL;
+    PyObject *idle = PyList_New(0);
+    if (idle == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(key);
+        int wanted = PyDict_Contains(ready, key);
+        if (wanted > 0) {
+            int pinned = PyDict_Contains(pins, key);
+            wanted = pinned < 0 ? -1 : !pinned;
+        }
+        int failed = wanted < 0 ? -1 : (wanted ? PyList_Append(idle, key) : 0);
+        Py_DECREF(key);
+        if (failed < 0) goto fail;
+    }
+    Py_DECREF(seq);
+    return idle;
+fail:
+    Py_XDECREF(idle);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* Pop the last item of a list (a new reference), or NULL with IndexError. */
+static PyObject *pop_last(PyObject *list) {
+    Py_ssize_t size = PyList_GET_SIZE(list);
+    if (size == 0) {
+        PyErr_SetString(PyExc_IndexError, "pop from empty list");
+        return NULL;
+    }
+    PyObject *item = PyList_GET_ITEM(list, size - 1);
+    Py_INCREF(item);
+    if (PyList_SetSlice(list, size - 1, size, NULL) < 0) {
+        Py_DECREF(item);
+        return NULL;
+    }
+    return item;
+}
+
+/* take_slots(reserved, free, writing): each reserved key gets the slot popped
+ * from the end of free, in order; then they all join writing. */
+static PyObject *take_slots(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *reserved, *free_slots, *writing;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyDict_Type, &reserved, &PyList_Type, &free_slots,
+                          &PyDict_Type, &writing))
+        return NULL;
+    PyObject *key, *value;
+    Py_ssize_t position = 0;
+    while (PyDict_Next(reserved, &position, &key, &value)) {
+        PyObject *slot = pop_last(free_slots);
+        if (slot == NULL) return NULL;
+        Py_INCREF(key);
+        int failed = PyDict_SetItem(reserved, key, slot); /* a value, not a key: iteration holds */
+        Py_DECREF(key);
+        Py_DECREF(slot);
+        if (failed < 0) return NULL;
+    }
+    if (PyDict_Update(writing, reserved) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* free_victims(ready, free, victims): each victim leaves ready, its slot is
+ * appended to free; a victim not in ready raises KeyError. */
+static PyObject *free_victims(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *ready, *free_slots, *victims;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyDict_Type, &ready, &PyList_Type, &free_slots,
+                          &victims))
+        return NULL;
+    PyObject *seq = as_fast(victims);
+    if (seq == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(key);
+        PyObject *slot = PyDict_GetItemWithError(ready, key);
+        Py_XINCREF(slot);
+        int failed = -1;
+        if (slot != NULL) {
+            failed = PyDict_DelItem(ready, key);
+            if (failed == 0) failed = PyList_Append(free_slots, slot);
+        } else if (!PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
+        Py_XDECREF(slot);
+        Py_DECREF(key);
+        if (failed < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+/* finish_writes(writing, keys) -> {key: slot}: the keys being written leave
+ * writing, each once, in order; other keys are skipped. */
+static PyObject *finish_writes(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *writing, *keys;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &writing, &keys)) return NULL;
+    PyObject *seq = as_fast(keys);
+    if (seq == NULL) return NULL;
+    PyObject *written = PyDict_New();
+    if (written == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(key);
+        PyObject *slot = PyDict_GetItemWithError(writing, key);
+        Py_XINCREF(slot);
+        int failed = slot == NULL ? (PyErr_Occurred() ? -1 : 0) : PyDict_DelItem(writing, key);
+        if (slot != NULL && failed == 0) failed = PyDict_SetItem(written, key, slot);
+        Py_XDECREF(slot);
+        Py_DECREF(key);
+        if (failed < 0) goto fail;
+    }
+    Py_DECREF(seq);
+    return written;
+fail:
+    Py_XDECREF(written);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"ready_count", ready_count, METH_VARARGS, "ready_count(ready, keys) -> leading keys ready"},
+    {"pin_prefix", pin_prefix, METH_VARARGS, "pin_prefix(ready, pins, keys) -> [slot]"},
+    {"unpin", unpin, METH_VARARGS, "unpin(pins, keys) -> -1, or the first key not pinned"},
+    {"new_keys", new_keys, METH_VARARGS, "new_keys(ready, writing, keys) -> {key: -1}"},
+    {"idle_resident", idle_resident, METH_VARARGS, "idle_resident(ready, pins, keys) -> [key]"},
+    {"take_slots", take_slots, METH_VARARGS, "take_slots(reserved, free, writing)"},
+    {"free_victims", free_victims, METH_VARARGS, "free_victims(ready, free, victims)"},
+    {"finish_writes", finish_writes, METH_VARARGS, "finish_writes(writing, keys) -> {key: slot}"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_slots", "The primary tier's per-chunk loops, compiled.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__slots(void) { return PyModule_Create(&module); }
