@@ -187,3 +187,26 @@ def test_the_compiled_checksum_is_python_xxhash_s() -> None:
         start = rng.randrange(64)
         piece = view[start : start + size]
         assert _chunkio.checksum(piece) == integrity.checksum(piece), size
+
+
+def test_compiled_calls_with_the_checksum_taken_in_python_store_and_load_the_same(
+    tmp_path: Path,
+) -> None:
+    """Where python-xxhash's XXH3 cannot be bound, the compiled calls run with
+    the checksum taken around them: same files, same digests."""
+    if "compiled" not in io.IMPLEMENTATIONS:
+        pytest.skip("kvtier was built without a C compiler")
+    from kvtier.tiers.fs._native import _chunkio
+
+    unbound = io._compiled_io(_chunkio, hashing=False)
+    payload, trailer = _pages(PAYLOAD, 7), _pages(4096, 9)
+    final = str(tmp_path / "chunk")
+    assert unbound.store(final + ".tmp", final, payload, trailer, False, False) is True
+    assert Path(final).read_bytes() == b"\x07" * PAYLOAD + _summed(b"\x09" * 4096, payload)
+    out = _pages(PAYLOAD)
+    assert unbound.load(final, out, _pages(4096), False, 60.0) == (
+        PAYLOAD + 4096,
+        integrity.checksum(payload),
+    )
+    Path(final).write_bytes(b"x" * 5000)
+    assert unbound.load(final, _pages(PAYLOAD), _pages(4096), False, 60.0) == (5000, None)

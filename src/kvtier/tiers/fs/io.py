@@ -229,7 +229,7 @@ def _compiled_io(chunkio: ModuleType, hashing: bool) -> ChunkIO:
             done: int = chunkio.load(path, out, trailer, direct, stamp_after_s, digest)
             return done, bytes(digest) if done == len(out) + len(trailer) else None
 
-    else:  # pragma: no cover - depends on the xxhash build
+    else:
 
         def store(
             temp: str,
