@@ -24,6 +24,16 @@ Every system moves the bytes of a private buffer on huge pages (kvtier's
 physical layout of the buffer alone can halve throughput (see
 ``physical.py``); each buffer's DMA segments per slot are reported.
 
+Each system's threads are running before its clock starts, as in service:
+raw's pool has started all its threads, kvtier's tier its workers (the
+manager starts them when it attaches the tier; here one untimed job does).
+Removing a round's files is followed by a sync and a cache drop too: on ext4
+without a journal, creating a file scans past every inode deleted in the
+last half minute whose inode-table block is still cached, so the system
+after a cleanup would otherwise pay up to 3x the CPU per file it creates
+(about 290 against 110 µs per 256 KiB file, one thread, measured here), charged by
+whoever deleted just before it.
+
 Each system gets one job per ``--job-chunks`` chunks. Figures are GB/s
 (1e9 bytes/s); a ratio is the median (and range) over rounds of the two
 systems' figures in the same round. ``raw`` uses ``O_DIRECT`` exactly when
@@ -44,6 +54,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -133,6 +144,25 @@ def timed(action: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - started, process_cpu() - cpu
 
 
+def started_pool(threads: int) -> ThreadPoolExecutor:
+    """A pool whose ``threads`` threads all run already (a pool starts them
+    one per task otherwise, on the clock of whatever it runs first)."""
+    pool = ThreadPoolExecutor(threads)
+    gate = threading.Barrier(threads + 1)
+    for _ in range(threads):
+        pool.submit(gate.wait)
+    gate.wait()
+    return pool
+
+
+def clear_directory(path: Path, root: Path) -> None:
+    """Remove ``path`` and, with a sync and a cache drop under ``root``, what
+    the removal leaves cached that would slow the next file creations (see
+    the module docstring)."""
+    shutil.rmtree(path, ignore_errors=True)
+    drop_caches(root)
+
+
 def raw_round(work: Workload, root: Path, threads: int, direct: bool) -> dict[str, Any]:
     root.mkdir(parents=True)
     flags = O_DIRECT if direct else 0
@@ -156,7 +186,7 @@ def raw_round(work: Workload, root: Path, threads: int, direct: bool) -> dict[st
         finally:
             os.close(fd)
 
-    with ThreadPoolExecutor(threads) as pool:
+    with started_pool(threads) as pool:
         store_s, store_cpu = timed(lambda: list(pool.map(write, range(work.slots))))
         cold = drop_caches(root)
         work.wipe()
@@ -220,6 +250,12 @@ def run_jobs(
         raise SystemExit(f"kvtier: {failed} {'load' if loading else 'store'} jobs failed")
 
 
+def start_workers(tier: SecondaryTier) -> None:
+    """Have the tier's worker threads running, as the manager has them from
+    when it attaches the tier: one job of one chunk, under a key of its own."""
+    run_jobs(tier, [os.urandom(32)], 1, loading=False)
+
+
 def kvtier_round(
     work: Workload, root: Path, options: dict[str, Any], job_chunks: int
 ) -> dict[str, Any]:
@@ -228,6 +264,7 @@ def kvtier_round(
         if not isinstance(tier, FilesystemTier):
             raise TypeError(f"expected the fs tier, got {type(tier).__name__}")
         tier.wait_index(30)
+        start_workers(tier)
         keys = [os.urandom(32) for _ in range(work.slots)]
         store_s, store_cpu = timed(lambda: run_jobs(tier, keys, job_chunks, loading=False))
         cold = drop_caches(root)
@@ -339,7 +376,7 @@ def main() -> int:
             for index in range(args.rounds):
                 base = args.root / f"{chunk}-{index}"
                 for name in names[index % len(names) :] + names[: index % len(names)]:
-                    shutil.rmtree(base, ignore_errors=True)
+                    clear_directory(base, args.root)
                     runs[name].append(systems[name](base / name))
                 shutil.rmtree(base, ignore_errors=True)
         finally:

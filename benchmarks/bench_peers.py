@@ -27,7 +27,10 @@ packages) through a driver in ``benchmarks/peers/``; a peer whose
 environment is missing is skipped and the reason printed. The ``fs`` systems
 get a fresh directory under ``--root`` per round; their store is timed up to
 ``os.sync()`` (what writes through the page cache pays to reach the disk) and
-the page cache is dropped before the load. The redis systems share one
+the page cache is dropped before the load; removing a round's directory is
+followed by a sync and a cache drop too (see ``bench_fs.py``: on ext4 without
+a journal the next writer would otherwise pay for the files just deleted).
+Thread pools and kvtier's workers are running before the clock starts. The redis systems share one
 ``redis-server`` started on loopback, emptied between rounds. Rounds
 interleave the systems, each round starting with the next one in turn.
 
@@ -52,13 +55,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_fs import add_workload_options, parse_size, run_jobs  # beside this script
+from bench_fs import (  # beside this script
+    add_workload_options,
+    clear_directory,
+    parse_size,
+    run_jobs,
+    start_workers,
+    started_pool,
+)
 from bench_shared_tiers import RawRedis, in_parallel
 from peers.common import chunk_payloads, run_round
 
@@ -117,10 +126,10 @@ class RawDirect:
         self.paths = [os.path.join(directory, f"{i:06d}") for i in range(self.count)]
         for row, payload in zip(self.buffer.array[: self.count], payloads, strict=True):
             row[:] = memoryview(payload)
+        self.pool = started_pool(self.threads)
 
     def _each(self, move: Any) -> None:
-        with ThreadPoolExecutor(self.threads) as pool:
-            list(pool.map(move, range(self.count)))
+        list(self.pool.map(move, range(self.count)))
 
     def store(self) -> None:
         rows = self.buffer.array
@@ -150,6 +159,7 @@ class RawDirect:
         return list(self.buffer.array[self.count :])
 
     def clear(self) -> None:
+        self.pool.shutdown()
         self.buffer.array[self.count :] = 0
 
     def close(self) -> None:
@@ -233,6 +243,7 @@ class KVTierTier:
             )
         if isinstance(self.tier, FilesystemTier):
             self.tier.wait_index(30)
+        start_workers(self.tier)
         self.round += 1
         self.keys = [
             hashlib.blake2b(f"{self.round}:{i}".encode(), digest_size=32).digest()
@@ -401,7 +412,7 @@ def measure(
             for name in names[index % len(names) :] + names[: index % len(names)]:
                 directory = "" if is_redis(name) else str(base / name)
                 if directory:
-                    shutil.rmtree(directory, ignore_errors=True)
+                    clear_directory(Path(directory), args.root)
                 runs[name].append(runners[name].round(directory, seed, chunk, count))
                 if is_redis(name):
                     redis.command("FLUSHALL")

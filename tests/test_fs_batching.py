@@ -10,12 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier import integrity
 from kvtier.testing import TierHarness
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.fs import io as fs_io
 from kvtier.tiers.fs.layout import _TMP_NAME, HOST, NamespaceDir
-from tests.fs_support import FILE_BYTES, LAYOUT, fs_tier, open_tier
+from tests.fs_support import FILE_BYTES, fs_tier, open_tier
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
 
@@ -83,33 +82,37 @@ def test_a_chunk_another_process_stored_is_neither_hashed_nor_written_in_a_group
         assert other.store(keys[:2], [0, 1]).success
         path = fs_tier(late).dir.chunk_path(keys[0])
         before = os.stat(path)
-        hashed: list[int] = []
-        real_checksum = integrity.checksum
+        # The store call hashes only after it found no complete file (see
+        # test_fs_chunkio): what reaches it, and what it wrote, tells all.
+        calls: list[tuple[str, bool]] = []
+        real_store = fs_io._store_file
 
-        def counting(payload: bytes | memoryview) -> bytes:
-            hashed.append(len(payload))
-            return real_checksum(payload)
+        def recording(temp: str, final: str, *args: object) -> bool:
+            written = real_store(temp, final, *args)  # type: ignore[arg-type]
+            calls.append((final, written))
+            return written
 
-        monkeypatch.setattr(integrity, "checksum", counting)
+        monkeypatch.setattr(fs_io, "_store_file", recording)
         tier = fs_tier(late)
         monkeypatch.setattr(tier, "_backlog", lambda: tier.io_threads)  # one group of three
         late.fill(range(3))
         assert late.store(keys, [0, 1, 2]).success
-        assert hashed == [LAYOUT.slot_bytes]  # only the chunk that was missing
+        assert calls == [(tier.dir.chunk_path(keys[2]), True)]  # only the chunk that was missing
         after = os.stat(path)
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
         assert fs_tier(late).held_bytes == 3 * FILE_BYTES
-        # A chunk alone is hashed (unless the shared index already counts
-        # it), but its store still finds the file in place and leaves it.
+        # A chunk alone goes to the store call (unless the shared index
+        # already counts it), which finds the file in place and leaves it.
         (alone,) = other.keys(1)
         assert other.store([alone], [0]).success
-        before = os.stat(fs_tier(late).dir.chunk_path(alone))
-        hashed.clear()
+        alone_path = tier.dir.chunk_path(alone)
+        before = os.stat(alone_path)
+        calls.clear()
         monkeypatch.setattr(tier, "_backlog", lambda: 0)
         assert late.store([alone], [0]).success
-        after = os.stat(fs_tier(late).dir.chunk_path(alone))
+        after = os.stat(alone_path)
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-        assert hashed == ([] if bounded else [LAYOUT.slot_bytes])
+        assert calls == ([] if bounded else [(alone_path, False)])
     finally:
         late.close()
         other.close()

@@ -5,11 +5,13 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import random
 import time
 from pathlib import Path
 
 import pytest
 
+from kvtier import integrity
 from kvtier.tiers.fs import io
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
@@ -23,15 +25,33 @@ def _pages(size: int, fill: int = 0) -> memoryview:
     return memoryview(region)
 
 
-def test_store_then_load_moves_every_byte(tmp_path: Path) -> None:
+def _summed(trailer: bytes, payload: bytes | memoryview) -> bytes:
+    """``trailer`` with the checksum of ``payload`` where the packed header holds it."""
+    start = integrity.DIGEST_OFFSET
+    return trailer[:start] + integrity.checksum(payload) + trailer[start + 16 :]
+
+
+def test_store_then_load_moves_every_byte_and_the_checksum(tmp_path: Path) -> None:
     payload, trailer = _pages(PAYLOAD, 7), _pages(4096, 9)
     final = str(tmp_path / "chunk")
     assert io._store_file(final + ".tmp", final, payload, trailer, False, True) is True
     assert os.listdir(tmp_path) == ["chunk"]
-    assert Path(final).read_bytes() == b"\x07" * PAYLOAD + b"\x09" * 4096
+    assert Path(final).read_bytes() == b"\x07" * PAYLOAD + _summed(b"\x09" * 4096, payload)
     out, back = _pages(PAYLOAD), _pages(4096)
-    assert io._load_file(final, out, back, False, 60.0) == PAYLOAD + 4096
+    assert io._load_file(final, out, back, False, 60.0) == (
+        PAYLOAD + 4096,
+        integrity.checksum(payload),
+    )
     assert bytes(out) == bytes(payload) and bytes(back) == bytes(trailer)
+
+
+def test_a_load_sums_what_it_read_not_what_the_trailer_says(tmp_path: Path) -> None:
+    path = tmp_path / "chunk"
+    payload = os.urandom(PAYLOAD)
+    path.write_bytes(payload + bytes(4096))  # no checksum in the trailer at all
+    out = _pages(PAYLOAD)
+    done, digest = io._load_file(str(path), out, _pages(4096), False, 60.0)
+    assert (done, digest) == (PAYLOAD + 4096, integrity.checksum(payload))
 
 
 def test_direct_io_round_trip_where_the_filesystem_takes_it(tmp_path: Path) -> None:
@@ -41,7 +61,10 @@ def test_direct_io_round_trip_where_the_filesystem_takes_it(tmp_path: Path) -> N
     final = str(tmp_path / "chunk")
     io._store_file(final + ".tmp", final, payload, trailer, True, False)
     out, back = _pages(PAYLOAD), _pages(4096)
-    assert io._load_file(final, out, back, True, 60.0) == PAYLOAD + 4096
+    assert io._load_file(final, out, back, True, 60.0) == (
+        PAYLOAD + 4096,
+        integrity.checksum(payload),
+    )
     assert bytes(out) == bytes(payload)
 
 
@@ -51,16 +74,17 @@ def test_a_complete_file_of_the_chunk_is_not_written_again(tmp_path: Path) -> No
     payload, trailer = _pages(PAYLOAD, 1), _pages(4096, 2)
     assert io._store_file(str(final) + ".tmp", str(final), payload, trailer, False, False) is False
     assert final.read_bytes() == b"s" * (PAYLOAD + 4096) and os.listdir(tmp_path) == ["chunk"]
+    assert bytes(trailer) == b"\x02" * 4096  # not even hashed
     final.write_bytes(b"s" * 100)  # not a complete chunk file: replaced
     assert io._store_file(str(final) + ".tmp", str(final), payload, trailer, False, False) is True
-    assert final.read_bytes() == b"\x01" * PAYLOAD + b"\x02" * 4096
+    assert final.read_bytes() == b"\x01" * PAYLOAD + _summed(b"\x02" * 4096, payload)
 
 
-def test_a_short_file_reads_short(tmp_path: Path) -> None:
+def test_a_short_file_reads_short_and_unsummed(tmp_path: Path) -> None:
     path = tmp_path / "short"
     path.write_bytes(b"x" * 5000)
     out, back = _pages(PAYLOAD), _pages(4096)
-    assert io._load_file(str(path), out, back, False, 60.0) == 5000
+    assert io._load_file(str(path), out, back, False, 60.0) == (5000, None)
 
 
 def test_a_missing_file_is_file_not_found_naming_it(tmp_path: Path) -> None:
@@ -110,6 +134,7 @@ def test_a_load_stamps_the_use_time_of_a_file_unused_for_a_while(tmp_path: Path)
 def test_the_compiled_implementation_is_built() -> None:
     if "compiled" in io.IMPLEMENTATIONS:
         assert io.IMPLEMENTATION == "compiled"
+        assert io.COMPILED_CHECKSUM  # python-xxhash's XXH3 was found and agrees
     elif os.environ.get("CI"):
         pytest.fail("CI builds kvtier with a C compiler, but its compiled fs chunk I/O is missing")
     else:
@@ -147,3 +172,41 @@ def test_a_symlink_at_the_final_path_is_replaced_not_followed(tmp_path: Path) ->
     assert io._store_file(str(final) + ".tmp", str(final), payload, trailer, False, False) is True
     assert not final.is_symlink() and final.read_bytes()[:1] == b"\x01"
     assert target.read_bytes() == b"t" * (PAYLOAD + 4096)
+
+
+def test_the_compiled_checksum_is_python_xxhash_s() -> None:
+    if not io.COMPILED_CHECKSUM:
+        pytest.skip("the compiled chunk I/O is not built or hashes in Python")
+    from kvtier.tiers.fs._native import _chunkio
+
+    rng = random.Random(7)
+    region = mmap.mmap(-1, 3 << 20)
+    region.write(rng.randbytes(3 << 20))
+    view = memoryview(region)
+    for size in (0, 1, 15, 16, 17, 128, 129, 240, 241, 4096, 262144, 2 << 20):
+        start = rng.randrange(64)
+        piece = view[start : start + size]
+        assert _chunkio.checksum(piece) == integrity.checksum(piece), size
+
+
+def test_compiled_calls_with_the_checksum_taken_in_python_store_and_load_the_same(
+    tmp_path: Path,
+) -> None:
+    """Where python-xxhash's XXH3 cannot be bound, the compiled calls run with
+    the checksum taken around them: same files, same digests."""
+    if "compiled" not in io.IMPLEMENTATIONS:
+        pytest.skip("kvtier was built without a C compiler")
+    from kvtier.tiers.fs._native import _chunkio
+
+    unbound = io._compiled_io(_chunkio, hashing=False)
+    payload, trailer = _pages(PAYLOAD, 7), _pages(4096, 9)
+    final = str(tmp_path / "chunk")
+    assert unbound.store(final + ".tmp", final, payload, trailer, False, False) is True
+    assert Path(final).read_bytes() == b"\x07" * PAYLOAD + _summed(b"\x09" * 4096, payload)
+    out = _pages(PAYLOAD)
+    assert unbound.load(final, out, _pages(4096), False, 60.0) == (
+        PAYLOAD + 4096,
+        integrity.checksum(payload),
+    )
+    Path(final).write_bytes(b"x" * 5000)
+    assert unbound.load(final, _pages(PAYLOAD), _pages(4096), False, 60.0) == (5000, None)

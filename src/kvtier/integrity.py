@@ -24,6 +24,10 @@ _HEADER = struct.Struct(f"<4sHHQ16s{KEY_BYTES}s{KEY_BYTES}s")
 #: Header length in bytes; padded so the payload after it stays 8-byte aligned.
 HEADER_BYTES = (_HEADER.size + 7) // 8 * 8
 _PADDING = b"\0" * (HEADER_BYTES - _HEADER.size)
+#: Where the 16-byte checksum sits in a packed header (after magic, version,
+#: flags and length), for writers that fill it in later (see ``digest``).
+DIGEST_OFFSET = struct.calcsize("<4sHHQ")
+DIGEST_BYTES = 16
 
 
 def checksum(payload: bytes | memoryview) -> bytes:
@@ -31,12 +35,17 @@ def checksum(payload: bytes | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
-def pack_header(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
-    """The header for ``payload`` stored under ``key`` in ``namespace``."""
-    return (
-        _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(payload), checksum(payload), namespace, key)
-        + _PADDING
-    )
+def pack_header(
+    namespace: bytes, key: bytes, payload: bytes | memoryview, digest: bytes | None = None
+) -> bytes:
+    """The header for ``payload`` stored under ``key`` in ``namespace``.
+
+    ``digest`` stands in for ``checksum(payload)`` when the caller has it or
+    fills it in at :data:`DIGEST_OFFSET` later, in the same pass as the write.
+    """
+    if digest is None:
+        digest = checksum(payload)
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(payload), digest, namespace, key) + _PADDING
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,12 @@ class ChunkHeader:
             raise CorruptChunkError(
                 f"chunk payload is {len(payload)} bytes, header says {self.payload_bytes}"
             )
-        if checksum(payload) != self.digest:
+        self.check_digest(checksum(payload))
+
+    def check_digest(self, digest: bytes | None) -> None:
+        """Raise :class:`CorruptChunkError` unless ``digest``, the checksum of
+        the payload as read, is the stored one."""
+        if digest != self.digest:
             raise CorruptChunkError("chunk checksum mismatch")
 
 

@@ -339,9 +339,8 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         # or this one before a restart) are found first, all with one
         # system-call run: they are neither hashed nor written. A chunk
         # alone is left to the check write_chunk makes in the same GIL
-        # release as its write: a run of its own would give up and wait
-        # for the GIL once more for every chunk, to save a hash only for
-        # the rare one that is there already.
+        # release as its hash and write (neither happens if it is there): a
+        # run of its own would give up and wait for the GIL once more.
         paths = [self.dir.chunk_path(key) for key in keys]
         on_disk = chunk_io.complete_files(paths, self.file_bytes) if len(paths) > 1 else [False]
         return [

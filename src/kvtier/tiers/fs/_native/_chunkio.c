@@ -4,14 +4,24 @@
  * the GIL once instead of once per call. Same contract, same errors
  * (OSError subclasses carrying errno and the file name).
  *
+ * The chunk's checksum (xxh3-128) is taken in the same GIL release, by the
+ * XXH3 function of the xxhash extension module already loaded in the
+ * process (bind_xxh3()): a worker otherwise gives up and waits for the GIL
+ * once more per chunk, between its hash and its system calls, and with
+ * dozens of workers on a busy machine each such wait costs more than the
+ * hash. io.py binds it at import, checks it against python-xxhash, and
+ * hashes in Python before the call where it cannot.
+ *
  * Only regular files are chunks: a load opens with O_NOFOLLOW | O_NONBLOCK
  * (a symlink fails with ELOOP, a FIFO cannot block the open) and checks
  * S_ISREG on the descriptor before reading, so nothing else is ever read and
  * the use-stamp only ever touches the chunk file itself. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -29,6 +39,23 @@
 #else
 #define NOT_REGULAR EMEDIUMTYPE
 #endif
+
+/* XXH128_hash_t and XXH3_128bits_withSeed() of xxhash.h (ABI-stable since xxhash 0.8). */
+typedef struct {
+    uint64_t low64, high64;
+} xxh128_hash;
+typedef xxh128_hash (*xxh3_128_fn)(const void *data, size_t len, uint64_t seed);
+static xxh3_128_fn xxh3_128 = NULL;
+
+/* The canonical (big-endian, high half first) form python-xxhash's
+ * xxh3_128_digest() returns. */
+static void checksum_into(const void *data, size_t len, unsigned char out[16]) {
+    xxh128_hash hash = xxh3_128(data, len, 0);
+    for (int i = 0; i < 8; i++) {
+        out[i] = (unsigned char)(hash.high64 >> (56 - 8 * i));
+        out[8 + i] = (unsigned char)(hash.low64 >> (56 - 8 * i));
+    }
+}
 
 static PyObject *raise_errno(int error, PyObject *path) {
     errno = error;
@@ -65,10 +92,20 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *temp_obj, *final_obj;
     Py_buffer payload, trailer;
     int direct, do_fsync;
-    if (!PyArg_ParseTuple(args, "O&O&y*y*pp", PyUnicode_FSConverter, &temp_obj,
+    Py_ssize_t digest_at;
+    if (!PyArg_ParseTuple(args, "O&O&y*w*ppn", PyUnicode_FSConverter, &temp_obj,
                           PyUnicode_FSConverter, &final_obj, &payload, &trailer, &direct,
-                          &do_fsync))
+                          &do_fsync, &digest_at))
         return NULL;
+    if (digest_at >= 0 && (xxh3_128 == NULL || digest_at > trailer.len - 16)) {
+        PyErr_SetString(PyExc_ValueError, xxh3_128 == NULL ? "no checksum function bound"
+                                                            : "digest_at outside the trailer");
+        PyBuffer_Release(&payload);
+        PyBuffer_Release(&trailer);
+        Py_DECREF(temp_obj);
+        Py_DECREF(final_obj);
+        return NULL;
+    }
     const char *temp = PyBytes_AS_STRING(temp_obj), *final = PyBytes_AS_STRING(final_obj);
     int error = 0, stage = 0, present = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -83,6 +120,8 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args) {
     } else if (fd < 0) {
         error = errno;
     } else {
+        if (digest_at >= 0)
+            checksum_into(payload.buf, (size_t)payload.len, (unsigned char *)trailer.buf + digest_at);
         struct iovec iov[2] = {{payload.buf, (size_t)payload.len}, {trailer.buf, (size_t)trailer.len}};
         Py_ssize_t written;
         stage = 1;
@@ -108,14 +147,32 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args) {
     return result;
 }
 
+/* load(path, out, trailer, direct, stamp_after_s, digest): reads the file into
+ * out then trailer; with a 16-byte digest buffer (not None), the checksum of out
+ * goes there once the whole file was read. */
 static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *path_obj;
-    Py_buffer out, trailer;
+    PyObject *path_obj, *digest_obj;
+    Py_buffer out, trailer, digest = {0};
     int direct;
     double stamp_after;
-    if (!PyArg_ParseTuple(args, "O&w*w*pd", PyUnicode_FSConverter, &path_obj, &out, &trailer,
-                          &direct, &stamp_after))
+    if (!PyArg_ParseTuple(args, "O&w*w*pdO", PyUnicode_FSConverter, &path_obj, &out, &trailer,
+                          &direct, &stamp_after, &digest_obj))
         return NULL;
+    int hashing = digest_obj != Py_None;
+    if (hashing && PyObject_GetBuffer(digest_obj, &digest, PyBUF_WRITABLE) != 0) {
+        hashing = -1;
+    } else if (hashing && (xxh3_128 == NULL || digest.len != 16)) {
+        PyErr_SetString(PyExc_ValueError, xxh3_128 == NULL ? "no checksum function bound"
+                                                           : "digest must be a 16-byte buffer");
+        PyBuffer_Release(&digest);
+        hashing = -1;
+    }
+    if (hashing < 0) {
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&trailer);
+        Py_DECREF(path_obj);
+        return NULL;
+    }
     const char *path = PyBytes_AS_STRING(path_obj);
     int error = 0;
     Py_ssize_t total = 0;
@@ -138,10 +195,13 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
             (double)(now.tv_sec - info.st_mtim.tv_sec) > stamp_after)
             futimens(fd, NULL);
         close(fd);
+        if (!error && hashing && total == out.len + trailer.len)
+            checksum_into(out.buf, (size_t)out.len, digest.buf);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&out);
     PyBuffer_Release(&trailer);
+    if (hashing) PyBuffer_Release(&digest);
     PyObject *result = NULL;
     if (error) {
         PyObject *name = PyUnicode_DecodeFSDefault(path);
@@ -152,6 +212,41 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
     }
     Py_DECREF(path_obj);
     return result;
+}
+
+/* bind_xxh3(module_path) -> bool: finds XXH3_128bits_withSeed in the shared
+ * object at module_path (python-xxhash's extension, already loaded: its
+ * CPU-dispatching variant first) and hashes with it from now on. */
+static PyObject *bind_xxh3(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *path_obj;
+    if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &path_obj)) return NULL;
+    void *handle = dlopen(PyBytes_AS_STRING(path_obj), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    Py_DECREF(path_obj);
+    void *found = NULL;
+    if (handle != NULL) {
+        /* the handle stays open: the function must outlive this call */
+        found = dlsym(handle, "XXH3_128bits_withSeed_dispatch");
+        if (found == NULL) found = dlsym(handle, "XXH3_128bits_withSeed");
+    }
+    if (found != NULL) xxh3_128 = (xxh3_128_fn)found;
+    return PyBool_FromLong(found != NULL);
+}
+
+/* checksum(data) -> bytes: the bound function's digest (for the check at binding). */
+static PyObject *checksum(PyObject *Py_UNUSED(module), PyObject *args) {
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y*", &data)) return NULL;
+    if (xxh3_128 == NULL) {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, "no checksum function bound");
+        return NULL;
+    }
+    unsigned char digest[16];
+    Py_BEGIN_ALLOW_THREADS
+    checksum_into(data.buf, (size_t)data.len, digest);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    return PyBytes_FromStringAndSize((const char *)digest, 16);
 }
 
 /* complete(paths, size) -> [bool]: which paths hold a regular file of exactly
@@ -194,8 +289,12 @@ done:
 
 static PyMethodDef methods[] = {
     {"complete", complete, METH_VARARGS, "complete(paths, size) -> [is a regular file of size]"},
-    {"store", store, METH_VARARGS, "store(temp, final, payload, trailer, direct, fsync) -> written"},
-    {"load", load, METH_VARARGS, "load(path, out, trailer, direct, stamp_after_s) -> bytes read"},
+    {"store", store, METH_VARARGS,
+     "store(temp, final, payload, trailer, direct, fsync, digest_at) -> written"},
+    {"load", load, METH_VARARGS,
+     "load(path, out, trailer, direct, stamp_after_s, digest) -> bytes read"},
+    {"bind_xxh3", bind_xxh3, METH_VARARGS, "bind_xxh3(module_path) -> found"},
+    {"checksum", checksum, METH_VARARGS, "checksum(data) -> xxh3-128 digest"},
     {NULL, NULL, 0, NULL},
 };
 

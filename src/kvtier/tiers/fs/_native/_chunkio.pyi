@@ -4,7 +4,24 @@ from collections.abc import Sequence
 from typing_extensions import Buffer
 
 def store(
-    temp_path: str, final_path: str, payload: Buffer, trailer: Buffer, direct: bool, fsync: bool, /
+    temp_path: str,
+    final_path: str,
+    payload: Buffer,
+    trailer: Buffer,
+    direct: bool,
+    fsync: bool,
+    digest_at: int,
+    /,
 ) -> bool: ...
-def load(path: str, out: Buffer, trailer: Buffer, direct: bool, stamp_after_s: float, /) -> int: ...
+def load(
+    path: str,
+    out: Buffer,
+    trailer: Buffer,
+    direct: bool,
+    stamp_after_s: float,
+    digest: Buffer | None,
+    /,
+) -> int: ...
 def complete(paths: Sequence[str], size: int, /) -> list[bool]: ...
+def bind_xxh3(module_path: str, /) -> bool: ...
+def checksum(data: Buffer, /) -> bytes: ...
