@@ -9,6 +9,9 @@ setup(
         Extension(
             "kvtier.tiers.fs._native._chunkio",
             ["src/kvtier/tiers/fs/_native/_chunkio.c"],
+            # dlopen/dlsym (binding xxhash's XXH3): in libc itself since glibc
+            # 2.34, in libdl before.
+            libraries=["dl"],
             optional=True,
         ),
         Extension(
