@@ -984,9 +984,12 @@ def test_a_chunk_is_stored_only_when_every_rank_copied_its_part(
 
 
 def request_keys_of(layout: Any, tokens: list[int]) -> list[Any]:
+    from kvtier.identity import AdapterIdentities
     from kvtier.integrations.vllm.scheduler import request_keys
 
-    keys = request_keys(layout.namespace, _request(tokens), layout.chunk_tokens)
+    keys = request_keys(
+        layout.namespace, _request(tokens), layout.chunk_tokens, AdapterIdentities()
+    )
     assert keys is not None
     return keys
 
