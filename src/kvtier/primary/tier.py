@@ -106,22 +106,26 @@ class PrimaryTier:
         ``protect`` as a set when calling once per chunk of a long chain:
         it is consulted, never copied.
         """
+        walk = loops.active
         with self._lock:
             ready, writing, free = self._ready, self._writing, self._free
             # The new keys, each once, in order: the answer, its slots still to come.
-            reserved = loops.active.new_keys(ready, writing, keys)
+            reserved = walk.new_keys(ready, writing, keys)
             shortfall = len(reserved) - len(free)
             if shortfall > 0:
-                victims = self._evict(shortfall, keys, len(reserved) < len(keys), protect)
+                if protect or len(reserved) < len(keys):
+                    victims = self._evict(shortfall, keys, protect)
+                else:  # the common case: only the pinned chunks to spare
+                    victims = self.policy.evict(shortfall, self._pins)
                 if victims is None:
                     return None
-                loops.active.free_victims(ready, free, victims)
+                walk.free_victims(ready, free, victims)
                 self.evictions += len(victims)
-            loops.active.take_slots(reserved, free, writing)
+            walk.take_slots(reserved, free, writing)
             return reserved
 
     def _evict(
-        self, n: int, keys: Sequence[ChunkKey], some_resident: bool, protect: Collection[ChunkKey]
+        self, n: int, keys: Sequence[ChunkKey], protect: Collection[ChunkKey]
     ) -> list[ChunkKey] | None:
         """Have the policy give up ``n`` idle chunks, none of ``keys`` or ``protect``.
 
@@ -134,9 +138,7 @@ class PrimaryTier:
         # them whose membership test is a fast C method (a keys view's, which
         # filterfalse and map call once per key, is a slower slot wrapper).
         pins = self._pins
-        own: list[ChunkKey] = []
-        if some_resident:
-            own = loops.active.idle_resident(self._ready, pins, keys)
+        own = loops.active.idle_resident(self._ready, pins, keys)
         if protect:
             return self.policy.evict(n, _Protected(pins, set(own), protect))
         if not own:
@@ -169,7 +171,11 @@ class PrimaryTier:
             if not success or not written:
                 self._free.extend(written.values())
                 return {}
-            tracked = self._track(list(written))
+            tracked = list(written)
+            try:
+                self.policy.insert_all(tracked)
+            except Exception:
+                tracked = self._track_one_by_one(tracked)
             if len(tracked) < len(written):  # chunks the policy refused
                 refused = dict(written)
                 written = {key: refused.pop(key) for key in tracked}
@@ -179,19 +185,15 @@ class PrimaryTier:
                 self._pins.update(dict.fromkeys(written, pins))
             return written
 
-    def _track(self, keys: list[ChunkKey]) -> list[ChunkKey]:
-        """Hand newly ready keys to the policy; returns those it now tracks.
+    def _track_one_by_one(self, keys: list[ChunkKey]) -> list[ChunkKey]:
+        """After the policy's ``insert_all`` raised (called in its handler):
+        offer the keys one by one; returns those the policy now tracks.
 
         A policy that raises loses the chunk, never the slot (a chunk the policy
-        does not know could never be evicted): the keys are then offered one
-        by one, and those it still refuses are dropped.
+        does not know could never be evicted): those it still refuses are dropped.
         """
         policy = self.policy
-        try:
-            policy.insert_all(keys)
-            return keys
-        except Exception:
-            logger.exception("cache policy %s: insert raised; retrying key by key", policy)
+        logger.exception("cache policy %s: insert raised; retrying key by key", policy)
         tracked = []
         for key in keys:
             try:
