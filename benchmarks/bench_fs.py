@@ -202,25 +202,28 @@ def raw_round(work: Workload, root: Path, threads: int, direct: bool) -> dict[st
     }
 
 
-def build_tier(work: Workload, root: Path, options: dict[str, Any]) -> SecondaryTier:
+def build_tier(entry: dict[str, Any], buffer: SlotBuffer) -> SecondaryTier:
+    """The tier of configuration ``entry`` over ``buffer``, a chunk a slot,
+    built as kvtier builds one from its configuration."""
+    chunk = buffer.slot_bytes
     layout = KVLayout(
         model_id="kvtier-bench",
         num_layers=1,
         num_kv_heads=1,
-        head_dim=work.chunk // (2 * CHUNK_TOKENS),
+        head_dim=chunk // (2 * CHUNK_TOKENS),
         dtype="uint8",
         chunk_tokens=CHUNK_TOKENS,
     )
     config = load_config(
         {
             "chunk_tokens": CHUNK_TOKENS,
-            "cpu_bytes_to_use": work.nbytes,
-            "secondary_tiers": [{"type": "fs", "root_dir": str(root), **options}],
+            "cpu_bytes_to_use": buffer.num_slots * chunk,
+            "secondary_tiers": [entry],
         }
     )
     spec = TieringSpec(config, layout)
     return SecondaryTierFactory.create_secondary_tier(
-        config.secondary_tiers[0].as_dict(), work.buffer.view, spec
+        config.secondary_tiers[0].as_dict(), buffer.view, spec
     )
 
 
@@ -259,7 +262,7 @@ def start_workers(tier: SecondaryTier) -> None:
 def kvtier_round(
     work: Workload, root: Path, options: dict[str, Any], job_chunks: int
 ) -> dict[str, Any]:
-    tier = build_tier(work, root, options)
+    tier = build_tier({"type": "fs", "root_dir": str(root), **options}, work.buffer)
     try:
         if not isinstance(tier, FilesystemTier):
             raise TypeError(f"expected the fs tier, got {type(tier).__name__}")

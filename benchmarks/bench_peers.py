@@ -62,6 +62,7 @@ from typing import Any
 
 from bench_fs import (  # beside this script
     add_workload_options,
+    build_tier,
     clear_directory,
     parse_size,
     run_jobs,
@@ -71,12 +72,8 @@ from bench_fs import (  # beside this script
 from bench_shared_tiers import RawRedis, in_parallel
 from peers.common import chunk_payloads, run_round
 
-from kvtier.config import load_config
-from kvtier.layout import KVLayout
 from kvtier.primary import SlotBuffer
-from kvtier.specs.tiering import TieringSpec
 from kvtier.tiers.base import SecondaryTier
-from kvtier.tiers.factory import SecondaryTierFactory
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.redis import RedisTierOptions
 
@@ -221,26 +218,9 @@ class KVTierTier:
         self.round = 0
 
     def prepare(self, directory: str, payloads: Sequence[bytes]) -> None:
-        layout = KVLayout(
-            model_id="kvtier-bench",
-            num_layers=1,
-            num_kv_heads=1,
-            head_dim=self.chunk // (2 * CHUNK_TOKENS),
-            dtype="uint8",
-            chunk_tokens=CHUNK_TOKENS,
-        )
         if self.tier is None:
             entry = dict(self.tier_config, **({"root_dir": directory} if directory else {}))
-            config = load_config(
-                {
-                    "chunk_tokens": CHUNK_TOKENS,
-                    "cpu_bytes_to_use": 2 * self.count * self.chunk,
-                    "secondary_tiers": [entry],
-                }
-            )
-            self.tier = SecondaryTierFactory.create_secondary_tier(
-                config.secondary_tiers[0].as_dict(), self.buffer.view, TieringSpec(config, layout)
-            )
+            self.tier = build_tier(entry, self.buffer)
         if isinstance(self.tier, FilesystemTier):
             self.tier.wait_index(30)
         start_workers(self.tier)

@@ -389,17 +389,18 @@ def _framed_serializer_class() -> type:
 
         def pack(self, *args: Any) -> list[bytes | memoryview]:
             at = next((i for i, arg in enumerate(args) if isinstance(arg, FramedValue)), None)
-            if at is None:
-                return list(super().pack(*args))
+            if at is None:  # every command but a store's SET: as redis-py packs it
+                packed: list[bytes | memoryview] = super().pack(*args)
+                return packed
             header, payload = args[at]
-            pieces = list(super().pack(*args[:at], payload, *args[at + 1 :]))
+            pieces: list[bytes | memoryview] = super().pack(*args[:at], payload, *args[at + 1 :])
             index = next(i for i, piece in enumerate(pieces) if piece is payload)
             length = b"$%d\r\n" % len(payload)
             before = pieces[index - 1]
-            if not before.endswith(length):
+            if not isinstance(before, bytes) or not before.endswith(length):
                 raise RuntimeError("redis-py packed a bulk string in an unknown way")
             total = b"$%d\r\n" % (len(header) + len(payload))
-            pieces[index - 1] = bytes(before[: -len(length)]) + total + header
+            pieces[index - 1] = before[: -len(length)] + total + header
             return pieces
 
     return FramedSerializer
