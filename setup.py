@@ -1,6 +1,7 @@
-"""The compiled parts of kvtier: the fs tier's chunk-file I/O and the primary
-tier's per-chunk loops (everything else is in pyproject.toml). ``optional``:
-without a C compiler the build goes on and both run the same code in Python."""
+"""The compiled parts of kvtier: the fs tier's chunk-file I/O, the primary
+tier's per-chunk loops and the cache policies' per-key steps (everything else is in
+pyproject.toml). ``optional``: without a C compiler the build goes on and
+each runs the same code in Python."""
 
 from setuptools import Extension, setup
 
@@ -17,6 +18,11 @@ setup(
         Extension(
             "kvtier.primary._native._slots",
             ["src/kvtier/primary/_native/_slots.c"],
+            optional=True,
+        ),
+        Extension(
+            "kvtier.policies._native._steps",
+            ["src/kvtier/policies/_native/_steps.c"],
             optional=True,
         ),
     ]

@@ -31,6 +31,8 @@ Run: ``python benchmarks/bench_primary.py [--seed-venv DIR] [--rounds N] [--json
 ``--quick`` replays a tiny trace once (a check of the drivers, not a figure).
 ``--policy-cost`` also records the calls kvtier's primary tier makes into
 each policy and times the policy alone on them: its share of kvtier's time.
+``--python`` runs the primary tier's loops and the policies' steps in
+Python, as kvtier installed without a C compiler does.
 This module imports kvtier lazily so that the seed's environment can run it
 without kvtier.
 """
@@ -541,6 +543,21 @@ def report(
         print(f"each policy alone, on the calls the primary tier makes into it: {shares}")
 
 
+def kvtier_steps(python: bool) -> str:
+    """Where kvtier's primary-tier loops and policy steps run (``compiled``
+    where kvtier was built with a C compiler), after moving them to Python
+    if ``python``."""
+    from kvtier.policies import arc, s3fifo
+    from kvtier.primary import loops
+
+    if python:
+        loops.active = loops.IMPLEMENTATIONS["python"]
+        arc.active = arc.IMPLEMENTATIONS["python"]
+        s3fifo.active = s3fifo.IMPLEMENTATIONS["python"]
+        return "python"
+    return "/".join(sorted({loops.IMPLEMENTATION, arc.IMPLEMENTATION, s3fifo.IMPLEMENTATION}))
+
+
 def main(argv: list[str] | None = None) -> None:
     if argv is None:
         argv = sys.argv[1:]
@@ -570,8 +587,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also time each policy alone on the calls the primary tier makes into it",
     )
+    parser.add_argument(
+        "--python",
+        action="store_true",
+        help="run kvtier's compiled steps in Python, as an install without a C compiler does",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    steps = kvtier_steps(args.python)
     spec = TraceSpec(
         requests=args.requests,
         prefixes=args.prefixes,
@@ -588,7 +611,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--rounds must be at least 1, got {rounds}")
     measured, note, chunks = measure(spec, rounds, args.seed_venv)
     cost = policy_cost(spec, rounds) if args.policy_cost else None
-    report(summarise(measured, chunks), note, spec, args.json, cost)
+    report(summarise(measured, chunks), f"kvtier's steps: {steps}; {note}", spec, args.json, cost)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,16 @@ def test_bench_primary_times_each_policy_alone_on_the_calls_it_got() -> None:
     assert all(seconds > 0 for seconds in out["policy_seconds"].values())
 
 
+def test_bench_primary_makes_the_same_operations_with_its_steps_in_python() -> None:
+    compiled = run_quick("bench_primary.py")
+    python = run_quick("bench_primary.py", "--python")
+    assert python["note"].startswith("kvtier's steps: python;")
+    counts = ("system", "policy", "chunk_ops", "hit_chunks", "lookup_chunks")
+    assert [[row[c] for c in counts] for row in python["results"]] == [
+        [row[c] for c in counts] for row in compiled["results"]
+    ]
+
+
 def test_bench_primary_refuses_zero_rounds() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_primary.py"), "--rounds", "0"],

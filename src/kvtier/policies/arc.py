@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any, NamedTuple
 
 from kvtier.keys import ChunkKey
 from kvtier.policies.base import CachePolicy, unprotected
@@ -43,68 +43,14 @@ class ARCCachePolicy(CachePolicy):
         return False
 
     def insert(self, key: ChunkKey) -> None:
-        if self.get(key):
-            return
-        if key in self._b1:
-            # Evicted from T1 too early: T1 deserved more room.
-            self.p = min(self.capacity, self.p + max(1, len(self._b2) // len(self._b1)))
-            del self._b1[key]
-            self._t2[key] = None
-        elif key in self._b2:
-            # Evicted from T2 too early: T2 deserved more room.
-            self.p = max(0, self.p - max(1, len(self._b1) // len(self._b2)))
-            del self._b2[key]
-            self._t2[key] = None
-        else:
-            # Only a new key grows the directory; a ghost hit just moves one.
-            self._t1[key] = None
-            self._trim_ghosts()
+        self.insert_all((key,))
 
     def insert_all(self, keys: Sequence[ChunkKey]) -> None:
-        # insert inlined for the primary tier's batches: every new chunk comes
-        # through here. A run of keys seen nowhere has its ghosts trimmed once,
-        # before the next other key: the lists only grow through the run, so
-        # one trim pops exactly the ghosts a trim after each key would have.
-        t1, t2, b1, b2, capacity = self._t1, self._t2, self._b1, self._b2, self.capacity
-        untrimmed = False
-        p = self.p  # kept in a local through the batch, written back after
-        for key in keys:
-            if key in b1:
-                if untrimmed:  # the next key sees the lists as trimmed after each key
-                    self._trim_ghosts()
-                    untrimmed = False
-                if key in b1:  # the trim may have dropped its ghost
-                    step = len(b2) // len(b1)
-                    p += step if step > 1 else 1
-                    if p > capacity:
-                        p = capacity
-                    del b1[key]
-                    t2[key] = None
-                    continue
-            elif key in b2:
-                if untrimmed:
-                    self._trim_ghosts()
-                    untrimmed = False
-                if key in b2:
-                    step = len(b1) // len(b2)
-                    p -= step if step > 1 else 1
-                    if p < 0:
-                        p = 0
-                    del b2[key]
-                    t2[key] = None
-                    continue
-            elif key in t1 or key in t2:
-                if untrimmed:
-                    self._trim_ghosts()
-                    untrimmed = False
-                self.insert(key)  # the general case: a hit, which leaves p alone
-                continue
-            # A key seen nowhere (or whose ghost was just trimmed).
-            t1[key] = None
-            untrimmed = True
-        self.p = p
-        if untrimmed:
-            self._trim_ghosts()
+        # Every new chunk of the primary tier comes through here: compiled
+        # where kvtier was built with a C compiler.
+        self.p = active.insert_all(
+            self._t1, self._t2, self._b1, self._b2, keys, self.p, self.capacity
+        )
 
     def remove(self, key: ChunkKey) -> None:
         # Not an eviction, so no ghost: its return would teach nothing.
@@ -145,11 +91,7 @@ class ARCCachePolicy(CachePolicy):
         over_target = min(n, max(0, len(t1) - self.p))
         first = list(itertools.islice(from_t1, over_target))
         if len(first) == n:  # the usual case: all from T1, so T2 need not be looked at
-            b1 = self._b1
-            for key in first:
-                del t1[key]
-                b1[key] = None
-            self._trim_ghosts()
+            active.demote(t1, t2, self._b1, self._b2, first, (), self.capacity)
             return first
         from_t2 = list(itertools.islice(unprotected(t2, protected), n - len(first)))
         then_t1 = []
@@ -157,25 +99,8 @@ class ARCCachePolicy(CachePolicy):
             then_t1 = list(itertools.islice(from_t1, n - len(first) - len(from_t2)))
         if len(first) + len(from_t2) + len(then_t1) < n:
             return None
-        b1, b2 = self._b1, self._b2
-        for victims, resident, ghosts in ((first, t1, b1), (from_t2, t2, b2), (then_t1, t1, b1)):
-            for victim in victims:
-                del resident[victim]
-                ghosts[victim] = None
-        self._trim_ghosts()
+        active.demote(t1, t2, self._b1, self._b2, first + then_t1, from_t2, self.capacity)
         return first + from_t2 + then_t1
-
-    def _trim_ghosts(self) -> None:
-        # ARC's directory bounds: |T1| + |B1| <= c and all four lists <= 2c.
-        b1, b2 = self._b1, self._b2
-        excess = len(self._t1) + len(b1) - self.capacity
-        while excess > 0 and b1:
-            b1.popitem(False)  # positional: a keyword costs more than the pop
-            excess -= 1
-        excess = len(self._t1) + len(self._t2) + len(b1) + len(b2) - 2 * self.capacity
-        while excess > 0 and b2:
-            b2.popitem(False)
-            excess -= 1
 
     def clear(self) -> None:
         for entries in (self._t1, self._t2, self._b1, self._b2):
@@ -187,3 +112,115 @@ class ARCCachePolicy(CachePolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._t1 or key in self._t2
+
+
+Entries = OrderedDict[ChunkKey, None]
+
+
+def _trim_ghosts(t1: Entries, t2: Entries, b1: Entries, b2: Entries, capacity: int) -> None:
+    """ARC's directory bounds: ``|T1| + |B1| <= c`` and all four lists ``<= 2c``."""
+    excess = len(t1) + len(b1) - capacity
+    while excess > 0 and b1:
+        b1.popitem(False)  # positional: a keyword costs more than the pop
+        excess -= 1
+    excess = len(t1) + len(t2) + len(b1) + len(b2) - 2 * capacity
+    while excess > 0 and b2:
+        b2.popitem(False)
+        excess -= 1
+
+
+def _insert_all(
+    t1: Entries,
+    t2: Entries,
+    b1: Entries,
+    b2: Entries,
+    keys: Sequence[ChunkKey],
+    p: int,
+    capacity: int,
+) -> int:
+    """ARC's insert of each key, in order; returns the new target size ``p`` of T1.
+
+    A run of keys seen nowhere has its ghosts trimmed once, before the next
+    other key: the lists only grow through the run, so one trim pops exactly
+    the ghosts a trim after each key would have.
+    """
+    untrimmed = False
+    for key in keys:
+        if key in b1:  # evicted from T1 too early: T1 deserved more room
+            if untrimmed:  # the next key sees the lists as trimmed after each key
+                _trim_ghosts(t1, t2, b1, b2, capacity)
+                untrimmed = False
+            if key in b1:  # the trim may have dropped its ghost: then it is new
+                step = len(b2) // len(b1)
+                p = min(capacity, p + (step if step > 1 else 1))
+                del b1[key]
+                t2[key] = None
+                continue
+        elif key in b2:  # evicted from T2 too early: T2 deserved more room
+            if untrimmed:
+                _trim_ghosts(t1, t2, b1, b2, capacity)
+                untrimmed = False
+            if key in b2:
+                step = len(b1) // len(b2)
+                p = max(0, p - (step if step > 1 else 1))
+                del b2[key]
+                t2[key] = None
+                continue
+        elif key in t1 or key in t2:  # a hit: it leaves p alone
+            if untrimmed:  # a hit shrinks T1 + B1: the trim before it pops more
+                _trim_ghosts(t1, t2, b1, b2, capacity)
+                untrimmed = False
+            if key in t1:  # seen again: the key has shown it is reused
+                del t1[key]
+                t2[key] = None
+            else:
+                t2.move_to_end(key)
+            continue
+        # Only a new key grows the directory; a ghost hit just moves one.
+        t1[key] = None
+        untrimmed = True
+    if untrimmed:
+        _trim_ghosts(t1, t2, b1, b2, capacity)
+    return p
+
+
+def _demote(
+    t1: Entries,
+    t2: Entries,
+    b1: Entries,
+    b2: Entries,
+    from_t1: Sequence[ChunkKey],
+    from_t2: Sequence[ChunkKey],
+    capacity: int,
+) -> None:
+    """Victims become the newest ghosts, in order: of ``B1`` from ``T1``, of
+    ``B2`` from ``T2``; then the directory is trimmed (a policy tracking more
+    keys than its capacity has ghosts to spare)."""
+    for resident, ghosts, victims in ((t1, b1, from_t1), (t2, b2, from_t2)):
+        for victim in victims:
+            del resident[victim]
+            ghosts[victim] = None
+    _trim_ghosts(t1, t2, b1, b2, capacity)
+
+
+class ARCSteps(NamedTuple):
+    """One implementation of ARC's per-key steps."""
+
+    insert_all: Callable[[Entries, Entries, Entries, Entries, Sequence[ChunkKey], int, int], int]
+    demote: Callable[
+        [Entries, Entries, Entries, Entries, Sequence[ChunkKey], Sequence[ChunkKey], int], None
+    ]
+
+
+#: Every implementation present, by name.
+IMPLEMENTATIONS: dict[str, ARCSteps] = {"python": ARCSteps(_insert_all, _demote)}
+try:
+    from kvtier.policies._native import _steps
+except ImportError:  # built without a C compiler
+    IMPLEMENTATION = "python"
+else:
+    IMPLEMENTATIONS["compiled"] = ARCSteps(_steps.arc_insert_all, _steps.arc_demote)
+    IMPLEMENTATION = "compiled"
+
+#: The implementation every ARC policy runs.
+active = IMPLEMENTATIONS[IMPLEMENTATION]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any, NamedTuple
 
 from kvtier.keys import ChunkKey
 from kvtier.policies.base import CachePolicy, size_bound, unprotected
@@ -145,35 +145,21 @@ class S3FIFOCachePolicy(CachePolicy):
         victims: list[ChunkKey],
         wanted: int,
     ) -> bool:
-        """Drop the oldest unaccessed small keys, promoting accessed ones on the way.
-
-        Takes victims until there are ``wanted`` or the small queue falls
-        below its share (then main's turn); ``False`` if the small queue ran
-        out before the next victim. Ends because every step removes a key
-        from the small queue.
-        """
-        small, ghost, counts = self._small, self._ghost, self._freq
-        take, promote = small.popleft, self._main.append
-        small_capacity, capacity = self.small_capacity, self.capacity
-        while small:
-            key = take()
-            if key in protected:
-                held.append(key)
-                continue
-            count = counts[key]
-            if count:  # accessed: into main, with its frequency
-                promote(key)
-                counts[key] = count + MAIN
-                continue
-            del counts[key]
-            ghost[key] = None
-            # The ghost remembers about as many keys as the cache holds.
-            if len(ghost) > capacity:
-                ghost.popitem(False)  # positional: a keyword costs more than the pop
-            victims.append(key)
-            if len(victims) == wanted or len(small) + len(held) < small_capacity:
-                return True
-        return False
+        """Drop the oldest unaccessed small keys, promoting accessed ones on the way
+        (:func:`_evict_small`: compiled where kvtier was built with a C compiler)."""
+        return active.evict_small(
+            self._small,
+            self._main,
+            self._ghost,
+            self._freq,
+            protected,
+            held,
+            victims,
+            wanted,
+            self.small_capacity,
+            self.capacity,
+            MAIN,
+        )
 
     def _evict_main(
         self,
@@ -227,3 +213,81 @@ class S3FIFOCachePolicy(CachePolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._freq
+
+
+def _evict_small(
+    small: deque[ChunkKey],
+    main: deque[ChunkKey],
+    ghost: OrderedDict[ChunkKey, None],
+    counts: dict[ChunkKey, int],
+    protected: Collection[ChunkKey],
+    held: list[ChunkKey],
+    victims: list[ChunkKey],
+    wanted: int,
+    small_capacity: int,
+    capacity: int,
+    main_count: int,
+) -> bool:
+    """S3-FIFO's victims from its small queue, each one remembered by the ghost.
+
+    Takes victims until there are ``wanted`` or the small queue falls below
+    its share ``small_capacity`` (then main's turn); ``False`` if the small
+    queue ran out before the next victim. Protected keys are set aside in
+    ``held``; accessed keys move to main with their count plus ``main_count``
+    (:data:`MAIN`). Ends because every step takes a key from the small queue.
+    """
+    take, promote = small.popleft, main.append
+    while small:
+        key = take()
+        if key in protected:
+            held.append(key)
+            continue
+        count = counts[key]
+        if count:  # accessed: into main, with its frequency
+            promote(key)
+            counts[key] = count + main_count
+            continue
+        del counts[key]
+        ghost[key] = None
+        # The ghost remembers about as many keys as the cache holds.
+        if len(ghost) > capacity:
+            ghost.popitem(False)  # positional: a keyword costs more than the pop
+        victims.append(key)
+        if len(victims) == wanted or len(small) + len(held) < small_capacity:
+            return True
+    return False
+
+
+class S3FIFOSteps(NamedTuple):
+    """One implementation of S3-FIFO's per-key steps."""
+
+    evict_small: Callable[
+        [
+            deque[ChunkKey],
+            deque[ChunkKey],
+            OrderedDict[ChunkKey, None],
+            dict[ChunkKey, int],
+            Collection[ChunkKey],
+            list[ChunkKey],
+            list[ChunkKey],
+            int,
+            int,
+            int,
+            int,
+        ],
+        bool,
+    ]
+
+
+#: Every implementation present, by name.
+IMPLEMENTATIONS: dict[str, S3FIFOSteps] = {"python": S3FIFOSteps(_evict_small)}
+try:
+    from kvtier.policies._native import _steps
+except ImportError:  # built without a C compiler
+    IMPLEMENTATION = "python"
+else:
+    IMPLEMENTATIONS["compiled"] = S3FIFOSteps(_steps.s3fifo_evict_small)
+    IMPLEMENTATION = "compiled"
+
+#: The implementation every S3-FIFO policy runs.
+active = IMPLEMENTATIONS[IMPLEMENTATION]

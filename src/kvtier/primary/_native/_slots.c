@@ -1,4 +1,4 @@
-/* The primary tier's per-chunk loops (kvtier/primary/slots.py), compiled.
+/* The primary tier's per-chunk loops (kvtier/primary/loops.py), compiled.
  *
  * Every request walks its chain of chunks a few times under the primary
  * tier's lock: found?, pin, unpin, reserve, finish. In Python each step of
