@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.keys import ChunkKey
 from kvtier.testing import TierHarness
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.fs import io as fs_io
@@ -28,7 +29,7 @@ def harness(tmp_path: Path) -> Iterator[TierHarness]:
 
 def _split(tier: FilesystemTier, count: int, backlog: int) -> list[list[int]]:
     tier._backlog = lambda: backlog  # type: ignore[method-assign]
-    groups = tier._split([(bytes([i]) * 32, i) for i in range(count)])
+    groups = tier._split([(ChunkKey(bytes([i]) * 32), i) for i in range(count)])
     return [[slot for _, slot in group] for group in groups]
 
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -461,14 +462,14 @@ def test_an_adapter_is_identified_once_until_the_engine_reloads_it_in_place(
     from kvtier.identity import adapters as adapters_module
 
     path = adapter(tmp_path / "a", 1)
-    calls: list[Path] = []
-    real = adapters_module.weights_identity
+    calls: list[str] = []
+    real = adapters_module.identify_weights
 
-    def counting(located: Path) -> WeightsIdentity:
-        calls.append(located)
-        return real(located)
+    def counting(name_or_path: str, **kwargs: Any) -> WeightsIdentity | None:
+        calls.append(name_or_path)
+        return real(name_or_path, **kwargs)
 
-    monkeypatch.setattr(adapters_module, "weights_identity", counting)
+    monkeypatch.setattr(adapters_module, "identify_weights", counting)
     identities = AdapterIdentities()
     before = identities.token("support", 1, str(path))
     assert identities.token("support", 1, str(path)) == before

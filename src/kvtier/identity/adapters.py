@@ -15,8 +15,7 @@ import logging
 import os
 from collections.abc import Iterable
 
-from kvtier.identity.hub import locate_model
-from kvtier.identity.weights import weights_identity
+from kvtier.identity.named import identify_weights
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +46,18 @@ class AdapterIdentities:
         return self._tokens[ref]
 
     def _find(self, name: str, path: str) -> str | None:
-        located = locate_model(path, cache_dirs=self._cache_dirs) if path else None
-        if located is None:
+        try:
+            found = identify_weights(path, cache_dirs=self._cache_dirs) if path else None
+        except (OSError, ValueError) as exc:
+            logger.warning(
+                "kvtier: LoRA adapter %r: cannot identify %s (%s); its requests are "
+                "left to the engine, not offloaded",
+                name,
+                path,
+                exc,
+            )
+            return None
+        if found is None:
             logger.warning(
                 "kvtier: LoRA adapter %r: %r is neither a local path nor in the local "
                 "Hugging Face cache, so its files cannot be identified; its requests "
@@ -57,14 +66,4 @@ class AdapterIdentities:
                 path,
             )
             return None
-        try:
-            return weights_identity(located).token
-        except (OSError, ValueError) as exc:
-            logger.warning(
-                "kvtier: LoRA adapter %r: cannot identify %s (%s); its requests are "
-                "left to the engine, not offloaded",
-                name,
-                located,
-                exc,
-            )
-            return None
+        return found.token

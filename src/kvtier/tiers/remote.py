@@ -31,6 +31,7 @@ write batched client calls:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -448,14 +449,13 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                     payload = self.slot(slots[i])
                     header = integrity.pack_header(self.namespace, keys[i], payload)
                     framed.append(FramedValue(header, payload))
+                send = functools.partial(self._put_framed, todo_names, framed)
             else:
                 values = self._scratch(len(todo))
                 for value, i in zip(values, todo, strict=False):
                     integrity.frame_into(value, self.namespace, keys[i], self.slot(slots[i]))
-        if self.sends_framed:
-            errors = self._put_framed(todo_names, framed)
-        else:
-            errors = self._put_many(todo_names, values[: len(todo)])
+                send = functools.partial(self._put_many, todo_names, values[: len(todo)])
+        errors = send()  # outside the guard: the network is slow
         if len(todo) < len(names):
             self._refresh_many([n for n, present in zip(names, held, strict=True) if present])
         self._outcome_of(errors)

@@ -207,49 +207,24 @@ def _compiled_io(chunkio: ModuleType, hashing: bool) -> ChunkIO:
     """The compiled functions, hashing in their own GIL release (``hashing``,
     see :func:`_bind_checksum`), else with the checksum taken in Python
     around them."""
-    if hashing:
+    digest_offset = integrity.DIGEST_OFFSET if hashing else -1
 
-        def store(
-            temp: str,
-            final: str,
-            payload: memoryview,
-            trailer: memoryview,
-            direct: bool,
-            fsync: bool,
-        ) -> bool:
-            written: bool = chunkio.store(
-                temp, final, payload, trailer, direct, fsync, integrity.DIGEST_OFFSET
-            )
-            return written
-
-        def load(
-            path: str, out: memoryview, trailer: memoryview, direct: bool, stamp_after_s: float
-        ) -> tuple[int, bytes | None]:
-            digest = bytearray(integrity.DIGEST_BYTES)
-            done: int = chunkio.load(path, out, trailer, direct, stamp_after_s, digest)
-            return done, bytes(digest) if done == len(out) + len(trailer) else None
-
-    else:
-
-        def store(
-            temp: str,
-            final: str,
-            payload: memoryview,
-            trailer: memoryview,
-            direct: bool,
-            fsync: bool,
-        ) -> bool:
-            # Hashed even when the file turns out to be there already.
+    def store(
+        temp: str, final: str, payload: memoryview, trailer: memoryview, direct: bool, fsync: bool
+    ) -> bool:
+        if not hashing:  # hashed even when the file turns out to be there already
             trailer[_DIGEST] = integrity.checksum(payload)
-            written: bool = chunkio.store(temp, final, payload, trailer, direct, fsync, -1)
-            return written
+        written: bool = chunkio.store(temp, final, payload, trailer, direct, fsync, digest_offset)
+        return written
 
-        def load(
-            path: str, out: memoryview, trailer: memoryview, direct: bool, stamp_after_s: float
-        ) -> tuple[int, bytes | None]:
-            done: int = chunkio.load(path, out, trailer, direct, stamp_after_s, None)
-            full = done == len(out) + len(trailer)
-            return done, integrity.checksum(out) if full else None
+    def load(
+        path: str, out: memoryview, trailer: memoryview, direct: bool, stamp_after_s: float
+    ) -> tuple[int, bytes | None]:
+        digest = bytearray(integrity.DIGEST_BYTES) if hashing else None
+        done: int = chunkio.load(path, out, trailer, direct, stamp_after_s, digest)
+        if done != len(out) + len(trailer):
+            return done, None
+        return done, bytes(digest) if digest is not None else integrity.checksum(out)
 
     return ChunkIO(store, load, chunkio.complete)
 
