@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -474,17 +475,73 @@ def test_an_adapter_is_identified_once_until_the_engine_reloads_it_in_place(
     before = identities.token("support", 1, str(path))
     assert identities.token("support", 1, str(path)) == before
     assert len(calls) == 1
-    # Retrained in place, size and time kept: the engine still runs what it
-    # loaded, until told to reload it.
+    # Retrained in place, size and time kept, the engine not told to reload:
+    # it runs what it loaded until it drops the adapter from its own cache
+    # and reads the files again. Which it runs is unknown: no token.
     weights = path / "adapter_model.safetensors"
     stat = weights.stat()
     write_safetensors(weights, seed=1, scale={"model.norm.weight": 2.0})
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert identities.token("support", 1, str(path)) == before
+    assert weights.stat().st_size == stat.st_size
+    assert identities.token("support", 1, str(path)) is None
+    assert identities.token("support", 1, str(path)) is None  # until reloaded
     after = identities.token("support", 1, str(path), reload=True)
     assert after is not None and after != before
     assert identities.token("support", 1, str(path)) == after
     assert len(calls) == 2
+
+
+def replace_weights(path: Path) -> None:
+    """Saved as tools save: a new file renamed over the old one."""
+    fresh = path / "adapter_model.safetensors.tmp"
+    write_safetensors(fresh, seed=5)
+    fresh.rename(path / "adapter_model.safetensors")
+
+
+def add_shard(path: Path) -> None:
+    write_safetensors(path / "adapter_model-extra.safetensors", seed=6)
+
+
+def remove_config(path: Path) -> None:
+    (path / "adapter_config.json").unlink()
+
+
+def touch_times_back(path: Path) -> None:
+    """Rewritten with the same bytes and its old times: its content is what
+    the engine loaded, but the change time still moves."""
+    config = path / "adapter_config.json"
+    stat = config.stat()
+    config.write_bytes(config.read_bytes())
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+@pytest.mark.parametrize("change", [replace_weights, add_shard, remove_config, touch_times_back])
+def test_an_adapter_whose_files_change_without_a_reload_is_no_longer_offloaded(
+    tmp_path: Path, change: Callable[[Path], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = adapter(tmp_path / "a", 1)
+    identities = AdapterIdentities()
+    before = identities.token("support", 1, str(path))
+    assert before is not None and identities.token("support", 1, str(path)) == before
+    change(path)
+    assert identities.token("support", 1, str(path)) is None
+    assert "changed since it was loaded" in caplog.text
+    # Another engine loading the files now identifies them as they are (the
+    # same bytes and times: the same identity).
+    now = AdapterIdentities().token("support", 1, str(path))
+    assert now is not None and (now == before) == (change is touch_times_back)
+
+
+def test_an_adapter_in_the_hub_cache_is_stable_across_requests(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A snapshot's files are links to blobs: checked through the links."""
+    cache = tmp_path / "hub"
+    hub_cache(cache, model_dir)
+    identities = AdapterIdentities(cache_dirs=[cache])
+    first = identities.token("tiny", 1, "org/tiny")
+    assert first is not None
+    assert all(identities.token("tiny", 1, "org/tiny") == first for _ in range(3))
 
 
 def test_an_adapter_that_cannot_be_identified_has_no_token(

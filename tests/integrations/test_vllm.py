@@ -465,6 +465,22 @@ def test_request_keys_are_the_prefix_chain_of_the_prompt_and_salted(tmp_path: Pa
     assert not set(salt_keys) & set(keys)
     assert not set(lora_keys[0]) & set(salt_keys)
     assert not set(lora_keys[0]) & set(lora_keys[1])
+    # Files changed under a loaded adapter, vLLM not told to reload it: which
+    # version vLLM runs is unknown, so the adapter is left to vLLM until a
+    # request reloads it in place.
+    registry = AdapterIdentities()
+    loaded = _request(tokens)
+    loaded.lora_request = SimpleNamespace(
+        lora_name="adapter-a", lora_int_id=1, lora_path=str(tmp_path / "adapter-1")
+    )
+    assert request_keys(namespace, loaded, CHUNK, registry) == lora_keys[0]
+    (tmp_path / "adapter-1" / "adapter_model.safetensors").write_bytes(bytes([9]) * 4096)
+    assert request_keys(namespace, loaded, CHUNK, registry) is None
+    reloaded = _request(tokens)
+    reloaded.lora_request = SimpleNamespace(**vars(loaded.lora_request), load_inplace=True)
+    after = request_keys(namespace, reloaded, CHUNK, registry)
+    assert after is not None and not set(after) & set(lora_keys[0])
+    assert request_keys(namespace, loaded, CHUNK, registry) == after
     # An adapter whose files are not here is left to vLLM, as are multimodal prompts.
     unknown = _request(tokens)
     unknown.lora_request = SimpleNamespace(

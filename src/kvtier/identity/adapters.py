@@ -16,6 +16,7 @@ import os
 from collections.abc import Iterable
 
 from kvtier.identity.named import identify_weights
+from kvtier.identity.weights import WeightsIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +33,40 @@ class AdapterIdentities:
     Adapters are identified once per ``(name, id, path)``, as an engine loads
     them once; ``reload=True`` (an engine told to load the adapter again in
     place) identifies the files again.
+
+    Files that change under a loaded adapter without that reload leave it
+    ambiguous: the engine runs what it loaded until it drops the adapter
+    from its own cache and reads the files again, which nothing outside it
+    sees. Such an adapter's token is ``None`` from then on, until a reload:
+    each :meth:`token` checks the files' ``stat`` (no reads).
     """
 
     def __init__(self, cache_dirs: Iterable[str | os.PathLike[str] | None] = (None,)) -> None:
         self._cache_dirs = tuple(cache_dirs)
-        self._tokens: dict[AdapterRef, str | None] = {}
+        self._found: dict[AdapterRef, WeightsIdentity | None] = {}
 
     def token(self, name: str, adapter_id: int, path: str, *, reload: bool = False) -> str | None:
-        """The identity of the adapter's files, or ``None`` if they cannot be identified."""
+        """The identity of the adapter's files, or ``None`` if they cannot be
+        identified or changed since the engine loaded them."""
         ref = (name, adapter_id, path)
-        if reload or ref not in self._tokens:
-            self._tokens[ref] = self._find(name, path)
-        return self._tokens[ref]
+        if reload or ref not in self._found:
+            self._found[ref] = self._find(name, path)
+        found = self._found[ref]
+        if found is None:
+            return None
+        if found.stamp.changed():
+            logger.warning(
+                "kvtier: LoRA adapter %r: its files at %r changed since it was loaded, "
+                "and the engine was not told to reload it: which version it runs is "
+                "unknown, so its requests are left to the engine until it is reloaded",
+                name,
+                path,
+            )
+            self._found[ref] = None
+            return None
+        return found.token
 
-    def _find(self, name: str, path: str) -> str | None:
+    def _find(self, name: str, path: str) -> WeightsIdentity | None:
         try:
             found = identify_weights(path, cache_dirs=self._cache_dirs) if path else None
         except (OSError, ValueError) as exc:
@@ -66,4 +87,4 @@ class AdapterIdentities:
                 path,
             )
             return None
-        return found.token
+        return found

@@ -28,9 +28,9 @@ import logging
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
 
@@ -56,6 +56,41 @@ _HUB_BLOB_NAME = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")
 _HUB_REVISION = re.compile(r"^[0-9a-f]{40}$")
 
 
+Stat = tuple[int, int, int, int]
+
+
+def _stat(path: str) -> Stat | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
+@dataclass(frozen=True)
+class FilesStamp:
+    """The ``stat`` of files and of the directories holding them, to tell
+    later whether any of them changed, without reading a byte.
+
+    Writing a file changes its change time, which no tool sets back (unlike
+    the modification time); replacing it by a rename changes its inode; adding,
+    removing or renaming one changes its directory's times.
+    """
+
+    paths: tuple[str, ...]
+    stats: tuple[Stat | None, ...]
+
+    @classmethod
+    def of(cls, paths: Iterable[str]) -> FilesStamp:
+        paths = tuple(paths)
+        return cls(paths, tuple(map(_stat, paths)))
+
+    def changed(self) -> bool:
+        """Whether a path is gone, or was written, replaced or had entries
+        added or removed, since the stamp was taken."""
+        return tuple(map(_stat, self.paths)) != self.stats
+
+
 @dataclass(frozen=True)
 class WeightsIdentity:
     """What :func:`weights_identity` found out about a model's files."""
@@ -70,6 +105,10 @@ class WeightsIdentity:
     #: Bytes actually read to compute the identity.
     bytes_read: int
     full_read: bool
+    #: The files and their directories as they were when identified (taken
+    #: before reading them, so a change while reading shows too). Not part
+    #: of the identity: equal digests are equal weights wherever they lie.
+    stamp: FilesStamp = field(default=FilesStamp((), ()), compare=False, repr=False)
 
     @property
     def token(self) -> str:
@@ -94,6 +133,8 @@ def weights_identity(path: str | os.PathLike[str], *, full_read: bool = False) -
     files = sorted(_model_files(root))
     if not files:
         raise ValueError(f"model weights not found: {root} holds no file to identify them by")
+    folders = sorted({root, *(file.parent for _, file in files)}) if root.is_dir() else []
+    stamp = FilesStamp.of(map(str, [*folders, *(file for _, file in files)]))
     revision = hub_revision(root)
     digest = hashlib.blake2b(digest_size=16, person=b"kvtier-weights")
     digest.update(f"revision={revision or ''}\0full={full_read}\0".encode())
@@ -114,6 +155,7 @@ def weights_identity(path: str | os.PathLike[str], *, full_read: bool = False) -
         total_bytes=total,
         bytes_read=read,
         full_read=full_read,
+        stamp=stamp,
     )
 
 
