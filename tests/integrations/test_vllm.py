@@ -492,6 +492,27 @@ def test_request_keys_are_the_prefix_chain_of_the_prompt_and_salted(tmp_path: Pa
     assert request_keys(namespace, multimodal, CHUNK, adapters) is None
 
 
+def test_prompts_with_embeddings_are_left_to_vllm() -> None:
+    """A prompt given as embeddings, whole or mixed with token ids (chat with
+    embeddings), has placeholder ids where the embeddings go: two prompts with
+    other embeddings there have the same ids, so their KV must never be keyed
+    by the ids."""
+    import torch
+
+    from kvtier.identity import AdapterIdentities
+    from kvtier.integrations.vllm.scheduler import request_keys
+
+    tokens = PROMPTS[0]
+    adapters = AdapterIdentities()
+    embeds = torch.zeros(len(tokens), 8)
+    mixed = _request(tokens, prompt_embeds=embeds)
+    mixed.prompt_is_token_ids = [index % 2 == 0 for index in range(len(tokens))]
+    assert request_keys(bytes(32), mixed, CHUNK, adapters) is None
+    only_embeds = _request(None, prompt_embeds=embeds)
+    assert request_keys(bytes(32), only_embeds, CHUNK, adapters) is None
+    assert request_keys(bytes(32), _request(tokens, prompt_embeds=None), CHUNK, adapters)
+
+
 def _model_config(model: Path, **options: Any) -> Any:
     from vllm.config import ModelConfig
 
@@ -609,6 +630,9 @@ def test_the_kv_cache_dtype_and_the_layers_it_skips_are_in_the_namespace(model: 
         pytest.param({"dtype": "bfloat16"}, id="dtype"),
         pytest.param({"revision": "v2"}, id="revision"),
         pytest.param({"model_impl": "transformers"}, id="model_impl"),
+        # Phi-3's LongRoPE picks its long factors for every position when
+        # max_model_len exceeds the original context (other models read it too).
+        pytest.param({"max_model_len": 64}, id="max_model_len"),
     ],
 )
 def test_the_resolved_model_config_is_in_the_namespace(model: Path, options: Any) -> None:
@@ -714,6 +738,17 @@ def test_parallel_layout_holds_every_rank_part_and_enters_the_namespace(model: P
     assert dict(pp2_layout.extra)["pipeline_parallel_size"] == "2"
     namespaces = {single.namespace, tp2_layout.namespace, pp2_layout.namespace}
     assert len(namespaces) == 3
+    # Context parallelism spreads a block's tokens over ranks: other bytes per part.
+    for context_parallel in (
+        {"decode_context_parallel_size": 2},
+        {"prefill_context_parallel_size": 2},
+        {"decode_context_parallel_size": 2, "cp_kv_cache_interleave_size": 16},
+    ):
+        vllm_config, kv_cache_config = _engine_config(32, tp=2, model_config=two_layers)
+        vars(vllm_config.parallel_config).update(context_parallel)
+        other, _ = kv_layout(vllm_config, kv_cache_config, chunk_tokens=64)
+        assert other.namespace not in namespaces, context_parallel
+        namespaces.add(other.namespace)
     with pytest.raises(ValueError, match="outside"):
         tp2.part(0, 2)
 

@@ -29,6 +29,9 @@ from kvtier.identity import (
 #: tokenisation (keys are token ids), sampling and output settings, limits,
 #: multimodal front-ends (multimodal prompts are never offloaded), memory
 #: management, and ``hf_overrides`` (applied to ``hf_config``, which counts).
+#: ``max_model_len`` is not one of them: Phi-3's LongRoPE uses its long
+#: factors at every position once it exceeds the original context, and other
+#: models size their rotary embedding or attention scaling by it.
 IGNORED_MODEL_FIELDS = frozenset(
     {
         "model",
@@ -44,7 +47,6 @@ IGNORED_MODEL_FIELDS = frozenset(
         "hf_text_config",
         "config_format",
         "seed",
-        "max_model_len",
         "spec_target_max_model_len",
         "max_logprobs",
         "logprobs_mode",

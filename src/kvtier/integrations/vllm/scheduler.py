@@ -49,9 +49,13 @@ def request_keys(
     change what a prefix means, so they are mixed into the first chunk's key;
     a request whose adapter cannot be identified, and prompts with
     multimodal inputs or embeddings (not token-addressable) are left to vLLM.
+    A prompt mixing token ids and embeddings has placeholder ids where its
+    embeddings go, so its ids do not tell its KV apart either.
     """
     tokens = getattr(request, "prompt_token_ids", None)
     if tokens is None or getattr(request, "mm_features", None):
+        return None
+    if getattr(request, "prompt_embeds", None) is not None:
         return None
     salt = b""
     lora = getattr(request, "lora_request", None)

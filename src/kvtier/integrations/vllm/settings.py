@@ -276,6 +276,9 @@ def kv_layout(
             # layers): another parallel layout means other bytes per slot part.
             ("tensor_parallel_size", str(shape.tensor_parallel_size)),
             ("pipeline_parallel_size", str(len(shape.stages))),
+            # Context parallelism spreads each block's tokens over ranks, so a
+            # rank's page holds other tokens than without it.
+            *_context_parallel(vllm_config.parallel_config),
         ),
     )
     if layout.slot_bytes != shape.slot_bytes:
@@ -285,6 +288,21 @@ def kv_layout(
             f"{shape.page_bytes}-byte pages"
         )
     return layout, shape
+
+
+def _context_parallel(parallel: Any) -> tuple[tuple[str, str], ...]:
+    """Namespace entries of the context-parallel layout (none without it)."""
+    fields = (
+        "decode_context_parallel_size",
+        "prefill_context_parallel_size",
+        "cp_kv_cache_interleave_size",
+    )
+    values = {field: int(getattr(parallel, field, 1) or 1) for field in fields}
+    if values[fields[0]] == values[fields[1]] == 1:
+        # No context parallelism (the interleave size means nothing then):
+        # the namespace stays as it was before these entries existed.
+        return ()
+    return tuple((field, str(value)) for field, value in values.items())
 
 
 def _page_format(vllm_config: Any, spec: Any, block_size: int) -> tuple[str, str, str]:
