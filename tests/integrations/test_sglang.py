@@ -400,6 +400,12 @@ def test_launch_arguments_that_change_the_kv_share_nothing(
         "fp8 weights": base | {"quantization": "fp8"},
         "rope override": base | {"json_model_override_args": '{"rope_theta": 1000.0}'},
         "kv scales": base | {"quantization_param_path": str(scales)},
+        "context length": base | {"context_length": 2048},
+        "embedding model": base | {"is_embedding": True},
+        "remote code": base | {"trust_remote_code": True},
+        "modelopt fp8": base | {"modelopt_quant": "fp8"},
+        "modelopt checkpoint": base | {"modelopt_checkpoint_restore_path": str(scales)},
+        "loader config": base | {"model_loader_extra_config": '{"enable_multithread": 1}'},
         "random weights": base | {"load_format": "dummy"},
         "random weights again": base | {"load_format": "dummy"},
     }
@@ -427,6 +433,60 @@ def test_launch_arguments_that_change_the_kv_share_nothing(
             assert again.batch_exists(keys) == found
         finally:
             again.close()
+
+
+def test_the_launch_revision_and_download_dir_pick_the_snapshot_identified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--revision v2 --download-dir D``: the weights are v2's snapshot in D,
+    not whatever ``main`` points at. A branch moves, so its name alone does
+    not identify the weights."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.sglang import settings
+    from kvtier.testing.hub import hub_snapshot
+
+    cache = tmp_path / "hub"
+    for commit, values in (("a" * 40, bytes(64)), ("b" * 40, bytes(range(64)))):
+        files = tmp_path / commit[0]
+        files.mkdir()
+        (files / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+        write_weights(files, values)
+        hub_snapshot(cache, "org/tiny", files, commit)  # main: the last one, b
+    branch = cache / "models--org--tiny" / "refs" / "v2"
+    launch = {name: None for name in settings.KV_SERVER_ARGS}
+    launch |= {"revision": "v2", "download_dir": str(cache)}
+    monkeypatch.setattr(settings, "launch_server_args", lambda: SimpleNamespace(**launch))
+    storage = SimpleNamespace(model_name="org/tiny")
+    facts = []
+    for commit in ("a" * 40, "b" * 40):
+        branch.write_text(commit)
+        facts.append(settings.model_facts(storage, SimpleNamespace(), None))
+    weights = [dict(fact.extra)["weights"] for fact in facts]
+    assert weights[0] != weights[1]
+    main = {name: None for name in settings.KV_SERVER_ARGS} | {"download_dir": str(cache)}
+    monkeypatch.setattr(settings, "launch_server_args", lambda: SimpleNamespace(**main))
+    on_main = settings.model_facts(storage, SimpleNamespace(), None)
+    assert dict(on_main.extra)["weights"] == weights[1]
+
+
+@pytest.mark.parametrize("load_format", ["remote_instance", "remote", "ipc_cache", "private"])
+def test_weights_loaded_from_elsewhere_than_files_need_kvtier_model_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, load_format: str
+) -> None:
+    """Weights sent by another instance or a private loader are not the files
+    at the model path (another instance may have updated its own)."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.sglang import settings
+
+    launch = {name: None for name in settings.KV_SERVER_ARGS} | {"load_format": load_format}
+    monkeypatch.setattr(settings, "launch_server_args", lambda: SimpleNamespace(**launch))
+    storage = SimpleNamespace(model_name=model_dir())
+    with pytest.raises(ConfigError, match=f"kvtier_model_id.*--load-format {load_format}"):
+        settings.model_facts(storage, SimpleNamespace(), None)
+    declared = settings.model_facts(storage, SimpleNamespace(), "acme/tiny@1")
+    assert dict(declared.extra)["weights"] == "declared:acme/tiny@1"
 
 
 def test_launch_adapters_are_read_in_every_form_sglang_takes_and_must_be_identifiable(

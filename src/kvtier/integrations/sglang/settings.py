@@ -154,14 +154,35 @@ def model_facts(storage_config: Any, host_pool: Any, declared_id: str | None) ->
     tag = getattr(host_pool, "storage_format_tag", None)
     if name and tag and name.endswith(f"-{tag}"):
         name = name[: -len(tag) - 1]
-    directory = locate_model(name) if name else None
+    server_args = launch_server_args()
+    settings = kv_server_settings(server_args)
+    # The snapshot SGLang loaded: of its --revision, in its --download-dir.
+    revision = getattr(server_args, "revision", None)
+    cache_dirs = _cache_dirs(getattr(server_args, "download_dir", None))
+    directory = locate_model(name, revision=revision, cache_dirs=cache_dirs) if name else None
     config: dict[str, Any] = {}
     if directory is not None and (directory / "config.json").is_file():
         config = json.loads((directory / "config.json").read_text())
+    load_format = str(getattr(settings.get("load_format"), "value", settings.get("load_format")))
     if declared_id is not None:
         weights = declared_weights(declared_id)
+    elif settings and load_format not in FILE_LOAD_FORMATS:
+        raise ConfigError(
+            [
+                (
+                    f"{EXTRA_CONFIG}.kvtier_model_id",
+                    f"SGLang loads the weights with --load-format {load_format}, not from "
+                    "files kvtier can read, so kvtier cannot tell when they change; set "
+                    "kvtier_model_id (and change it whenever the weights change)",
+                )
+            ]
+        )
     else:
-        found = identify_weights(name) if directory is not None and name else None
+        found = (
+            identify_weights(name, revision=revision, cache_dirs=cache_dirs)
+            if directory is not None and name
+            else None
+        )
         if found is None:
             what = f"{name!r} is neither a local model directory nor a cached hub snapshot"
             raise ConfigError(
@@ -176,11 +197,9 @@ def model_facts(storage_config: Any, host_pool: Any, declared_id: str | None) ->
             )
         weights = found.token
     architectures = config.get("architectures") or ["model"]
-    server_args = launch_server_args()
-    settings = kv_server_settings(server_args)
     if settings:  # read inside a server only: outside one there is none to read
         config = {**config, "kvtier_sglang_server": settings}
-    if settings.get("load_format") == "dummy":  # random weights: this process's own KV
+    if load_format == "dummy":  # random weights: this process's own KV
         weights = f"dummy:{uuid.uuid4().hex}"
     identity = ModelIdentity(config_digest(config), weights)
     extra = identity.layout_extra + adapter_facts(launch_lora_paths(server_args))
@@ -188,18 +207,68 @@ def model_facts(storage_config: Any, host_pool: Any, declared_id: str | None) ->
 
 
 #: SGLang launch arguments that change the KV a model computes from the same
-#: files: on-the-fly quantisation, compute and KV dtypes, config overrides,
-#: the revision and how the weights are loaded.
+#: files: on-the-fly quantisation (``--quantization``, ModelOpt's), compute
+#: and KV dtypes, config overrides and how the config is parsed, the context
+#: length (SGLang hands it to the model in its config), causal or embedding
+#: attention, remote code, the revision, and how and from where weights load.
 KV_SERVER_ARGS = (
     "dtype",
     "quantization",
     "quantization_param_path",
     "kv_cache_dtype",
+    "qsa_indexer_dtype",
     "json_model_override_args",
+    "model_config_parser",
+    "decrypted_config_file",
+    "context_length",
+    "is_embedding",
+    "trust_remote_code",
     "revision",
     "load_format",
+    "model_loader_extra_config",
+    "custom_weight_loader",
     "model_impl",
+    "modelopt_quant",
+    "modelopt_checkpoint_restore_path",
+    "quantize_and_serve",
+    "rl_quant_profile",
+    "kt_method",
+    "kt_weight_path",
 )
+
+#: Arguments naming files (or directories) whose content counts, not their path.
+FILE_SERVER_ARGS = (
+    "quantization_param_path",
+    "decrypted_config_file",
+    "modelopt_checkpoint_restore_path",
+    "kt_weight_path",
+)
+
+#: Load formats that read the weights from the model's files (or its hub
+#: snapshot); the others (another instance, remote storage, IPC, private
+#: loaders) need ``kvtier_model_id``. ``dummy``: random weights, never shared.
+FILE_LOAD_FORMATS = frozenset(
+    {
+        "None",
+        "auto",
+        "pt",
+        "safetensors",
+        "instanttensor",
+        "npcache",
+        "dummy",
+        "sharded_state",
+        "presharded",
+        "gguf",
+        "bitsandbytes",
+        "mistral",
+        "layered",
+        "fastsafetensors",
+    }
+)
+
+
+def _cache_dirs(download_dir: Any) -> tuple[str | None, ...]:
+    return (str(download_dir), None) if download_dir else (None,)
 
 
 def launch_server_args() -> Any:
@@ -214,8 +283,8 @@ def launch_server_args() -> Any:
 
 
 def kv_server_settings(server_args: Any) -> dict[str, Any]:
-    """:data:`KV_SERVER_ARGS` as given at launch (JSON overrides parsed, a
-    quantisation parameter file by the identity of its content)."""
+    """:data:`KV_SERVER_ARGS` as given at launch (JSON overrides parsed, the
+    files of :data:`FILE_SERVER_ARGS` by the identity of their content)."""
     if server_args is None:
         return {}
     settings = {name: getattr(server_args, name, None) for name in KV_SERVER_ARGS}
@@ -223,9 +292,10 @@ def kv_server_settings(server_args: Any) -> dict[str, Any]:
     if isinstance(overrides, str) and overrides.strip():
         with contextlib.suppress(ValueError):  # kept as written: still one digest per text
             settings["json_model_override_args"] = json.loads(overrides)
-    scales = settings["quantization_param_path"]
-    if isinstance(scales, str) and Path(scales).is_file():
-        settings["quantization_param_path"] = weights_identity(scales).token
+    for name in FILE_SERVER_ARGS:
+        path = settings[name]
+        if isinstance(path, str) and path and Path(path).exists():
+            settings[name] = weights_identity(path).token
     return settings
 
 
