@@ -101,6 +101,8 @@ def test_models_with_sliding_window_layers_are_refused() -> None:
                      id="weights"),
         pytest.param(lambda: layout_for_model(tiny_model("llama", rope_theta=500.0),
                                               chunk_tokens=CHUNK), id="config"),
+        pytest.param(lambda: layout_for_model(with_quantised_layer(tiny_model("llama"), 2.0),
+                                              chunk_tokens=CHUNK), id="weights_in_buffers"),
         pytest.param(lambda: layout_for_model(tiny_model("llama").to(torch.bfloat16),
                                               chunk_tokens=CHUNK), id="dtype"),
         pytest.param(lambda: layout_for_model(tiny_model("llama"), chunk_tokens=2 * CHUNK),
@@ -110,9 +112,19 @@ def test_models_with_sliding_window_layers_are_refused() -> None:
     ],
 )  # fmt: skip
 def test_anything_that_changes_the_bytes_changes_the_namespace(change: Callable[[], Any]) -> None:
-    base = layout_for_model(tiny_model("llama"), chunk_tokens=CHUNK)
-    assert layout_for_model(tiny_model("llama"), chunk_tokens=CHUNK).namespace == base.namespace
+    base = layout_for_model(with_quantised_layer(tiny_model("llama"), 1.0), chunk_tokens=CHUNK)
+    same = layout_for_model(with_quantised_layer(tiny_model("llama"), 1.0), chunk_tokens=CHUNK)
+    assert same.namespace == base.namespace
     assert change().namespace != base.namespace
+
+
+def with_quantised_layer(model: Any, scale: float) -> Any:
+    """``model`` with a persistent buffer, as quantised layers (GPTQ, AWQ) keep
+    their packed weights and scales: two quantisations of one model differ
+    in their buffers only."""
+    projection = model.model.layers[0].self_attn.k_proj
+    projection.register_buffer("scales", torch.full((4,), scale))
+    return model
 
 
 # Reuse ----------------------------------------------------------------------

@@ -43,11 +43,15 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     """A digest of the model's weights: names, shapes, dtypes and sampled values.
 
     Hashes the first and last :data:`FINGERPRINT_ELEMENTS` elements of every
-    parameter, which any re-initialisation, fine-tune or conversion changes,
-    at a cost independent of model size beyond the parameter count.
+    tensor of the model's state (parameters and persistent buffers: quantised
+    layers such as GPTQ's and AWQ's keep their packed weights and scales in
+    buffers), which any re-initialisation, fine-tune or conversion changes,
+    at a cost independent of model size beyond the tensor count.
     """
     digest = xxhash.xxh3_128()
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+    state = model.state_dict(keep_vars=True)
+    tensors = ((name, value) for name, value in state.items() if isinstance(value, torch.Tensor))
+    for name, param in sorted(tensors, key=lambda item: item[0]):
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
         if param.device.type == "meta":
             continue
