@@ -701,6 +701,47 @@ def test_a_repository_id_is_identified_by_its_snapshot_in_the_hub_cache(
         _namespace(by_id, absent)
 
 
+def test_the_draft_model_of_speculative_decoding_is_in_the_namespace(
+    model: Path, tmp_path: Path
+) -> None:
+    """EAGLE heads or a draft model keep their layers' KV in the same pages:
+    another draft (other weights, other config, another method) is another KV."""
+    import shutil
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    def namespace(method: str | None, draft: Any, **options: Any) -> bytes:
+        vllm_config, kv_cache_config = _engine_config(32, model_config=_model_config(model))
+        if method is not None:
+            vllm_config.speculative_config = SimpleNamespace(
+                method=method,
+                draft_model_config=vllm_config.model_config if draft == "target" else draft,
+                draft_load_config=None,
+            )
+        layout, _ = kv_layout(vllm_config, kv_cache_config, chunk_tokens=64, **options)
+        return layout.namespace
+
+    retrained = Path(shutil.copytree(model, tmp_path / "draft"))
+    _scale_in_place(retrained, {"k_proj": 1.5})
+    drafts = {
+        "none": namespace(None, None),
+        "draft model": namespace("draft_model", _model_config(model)),
+        "retrained draft": namespace("draft_model", _model_config(retrained)),
+        "eagle": namespace("eagle", _model_config(model)),
+        "draft in bfloat16": namespace("draft_model", _model_config(model, dtype="bfloat16")),
+        "ngram": namespace("ngram", "target"),  # vLLM names the target's config
+    }
+    assert namespace("draft_model", _model_config(model)) == drafts["draft model"]
+    assert drafts["ngram"] == drafts["none"]  # no draft layers, no draft KV
+    assert len(set(drafts.values())) == len(drafts) - 1
+    # A declared id stands for the draft's weights too, not for its config.
+    declared = namespace("draft_model", _model_config(retrained), model_id="team/pair@1")
+    assert namespace("draft_model", _model_config(model), model_id="team/pair@1") == declared
+    bf16 = _model_config(model, dtype="bfloat16")
+    assert namespace("draft_model", bf16, model_id="team/pair@1") != declared
+
+
 def test_weights_kvtier_cannot_identify_need_a_declared_model_id(model: Path) -> None:
     from types import SimpleNamespace
 

@@ -118,12 +118,30 @@ def model_config_entries(model_config: Any, load_config: Any) -> dict[str, Any]:
 def model_identity(
     vllm_config: Any, *, model_id: str | None = None, full_read: bool = False
 ) -> ModelIdentity:
-    """The identity of the model ``vllm_config`` serves.
+    """The identity of the model ``vllm_config`` serves, and of its draft model.
 
     ``model_id`` (``kvtier_model_id``) declares the weights' identity instead
-    of reading their files; ``full_read`` reads every byte of them.
+    of reading their files; ``full_read`` reads every byte of them. A draft
+    model of speculative decoding (EAGLE heads, a smaller model) keeps the KV
+    of its own attention layers in the same pages as the target's, so its
+    configuration and weights count too (a declared ``model_id`` stands for
+    its weights as well).
     """
-    model_config, load_config = vllm_config.model_config, vllm_config.load_config
+    target = _identity(vllm_config.model_config, vllm_config.load_config, model_id, full_read)
+    speculative = getattr(vllm_config, "speculative_config", None)
+    draft_config = getattr(speculative, "draft_model_config", None)
+    if draft_config is None or draft_config is vllm_config.model_config:
+        return target  # no draft layers (n-gram, suffix): vLLM names the target's config
+    draft_loads = getattr(speculative, "draft_load_config", None) or vllm_config.load_config
+    draft = _identity(draft_config, draft_loads, model_id, full_read)
+    method = str(getattr(speculative, "method", None))
+    config = config_digest({"target": target.config, "method": method, "draft": draft.config})
+    return ModelIdentity(config, f"{target.weights}+draft:{draft.weights}")
+
+
+def _identity(
+    model_config: Any, load_config: Any, model_id: str | None, full_read: bool
+) -> ModelIdentity:
     config = config_digest(model_config_entries(model_config, load_config), ignored=())
     if model_id is not None:
         return ModelIdentity(config, declared_weights(model_id))
