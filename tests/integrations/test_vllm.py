@@ -641,6 +641,17 @@ def test_the_resolved_model_config_is_in_the_namespace(model: Path, options: Any
     assert _namespace(_model_config(model, **options)) != base
 
 
+def test_which_weight_files_vllm_loads_is_in_the_namespace(model: Path) -> None:
+    """A directory holding two variants of a checkpoint: ``--ignore-patterns``
+    picks the one vLLM loads, and the other's KV is other bytes."""
+    from vllm.config import LoadConfig
+
+    base = _namespace(_model_config(model), LoadConfig())
+    assert _namespace(_model_config(model), LoadConfig()) == base
+    fp8_only = LoadConfig(ignore_patterns=["model.safetensors"])
+    assert _namespace(_model_config(model), fp8_only) != base
+
+
 def test_the_weights_are_in_the_namespace_and_the_path_is_not(model: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -112,6 +112,9 @@ def model_config_entries(model_config: Any, load_config: Any) -> dict[str, Any]:
     }
     entries["load_format"] = str(getattr(load_config, "load_format", "auto"))
     entries["model_loader_extra_config"] = getattr(load_config, "model_loader_extra_config", None)
+    # Which of the directory's weight files vLLM loads (two variants of a
+    # checkpoint side by side, say); every file counts in the weights identity.
+    entries["ignore_patterns"] = getattr(load_config, "ignore_patterns", None)
     return entries
 
 
