@@ -641,6 +641,18 @@ def test_the_resolved_model_config_is_in_the_namespace(model: Path, options: Any
     assert _namespace(_model_config(model, **options)) != base
 
 
+def test_a_context_length_fitted_to_memory_is_the_context_the_model_was_built_with(
+    model: Path,
+) -> None:
+    """``--max-model-len -1``: vLLM builds the model with its config's context,
+    then shrinks max_model_len to what memory holds; the KV is the config's."""
+    fitted = _model_config(model, max_model_len=-1)
+    before = _namespace(fitted)
+    fitted.max_model_len = 64  # what vLLM's auto-fit does after profiling
+    assert _namespace(fitted) == before
+    assert _namespace(_model_config(model, max_model_len=64)) != before
+
+
 def test_which_weight_files_vllm_loads_is_in_the_namespace(model: Path) -> None:
     """A directory holding two variants of a checkpoint: ``--ignore-patterns``
     picks the one vLLM loads, and the other's KV is other bytes."""

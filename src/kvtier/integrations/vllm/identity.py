@@ -106,6 +106,11 @@ def model_config_entries(model_config: Any, load_config: Any) -> dict[str, Any]:
         for field in dataclasses.fields(model_config)
         if field.name not in IGNORED_MODEL_FIELDS
     }
+    if getattr(model_config, "original_max_model_len", None) == -1:
+        # Fitted to memory after the model was built with the context its
+        # config gives (which the config digest covers): the fitted length
+        # changed nothing the model computes, only the engine's memory.
+        entries["max_model_len"] = "auto-fit"
     hf_config = model_config.hf_config.to_dict()
     entries["hf_config"] = {
         key: value for key, value in hf_config.items() if key not in IGNORED_CONFIG_KEYS
