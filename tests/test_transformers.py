@@ -95,6 +95,29 @@ def test_models_with_sliding_window_layers_are_refused() -> None:
 
 
 @pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 8,
+            "long_factor": [4.0] * 8,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+    ids=["dynamic", "longrope"],
+)
+def test_models_whose_rope_follows_the_sequence_length_are_refused(rope: dict[str, Any]) -> None:
+    """transformers rescales such rope by the length of each forward pass: a
+    prefix stored from a short prompt holds other keys than the same prefix
+    of a prompt past the original context."""
+    config = tiny_config("llama", rope_parameters=rope)
+    with pytest.raises(LayoutMismatchError, match=f"rope type \\['{rope['rope_type']}'\\]"):
+        layout_from_config(config, dtype=torch.float32, chunk_tokens=16)
+
+
+@pytest.mark.parametrize(
     "change",
     [
         pytest.param(lambda: layout_for_model(tiny_model("llama", seed=1), chunk_tokens=CHUNK),

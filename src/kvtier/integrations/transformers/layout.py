@@ -24,6 +24,12 @@ _TORCH_DTYPES = {
     torch.bfloat16: "bfloat16",
 }
 
+#: Rope types whose frequencies transformers picks by the length of the
+#: sequence in each forward pass (``dynamic_rope_update``): a prefix computed
+#: alone and the same prefix computed as part of a longer prompt get other
+#: keys, so its KV cannot be reused.
+SEQUENCE_LENGTH_ROPE_TYPES = frozenset({"dynamic", "longrope"})
+
 #: Elements of each weight tensor hashed into the fingerprint (from each end).
 FINGERPRINT_ELEMENTS = 4096
 
@@ -94,6 +100,13 @@ def layout_from_config(
             f"{text.model_type}: layers of type {windowed} keep a window of the KV cache, "
             "not the whole prefix; kvtier serves full-attention models only"
         )
+    length_dependent = sorted(_rope_types(text) & SEQUENCE_LENGTH_ROPE_TYPES)
+    if length_dependent:
+        raise LayoutMismatchError(
+            f"{text.model_type}: rope type {length_dependent} rescales every position by the "
+            "length of the sequence being computed, so a prefix's KV depends on what follows "
+            "it; kvtier serves models whose rope depends on positions only"
+        )
     num_layers = _int_attr(text, "num_hidden_layers")
     num_heads = _int_attr(text, "num_attention_heads")
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
@@ -127,6 +140,21 @@ def layout_for_model(
         model_id=model_id,
         weights=weights_fingerprint(model),
     )
+
+
+def _rope_types(config: Any) -> set[str]:
+    """Rope types of the config (one, or one per layer type)."""
+    found: set[str] = set()
+    for key in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, key, None)
+        if not isinstance(value, dict):
+            continue
+        nested = [item for item in value.values() if isinstance(item, dict)]
+        for parameters in (value, *nested):
+            kind = parameters.get("rope_type", parameters.get("type"))
+            if isinstance(kind, str):
+                found.add(kind)
+    return found
 
 
 def _int_attr(config: Any, name: str) -> int:
