@@ -597,6 +597,23 @@ def test_a_cache_that_drops_pages_outside_a_window_is_refused(model: Path, kind:
         kv_layout(vllm_config, kv_cache_config, chunk_tokens=64)
 
 
+def test_a_model_with_non_causal_layers_is_refused(model: Path) -> None:
+    """A layer attending both ways (a prefix LM) gives a prefix other KV when
+    other tokens follow it: vLLM turns its own prefix caching off for it."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvtier.errors import LayoutMismatchError
+    from kvtier.integrations.vllm.settings import kv_layout
+
+    vllm_config, kv_cache_config = _engine_config(32, model_config=_model_config(model))
+    kv_cache_config.kv_cache_groups[0].kv_cache_spec = FullAttentionSpec(
+        block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, non_causal=True
+    )
+    with pytest.raises(LayoutMismatchError, match="non-causal"):
+        kv_layout(vllm_config, kv_cache_config, chunk_tokens=64)
+
+
 def _namespace(model_config: Any, load_config: Any = None, **options: Any) -> bytes:
     from kvtier.integrations.vllm.settings import kv_layout
 

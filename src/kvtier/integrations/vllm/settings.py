@@ -163,6 +163,13 @@ def geometry(vllm_config: Any, kv_cache_config: Any, chunk_tokens: int) -> VllmG
             f"kvtier's vLLM connector serves full-attention KV caches; this model's is "
             f"{type(spec).__name__}, which drops the pages of tokens outside its window"
         )
+    # A layer attending both ways (a prefix LM) computes a prefix's KV from the
+    # tokens after it too; vLLM turns its own prefix caching off for it.
+    if getattr(spec, "non_causal", False):
+        raise LayoutMismatchError(
+            "kvtier's vLLM connector serves causal models; this one has non-causal "
+            "attention layers, whose KV of a prefix depends on the tokens after it"
+        )
     block_size = int(spec.block_size)
     if chunk_tokens % block_size:
         raise ConfigError(
