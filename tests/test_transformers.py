@@ -94,6 +94,20 @@ def test_models_with_sliding_window_layers_are_refused() -> None:
         layout_from_config(config, dtype=torch.float32, chunk_tokens=16)
 
 
+def test_models_attending_both_ways_are_refused() -> None:
+    """Bidirectional attention (Gemma's ``use_bidirectional_attention``, for
+    embedding models) computes a prefix's KV from the tokens after it too."""
+    config = transformers.GemmaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        use_bidirectional_attention=True,
+    )  # fmt: skip
+    with pytest.raises(LayoutMismatchError, match="both ways"):
+        layout_from_config(config, dtype=torch.float32, chunk_tokens=16)
+    config.use_bidirectional_attention = False
+    assert layout_from_config(config, dtype=torch.float32, chunk_tokens=16).num_layers == 2
+
+
 @pytest.mark.parametrize(
     "rope",
     [

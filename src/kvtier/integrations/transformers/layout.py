@@ -100,6 +100,14 @@ def layout_from_config(
             f"{text.model_type}: layers of type {windowed} keep a window of the KV cache, "
             "not the whole prefix; kvtier serves full-attention models only"
         )
+    if (
+        getattr(text, "use_bidirectional_attention", False)
+        or getattr(text, "is_causal", True) is False
+    ):
+        raise LayoutMismatchError(
+            f"{text.model_type}: attention runs both ways, so a prefix's KV depends on the "
+            "tokens after it; kvtier serves causal models only"
+        )
     length_dependent = sorted(_rope_types(text) & SEQUENCE_LENGTH_ROPE_TYPES)
     if length_dependent:
         raise LayoutMismatchError(
