@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -325,34 +325,55 @@ def test_missing_client_library_raises_missing_dependency(
         TierHarness({"type": "redis", "url": "redis://127.0.0.1:1/0"}, small_layout())
 
 
-def test_an_erroring_server_fails_chunks_and_recovers(
-    own_redis_server: RedisServer, key_prefix: str
+def _fill_up(server: RedisServer) -> Callable[[], None]:
+    """Every write now answers OOM (Redis's default policy, noeviction, when full)."""
+    server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
+    server.command("CONFIG", "SET", "maxmemory", "1")
+    return lambda: server.command("CONFIG", "SET", "maxmemory", "0") and None
+
+
+def _read_only_user(server: RedisServer) -> Callable[[], None]:
+    """Every write now answers NOPERM: the tier's ACL user may only read."""
+    server.command("ACL", "SETUSER", "kvtier", "-@write")
+    return lambda: server.command("ACL", "SETUSER", "kvtier", "+@write") and None
+
+
+@pytest.mark.parametrize("refuse", [_fill_up, _read_only_user], ids=["full", "read-only-user"])
+def test_a_server_refusing_writes_is_no_outage_and_serves_what_it_holds(
+    own_redis_server: RedisServer,
+    key_prefix: str,
+    refuse: Callable[[RedisServer], Callable[[], None]],
 ) -> None:
     server = own_redis_server
+    server.command("ACL", "SETUSER", "kvtier", "on", ">kvtier-secret", "~*", "&*", "+@all")
+    options = {"username": "kvtier", "password": "kvtier-secret", "breaker_failures": 2}
     harness = TierHarness(
-        {"type": "redis", "url": server.url, "key_prefix": key_prefix, "breaker_failures": 2},
+        {"type": "redis", "url": server.url, "key_prefix": key_prefix, **options},
         small_layout(),
     )
     tier = harness.tier
     assert isinstance(tier, RemoteTier)
-    clock = FakeClock()
-    tier.breaker.clock = clock
     try:
-        keys = harness.keys(2)
-        harness.fill([0, 1])
-        server.command("CONFIG", "SET", "maxmemory", "1")  # every write now answers OOM
-        result = harness.store(keys, [0, 1])
-        assert not result.success and result.succeeded == frozenset()
-        assert not tier.backend_down  # one failed call: not yet an outage
-        assert not harness.store(keys, [0, 1]).success
-        assert tier.backend_down  # two in a row (breaker_failures)
-        assert tier.stats.backend_errors == 4  # type: ignore[attr-defined]
-        server.command("CONFIG", "SET", "maxmemory", "0")
-        assert recover(tier, clock)
-        assert harness.store(keys, [0, 1]).success
-        assert harness.load(keys, [2, 3]).success
-        np.testing.assert_array_equal(harness.buffer.array[2:4], harness.buffer.array[0:2])
-        assert not harness.tier.backend_down  # type: ignore[attr-defined]
+        keys = harness.keys(4)
+        stored = harness.fill(range(4))
+        assert harness.store(keys[:2], [0, 1]).success
+        undo = refuse(server)
+        for _ in range(3):  # past breaker_failures: still no outage
+            result = harness.store(keys[2:], [2, 3])
+            assert not result.success and result.succeeded == frozenset()
+            assert tier.breaker.closed
+        assert tier.stats.refused_stores == 6  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors == 6  # type: ignore[attr-defined]
+        assert tier.stats.backend_outages == 0  # type: ignore[attr-defined]
+        assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [1.0]
+        # What the server holds is still found and served, byte-exact.
+        assert [harness.lookup(key) for key in keys[:2]] == [Lookup.HIT, Lookup.HIT]
+        assert harness.load(keys[:2], [4, 5]).success
+        np.testing.assert_array_equal(harness.buffer.array[4:6], stored[:2])
+        undo()
+        assert harness.store(keys[2:], [2, 3]).success
+        assert harness.load(keys[2:], [6, 7]).success
+        np.testing.assert_array_equal(harness.buffer.array[6:8], stored[2:])
     finally:
         harness.close()
 

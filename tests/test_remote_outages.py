@@ -532,3 +532,36 @@ def test_a_value_sent_in_place_after_its_deadline_from_a_reused_slot_is_never_se
     finally:
         tier.gate.set()
         harness.close()
+
+
+def test_an_object_store_refusing_writes_is_no_outage(s3_server: S3Server, s3_bucket: str) -> None:
+    with FaultProxy(s3_server.port) as proxy:
+        harness = TierHarness(
+            {
+                "type": "obj",
+                **s3_server.tier_options(s3_bucket),
+                "endpoint_url": proxy.url,
+                "retries": 0,
+                "breaker_failures": 2,
+            },
+            small_layout(),
+        )
+        tier = harness.tier
+        assert isinstance(tier, RemoteTier)
+        try:
+            keys = harness.keys(2)
+            stored = harness.fill([0, 1])
+            assert harness.store(keys[:1], [0]).success
+            proxy.status, proxy.error_code = 403, "AccessDenied"
+            proxy.set_mode("status")  # a bucket policy that denies writes
+            for _ in range(3):  # past breaker_failures: still no outage
+                assert not harness.store(keys[1:], [1]).success
+                assert tier.breaker.closed
+            assert tier.stats.refused_stores == 3  # type: ignore[attr-defined]
+            proxy.set_mode("forward")
+            assert harness.lookup(keys[0]) is Lookup.HIT  # served at once, no probe needed
+            assert harness.load(keys[:1], [2]).success
+            np.testing.assert_array_equal(harness.buffer.array[2], stored[0])
+            assert tier.stats.breaker_probes == 0  # type: ignore[attr-defined]
+        finally:
+            harness.close()

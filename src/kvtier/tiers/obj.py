@@ -63,6 +63,11 @@ from kvtier.tiers.remote import (
 #: Error codes of a GET on an object the bucket does not hold. A missing
 #: bucket (``NoSuchBucket``) is not among them: that is an outage.
 _ABSENT = frozenset({"NoSuchKey"})
+#: Error codes of a PUT the store refuses while serving reads: not permitted,
+#: or over a quota or out of space (MinIO's codes for the last two).
+_REFUSED_WRITES = frozenset(
+    {"AccessDenied", "QuotaExceeded", "XMinioStorageFull", "XMinioAdminBucketQuotaExceeded"}
+)
 
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -211,6 +216,9 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
 
     def _is_absent(self, exc: Exception) -> bool:
         return self._error_code(exc) in _ABSENT
+
+    def _refuses_write(self, error: BaseException) -> bool:
+        return isinstance(error, Exception) and self._error_code(error) in _REFUSED_WRITES
 
     def _exists_many(self, names: Sequence[str]) -> list[Exists]:
         found: list[Exists] = []

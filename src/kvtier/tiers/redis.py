@@ -22,8 +22,11 @@ stuck, not how long a request waits. The pool reconnects on the next batch,
 so a server that comes back is used again without anyone stepping in.
 Memory bounds and eviction are the server's (``maxmemory``,
 ``maxmemory-policy allkeys-lru``); ``ttl_s`` adds expiry, refreshed whenever
-a chunk is read or stored again. A value that is not a string (a list, a
-hash) at a chunk's name is a corrupt chunk: counted and deleted.
+a chunk is read or stored again. A write the server refuses while serving
+(``OOM`` when full under ``noeviction``, ``READONLY``, ``NOPERM``) fails its
+chunk and is counted, but is no outage: the chunks it holds are still
+served. A value that is not a string (a list, a hash) at a chunk's name is a
+corrupt chunk: counted and deleted.
 """
 
 from __future__ import annotations
@@ -236,6 +239,13 @@ class RedisTier(RemoteTier[RedisTierOptions]):
 
     def _delete(self, name: str) -> None:
         self._client.delete(name)
+
+    def _refuses_write(self, error: BaseException) -> bool:
+        # OOM (full under maxmemory-policy noeviction, Redis's default),
+        # READONLY (a replica), NOPERM (an ACL user that may only read).
+        from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError
+
+        return isinstance(error, (OutOfMemoryError, ReadOnlyError, NoPermissionError))
 
     def _ping(self) -> None:
         if self.options.is_cluster:

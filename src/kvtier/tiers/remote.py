@@ -148,6 +148,9 @@ class RemoteTierStats(TierStats):
     outage_dropped_stores: int = 0
     #: Chunks of load jobs failed without a call to the backend (breaker open).
     outage_failed_loads: int = 0
+    #: Chunks whose write the backend refused while answering (full, read-only,
+    #: not permitted): failed stores that leave the breaker alone.
+    refused_stores: int = 0
 
 
 RemoteOptionsT = TypeVar("RemoteOptionsT", bound=RemoteTierOptions)
@@ -242,6 +245,16 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
 
     def _refresh_many(self, names: Sequence[str]) -> None:
         """Chunks that were stored again while held: extend their life. Default: nothing."""
+
+    def _refuses_write(self, error: BaseException) -> bool:
+        """Whether a write's item error is the backend answering "no" to that
+        write (full, read-only, not permitted) rather than failing to serve.
+
+        Such a backend still serves reads, so these errors fail their chunks
+        but never open the breaker: a full store would otherwise turn every
+        lookup of the chunks it holds into a miss. Default: never.
+        """
+        return False
 
     @abstractmethod
     def _ping(self) -> None:
@@ -458,7 +471,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         errors = send()  # outside the guard: the network is slow
         if len(todo) < len(names):
             self._refresh_many([n for n, present in zip(names, held, strict=True) if present])
-        self._outcome_of(errors)
+        self._outcome_of(errors, writes=True)
         ok = [True] * len(keys)
         for index, error in zip(todo, errors, strict=True):
             ok[index] = error is None
@@ -516,14 +529,24 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
 
     # Health -----------------------------------------------------------------
 
-    def _outcome_of(self, items: Sequence[object]) -> None:
-        """Account a batch by its per-item results (errors are ``BaseException`` items)."""
+    def _outcome_of(self, items: Sequence[object], *, writes: bool = False) -> None:
+        """Account a batch by its per-item results (errors are ``BaseException`` items).
+
+        For ``writes``, items the backend refused (:meth:`_refuses_write`) are
+        counted apart and take no part in the breaker's verdict.
+        """
         errors = [
             item
             for item in items
             if isinstance(item, BaseException) and not isinstance(item, CorruptChunkError)
         ]
-        self._outcome(len(errors), len(items), errors[0] if errors else None)
+        refused = [error for error in errors if writes and self._refuses_write(error)]
+        if refused:
+            self.count(backend_errors=len(refused), refused_stores=len(refused))
+            self._answered()
+            logger.debug("tier %s: %d writes refused: %r", self.tier_type, len(refused), refused[0])
+            errors = [error for error in errors if not self._refuses_write(error)]
+        self._outcome(len(errors), len(items) - len(refused), errors[0] if errors else None)
 
     def _outcome(self, errors: int, items: int, first: BaseException | None) -> None:
         """One breaker verdict per batch, so mixed per-item results never flap.
