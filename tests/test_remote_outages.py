@@ -565,3 +565,42 @@ def test_an_object_store_refusing_writes_is_no_outage(s3_server: S3Server, s3_bu
             assert tier.stats.breaker_probes == 0  # type: ignore[attr-defined]
         finally:
             harness.close()
+
+
+def test_every_request_waiting_on_a_check_past_its_deadline_answers_miss(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    stored_by_another_engine({"type": "obj", **s3_server.tier_options(s3_bucket)}, 1)
+    harness = TierHarness(
+        {"type": "obj", **s3_server.tier_options(s3_bucket), "deadline_s": 0.3}, small_layout()
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    try:
+        [key] = harness.keys(1)
+        real = tier._exists_many
+        started, release = threading.Event(), threading.Event()
+
+        def slow(names: Any) -> Any:
+            started.set()
+            tier._answered()  # slow, not stalled: the breaker stays closed
+            release.wait(60)
+            return real(names)
+
+        tier._exists_many = slow  # type: ignore[method-assign]
+        # Three requests (threads of one engine, or engine steps) ask for the
+        # same chunk: one check goes out for them all.
+        requests = [LookupContext(f"request-{i}") for i in range(3)]
+        assert [tier.lookup(key, ctx) for ctx in requests] == [Lookup.PENDING] * 3
+        tier.on_step_end()
+        assert started.wait(60)
+        wait_until(lambda: tier.lookup(key, requests[0]) is Lookup.MISS, what="past the deadline")
+        # Every request waits no longer, not just the first to ask again.
+        assert [tier.lookup(key, ctx) for ctx in requests] == [Lookup.MISS] * 3
+        assert tier.breaker.closed
+        release.set()
+        wait_until(lambda: not tier._threaded_checking, what="the check done")
+        assert tier.lookup(key, requests[1]) is Lookup.HIT  # the late answer, for the next one
+    finally:
+        release.set()
+        harness.close()

@@ -405,16 +405,12 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             finally:
                 done.set()
 
-        def answer_miss() -> None:
-            # The lookups waiting on it answer MISS from now on; a late
-            # answer replaces this one for the next request.
-            with self._threaded_lock:
-                for key in keys:
-                    if key in self._threaded_checking:
-                        self._threaded_checked[key] = False
-
         # Counted from when the step asked, as the lookups wait from then.
-        self._watch(done, f"existence check of {len(keys)} chunks", answer_miss)
+        # Past it, the lookups waiting on it answer MISS, every request's and
+        # not just the first's; a late answer serves the next request.
+        self._watch(
+            done, f"existence check of {len(keys)} chunks", functools.partial(self._overdue, keys)
+        )
         return run
 
     # ThreadedBatchTier hooks --------------------------------------------------
