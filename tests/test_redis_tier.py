@@ -659,3 +659,16 @@ def test_a_probe_never_waits_for_a_pooled_connection(
         assert len(pool._connections) == 2  # the probe's connection was never pooled
     finally:
         harness.close()
+
+
+def test_a_tls_url_for_a_server_without_tls_fails_at_start_saying_so(
+    redis_server: RedisServer,
+) -> None:
+    url = redis_server.url.replace("redis://", "rediss://")
+    with pytest.raises(BackendUnavailableError) as failure:
+        TierHarness({"type": "redis", "url": url, "startup_timeout_s": 0.5}, small_layout())
+    message = str(failure.value)
+    assert url in message
+    # Either the handshake waits for an answer that never comes, or the
+    # server's plain-text reply breaks it: both name the likely cause.
+    assert "TLS" in message or "SSL" in message

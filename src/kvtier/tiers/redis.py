@@ -162,8 +162,14 @@ class RedisTier(RemoteTier[RedisTierOptions]):
         self.sends_framed = not options.is_cluster
         self._client: Any = None
         try:
+            tls = (options.url or "").lower().startswith("rediss://")
             self._client = self._start(
-                lambda: _connected(options), lambda client: client.close(), self._target
+                lambda: _connected(options),
+                lambda client: client.close(),
+                self._target,
+                hint="; a rediss:// URL (TLS) for a server without TLS also waits like this"
+                if tls
+                else "",
             )
         except (MissingDependencyError, BackendUnavailableError):
             self.shutdown()

@@ -588,11 +588,14 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         """:func:`call_within` on a thread named after this tier."""
         return call_within(call, timeout_s, name=f"kvtier-{self.tier_type}-call", dispose=dispose)
 
-    def _start(self, connect: Callable[[], T], dispose: Callable[[T], None], target: str) -> T:
+    def _start(
+        self, connect: Callable[[], T], dispose: Callable[[T], None], target: str, hint: str = ""
+    ) -> T:
         """Connect and ping within ``startup_timeout_s``, or fail with a clear message.
 
         ``connect`` builds the client and pings it; errors other than the
-        timeout propagate as they are, for the tier to explain.
+        timeout propagate as they are, for the tier to explain. ``hint``
+        ends the message of a timeout (another likely cause).
         """
         options = self.options
         try:
@@ -603,7 +606,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 target,
                 f"no answer within startup_timeout_s={options.startup_timeout_s}s: "
                 "the endpoint accepts connections but does not serve; check the address "
-                "and that the server is running and not overloaded",
+                f"and that the server is running and not overloaded{hint}",
             ) from exc
 
     def _close(self) -> None:
