@@ -13,7 +13,8 @@ import pytest
 from kvtier import KVCache
 from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
-from kvtier.integrity import HEADER_BYTES, frame
+from kvtier.integrity import DIGEST_OFFSET, HEADER_BYTES, frame
+from kvtier.layout import KEY_BYTES
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import FakeClock, recover, wait_until
 from kvtier.tiers.base import Lookup, LookupContext
@@ -694,8 +695,11 @@ def _damages(chunk_bytes: int) -> dict[str, Callable[[Any, str, str], None]]:
 
     return {
         "magic flipped": flip(0),
+        "format version flipped": flip(4),
         "length field flipped": flip(8),
-        "checksum flipped": flip(12),
+        "checksum flipped": flip(DIGEST_OFFSET),
+        "namespace flipped": flip(DIGEST_OFFSET + 16),
+        "key flipped": flip(DIGEST_OFFSET + 16 + KEY_BYTES),
         "last payload byte flipped": flip(HEADER_BYTES + chunk_bytes - 1),
         "another chunk's value": lambda client, name, other: client.set(name, client.get(other)),
         "extended": lambda client, name, _other: client.append(name, b"\0" * 8),
