@@ -763,3 +763,24 @@ def test_no_damaged_value_is_ever_served_nor_taken_for_an_outage(
     finally:
         harness.close()
         client.close()
+
+
+def test_shutdown_closes_every_connection_of_the_tier(
+    own_redis_server: RedisServer, key_prefix: str
+) -> None:
+    server = own_redis_server
+
+    def clients() -> int:
+        return server.command("CLIENT", "LIST").count(b"id=")  # this command's own included
+
+    alone = clients()
+    harness = TierHarness(
+        {"type": "redis", "url": server.url, "key_prefix": key_prefix}, small_layout()
+    )
+    keys = harness.keys(16)
+    harness.fill(range(16))
+    assert harness.store(keys, list(range(16))).success
+    assert harness.load(keys, list(range(16, 32))).success
+    assert clients() > alone
+    harness.close()
+    wait_until(lambda: clients() == alone, what="the tier's connections closed")

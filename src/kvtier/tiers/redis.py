@@ -274,6 +274,10 @@ class RedisTier(RemoteTier[RedisTierOptions]):
         super()._close()
         if self._client is not None:
             self._client.close()
+            if not self.options.is_cluster:
+                # A client given its pool leaves the pool open on close(): its
+                # connections would stay open on the server until collected.
+                self._client.connection_pool.disconnect()
 
     def describe(self) -> dict[str, object]:
         options = self.options
