@@ -189,6 +189,9 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
         ({"bucket": "kv-bucket", "session_token": "t"}, "'session_token' needs"),
         ({"bucket": "kv-bucket", "addressing_style": "sideways"}, "addressing_style"),
         ({"bucket": "kv-bucket", "io_threads": 0}, "io_threads"),
+        ({"bucket": "kv-bucket", "read_timeout_s": float("inf")}, "read_timeout_s"),
+        ({"bucket": "kv-bucket", "connect_timeout_s": 1e300}, "connect_timeout_s"),
+        ({"bucket": "kv-bucket", "startup_timeout_s": float("inf")}, "startup_timeout_s"),
         ({"bucket": "kv-bucket", "endpoint": "http://x"}, "did you mean 'endpoint_url'"),
     ],
 )

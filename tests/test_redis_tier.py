@@ -300,6 +300,15 @@ def test_unreachable_server_fails_at_start_naming_it(redis_server: RedisServer) 
         ({"url": "redis://"}, "names no host"),
         ({"url": "redis://h:1", "io_threads": 8, "max_connections": 4}, "below io_threads"),
         ({"url": "redis://h:1", "ttl_s": 0}, "greater than 0"),
+        ({"url": "redis://h:1", "ttl_s": float("inf")}, "less than or equal to"),
+        ({"url": "redis://h:1", "ttl_s": 1e300}, "less than or equal to"),
+        ({"url": "redis://h:1", "socket_timeout_s": float("inf")}, "less than or equal to"),
+        ({"url": "redis://h:1", "connect_timeout_s": 1e300}, "less than or equal to"),
+        ({"url": "redis://h:1", "startup_timeout_s": float("inf")}, "less than or equal to"),
+        (
+            {"url": "redis://h:1", "breaker_backoff_s": 1, "breaker_max_backoff_s": float("inf")},
+            "less than or equal to",
+        ),
         ({"url": "redis://h:1", "key_prefx": "x"}, "did you mean 'key_prefix'"),
     ],
 )

@@ -52,6 +52,7 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.addresses import host_problem, split_url
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.remote import (
+    MAX_WAIT_S,
     Exists,
     Fetched,
     PutErrors,
@@ -103,10 +104,10 @@ class ObjectStoreTierOptions(RemoteTierOptions):
     io_threads: int = Field(default=16, ge=1, le=256)
     """Maximum concurrent requests: worker threads and pooled HTTP connections."""
 
-    connect_timeout_s: float = Field(default=2.0, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0, le=MAX_WAIT_S)
     """Seconds to wait for a connection to open."""
 
-    read_timeout_s: float = Field(default=10.0, gt=0)
+    read_timeout_s: float = Field(default=10.0, gt=0, le=MAX_WAIT_S)
     """Seconds to wait for any read on an open connection."""
 
     retries: int = Field(default=2, ge=0, le=10)

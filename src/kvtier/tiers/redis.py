@@ -48,6 +48,7 @@ from kvtier.tiers.addresses import host_problem, parse_host_port, split_url
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.redis_reads import get_into
 from kvtier.tiers.remote import (
+    MAX_WAIT_S,
     Exists,
     Fetched,
     FramedValue,
@@ -58,6 +59,8 @@ from kvtier.tiers.remote import (
 )
 
 _URL_SCHEMES = ("redis", "rediss", "unix")
+#: Longest ``ttl_s`` (ten years): Redis refuses expiry times past its clock's range.
+MAX_TTL_S = 10 * 365 * 86400.0
 
 
 class RedisTierOptions(RemoteTierOptions):
@@ -74,7 +77,7 @@ class RedisTierOptions(RemoteTierOptions):
     key_prefix: str = "kvtier:"
     """Prepended to every key, before the namespace and chunk digests."""
 
-    ttl_s: float | None = Field(default=None, gt=0)
+    ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
     """Expire chunks this many seconds after they were last stored or read; none if unset."""
 
     username: str | None = None
@@ -86,10 +89,10 @@ class RedisTierOptions(RemoteTierOptions):
     max_connections: int = Field(default=16, ge=1)
     """Connection pool size (per node in cluster mode); at least ``io_threads``."""
 
-    connect_timeout_s: float = Field(default=2.0, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0, le=MAX_WAIT_S)
     """Seconds to wait for a connection to open."""
 
-    socket_timeout_s: float = Field(default=5.0, gt=0)
+    socket_timeout_s: float = Field(default=5.0, gt=0, le=MAX_WAIT_S)
     """Seconds to wait for any one reply, and for a free pooled connection."""
 
     retries: int = Field(default=1, ge=0, le=10)

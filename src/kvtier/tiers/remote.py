@@ -87,6 +87,12 @@ class BackendSkipped(ConnectionError):
     """A call not sent because the backend is known to be down (breaker open)."""
 
 
+#: Longest wait any timeout or backoff option takes (an hour): longer ones are
+#: typos, and an infinite one would never recover or would overflow the
+#: clients' timers when the tier starts, far from the config that caused it.
+MAX_WAIT_S = 3600.0
+
+
 class RemoteTierOptions(ThreadedTierOptions):
     skip_existing: bool = False
     """Before a store, check which chunks the store already holds (one batched
@@ -106,17 +112,17 @@ class RemoteTierOptions(ThreadedTierOptions):
     missed deadline opens it at once). While open, lookups answer MISS and
     stores are dropped without a call to the backend."""
 
-    breaker_backoff_s: float = Field(default=0.25, gt=0)
+    breaker_backoff_s: float = Field(default=0.25, gt=0, le=MAX_WAIT_S)
     """Seconds the breaker stays open before one probe; doubled after each
     failed probe up to ``breaker_max_backoff_s``, shortened by up to 20%
     of random jitter."""
 
-    breaker_max_backoff_s: float = Field(default=1.0, gt=0)
+    breaker_max_backoff_s: float = Field(default=1.0, gt=0, le=MAX_WAIT_S)
     """Longest wait between two probes of a backend that stays down, and so
     the longest a recovered backend goes unused. A probe is one cheap request
     (``PING``, a bucket ``HEAD``)."""
 
-    startup_timeout_s: float = Field(default=5.0, gt=0)
+    startup_timeout_s: float = Field(default=5.0, gt=0, le=MAX_WAIT_S)
     """Most seconds the tier waits, when it starts, to connect and get a first
     answer; an endpoint that accepts connections but never answers fails then."""
 
