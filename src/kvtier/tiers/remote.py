@@ -55,6 +55,7 @@ from kvtier.tiers.base import (
     TierStats,
     TransferJob,
 )
+from kvtier.tiers.budgets import RequestBudgets
 from kvtier.tiers.circuit import BreakerState, CircuitBreaker
 from kvtier.tiers.deadlines import Deadlines, call_within
 from kvtier.tiers.threaded import ThreadedBatchTier, ThreadedTierOptions, _JobState
@@ -196,6 +197,9 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             on_change=self._breaker_changed,
         )
         self._deadlines = Deadlines(f"kvtier-{self.tier_type}-deadlines")
+        #: Each request's wait on the backend, so that its checks and its
+        #: loads share one ``deadline_s`` (see :mod:`kvtier.tiers.budgets`).
+        self.budgets = RequestBudgets(options.deadline_s)
 
     def _set_name_prefix(self, prefix: str) -> None:
         self._names_prefix = f"{prefix}{self.namespace.hex()}{self.name_separator}"
@@ -278,6 +282,15 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     # The contract: fail fast while the breaker is open ------------------------
 
     def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
+        answer = self._lookup(key, ctx)
+        if ctx.request_id is not None:
+            if answer is Lookup.PENDING:
+                self.budgets.waiting(ctx.request_id)
+            else:
+                self.budgets.found(ctx.request_id, key)
+        return answer
+
+    def _lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
         if not self._admit():
             if self.breaker.state is BreakerState.HALF_OPEN:
                 # The probe answers within deadline_s: the first request
@@ -287,6 +300,10 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             return Lookup.MISS
         return super().lookup(key, ctx)
 
+    def on_request_finished(self, request_id: str) -> None:
+        self.budgets.finished(request_id)
+        super().on_request_finished(request_id)
+
     def _submit(self, job: TransferJob, *, loading: bool) -> None:
         if not self._admit():
             if loading:
@@ -295,8 +312,13 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 self.count(outage_dropped_stores=len(job.keys))
             self._report(JobResult(job.job_id, not job.keys, frozenset(), nbytes=0, seconds=0.0))
             return
+        # A load gets what its request's checks left of the deadline.
+        left, waiting_since = self.budgets.take(job.request_id) if loading else (None, None)
         super()._submit(job, loading=loading)
-        self._deadlines.after(self._deadline_s, lambda: self._answer_at_deadline(job.job_id))
+        self._deadlines.after(
+            self._deadline_s if left is None else left,
+            lambda: self._answer_at_deadline(job.job_id, waiting_since),
+        )
 
     def _admit(self) -> bool:
         """Whether a request may go to the backend; starts the probe when due."""
@@ -348,7 +370,9 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         finally:
             done.set()
 
-    def _answer_at_deadline(self, job_id: int) -> None:
+    def _answer_at_deadline(self, job_id: int, waiting_since: float | None = None) -> None:
+        """Answer a job still running with what it has; ``waiting_since``:
+        when its request began to wait, if earlier than the job."""
         with self._threaded_lock:
             state = self._threaded_jobs.get(job_id)
         if state is None:
@@ -358,9 +382,8 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             if state.reported:
                 return
             self._threaded_finish(state)
-        self._missed_deadline(
-            f"{'load' if state.loading else 'store'} job {job_id}", since=state.started
-        )
+        since = state.started if waiting_since is None else min(waiting_since, state.started)
+        self._missed_deadline(f"{'load' if state.loading else 'store'} job {job_id}", since=since)
 
     def _watch(
         self, done: threading.Event, what: str, then: Callable[[], None] | None = None
@@ -410,6 +433,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 check()
             finally:
                 done.set()
+                self.budgets.checked(keys)
 
         # Counted from when the step asked, as the lookups wait from then.
         # Past it, the lookups waiting on it answer MISS, every request's and
