@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -13,7 +13,8 @@ import pytest
 from kvtier import KVCache
 from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
-from kvtier.integrity import HEADER_BYTES, frame
+from kvtier.integrity import DIGEST_OFFSET, HEADER_BYTES, frame
+from kvtier.layout import KEY_BYTES
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import FakeClock, recover, wait_until
 from kvtier.tiers.base import Lookup, LookupContext
@@ -299,6 +300,15 @@ def test_unreachable_server_fails_at_start_naming_it(redis_server: RedisServer) 
         ({"url": "redis://"}, "names no host"),
         ({"url": "redis://h:1", "io_threads": 8, "max_connections": 4}, "below io_threads"),
         ({"url": "redis://h:1", "ttl_s": 0}, "greater than 0"),
+        ({"url": "redis://h:1", "ttl_s": float("inf")}, "less than or equal to"),
+        ({"url": "redis://h:1", "ttl_s": 1e300}, "less than or equal to"),
+        ({"url": "redis://h:1", "socket_timeout_s": float("inf")}, "less than or equal to"),
+        ({"url": "redis://h:1", "connect_timeout_s": 1e300}, "less than or equal to"),
+        ({"url": "redis://h:1", "startup_timeout_s": float("inf")}, "less than or equal to"),
+        (
+            {"url": "redis://h:1", "breaker_backoff_s": 1, "breaker_max_backoff_s": float("inf")},
+            "less than or equal to",
+        ),
         ({"url": "redis://h:1", "key_prefx": "x"}, "did you mean 'key_prefix'"),
     ],
 )
@@ -325,34 +335,55 @@ def test_missing_client_library_raises_missing_dependency(
         TierHarness({"type": "redis", "url": "redis://127.0.0.1:1/0"}, small_layout())
 
 
-def test_an_erroring_server_fails_chunks_and_recovers(
-    own_redis_server: RedisServer, key_prefix: str
+def _fill_up(server: RedisServer) -> Callable[[], None]:
+    """Every write now answers OOM (Redis's default policy, noeviction, when full)."""
+    server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
+    server.command("CONFIG", "SET", "maxmemory", "1")
+    return lambda: server.command("CONFIG", "SET", "maxmemory", "0") and None
+
+
+def _read_only_user(server: RedisServer) -> Callable[[], None]:
+    """Every write now answers NOPERM: the tier's ACL user may only read."""
+    server.command("ACL", "SETUSER", "kvtier", "-@write")
+    return lambda: server.command("ACL", "SETUSER", "kvtier", "+@write") and None
+
+
+@pytest.mark.parametrize("refuse", [_fill_up, _read_only_user], ids=["full", "read-only-user"])
+def test_a_server_refusing_writes_is_no_outage_and_serves_what_it_holds(
+    own_redis_server: RedisServer,
+    key_prefix: str,
+    refuse: Callable[[RedisServer], Callable[[], None]],
 ) -> None:
     server = own_redis_server
+    server.command("ACL", "SETUSER", "kvtier", "on", ">kvtier-secret", "~*", "&*", "+@all")
+    options = {"username": "kvtier", "password": "kvtier-secret", "breaker_failures": 2}
     harness = TierHarness(
-        {"type": "redis", "url": server.url, "key_prefix": key_prefix, "breaker_failures": 2},
+        {"type": "redis", "url": server.url, "key_prefix": key_prefix, **options},
         small_layout(),
     )
     tier = harness.tier
     assert isinstance(tier, RemoteTier)
-    clock = FakeClock()
-    tier.breaker.clock = clock
     try:
-        keys = harness.keys(2)
-        harness.fill([0, 1])
-        server.command("CONFIG", "SET", "maxmemory", "1")  # every write now answers OOM
-        result = harness.store(keys, [0, 1])
-        assert not result.success and result.succeeded == frozenset()
-        assert not tier.backend_down  # one failed call: not yet an outage
-        assert not harness.store(keys, [0, 1]).success
-        assert tier.backend_down  # two in a row (breaker_failures)
-        assert tier.stats.backend_errors == 4  # type: ignore[attr-defined]
-        server.command("CONFIG", "SET", "maxmemory", "0")
-        assert recover(tier, clock)
-        assert harness.store(keys, [0, 1]).success
-        assert harness.load(keys, [2, 3]).success
-        np.testing.assert_array_equal(harness.buffer.array[2:4], harness.buffer.array[0:2])
-        assert not harness.tier.backend_down  # type: ignore[attr-defined]
+        keys = harness.keys(4)
+        stored = harness.fill(range(4))
+        assert harness.store(keys[:2], [0, 1]).success
+        undo = refuse(server)
+        for _ in range(3):  # past breaker_failures: still no outage
+            result = harness.store(keys[2:], [2, 3])
+            assert not result.success and result.succeeded == frozenset()
+            assert tier.breaker.closed
+        assert tier.stats.refused_stores == 6  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors == 6  # type: ignore[attr-defined]
+        assert tier.stats.backend_outages == 0  # type: ignore[attr-defined]
+        assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [1.0]
+        # What the server holds is still found and served, byte-exact.
+        assert [harness.lookup(key) for key in keys[:2]] == [Lookup.HIT, Lookup.HIT]
+        assert harness.load(keys[:2], [4, 5]).success
+        np.testing.assert_array_equal(harness.buffer.array[4:6], stored[:2])
+        undo()
+        assert harness.store(keys[2:], [2, 3]).success
+        assert harness.load(keys[2:], [6, 7]).success
+        np.testing.assert_array_equal(harness.buffer.array[6:8], stored[2:])
     finally:
         harness.close()
 
@@ -638,3 +669,127 @@ def test_a_probe_never_waits_for_a_pooled_connection(
         assert len(pool._connections) == 2  # the probe's connection was never pooled
     finally:
         harness.close()
+
+
+def test_a_tls_url_for_a_server_without_tls_fails_at_start_saying_so(
+    redis_server: RedisServer,
+) -> None:
+    url = redis_server.url.replace("redis://", "rediss://")
+    with pytest.raises(BackendUnavailableError) as failure:
+        TierHarness({"type": "redis", "url": url, "startup_timeout_s": 0.5}, small_layout())
+    message = str(failure.value)
+    assert url in message
+    # Either the handshake waits for an answer that never comes, or the
+    # server's plain-text reply breaks it: both name the likely cause.
+    assert "TLS" in message or "SSL" in message
+
+
+def _damages(chunk_bytes: int) -> dict[str, Callable[[Any, str, str], None]]:
+    """Ways a chunk's value may be damaged, as ``damage(client, name, other_name)``."""
+
+    def flip(at: int) -> Callable[[Any, str, str], None]:
+        def damage(client: Any, name: str, _other: str) -> None:
+            value = bytearray(client.get(name))
+            value[at] ^= 0x40
+            client.set(name, bytes(value))
+
+        return damage
+
+    def retype(write: Callable[[Any, str], None]) -> Callable[[Any, str, str], None]:
+        def damage(client: Any, name: str, _other: str) -> None:
+            client.delete(name)
+            write(client, name)
+
+        return damage
+
+    return {
+        "magic flipped": flip(0),
+        "format version flipped": flip(4),
+        "length field flipped": flip(8),
+        "checksum flipped": flip(DIGEST_OFFSET),
+        "namespace flipped": flip(DIGEST_OFFSET + 16),
+        "key flipped": flip(DIGEST_OFFSET + 16 + KEY_BYTES),
+        "last payload byte flipped": flip(HEADER_BYTES + chunk_bytes - 1),
+        "another chunk's value": lambda client, name, other: client.set(name, client.get(other)),
+        "extended": lambda client, name, _other: client.append(name, b"\0" * 8),
+        "header only": lambda client, name, _: client.set(name, client.get(name)[:HEADER_BYTES]),
+        "shorter than a header": lambda client, name, _other: client.set(name, b"KVTC"),
+        "empty": lambda client, name, _other: client.set(name, b""),
+        "a hash": retype(lambda client, name: client.hset(name, "f", "v")),
+        "a set": retype(lambda client, name: client.sadd(name, "m")),
+        "a sorted set": retype(lambda client, name: client.zadd(name, {"m": 1.0})),
+        "a stream": retype(lambda client, name: client.xadd(name, {"f": "v"})),
+    }
+
+
+@pytest.mark.parametrize("where", ["server", "cluster"])
+def test_no_damaged_value_is_ever_served_nor_taken_for_an_outage(
+    where: str, request: pytest.FixtureRequest, key_prefix: str
+) -> None:
+    import redis
+
+    if where == "server":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        options: dict[str, Any] = {"url": server.url}
+        client: Any = redis.Redis.from_url(server.url)
+    else:
+        cluster: RedisClusterServers = request.getfixturevalue("redis_cluster")
+        options = {"startup_nodes": cluster.startup_nodes}
+        host, port = cluster.startup_nodes[0].rsplit(":", 1)
+        client = redis.RedisCluster(host=host, port=int(port))
+    layout = small_layout()
+    damages = _damages(layout.slot_bytes)
+    count = len(damages)
+    harness = TierHarness(
+        {"type": "redis", "key_prefix": key_prefix, "breaker_failures": 1, **options},
+        layout,
+        num_slots=4 * count + 2,
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    try:
+        keys = harness.keys(count + 2)  # one per damage, one gone, one intact
+        stored = harness.fill(range(count + 2))
+        assert harness.store(keys, list(range(count + 2))).success
+        names = [tier.store_name(key) for key in keys]
+        for index, damage in enumerate(damages.values()):
+            damage(client, names[index], names[index + 1])
+        client.delete(names[count])  # evicted by the server: gone, not corrupt
+        slots = list(range(2 * count + 2, 3 * count + 4))
+        harness.buffer.array[slots] = 7
+        result = harness.load(keys, slots)
+        assert result.succeeded == frozenset([keys[-1]])
+        assert result.vanished == frozenset([keys[count]])
+        np.testing.assert_array_equal(harness.buffer.array[slots[-1]], stored[-1])
+        for name, slot in zip(damages, slots, strict=False):
+            assert (harness.buffer.array[slot] == 7).all(), name
+        # Each damaged value counted and deleted; none of it an outage.
+        assert tier.stats.corrupt_chunks == count
+        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
+        assert tier.breaker.closed
+        assert [client.exists(name) for name in names[:count]] == [0] * count
+        assert [harness.lookup(key) for key in keys] == [Lookup.MISS] * (count + 1) + [Lookup.HIT]
+    finally:
+        harness.close()
+        client.close()
+
+
+def test_shutdown_closes_every_connection_of_the_tier(
+    own_redis_server: RedisServer, key_prefix: str
+) -> None:
+    server = own_redis_server
+
+    def clients() -> int:
+        return server.command("CLIENT", "LIST").count(b"id=")  # this command's own included
+
+    alone = clients()
+    harness = TierHarness(
+        {"type": "redis", "url": server.url, "key_prefix": key_prefix}, small_layout()
+    )
+    keys = harness.keys(16)
+    harness.fill(range(16))
+    assert harness.store(keys, list(range(16))).success
+    assert harness.load(keys, list(range(16, 32))).success
+    assert clients() > alone
+    harness.close()
+    wait_until(lambda: clients() == alone, what="the tier's connections closed")

@@ -532,3 +532,139 @@ def test_a_value_sent_in_place_after_its_deadline_from_a_reused_slot_is_never_se
     finally:
         tier.gate.set()
         harness.close()
+
+
+def test_an_object_store_refusing_writes_is_no_outage(s3_server: S3Server, s3_bucket: str) -> None:
+    with FaultProxy(s3_server.port) as proxy:
+        harness = TierHarness(
+            {
+                "type": "obj",
+                **s3_server.tier_options(s3_bucket),
+                "endpoint_url": proxy.url,
+                "retries": 0,
+                "breaker_failures": 2,
+            },
+            small_layout(),
+        )
+        tier = harness.tier
+        assert isinstance(tier, RemoteTier)
+        try:
+            keys = harness.keys(2)
+            stored = harness.fill([0, 1])
+            assert harness.store(keys[:1], [0]).success
+            proxy.status, proxy.error_code = 403, "AccessDenied"
+            proxy.set_mode("status")  # a bucket policy that denies writes
+            for _ in range(3):  # past breaker_failures: still no outage
+                assert not harness.store(keys[1:], [1]).success
+                assert tier.breaker.closed
+            assert tier.stats.refused_stores == 3  # type: ignore[attr-defined]
+            proxy.set_mode("forward")
+            assert harness.lookup(keys[0]) is Lookup.HIT  # served at once, no probe needed
+            assert harness.load(keys[:1], [2]).success
+            np.testing.assert_array_equal(harness.buffer.array[2], stored[0])
+            assert tier.stats.breaker_probes == 0  # type: ignore[attr-defined]
+        finally:
+            harness.close()
+
+
+def test_every_request_waiting_on_a_check_past_its_deadline_answers_miss(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    stored_by_another_engine({"type": "obj", **s3_server.tier_options(s3_bucket)}, 1)
+    harness = TierHarness(
+        {"type": "obj", **s3_server.tier_options(s3_bucket), "deadline_s": 0.3}, small_layout()
+    )
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    try:
+        [key] = harness.keys(1)
+        real = tier._exists_many
+        started, release = threading.Event(), threading.Event()
+
+        def slow(names: Any) -> Any:
+            started.set()
+            tier._answered()  # slow, not stalled: the breaker stays closed
+            release.wait(60)
+            return real(names)
+
+        tier._exists_many = slow  # type: ignore[method-assign]
+        # Three requests (threads of one engine, or engine steps) ask for the
+        # same chunk: one check goes out for them all.
+        requests = [LookupContext(f"request-{i}") for i in range(3)]
+        assert [tier.lookup(key, ctx) for ctx in requests] == [Lookup.PENDING] * 3
+        tier.on_step_end()
+        assert started.wait(60)
+        wait_until(lambda: tier.lookup(key, requests[0]) is Lookup.MISS, what="past the deadline")
+        # Every request waits no longer, not just the first to ask again.
+        assert [tier.lookup(key, ctx) for ctx in requests] == [Lookup.MISS] * 3
+        assert tier.breaker.closed
+        release.set()
+        wait_until(lambda: not tier._threaded_checking, what="the check done")
+        assert tier.lookup(key, requests[1]) is Lookup.HIT  # the late answer, for the next one
+    finally:
+        release.set()
+        harness.close()
+
+
+def test_a_requests_checks_and_loads_share_one_deadline(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    options = {"type": "obj", **s3_server.tier_options(s3_bucket)}
+    stored_by_another_engine(options, 2)
+    harness = TierHarness({**options, "deadline_s": 30}, small_layout())
+    tier = harness.tier
+    assert isinstance(tier, RemoteTier)
+    now = [time.perf_counter()]
+    tier.budgets.clock = lambda: now[0]  # the backend's time, as the test says it passes
+    real_exists, real_get = tier._exists_many, tier._get_many
+    check_gate, get_gate = threading.Event(), threading.Event()
+
+    def held_check(names: Any) -> Any:
+        check_gate.wait(60)
+        return real_exists(names)
+
+    def held_get(names: Any) -> Any:
+        get_gate.wait(60)
+        return real_get(names)
+
+    tier._exists_many = held_check  # type: ignore[method-assign]
+    tier._get_many = held_get  # type: ignore[method-assign]
+
+    def request(name: str, key: Any, slot: int, check_takes: float, engine_away: float) -> Any:
+        ctx = LookupContext(name)
+        assert tier.lookup(key, ctx) is Lookup.PENDING
+        tier.on_step_end()
+        now[0] += check_takes
+        check_gate.set()
+        wait_until(lambda: key not in tier._threaded_checking, what="the check answered")
+        check_gate.clear()
+        now[0] += engine_away  # the engine's own time: not the backend's
+        assert tier.lookup(key, ctx) is Lookup.HIT
+        job = TransferJob((key,), (slot,), request_id=name)
+        tier.submit_load(job)
+        results: list[Any] = []
+        wait_until(lambda: results.extend(tier.get_finished_jobs()) or bool(results), what="load")
+        return results[0]
+
+    try:
+        keys = harness.keys(2)
+        stored = harness.fill(range(2))  # what the other engine stored (same draws)
+        harness.buffer.array[4:6] = 7
+        # Checks that took the whole deadline leave nothing to the load: it is
+        # answered at once (its GET still held), not deadline_s later.
+        spent = request("request-1", keys[0], 4, check_takes=30, engine_away=0)
+        assert spent.succeeded == frozenset() and not spent.success
+        assert (harness.buffer.array[4] == 7).all()
+        assert tier.stats.deadline_misses == 1  # type: ignore[attr-defined]
+        assert tier.breaker.closed  # the check answered: slow, not stalled
+        get_gate.set()
+        # Checks that took a third leave two thirds, however long the engine
+        # took to come back for the answer.
+        left = request("request-2", keys[1], 5, check_takes=10, engine_away=100)
+        assert left.success
+        np.testing.assert_array_equal(harness.buffer.array[5], stored[1])
+        assert tier.stats.deadline_misses == 1  # type: ignore[attr-defined]
+    finally:
+        check_gate.set()
+        get_gate.set()
+        harness.close()

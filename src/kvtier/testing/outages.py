@@ -75,8 +75,9 @@ class FaultProxy:
 
     Modes: ``forward``; ``stall`` (accept, read, never answer or forward);
     ``delay`` (forward after :attr:`delay_s`); ``status`` (answer each HTTP
-    request with :attr:`status`, then close); ``cut`` (forward, but close
-    each reply after :attr:`cut_after` bytes). :attr:`connections` counts
+    request with :attr:`status` and S3 error :attr:`error_code`, then
+    close); ``cut`` (forward, but close each reply after :attr:`cut_after`
+    bytes). :attr:`connections` counts
     the connections accepted.
     """
 
@@ -85,6 +86,8 @@ class FaultProxy:
         self.mode: Mode = mode
         self.delay_s = 0.0
         self.status = 503
+        #: The S3 error code in the body of a ``status`` answer.
+        self.error_code = "SlowDown"
         self.cut_after = 100
         self.connections = 0
         self._stalled = threading.Event()  # set: stalled connections may go
@@ -187,7 +190,9 @@ class FaultProxy:
                 if not data:
                     return
                 request += data
-            body = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+            body = (
+                f"<Error><Code>{self.error_code}</Code><Message>injected</Message></Error>".encode()
+            )
             client.sendall(
                 f"HTTP/1.1 {self.status} Injected\r\nContent-Type: application/xml\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()

@@ -52,6 +52,7 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.addresses import host_problem, split_url
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.remote import (
+    MAX_WAIT_S,
     Exists,
     Fetched,
     PutErrors,
@@ -63,6 +64,11 @@ from kvtier.tiers.remote import (
 #: Error codes of a GET on an object the bucket does not hold. A missing
 #: bucket (``NoSuchBucket``) is not among them: that is an outage.
 _ABSENT = frozenset({"NoSuchKey"})
+#: Error codes of a PUT the store refuses while serving reads: not permitted,
+#: or over a quota or out of space (MinIO's codes for the last two).
+_REFUSED_WRITES = frozenset(
+    {"AccessDenied", "QuotaExceeded", "XMinioStorageFull", "XMinioAdminBucketQuotaExceeded"}
+)
 
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -98,10 +104,10 @@ class ObjectStoreTierOptions(RemoteTierOptions):
     io_threads: int = Field(default=16, ge=1, le=256)
     """Maximum concurrent requests: worker threads and pooled HTTP connections."""
 
-    connect_timeout_s: float = Field(default=2.0, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0, le=MAX_WAIT_S)
     """Seconds to wait for a connection to open."""
 
-    read_timeout_s: float = Field(default=10.0, gt=0)
+    read_timeout_s: float = Field(default=10.0, gt=0, le=MAX_WAIT_S)
     """Seconds to wait for any read on an open connection."""
 
     retries: int = Field(default=2, ge=0, le=10)
@@ -211,6 +217,9 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
 
     def _is_absent(self, exc: Exception) -> bool:
         return self._error_code(exc) in _ABSENT
+
+    def _refuses_write(self, error: BaseException) -> bool:
+        return isinstance(error, Exception) and self._error_code(error) in _REFUSED_WRITES
 
     def _exists_many(self, names: Sequence[str]) -> list[Exists]:
         found: list[Exists] = []

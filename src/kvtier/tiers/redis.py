@@ -22,8 +22,11 @@ stuck, not how long a request waits. The pool reconnects on the next batch,
 so a server that comes back is used again without anyone stepping in.
 Memory bounds and eviction are the server's (``maxmemory``,
 ``maxmemory-policy allkeys-lru``); ``ttl_s`` adds expiry, refreshed whenever
-a chunk is read or stored again. A value that is not a string (a list, a
-hash) at a chunk's name is a corrupt chunk: counted and deleted.
+a chunk is read or stored again. A write the server refuses while serving
+(``OOM`` when full under ``noeviction``, ``READONLY``, ``NOPERM``) fails its
+chunk and is counted, but is no outage: the chunks it holds are still
+served. A value that is not a string (a list, a hash) at a chunk's name is a
+corrupt chunk: counted and deleted.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from kvtier.tiers.addresses import host_problem, parse_host_port, split_url
 from kvtier.tiers.base import TierOptions
 from kvtier.tiers.redis_reads import get_into
 from kvtier.tiers.remote import (
+    MAX_WAIT_S,
     Exists,
     Fetched,
     FramedValue,
@@ -55,6 +59,8 @@ from kvtier.tiers.remote import (
 )
 
 _URL_SCHEMES = ("redis", "rediss", "unix")
+#: Longest ``ttl_s`` (ten years): Redis refuses expiry times past its clock's range.
+MAX_TTL_S = 10 * 365 * 86400.0
 
 
 class RedisTierOptions(RemoteTierOptions):
@@ -71,7 +77,7 @@ class RedisTierOptions(RemoteTierOptions):
     key_prefix: str = "kvtier:"
     """Prepended to every key, before the namespace and chunk digests."""
 
-    ttl_s: float | None = Field(default=None, gt=0)
+    ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
     """Expire chunks this many seconds after they were last stored or read; none if unset."""
 
     username: str | None = None
@@ -83,10 +89,10 @@ class RedisTierOptions(RemoteTierOptions):
     max_connections: int = Field(default=16, ge=1)
     """Connection pool size (per node in cluster mode); at least ``io_threads``."""
 
-    connect_timeout_s: float = Field(default=2.0, gt=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0, le=MAX_WAIT_S)
     """Seconds to wait for a connection to open."""
 
-    socket_timeout_s: float = Field(default=5.0, gt=0)
+    socket_timeout_s: float = Field(default=5.0, gt=0, le=MAX_WAIT_S)
     """Seconds to wait for any one reply, and for a free pooled connection."""
 
     retries: int = Field(default=1, ge=0, le=10)
@@ -159,8 +165,14 @@ class RedisTier(RemoteTier[RedisTierOptions]):
         self.sends_framed = not options.is_cluster
         self._client: Any = None
         try:
+            tls = (options.url or "").lower().startswith("rediss://")
             self._client = self._start(
-                lambda: _connected(options), lambda client: client.close(), self._target
+                lambda: _connected(options),
+                lambda client: client.close(),
+                self._target,
+                hint="; a rediss:// URL (TLS) for a server without TLS also waits like this"
+                if tls
+                else "",
             )
         except (MissingDependencyError, BackendUnavailableError):
             self.shutdown()
@@ -237,6 +249,13 @@ class RedisTier(RemoteTier[RedisTierOptions]):
     def _delete(self, name: str) -> None:
         self._client.delete(name)
 
+    def _refuses_write(self, error: BaseException) -> bool:
+        # OOM (full under maxmemory-policy noeviction, Redis's default),
+        # READONLY (a replica), NOPERM (an ACL user that may only read).
+        from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError
+
+        return isinstance(error, (OutOfMemoryError, ReadOnlyError, NoPermissionError))
+
     def _ping(self) -> None:
         if self.options.is_cluster:
             self._client.ping()
@@ -258,6 +277,10 @@ class RedisTier(RemoteTier[RedisTierOptions]):
         super()._close()
         if self._client is not None:
             self._client.close()
+            if not self.options.is_cluster:
+                # A client given its pool leaves the pool open on close(): its
+                # connections would stay open on the server until collected.
+                self._client.connection_pool.disconnect()
 
     def describe(self) -> dict[str, object]:
         options = self.options

@@ -55,6 +55,7 @@ from kvtier.tiers.base import (
     TierStats,
     TransferJob,
 )
+from kvtier.tiers.budgets import RequestBudgets
 from kvtier.tiers.circuit import BreakerState, CircuitBreaker
 from kvtier.tiers.deadlines import Deadlines, call_within
 from kvtier.tiers.threaded import ThreadedBatchTier, ThreadedTierOptions, _JobState
@@ -87,6 +88,12 @@ class BackendSkipped(ConnectionError):
     """A call not sent because the backend is known to be down (breaker open)."""
 
 
+#: Longest wait any timeout or backoff option takes (an hour): longer ones are
+#: typos, and an infinite one would never recover or would overflow the
+#: clients' timers when the tier starts, far from the config that caused it.
+MAX_WAIT_S = 3600.0
+
+
 class RemoteTierOptions(ThreadedTierOptions):
     skip_existing: bool = False
     """Before a store, check which chunks the store already holds (one batched
@@ -106,17 +113,17 @@ class RemoteTierOptions(ThreadedTierOptions):
     missed deadline opens it at once). While open, lookups answer MISS and
     stores are dropped without a call to the backend."""
 
-    breaker_backoff_s: float = Field(default=0.25, gt=0)
+    breaker_backoff_s: float = Field(default=0.25, gt=0, le=MAX_WAIT_S)
     """Seconds the breaker stays open before one probe; doubled after each
     failed probe up to ``breaker_max_backoff_s``, shortened by up to 20%
     of random jitter."""
 
-    breaker_max_backoff_s: float = Field(default=1.0, gt=0)
+    breaker_max_backoff_s: float = Field(default=1.0, gt=0, le=MAX_WAIT_S)
     """Longest wait between two probes of a backend that stays down, and so
     the longest a recovered backend goes unused. A probe is one cheap request
     (``PING``, a bucket ``HEAD``)."""
 
-    startup_timeout_s: float = Field(default=5.0, gt=0)
+    startup_timeout_s: float = Field(default=5.0, gt=0, le=MAX_WAIT_S)
     """Most seconds the tier waits, when it starts, to connect and get a first
     answer; an endpoint that accepts connections but never answers fails then."""
 
@@ -148,6 +155,9 @@ class RemoteTierStats(TierStats):
     outage_dropped_stores: int = 0
     #: Chunks of load jobs failed without a call to the backend (breaker open).
     outage_failed_loads: int = 0
+    #: Chunks whose write the backend refused while answering (full, read-only,
+    #: not permitted): failed stores that leave the breaker alone.
+    refused_stores: int = 0
 
 
 RemoteOptionsT = TypeVar("RemoteOptionsT", bound=RemoteTierOptions)
@@ -187,6 +197,9 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             on_change=self._breaker_changed,
         )
         self._deadlines = Deadlines(f"kvtier-{self.tier_type}-deadlines")
+        #: Each request's wait on the backend, so that its checks and its
+        #: loads share one ``deadline_s`` (see :mod:`kvtier.tiers.budgets`).
+        self.budgets = RequestBudgets(options.deadline_s)
 
     def _set_name_prefix(self, prefix: str) -> None:
         self._names_prefix = f"{prefix}{self.namespace.hex()}{self.name_separator}"
@@ -243,6 +256,16 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     def _refresh_many(self, names: Sequence[str]) -> None:
         """Chunks that were stored again while held: extend their life. Default: nothing."""
 
+    def _refuses_write(self, error: BaseException) -> bool:
+        """Whether a write's item error is the backend answering "no" to that
+        write (full, read-only, not permitted) rather than failing to serve.
+
+        Such a backend still serves reads, so these errors fail their chunks
+        but never open the breaker: a full store would otherwise turn every
+        lookup of the chunks it holds into a miss. Default: never.
+        """
+        return False
+
     @abstractmethod
     def _ping(self) -> None:
         """One cheap request that raises unless the backend serves this tier."""
@@ -259,6 +282,15 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     # The contract: fail fast while the breaker is open ------------------------
 
     def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
+        answer = self._lookup(key, ctx)
+        if ctx.request_id is not None:
+            if answer is Lookup.PENDING:
+                self.budgets.waiting(ctx.request_id)
+            else:
+                self.budgets.found(ctx.request_id, key)
+        return answer
+
+    def _lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
         if not self._admit():
             if self.breaker.state is BreakerState.HALF_OPEN:
                 # The probe answers within deadline_s: the first request
@@ -268,6 +300,10 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             return Lookup.MISS
         return super().lookup(key, ctx)
 
+    def on_request_finished(self, request_id: str) -> None:
+        self.budgets.finished(request_id)
+        super().on_request_finished(request_id)
+
     def _submit(self, job: TransferJob, *, loading: bool) -> None:
         if not self._admit():
             if loading:
@@ -276,8 +312,13 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 self.count(outage_dropped_stores=len(job.keys))
             self._report(JobResult(job.job_id, not job.keys, frozenset(), nbytes=0, seconds=0.0))
             return
+        # A load gets what its request's checks left of the deadline.
+        left, waiting_since = self.budgets.take(job.request_id) if loading else (None, None)
         super()._submit(job, loading=loading)
-        self._deadlines.after(self._deadline_s, lambda: self._answer_at_deadline(job.job_id))
+        self._deadlines.after(
+            self._deadline_s if left is None else left,
+            lambda: self._answer_at_deadline(job.job_id, waiting_since),
+        )
 
     def _admit(self) -> bool:
         """Whether a request may go to the backend; starts the probe when due."""
@@ -329,7 +370,9 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         finally:
             done.set()
 
-    def _answer_at_deadline(self, job_id: int) -> None:
+    def _answer_at_deadline(self, job_id: int, waiting_since: float | None = None) -> None:
+        """Answer a job still running with what it has; ``waiting_since``:
+        when its request began to wait, if earlier than the job."""
         with self._threaded_lock:
             state = self._threaded_jobs.get(job_id)
         if state is None:
@@ -339,9 +382,8 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             if state.reported:
                 return
             self._threaded_finish(state)
-        self._missed_deadline(
-            f"{'load' if state.loading else 'store'} job {job_id}", since=state.started
-        )
+        since = state.started if waiting_since is None else min(waiting_since, state.started)
+        self._missed_deadline(f"{'load' if state.loading else 'store'} job {job_id}", since=since)
 
     def _watch(
         self, done: threading.Event, what: str, then: Callable[[], None] | None = None
@@ -391,17 +433,14 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 check()
             finally:
                 done.set()
-
-        def answer_miss() -> None:
-            # The lookups waiting on it answer MISS from now on; a late
-            # answer replaces this one for the next request.
-            with self._threaded_lock:
-                for key in keys:
-                    if key in self._threaded_checking:
-                        self._threaded_checked[key] = False
+                self.budgets.checked(keys)
 
         # Counted from when the step asked, as the lookups wait from then.
-        self._watch(done, f"existence check of {len(keys)} chunks", answer_miss)
+        # Past it, the lookups waiting on it answer MISS, every request's and
+        # not just the first's; a late answer serves the next request.
+        self._watch(
+            done, f"existence check of {len(keys)} chunks", functools.partial(self._overdue, keys)
+        )
         return run
 
     # ThreadedBatchTier hooks --------------------------------------------------
@@ -458,7 +497,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         errors = send()  # outside the guard: the network is slow
         if len(todo) < len(names):
             self._refresh_many([n for n, present in zip(names, held, strict=True) if present])
-        self._outcome_of(errors)
+        self._outcome_of(errors, writes=True)
         ok = [True] * len(keys)
         for index, error in zip(todo, errors, strict=True):
             ok[index] = error is None
@@ -516,14 +555,24 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
 
     # Health -----------------------------------------------------------------
 
-    def _outcome_of(self, items: Sequence[object]) -> None:
-        """Account a batch by its per-item results (errors are ``BaseException`` items)."""
+    def _outcome_of(self, items: Sequence[object], *, writes: bool = False) -> None:
+        """Account a batch by its per-item results (errors are ``BaseException`` items).
+
+        For ``writes``, items the backend refused (:meth:`_refuses_write`) are
+        counted apart and take no part in the breaker's verdict.
+        """
         errors = [
             item
             for item in items
             if isinstance(item, BaseException) and not isinstance(item, CorruptChunkError)
         ]
-        self._outcome(len(errors), len(items), errors[0] if errors else None)
+        refused = [error for error in errors if writes and self._refuses_write(error)]
+        if refused:
+            self.count(backend_errors=len(refused), refused_stores=len(refused))
+            self._answered()
+            logger.debug("tier %s: %d writes refused: %r", self.tier_type, len(refused), refused[0])
+            errors = [error for error in errors if not self._refuses_write(error)]
+        self._outcome(len(errors), len(items) - len(refused), errors[0] if errors else None)
 
     def _outcome(self, errors: int, items: int, first: BaseException | None) -> None:
         """One breaker verdict per batch, so mixed per-item results never flap.
@@ -569,11 +618,14 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         """:func:`call_within` on a thread named after this tier."""
         return call_within(call, timeout_s, name=f"kvtier-{self.tier_type}-call", dispose=dispose)
 
-    def _start(self, connect: Callable[[], T], dispose: Callable[[T], None], target: str) -> T:
+    def _start(
+        self, connect: Callable[[], T], dispose: Callable[[T], None], target: str, hint: str = ""
+    ) -> T:
         """Connect and ping within ``startup_timeout_s``, or fail with a clear message.
 
         ``connect`` builds the client and pings it; errors other than the
-        timeout propagate as they are, for the tier to explain.
+        timeout propagate as they are, for the tier to explain. ``hint``
+        ends the message of a timeout (another likely cause).
         """
         options = self.options
         try:
@@ -584,7 +636,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 target,
                 f"no answer within startup_timeout_s={options.startup_timeout_s}s: "
                 "the endpoint accepts connections but does not serve; check the address "
-                "and that the server is running and not overloaded",
+                f"and that the server is running and not overloaded{hint}",
             ) from exc
 
     def _close(self) -> None:

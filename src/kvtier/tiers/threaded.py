@@ -108,6 +108,10 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         self._threaded_to_check: list[ChunkKey] = []
         self._threaded_checking: set[ChunkKey] = set()
         self._threaded_checked: dict[ChunkKey, bool] = {}
+        #: Keys whose check is still running past its deadline: every lookup
+        #: of one answers MISS (not once: many requests may wait on one
+        #: check) until the late answer comes (see :meth:`_overdue`).
+        self._threaded_overdue: set[ChunkKey] = set()
         self._threaded_failed_checks: dict[ChunkKey, int] = {}
         self._threaded_closed = False
         #: How long :meth:`shutdown` waits for workers still in a backend call
@@ -172,6 +176,8 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
             found = self._threaded_checked.pop(key, None)
             if found is not None:
                 return Lookup.HIT if found else Lookup.MISS
+            if key in self._threaded_overdue:
+                return Lookup.MISS
             if self._threaded_failed_checks.get(key, 0) >= self.check_attempts:
                 del self._threaded_failed_checks[key]
                 return Lookup.MISS  # the backend keeps failing for this key
@@ -300,6 +306,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
             with self._threaded_lock:
                 for key, present in zip(keys, found, strict=True):
                     self._threaded_checking.discard(key)
+                    self._threaded_overdue.discard(key)
                     if present is None:  # unknown: the next lookup asks again
                         self._threaded_failed_checks[key] = (
                             self._threaded_failed_checks.get(key, 0) + 1
@@ -316,6 +323,12 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
                             del answers[stale]
 
         return check
+
+    def _overdue(self, keys: Sequence[ChunkKey]) -> None:
+        """The check of ``keys`` is past its deadline: their lookups answer
+        MISS from now on, for every request, until the check ends."""
+        with self._threaded_lock:
+            self._threaded_overdue.update(key for key in keys if key in self._threaded_checking)
 
     def _submit(self, job: TransferJob, *, loading: bool) -> None:
         state = _JobState(job, loading, remaining=0, started=time.perf_counter())

@@ -1,0 +1,102 @@
+"""``RequestBudgets``: one deadline per request, shared by its checks and loads.
+
+A request waits on a remote tier twice: for the existence checks of its
+chunks (lookups answer PENDING), then for the load of those it found. Each
+is bounded by ``deadline_s`` on its own, so a backend that answers the
+checks slowly and then stalls would cost a request nearly twice that. Here
+each request's wait is timed from its first PENDING lookup to the answer of
+the check that found its chunks, and its load gets what is left.
+
+Only the backend's time counts: a check answered while the engine was busy
+elsewhere costs the request nothing more, and a request that comes back
+after a pause longer than ``deadline_s`` (preempted, rescheduled) starts
+afresh.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from kvtier.keys import ChunkKey
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+@dataclass
+class _Wait:
+    first: float  # the request's first PENDING answer of this wait
+    last: float  # its latest PENDING answer
+    spent: float = 0.0  # backend time until the checks that found its chunks answered
+
+
+class RequestBudgets:
+    """Thread-safe; ``clock`` is injected for tests."""
+
+    def __init__(
+        self,
+        deadline_s: float,
+        clock: Callable[[], float] = time.perf_counter,
+        max_entries: int = 65536,
+    ) -> None:
+        self.deadline_s = deadline_s
+        self.clock = clock
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._waits: dict[str, _Wait] = {}
+        self._answered: dict[ChunkKey, float] = {}  # when each key's check answered
+
+    def waiting(self, request_id: str) -> None:
+        """A lookup of ``request_id`` answered PENDING: it waits on the backend."""
+        now = self.clock()
+        with self._lock:
+            wait = self._waits.get(request_id)
+            if wait is None or now - wait.last > self.deadline_s:
+                # A new wait, or one after a pause of the engine's own.
+                self._waits[request_id] = _Wait(first=now, last=now)
+                _trim(self._waits, self.max_entries)
+            else:
+                wait.last = now
+
+    def checked(self, keys: Iterable[ChunkKey]) -> None:
+        """The check of ``keys`` answered now."""
+        now = self.clock()
+        with self._lock:
+            for key in keys:
+                self._answered[key] = now
+            _trim(self._answered, self.max_entries)
+
+    def found(self, request_id: str | None, key: ChunkKey) -> None:
+        """A lookup of ``request_id`` took ``key``'s check answer: the request
+        waited on the backend until that check answered."""
+        with self._lock:
+            answered = self._answered.pop(key, None)
+            wait = self._waits.get(request_id) if request_id is not None else None
+            if wait is not None and answered is not None:
+                wait.spent = max(wait.spent, answered - wait.first)
+
+    def take(self, request_id: str | None) -> tuple[float, float | None]:
+        """Seconds left to a load of ``request_id``, and since when the
+        request waits (``None``: not waiting); the wait ends with its load."""
+        with self._lock:
+            wait = self._waits.pop(request_id, None) if request_id is not None else None
+        if wait is None:
+            return self.deadline_s, None
+        return max(0.0, self.deadline_s - wait.spent), wait.first
+
+    def finished(self, request_id: str) -> None:
+        with self._lock:
+            self._waits.pop(request_id, None)
+
+
+def _trim(entries: dict[K, V], limit: int) -> None:
+    """Drop the oldest entries past ``limit``: requests never finished, answers never taken."""
+    excess = len(entries) - limit
+    if excess > 0:
+        for stale in list(itertools.islice(entries, excess)):
+            del entries[stale]
