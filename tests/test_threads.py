@@ -479,3 +479,25 @@ def test_threads_sharing_one_cache_only_ever_load_the_right_bytes(
             with cache.lookup(tokens) as found:
                 out = np.zeros((6, LAYOUT.slot_bytes), dtype=np.uint8)
                 check(tokens, out, found.load(out))
+
+
+def test_a_tier_that_cannot_report_its_jobs_is_logged_once_until_it_can_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.manager")
+    faulty = {"type": "FaultyTier", "module_path": "kvtier.testing.faults"}
+    with make_cache(faulty) as cache:
+        tier = cache.manager.tiers[0]
+        tier.broken = True  # type: ignore[attr-defined]
+        for _ in range(50):  # a lookup waiting for a promotion collects every poll
+            cache.manager.collect()
+        tier.broken = False  # type: ignore[attr-defined]
+        cache.manager.collect()
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("get_finished_jobs raised" in m for m in messages) == 1  # was 50
+        assert sum("answers again" in m for m in messages) == 1
+        tier.broken = True  # type: ignore[attr-defined]
+        cache.manager.collect()
+        tier.broken = False  # type: ignore[attr-defined]
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("get_finished_jobs raised" in m for m in messages) == 2  # a new outage

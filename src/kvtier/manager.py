@@ -133,6 +133,8 @@ class TieringManager:
         # so a request's chunks count once, however many steps it waits.
         self._asking: set[str] = set()
         self._closed = False
+        # Tiers whose get_finished_jobs raised at the last collect (logged once).
+        self._collect_failing: set[int] = set()
         #: Results a tier reported that could not be applied (each failed its job).
         self.unapplied_results = 0
         #: Observers of finished jobs (metrics, engine statistics). Called under
@@ -396,8 +398,15 @@ class TieringManager:
             try:
                 results = tier.get_finished_jobs()
             except Exception:
-                logger.exception("tier %s: get_finished_jobs raised", tier.tier_type)
+                # Once until it answers again: lookups waiting for a promotion
+                # collect every poll (0.5 ms), a traceback each would flood the log.
+                if index not in self._collect_failing:
+                    self._collect_failing.add(index)
+                    logger.exception("tier %s: get_finished_jobs raised", tier.tier_type)
                 continue
+            if index in self._collect_failing:
+                self._collect_failing.discard(index)
+                logger.warning("tier %s: get_finished_jobs answers again", tier.tier_type)
             for result in results:
                 job = self._jobs.pop((index, result.job_id), None)
                 if job is None:
