@@ -84,3 +84,29 @@ class MalformingTier(RecordingTier):
         if self.malform and results:
             results[0] = replace(results[0], succeeded=None)  # type: ignore[arg-type]
         return results
+
+
+class RaisingTier(RecordingTier):
+    """The example tier; its ``submit_<raise_in>`` raises :attr:`error` (any
+    exception class, ``BaseException`` ones included) while :attr:`raise_in`
+    is set, and only once when :attr:`once` is."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.raise_in: str | None = None
+        self.error: type[BaseException] = RuntimeError
+        self.once = False
+
+    def _raise(self, where: str) -> None:
+        if self.raise_in == where:
+            if self.once:
+                self.raise_in = None
+            raise self.error(f"submit_{where} raised (injected)")
+
+    def submit_store(self, job: TransferJob) -> None:
+        self._raise("store")
+        super().submit_store(job)
+
+    def submit_load(self, job: TransferJob) -> None:
+        self._raise("load")
+        super().submit_load(job)

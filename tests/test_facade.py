@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -273,3 +274,125 @@ def test_close_from_inside_a_copy_is_refused_instead_of_waiting_for_itself(
     assert cache.cached_prefix(TOKENS) == 16  # nothing was left pinned or half-closed
     cache.drain()
     assert cache.manager.primary.busy_counts()["pinned"] == 0
+
+
+# Zero chunks: an empty out or src, as sized from a zero-token hit -----------
+
+
+def test_loading_or_storing_zero_chunks_takes_arrays_of_zero_rows(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    cache.store(TOKENS, data)
+    short = TOKENS[:3]  # shorter than one chunk
+    hit = cache.cached_prefix(short)
+    assert hit == 0
+    # Sized from the hit, as an engine would: before, a bare numpy reshape error.
+    for empty in (
+        np.empty((hit // 4, LAYOUT.slot_bytes), np.uint8),
+        np.empty((0, *LAYOUT.chunk_shape), np.float16),
+    ):
+        assert cache.load(short, hit, empty) == 0
+        assert cache.load(TOKENS, 0, empty) == 0
+        assert cache.store(short, empty) == 0
+        assert cache.store(TOKENS, empty, num_chunks=0) == 0
+        with cache.lookup(short) as found:
+            assert found.load(empty) == 0
+    cache.drain()
+    assert cache.manager.primary.busy_counts()["pinned"] == 0
+
+
+# close: checked before the arguments -----------------------------------------
+
+BAD_CALLS: dict[str, Callable[[KVCache], object]] = {
+    "store-bad-src": lambda c: c.store(TOKENS, "not an array"),
+    "store-bad-num_chunks": lambda c: c.store(TOKENS, np.zeros((4, 1)), num_chunks=-1),
+    "load-bad-num_tokens": lambda c: c.load(TOKENS, 3, np.zeros((4, 1))),
+    "load-bad-out": lambda c: c.load(TOKENS, 16, "not an array"),
+    "lookup-bad-timeout": lambda c: c.lookup(TOKENS, timeout=-1),
+    "cached_prefix-float-tokens": lambda c: c.cached_prefix([1.5] * 16),
+    "keys-bool-tokens": lambda c: c.keys([True] * 16),
+}
+
+
+@pytest.mark.parametrize("call", sorted(BAD_CALLS))
+def test_a_call_after_close_says_closed_whatever_its_arguments(call: str) -> None:
+    cache = KVCache({"chunk_tokens": 4, "cpu_bytes_to_use": 8 * LAYOUT.slot_bytes}, LAYOUT)
+    cache.store(TOKENS, np.zeros((4, LAYOUT.slot_bytes), np.uint8))
+    held = cache.lookup(TOKENS)
+    cache.close()
+    with pytest.raises(ClosedError, match="KVCache is closed"):
+        BAD_CALLS[call](cache)
+    with pytest.raises(ClosedError, match="KVCache is closed"):
+        held.load("not an array", -1)  # type: ignore[arg-type]
+
+
+# waits: a timeout that never runs out is refused -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("timeout", float("nan")),  # never past the deadline: waited for ever
+        ("timeout", -1),
+        ("timeout", True),
+        ("timeout", "1"),
+        ("poll_s", -0.001),
+        ("poll_s", float("nan")),
+        ("poll_s", None),
+    ],
+)
+def test_lookup_refuses_a_wait_that_is_not_a_duration(
+    cache: KVCache, data: np.ndarray, option: str, value: Any
+) -> None:
+    cache.store(TOKENS, data)
+    for call in (cache.lookup, cache.cached_prefix):
+        with pytest.raises(ValueError, match=rf"{option} must be a number of seconds >= 0"):
+            call(TOKENS, **{option: value})
+    cache.drain()  # the write-through's pins come back
+    assert cache.manager.primary.busy_counts()["pinned"] == 0
+    assert cache.cached_prefix(TOKENS, timeout=float("inf")) == 16  # for ever is a wait
+
+
+# more inputs that are not token ids or chunk rows ----------------------------
+
+
+def test_sets_mappings_and_float_tensors_are_refused_naming_what_was_wrong(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    torch = pytest.importorskip("torch")
+    for tokens in (set(TOKENS), dict.fromkeys(TOKENS)):
+        with pytest.raises(TypeError, match="tokens: expected a sequence of int token ids"):
+            cache.keys(tokens)  # type: ignore[arg-type]
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(TypeError, match=f"tokens: .*got dtype {dtype}"):
+            cache.store(torch.tensor(TOKENS, dtype=dtype), data)
+    src = torch.zeros(4, LAYOUT.slot_bytes // 2, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="src: cannot be read as a numpy array"):
+        cache.store(TOKENS, src)
+    assert untouched(cache)
+
+
+# a copier may release its own holder ------------------------------------------
+
+
+def test_a_copier_releasing_its_own_holder_ends_the_load_then_unpins(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    cache.store(TOKENS, data)
+    copied: list[np.ndarray] = []
+    with cache.lookup(TOKENS) as found:
+
+        def releasing_copier(index: int, chunk: np.ndarray) -> None:
+            found.release()  # before: waited for the holder's own lock, for ever
+            copied.append(chunk.copy())  # still pinned: the load is not over
+
+        loader = threading.Thread(target=found.load, args=(releasing_copier,), daemon=True)
+        loader.start()
+        loader.join(timeout=120)  # a guard against the old deadlock, not a timing assertion
+        assert not loader.is_alive(), "the load deadlocked on its own release"
+        assert found.released
+    np.testing.assert_array_equal(np.stack(copied), data)
+    cache.drain()  # the write-through's pins come back
+    assert cache.manager.primary.busy_counts()["pinned"] == 0  # unpinned once, at the end
+    with pytest.raises(ClosedError, match="released"):
+        found.load(np.zeros_like(data))

@@ -43,6 +43,7 @@ def doubles(registries: None) -> None:
     register_tier("recording", "tests.doubles", "RecordingTier")
     register_tier("hooked", "tests.doubles", "HookedTier")
     register_tier("malforming", "tests.doubles", "MalformingTier")
+    register_tier("raising", "tests.doubles", "RaisingTier")
 
 
 def make_cache(*tiers: dict[str, Any], slots: int = 8) -> KVCache:
@@ -232,6 +233,104 @@ def test_a_promotion_whose_result_cannot_be_applied_is_freed_and_never_waited_on
         assert nothing_busy(cache)
 
 
+# A tier raising what is not an Exception: it goes on up, the slots come back
+
+
+class Interrupt(BaseException):
+    """Like a KeyboardInterrupt out of a tier's call (which pytest would take as the user's)."""
+
+
+def raising_tier(cache: KVCache, where: str, *, once: bool = False) -> Any:
+    tier = cache.manager.tiers[0]
+    tier.raise_in, tier.error, tier.once = where, Interrupt, once
+    return tier
+
+
+def test_a_promotion_whose_submit_raises_a_base_exception_leaves_no_slot_writing() -> None:
+    with make_cache({"type": "raising"}, slots=4) as cache:
+        data = rows(cache, TOKENS)
+        cache.store(TOKENS, data)
+        cache.drain()
+        cache.manager.reset()  # the tier holds them, the CPU tier not
+        tier = raising_tier(cache, "load")
+        with pytest.raises(Interrupt):
+            cache.cached_prefix(TOKENS)
+        # Before: the job stayed recorded and its slots writing, so every later
+        # lookup of the prefix waited out its whole timeout.
+        assert nothing_busy(cache)
+        assert tier.stats.load_failures == 4
+        tier.raise_in = None
+        with cache.lookup(TOKENS, timeout=3600) as found:
+            out = np.zeros_like(data)
+            assert found.load(out) == 16
+        np.testing.assert_array_equal(out, data)
+
+
+def test_promotions_a_raising_submit_did_not_reach_are_submitted_at_the_next_step() -> None:
+    with make_cache({"type": "raising"}, slots=8) as cache:
+        for tokens in (TOKENS, OTHER):
+            cache.store(tokens, rows(cache, tokens))
+        cache.drain()
+        cache.manager.reset()
+        for tokens in (TOKENS, OTHER):  # two requests: two promotion batches for one step
+            with cache.lookup(tokens, timeout=0) as found:
+                assert found.pending
+        raising_tier(cache, "load", once=True)
+        with pytest.raises(Interrupt):
+            cache.step()
+        cache.step()  # the batch the first step never reached goes now
+        cache.drain()
+        primary = cache.manager.primary
+        ready = [sum(map(primary.is_ready, cache.keys(t))) for t in (TOKENS, OTHER)]
+        assert sorted(ready) == [0, 4]  # the first batch failed, the second was loaded
+        assert nothing_busy(cache)
+
+
+def test_a_store_whose_write_through_raises_a_base_exception_unpins_every_share() -> None:
+    with make_cache({"type": "raising"}, {"type": "recording"}, slots=4) as cache:
+        data = rows(cache, TOKENS)
+        raising_tier(cache, "store", once=True)
+        with pytest.raises(Interrupt):
+            cache.store(TOKENS, data)
+        cache.step()
+        # Before: the first tier's job stayed recorded and the second tier's
+        # share of the pins was never released: the four slots stuck for good.
+        assert nothing_busy(cache)
+        assert cache.manager.tiers[0].stats.store_failures == 4
+        assert cache.manager.backpressure[0].inflight == 0
+        out = np.zeros_like(data)
+        assert cache.load(TOKENS, 16, out) == 16  # the CPU tier kept them, whole
+        np.testing.assert_array_equal(out, data)
+        assert cache.store(OTHER, rows(cache, OTHER)) == 4  # and they can go
+
+
+# Finished jobs give their room back without a step() -------------------------
+
+
+def test_a_store_is_not_refused_for_room_that_finished_write_throughs_still_hold() -> None:
+    # The example tier finishes a job inside submit: nothing is in flight, but
+    # only a step would collect the results and unpin the chunks.
+    with make_cache({"type": "recording"}, slots=4) as cache:
+        assert cache.store(TOKENS, rows(cache, TOKENS)) == 4
+        # Before: 0, and every later store too, on an engine that never steps.
+        assert cache.store(OTHER, rows(cache, OTHER)) == 4
+        out = np.zeros((4, LAYOUT.slot_bytes), np.uint8)
+        assert cache.load(OTHER, 16, out) == 16
+        np.testing.assert_array_equal(out, rows(cache, OTHER))
+
+
+def test_a_promotion_is_not_refused_for_room_that_finished_write_throughs_still_hold() -> None:
+    with make_cache({"type": "recording"}, slots=4) as cache:
+        cache.store(OTHER, rows(cache, OTHER))
+        cache.step()
+        assert cache.store(TOKENS, rows(cache, TOKENS)) == 4  # evicts OTHER, pins TOKENS
+        # Before: 0 at once, OTHER counted a miss for want of room.
+        with cache.lookup(OTHER, timeout=3600) as found:
+            out = np.zeros((4, LAYOUT.slot_bytes), np.uint8)
+            assert found.load(out) == 16
+        np.testing.assert_array_equal(out, rows(cache, OTHER))
+
+
 # What a lookup holds, and what close does -----------------------------------
 
 
@@ -380,3 +479,25 @@ def test_threads_sharing_one_cache_only_ever_load_the_right_bytes(
             with cache.lookup(tokens) as found:
                 out = np.zeros((6, LAYOUT.slot_bytes), dtype=np.uint8)
                 check(tokens, out, found.load(out))
+
+
+def test_a_tier_that_cannot_report_its_jobs_is_logged_once_until_it_can_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.manager")
+    faulty = {"type": "FaultyTier", "module_path": "kvtier.testing.faults"}
+    with make_cache(faulty) as cache:
+        tier = cache.manager.tiers[0]
+        tier.broken = True  # type: ignore[attr-defined]
+        for _ in range(50):  # a lookup waiting for a promotion collects every poll
+            cache.manager.collect()
+        tier.broken = False  # type: ignore[attr-defined]
+        cache.manager.collect()
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("get_finished_jobs raised" in m for m in messages) == 1  # was 50
+        assert sum("answers again" in m for m in messages) == 1
+        tier.broken = True  # type: ignore[attr-defined]
+        cache.manager.collect()
+        tier.broken = False  # type: ignore[attr-defined]
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("get_finished_jobs raised" in m for m in messages) == 2  # a new outage

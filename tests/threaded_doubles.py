@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey
+from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.threaded import ThreadedTier
 
 #: Worker threads of a tier found alive while its ``__init__`` ran, by tier type.
@@ -64,3 +65,37 @@ class FailingSetUpTier(ObviousNamesTier):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         raise OSError("the backend is not there")
+
+
+class RaisingMemoryTier(MemoryTier):
+    """The memory tier; while :attr:`error` is set, the hook named by
+    :attr:`raise_in` raises it (any exception class, ``BaseException`` ones
+    included), and :attr:`extra_answers` pads ``_load_batch``'s answer."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.raise_in = ""
+        self.error: type[BaseException] | None = None
+        self.extra_answers = 0
+
+    def _raise(self, hook: str) -> None:
+        if self.error is not None and self.raise_in == hook:
+            raise self.error(f"{hook} raised (injected)")
+
+    def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        self._raise("_contains")
+        return super()._contains(keys)
+
+    def _known(self, key: ChunkKey) -> bool | None:
+        return None  # every lookup asks _contains
+
+    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
+        self._raise("_store_chunk")
+        super()._store_chunk(key, payload)
+
+    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
+        self._raise("_load_chunk")
+        super()._load_chunk(key, out)
+
+    def _load_batch(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
+        return super()._load_batch(keys, outs) + [True] * self.extra_answers

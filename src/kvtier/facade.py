@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ClosedError
-from kvtier.inputs import TokenIds, chunk_rows, chunks_of, count, token_array
+from kvtier.inputs import TokenIds, chunk_rows, chunks_of, count, seconds, token_array
 from kvtier.keys import ChunkKey, KeyMemo
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
@@ -85,6 +85,7 @@ class KVCache:
 
     def keys(self, tokens: TokenIds) -> list[ChunkKey]:
         """Keys of the full chunks of ``tokens`` (ints: floats and bools are refused)."""
+        self.lifecycle.check()
         with self.lifecycle.running():
             return self._keys(token_array(tokens))
 
@@ -110,9 +111,11 @@ class KVCache:
         retried within the call. ``request_id`` groups lookups of one
         request (the caller then ends it with ``manager.on_request_finished``).
         """
+        self.lifecycle.check()
         array = token_array(tokens)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        # NaN would never compare past the deadline: a lookup waiting for ever.
+        timeout = seconds(timeout, "timeout")
+        poll_s = seconds(poll_s, "poll_s")
         keys = self._keys(array)
         recorder = self.manager.trace_recorder
         if recorder is not None and not self.closed:  # one record a lookup: what simulate replays
@@ -170,6 +173,7 @@ class KVCache:
         never cached), so use the return value. ``num_tokens`` past the full
         chunks of ``tokens`` is a ``ValueError``.
         """
+        self.lifecycle.check()
         array = token_array(tokens)
         full = len(array) - len(array) % self.chunk_tokens
         chunks = chunks_of(num_tokens, self.chunk_tokens, full, "num_tokens")
@@ -201,6 +205,7 @@ class KVCache:
         had no room. At most as many chunks as the primary tier has slots are
         stored, from the start.
         """
+        self.lifecycle.check()
         array = token_array(tokens)
         full = len(array) // self.chunk_tokens
         wanted = full if num_chunks is None else count(num_chunks, "num_chunks")

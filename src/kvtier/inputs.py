@@ -8,7 +8,8 @@ key of ``1``), and so is a bool.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -24,11 +25,16 @@ _INT64_MAX = np.iinfo(np.int64).max
 def token_array(tokens: Any, where: str = "tokens") -> np.ndarray:
     """``tokens`` (a sequence of ints, or a 1-D integer numpy array or torch
     tensor) as a 1-D little-endian int64 array."""
-    if isinstance(tokens, str | bytes | bytearray) or not hasattr(tokens, "__len__"):
+    if isinstance(tokens, str | bytes | bytearray | AbstractSet | Mapping) or not hasattr(
+        tokens, "__len__"
+    ):
         raise TypeError(
             f"{where}: expected a sequence of int token ids, got {type(tokens).__name__}"
         )
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # a torch tensor
+        dtype = tokens.dtype
+        if dtype.is_floating_point or dtype.is_complex:  # bfloat16 has no numpy type
+            raise TypeError(f"{where}: token ids must be integers, got dtype {dtype}")
         tokens = tokens.detach().cpu().numpy()
     if isinstance(tokens, np.ndarray):
         array = tokens
@@ -54,6 +60,13 @@ def token_array(tokens: Any, where: str = "tokens") -> np.ndarray:
     if array.dtype == np.uint64 and array.size and int(array.max()) > _INT64_MAX:
         raise ValueError(f"{where}: a token id does not fit in 64 bits")
     return array.astype(_TOKEN_DTYPE, copy=False)
+
+
+def seconds(value: Any, where: str) -> float:
+    """A duration: a number >= 0 (``inf`` allowed: for ever; ``nan`` and ``bool`` refused)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"{where} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def count(value: Any, where: str) -> int:
@@ -89,7 +102,10 @@ def chunk_rows(
             raise TypeError(
                 f"{where}: expected a numpy array or a chunk copier, got {type(array).__name__}"
             )
-        array = np.asarray(array)
+        try:
+            array = np.asarray(array)
+        except (TypeError, ValueError, RuntimeError) as error:  # a GPU or bfloat16 tensor
+            raise TypeError(f"{where}: cannot be read as a numpy array: {error}") from None
     expected = (
         f"({rows}, {layout.slot_bytes}) uint8 or ({rows}, "
         f"{', '.join(map(str, layout.chunk_shape))}) {layout.numpy_dtype}, C-contiguous, "
@@ -108,4 +124,5 @@ def chunk_rows(
         raise ValueError(f"{where}: the array is not C-contiguous; expected {expected}")
     if writable and not array.flags.writeable:
         raise ValueError(f"{where}: the array is read-only")
-    return array.reshape(array.shape[0], -1).view(np.uint8)
+    # The row length spelled out: -1 cannot be inferred for zero rows.
+    return array.reshape(array.shape[0], row_items).view(np.uint8)

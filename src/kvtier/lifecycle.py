@@ -29,6 +29,12 @@ class Lifecycle:
     def closed(self) -> bool:
         return self._closed
 
+    def check(self) -> None:
+        """Raise :class:`ClosedError` once closed: a closed object says so
+        before it looks at a call's arguments."""
+        if self._closed:
+            raise ClosedError(f"{self.name} is closed")
+
     @contextmanager
     def running(self) -> Iterator[None]:
         """Run the block as a call of the open object; raises :class:`ClosedError` once closed."""

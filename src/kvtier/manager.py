@@ -19,7 +19,7 @@ import functools
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
@@ -133,6 +133,8 @@ class TieringManager:
         # so a request's chunks count once, however many steps it waits.
         self._asking: set[str] = set()
         self._closed = False
+        # Tiers whose get_finished_jobs raised at the last collect (logged once).
+        self._collect_failing: set[int] = set()
         #: Results a tier reported that could not be applied (each failed its job).
         self.unapplied_results = 0
         #: Observers of finished jobs (metrics, engine statistics). Called under
@@ -201,7 +203,7 @@ class TieringManager:
             if answer is Lookup.PENDING:
                 return True
             if answer is Lookup.HIT:
-                reserved = self.primary.prepare_store([key], protect=chain)
+                reserved = self._reserve([key], protect=chain)
                 if not reserved:
                     return None  # no room to promote into: treat as a miss
                 self._promotions[(index, ctx.request_id)].append((key, reserved[key]))
@@ -226,7 +228,23 @@ class TieringManager:
     @_serialised
     def prepare_store(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, int] | None:
         """Slots for the chunks not yet resident, or ``None`` if there is no room."""
-        return self.primary.prepare_store(keys)
+        return self._reserve(keys)
+
+    def _reserve(
+        self, keys: Sequence[ChunkKey], protect: Collection[ChunkKey] = ()
+    ) -> dict[ChunkKey, int] | None:
+        """:meth:`PrimaryTier.prepare_store`; short of room, finished jobs are
+        collected first and it tries again.
+
+        A finished job keeps its chunks pinned until its result is applied:
+        an engine that never calls :meth:`step` (stores and lookups that find
+        everything ready never do) would otherwise lose that room for good.
+        """
+        reserved = self.primary.prepare_store(keys, protect)
+        if reserved is None and self._jobs:
+            self._collect()
+            reserved = self.primary.prepare_store(keys, protect)
+        return reserved
 
     @_serialised
     def complete_store(self, keys: Sequence[ChunkKey], success: bool = True) -> None:
@@ -256,12 +274,18 @@ class TieringManager:
         """Once per engine step: collect finished jobs, then submit batched promotions."""
         self._collect()
         promotions, self._promotions = self._promotions, defaultdict(list)
-        for (index, request_id), batch in promotions.items():
+        batches = list(promotions.items())
+        for done, ((index, request_id), batch) in enumerate(batches, 1):
             keys = tuple(key for key, _ in batch)
             job = TransferJob(keys, tuple(slot for _, slot in batch), request_id=request_id)
-            if not self._submit(index, job, loading=True):
-                self.primary.complete_store(keys, success=False)
-                self._remember_failures(request_id, index, keys)
+            try:
+                self._submit(index, job, loading=True)
+            except BaseException:
+                # A KeyboardInterrupt out of a tier: the batches not submitted
+                # yet wait for the next step instead of holding their slots for ever.
+                for where, rest in batches[done:]:
+                    self._promotions[where].extend(rest)
+                raise
         for tier in self.tiers:
             self._call(tier, "on_step_end")
 
@@ -341,35 +365,48 @@ class TieringManager:
         if not ready:
             return
         keys, slots = tuple(ready), tuple(ready.values())
-        for index in tier_indexes:
+        for done, index in enumerate(tier_indexes, 1):
             self.backpressure[index].started()
-            job = TransferJob(keys, slots)
-            if not self._submit(index, job, loading=False):
-                self.backpressure[index].cancelled()
-                self.primary.complete_load(keys)
+            try:
+                self._submit(index, TransferJob(keys, slots), loading=False)
+            except BaseException:
+                for _ in tier_indexes[done:]:  # the shares of the tiers not reached
+                    self.primary.complete_load(keys)
+                raise
 
-    def _submit(self, index: int, job: TransferJob, *, loading: bool) -> bool:
+    def _submit(self, index: int, job: TransferJob, *, loading: bool) -> None:
+        """Hand ``job`` to tier ``index``; if the tier raises, the job fails and
+        its slots come back (a ``BaseException`` then goes on up)."""
         tier = self.tiers[index]
         # Recorded before the tier sees it: a fast tier may report the job
         # before submit returns, and its result must find the job.
-        self._jobs[(index, job.job_id)] = _Job(job.job_id, index, loading, job.keys, job.request_id)
+        record = _Job(job.job_id, index, loading, job.keys, job.request_id)
+        self._jobs[(index, job.job_id)] = record
         try:
             (tier.submit_load if loading else tier.submit_store)(job)
-        except Exception:
+        except BaseException as error:
             logger.exception("tier %s: submit raised; job %d failed", tier.tier_type, job.job_id)
-            if self._jobs.pop((index, job.job_id), None) is None:
-                return True  # it reported the job before raising: that result stands
-            tier.count(**{"load_failures" if loading else "store_failures": len(job.keys)})
-            return False
-        return True
+            # Unless it reported the job before raising: that result stands.
+            if self._jobs.pop((index, job.job_id), None) is not None:
+                tier.count(**{"load_failures" if loading else "store_failures": len(job.keys)})
+                self._release_failed(record)
+            if not isinstance(error, Exception):
+                raise
 
     def _collect(self) -> None:
         for index, tier in enumerate(self.tiers):
             try:
                 results = tier.get_finished_jobs()
             except Exception:
-                logger.exception("tier %s: get_finished_jobs raised", tier.tier_type)
+                # Once until it answers again: lookups waiting for a promotion
+                # collect every poll (0.5 ms), a traceback each would flood the log.
+                if index not in self._collect_failing:
+                    self._collect_failing.add(index)
+                    logger.exception("tier %s: get_finished_jobs raised", tier.tier_type)
                 continue
+            if index in self._collect_failing:
+                self._collect_failing.discard(index)
+                logger.warning("tier %s: get_finished_jobs answers again", tier.tier_type)
             for result in results:
                 job = self._jobs.pop((index, result.job_id), None)
                 if job is None:

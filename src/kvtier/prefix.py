@@ -76,8 +76,10 @@ class HeldPrefix:
         self._slots = list(slots)
         self._released = False
         # A load and a release of the same holder exclude each other: the
-        # chunks must stay pinned while they are copied.
-        self._lock = threading.Lock()
+        # chunks must stay pinned while they are copied. Re-entrant: a copier
+        # may release its own holder (the unpin then waits for the copy's end).
+        self._lock = threading.RLock()
+        self._loading = 0
         #: Whether more chunks were still on their way when the lookup stopped
         #: waiting (its timeout ran out): a later lookup may find more.
         self.pending = pending
@@ -107,24 +109,42 @@ class HeldPrefix:
         :meth:`kvtier.KVCache.load`) or a copier called as ``out(index, chunk)``.
         Asking for more than is held is a ``ValueError``. Returns the tokens loaded.
         """
+        self._cache.lifecycle.check()
+        self._check_held()
         wanted = self.num_tokens if num_tokens is None else num_tokens
         chunks = chunks_of(wanted, self._cache.chunk_tokens, self.num_tokens, "num_tokens")
         with self._cache.lifecycle.running(), self._lock:
-            if self._released:
-                raise ClosedError(
-                    f"this lookup of {self.num_chunks} chunks was released; look up again"
-                )
-            copy_out(self._cache, self._slots[:chunks], out)
+            self._check_held()
+            self._loading += 1
+            try:
+                copy_out(self._cache, self._slots[:chunks], out)
+            finally:
+                self._loading -= 1
+                if self._released and not self._loading:
+                    self._unpin()  # released by the copier: held until the copy ended
         return chunks * self._cache.chunk_tokens
 
     def release(self) -> None:
-        """Unpin the chunks. Idempotent; nothing to do once the cache is closed."""
+        """Unpin the chunks. Idempotent; nothing to do once the cache is closed.
+
+        Called from inside one of this holder's own loads (by its copier),
+        the chunks stay pinned until that load ends."""
         with self._lock:
             if self._released:
                 return
             self._released = True
-            if self._slots:
-                self._cache._unpin(self._keys)
+            if not self._loading:
+                self._unpin()
+
+    def _check_held(self) -> None:
+        if self._released:
+            raise ClosedError(
+                f"this lookup of {self.num_chunks} chunks was released; look up again"
+            )
+
+    def _unpin(self) -> None:
+        if self._slots:
+            self._cache._unpin(self._keys)
 
     def __enter__(self) -> HeldPrefix:
         return self

@@ -276,7 +276,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
                 return
             try:
                 task()
-            except Exception:  # a worker must survive any backend surprise
+            except BaseException:  # a worker must survive any backend surprise
                 logger.exception("tier %s: unexpected error in worker", self.tier_type)
 
     def _vanished(self, key: ChunkKey) -> None:
@@ -299,8 +299,10 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         def check() -> None:
             found: Sequence[bool | None]
             try:
-                found = self._contains(keys)
-            except Exception as exc:
+                found = list(self._contains(keys))
+                if len(found) != len(keys):
+                    raise ValueError(f"{len(found)} answers for {len(keys)} keys")
+            except BaseException as exc:  # even a BaseException: else the keys stay "checking"
                 logger.warning("tier %s: existence check failed: %r", self.tier_type, exc)
                 found = [None] * len(keys)
             with self._threaded_lock:
@@ -381,9 +383,15 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
             ok = [False] * len(keys)
             if not state.reported:  # else answered already: nothing left to do
                 try:
-                    ok = self._transfer(state, keys, [slot for _, slot in batch])
-                except Exception as exc:
+                    ok = list(self._transfer(state, keys, [slot for _, slot in batch]))
+                    if len(ok) != len(keys):
+                        raise ValueError(f"{len(ok)} answers for a batch of {len(keys)} chunks")
+                # Even a BaseException (a CancelledError, a SystemExit) fails
+                # the batch alone: a job left unreported would keep its slots
+                # in the writing state and make drain() wait for ever.
+                except BaseException as exc:
                     logger.warning("tier %s: batch failed: %r", self.tier_type, exc)
+                    ok = [False] * len(keys)
             with self._threaded_lock:
                 state.remaining -= 1
                 if state.reported:
