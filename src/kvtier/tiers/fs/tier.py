@@ -26,7 +26,7 @@ import os
 import sqlite3
 import stat
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -89,6 +89,12 @@ class FilesystemTierOptions(ThreadedTierOptions):
     """Age after which a temp file (or a reservation of ``max_bytes``) of
     another host's unfinished write is deleted."""
 
+    index_lock_timeout_s: float = Field(default=10.0, gt=0)
+    """With ``max_bytes``: longest wait for the lock of the index shared with
+    other processes. A process stopped or hung while holding it makes stores
+    fail after this long (counted, the chunks stay where they are) instead of
+    blocking I/O threads and ``close()``."""
+
 
 class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     """Chunk files under ``root_dir/<namespace hex>/``; see the module docstring."""
@@ -147,7 +153,12 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
                     fstype,
                 )
             self._bound = SharedIndex(
-                str(self.dir.path), self.max_bytes, self.dir.chunk_path, options.abandoned_temp_s
+                str(self.dir.path),
+                self.max_bytes,
+                self.dir.chunk_path,
+                options.abandoned_temp_s,
+                scan=self._complete_chunk_files,
+                lock_timeout_s=options.index_lock_timeout_s,
             )
         self._index_ready = threading.Event()
         self._indexer = threading.Thread(
@@ -249,6 +260,11 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
             logger.exception("tier %s: re-index of %s failed", self.tier_type, self.dir.path)
         finally:
             self._index_ready.set()
+
+    def _complete_chunk_files(self) -> Iterator[ChunkFile]:
+        """Chunk files of the namespace's size (others are damage the
+        re-index removes)."""
+        return (chunk for chunk in self.dir.scan() if chunk.size == self.file_bytes)
 
     def _drop_broken(self, broken: Sequence[str]) -> None:
         if not broken:

@@ -1,0 +1,199 @@
+"""The shared index of a bounded ``fs`` root under hostile conditions: its
+files deleted or replaced while tiers run, the namespace directory removed,
+odd entries at the index's paths, and a lock another process never lets go.
+
+Two tiers in one test process stand for two processes (see
+``test_fs_shared_bound.py``): each has its own connection to the index and
+its own open file description of the lock file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.testing import TierHarness
+from kvtier.tiers.base import Lookup
+from kvtier.tiers.fs.shared_index import INDEX_FILE, LOCK_FILE
+from tests.fs_support import fs_tier
+from tests.test_fs_shared_bound import FILE_BYTES, disk_bytes, open_tier, store_new
+
+pytestmark = pytest.mark.usefixtures("chunk_io")
+
+BOUND_FILES = 6
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "kv"
+
+
+def namespace_dir(harness: TierHarness) -> Path:
+    return Path(fs_tier(harness).dir.path)
+
+
+def remove_index_files(directory: Path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{directory / INDEX_FILE}{suffix}").unlink(missing_ok=True)
+
+
+def remove_namespace_dir(directory: Path) -> None:
+    shutil.rmtree(directory)
+
+
+def remove_index_and_lock(directory: Path) -> None:
+    remove_index_files(directory)
+    (directory / LOCK_FILE).unlink()
+
+
+def replace_index_with_garbage(directory: Path) -> None:
+    remove_index_files(directory)
+    (directory / INDEX_FILE).write_bytes(b"not a database" * 100)
+
+
+def _name(damage: Callable[[Path], None]) -> str:
+    return damage.__name__
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [remove_index_files, remove_index_and_lock, replace_index_with_garbage, remove_namespace_dir],
+    ids=_name,
+)
+def test_the_bound_holds_when_the_index_goes_away_under_running_tiers(
+    root: Path, damage: Callable[[Path], None]
+) -> None:
+    """A tier still running on the index's old files and a tier started after
+    they went must share one bound again, whoever stores next."""
+    first = open_tier(root, BOUND_FILES)
+    try:
+        old = store_new(first, 3)
+        old_data = first.buffer.array[0:3].copy()
+        damage(namespace_dir(first))
+        second = open_tier(root, BOUND_FILES)
+        try:
+            for _ in range(5):
+                for harness in (first, second):
+                    store_new(harness, 2)
+                    assert disk_bytes(root) <= BOUND_FILES * FILE_BYTES
+            # Whatever survived of the old chunks still loads exactly.
+            for index, key in enumerate(old):
+                if os.path.exists(fs_tier(second).dir.chunk_path(key)):
+                    assert second.load([key], [20]).success
+                    np.testing.assert_array_equal(second.buffer.array[20], old_data[index])
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_a_running_tier_counts_the_files_again_after_its_index_was_deleted(root: Path) -> None:
+    harness = open_tier(root, BOUND_FILES)
+    try:
+        store_new(harness, 4)
+        remove_index_files(namespace_dir(harness))
+        for _ in range(4):
+            store_new(harness, 2)
+            assert disk_bytes(root) <= BOUND_FILES * FILE_BYTES
+        assert fs_tier(harness).held_bytes == disk_bytes(root)
+    finally:
+        harness.close()
+
+
+@pytest.fixture
+def held_lock(root: Path) -> Iterator[Callable[[TierHarness], None]]:
+    """Take the index lock as another process would (its own open file
+    description) and hold it until the test ends."""
+    fds: list[int] = []
+
+    def hold(harness: TierHarness) -> None:
+        fd = os.open(namespace_dir(harness) / LOCK_FILE, os.O_RDWR)
+        fds.append(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+    yield hold
+    for fd in fds:
+        os.close(fd)
+
+
+def test_a_lock_never_let_go_fails_stores_instead_of_hanging_them(
+    root: Path, held_lock: Callable[[TierHarness], None]
+) -> None:
+    # A process stopped (SIGSTOP) or hung inside a change of the index.
+    harness = open_tier(root, BOUND_FILES, index_lock_timeout_s=0.2)
+    stored = store_new(harness, 2)
+    data = harness.buffer.array[0:2].copy()
+    held_lock(harness)
+    keys = harness.keys(2)
+    harness.fill([2, 3])
+    result = harness.store(keys, [2, 3])  # the harness fails the test if this hangs
+    assert not result.success and result.succeeded == frozenset()
+    assert not any(os.path.exists(fs_tier(harness).dir.chunk_path(k)) for k in keys)
+    # Loads still work: use stamps wait in memory.
+    assert harness.load(stored, [4, 5]).success
+    np.testing.assert_array_equal(harness.buffer.array[4:6], data)
+    assert [harness.lookup(k) for k in stored] == [Lookup.HIT, Lookup.HIT]
+    harness.close()  # returns, leaving the stamps it could not write
+
+
+def test_the_lock_timeout_must_be_positive(root: Path) -> None:
+    with pytest.raises(ValueError, match="index_lock_timeout_s"):
+        open_tier(root, BOUND_FILES, index_lock_timeout_s=0)
+
+
+def _empty_directory(path: Path) -> None:
+    path.mkdir()
+
+
+def _directory_with_a_file(path: Path) -> None:
+    path.mkdir()
+    (path / "something").write_text("kept")
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _symlink_outside(path: Path) -> None:
+    path.symlink_to(path.parent.parent.parent / "outside")
+
+
+def _symlink_loop(path: Path) -> None:
+    path.symlink_to(path)
+
+
+@pytest.mark.parametrize("which", [INDEX_FILE, LOCK_FILE])
+@pytest.mark.parametrize(
+    "make",
+    [_empty_directory, _directory_with_a_file, _fifo, _symlink_outside, _symlink_loop],
+    ids=lambda make: make.__name__.strip("_"),
+)
+def test_a_tier_starts_over_anything_at_the_index_paths(
+    root: Path, tmp_path: Path, which: str, make: Callable[[Path], None]
+) -> None:
+    first = open_tier(root, BOUND_FILES)
+    keys = store_new(first, 3)
+    data = first.buffer.array[0:3].copy()
+    directory = namespace_dir(first)
+    first.close()
+    remove_index_files(directory)
+    (directory / LOCK_FILE).unlink()
+    make(directory / which)
+    second = open_tier(root, BOUND_FILES)
+    try:
+        assert fs_tier(second).held_bytes == 3 * FILE_BYTES
+        assert second.load(keys, [10, 11, 12]).success
+        np.testing.assert_array_equal(second.buffer.array[10:13], data)
+        for _ in range(3):
+            store_new(second, 3)
+            assert disk_bytes(root) <= BOUND_FILES * FILE_BYTES
+        assert not (tmp_path / "outside").exists()  # a link is never followed
+        assert (directory / which).is_file() and not (directory / which).is_symlink()
+    finally:
+        second.close()
