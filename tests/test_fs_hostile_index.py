@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup
+from kvtier.tiers.fs import shared_index
 from kvtier.tiers.fs.shared_index import INDEX_FILE, LOCK_FILE
 from tests.fs_support import fs_tier
 from tests.test_fs_shared_bound import FILE_BYTES, disk_bytes, open_tier, store_new
@@ -197,3 +199,25 @@ def test_a_tier_starts_over_anything_at_the_index_paths(
         assert (directory / which).is_file() and not (directory / which).is_symlink()
     finally:
         second.close()
+
+
+@pytest.mark.parametrize("index_before", [True, False], ids=["index-kept", "index-new"])
+def test_a_chunk_file_dated_in_the_future_does_not_outlive_chunks_in_use(
+    root: Path, monkeypatch: pytest.MonkeyPatch, index_before: bool
+) -> None:
+    monkeypatch.setattr(shared_index, "STAMP_FLUSH_S", 0.0)
+    if index_before:  # an index that will not count the files stored below
+        open_tier(root, 4).close()
+    unbounded = open_tier(root)
+    keys = store_new(unbounded, 4)
+    unbounded.close()
+    future = time.time() + 365 * 86400
+    os.utime(fs_tier(unbounded).dir.chunk_path(keys[0]), (future, future))
+    bounded = open_tier(root, 4)
+    try:
+        assert bounded.load(keys[1:], [10, 11, 12]).success  # in use now
+        store_new(bounded, 1)  # room for one: the least recently used goes
+        present = [os.path.exists(fs_tier(bounded).dir.chunk_path(k)) for k in keys]
+        assert present == [False, True, True, True]
+    finally:
+        bounded.close()

@@ -552,14 +552,20 @@ class SharedIndex:
         """Make the index agree with a scan of the directory and the bound hold.
 
         Files it did not count (stored by a process without ``max_bytes``, or
-        lost in a power cut) join with their mtime as last use; rows whose
+        lost in a power cut) join with their mtime as last use (now, for an
+        mtime in the future: it would outrank every use); rows whose
         files are gone are dropped (not those of writes in flight). Returns
         the keys evicted.
         """
         on_disk = {chunk.key: chunk for chunk in found}
         with self._mutex:
             known = {key for (key,) in self._index.execute("SELECT key FROM chunks")}
-        new = [(c.key, c.size, c.mtime_ns / 1e9) for k, c in on_disk.items() if k not in known]
+        now = self._clock()
+        new = [
+            (c.key, c.size, min(c.mtime_ns / 1e9, now))
+            for key, c in on_disk.items()
+            if key not in known
+        ]
         for start in range(0, len(new), _BATCH):
             if stopping():
                 return []
