@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -221,3 +222,27 @@ def test_a_chunk_file_dated_in_the_future_does_not_outlive_chunks_in_use(
         assert present == [False, True, True, True]
     finally:
         bounded.close()
+
+
+def test_an_index_that_cannot_be_opened_fails_start_up_clearly_and_is_kept(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk or an I/O error while opening the index is no damage of
+    the index: it is not deleted (other processes use it), and the start
+    fails naming the directory and the cause."""
+    first = open_tier(root, BOUND_FILES)
+    store_new(first, 2)
+    index = namespace_dir(first) / INDEX_FILE
+    first.close()
+    before = index.read_bytes()
+
+    def full_disk(*args: object, **kwargs: object) -> sqlite3.Connection:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(shared_index.sqlite3, "connect", full_disk)
+    with pytest.raises(OSError) as caught:
+        open_tier(root, BOUND_FILES)
+    message = str(caught.value)
+    assert str(namespace_dir(first)) in message
+    assert "OperationalError: database or disk is full" in message
+    assert index.read_bytes() == before

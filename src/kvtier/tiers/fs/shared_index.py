@@ -272,6 +272,8 @@ class SharedIndex:
             _clear_odd_entry(self.path + suffix)  # SQLite would follow a link, block on a FIFO
         try:
             db = self._connect()
+        except sqlite3.OperationalError:
+            raise  # disk full, I/O error, no access: not the index's damage, kept
         except sqlite3.DatabaseError as exc:
             # Only an index: what it knew is rebuilt from a scan of the files.
             logger.warning("fs index %s unusable (%s): starting a new one", self.path, exc)

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import ByteSize, Field
 
-from kvtier.errors import ChunkVanishedError
+from kvtier.errors import ChunkVanishedError, describe_error
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
 from kvtier.tiers.fs import io as chunk_io
@@ -152,14 +152,20 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
                     self.root_dir,
                     fstype,
                 )
-            self._bound = SharedIndex(
-                str(self.dir.path),
-                self.max_bytes,
-                self.dir.chunk_path,
-                options.abandoned_temp_s,
-                scan=self._complete_chunk_files,
-                lock_timeout_s=options.index_lock_timeout_s,
-            )
+            try:
+                self._bound = SharedIndex(
+                    str(self.dir.path),
+                    self.max_bytes,
+                    self.dir.chunk_path,
+                    options.abandoned_temp_s,
+                    scan=self._complete_chunk_files,
+                    lock_timeout_s=options.index_lock_timeout_s,
+                )
+            except (sqlite3.Error, OSError) as exc:
+                raise OSError(
+                    f"{self.tier_type}: cannot open the index that holds max_bytes in "
+                    f"{self.dir.path}: {describe_error(exc)}"
+                ) from exc
         self._index_ready = threading.Event()
         self._indexer = threading.Thread(
             target=self._reindex,
