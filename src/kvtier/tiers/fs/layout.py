@@ -135,6 +135,25 @@ class NamespaceDir:
             handle.write("\n")
         os.replace(temp, target)
 
+    def repair_buckets(self) -> list[tuple[str, str]]:
+        """Make each of the 256 buckets a directory again where something else
+        took its place (a file, a FIFO, a symlink, which stores would follow
+        out of the tree); returns each path replaced and what was there.
+        256 ``lstat`` calls: cheap enough for every start."""
+        replaced = []
+        for bucket in range(256):
+            path = f"{self._base}/{bucket:02x}"
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue  # made by the first store into it
+            if stat.S_ISDIR(mode):
+                continue
+            os.unlink(path)
+            os.mkdir(path)
+            replaced.append((path, mode_kind(mode)))
+        return replaced
+
     def read_record(self) -> object:
         """``NAMESPACE.json``, parsed. Reads boundedly: nothing but a regular
         file of at most :data:`RECORD_LIMIT` bytes is read (a FIFO, a link to

@@ -120,6 +120,8 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         self.dir = NamespaceDir(self.root_dir, self.namespace)
         try:
             self.dir.create(self.spec.layout, TRAILER_BLOCK)
+            for path, kind in self.dir.repair_buckets():
+                logger.warning("tier %s: replaced %s at bucket %s", self.tier_type, kind, path)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"{self.tier_type}: cannot use root_dir {self.root_dir}: {exc.strerror}"
