@@ -246,3 +246,43 @@ def test_an_index_that_cannot_be_opened_fails_start_up_clearly_and_is_kept(
     assert str(namespace_dir(first)) in message
     assert "OperationalError: database or disk is full" in message
     assert index.read_bytes() == before
+
+
+def test_uses_keep_their_order_when_the_clock_is_set_back(tmp_path: Path) -> None:
+    """Eviction follows the order of use, not of the wall clock: after the
+    clock went back an hour, the chunk just loaded is still the most recently
+    used, and a chunk stored now is newer than those stored before."""
+    now = [10_000.0]
+    size = 100
+
+    def chunk_path(key: bytes) -> str:
+        return str(tmp_path / key.hex())
+
+    index = shared_index.SharedIndex(
+        str(tmp_path), 3 * size, chunk_path, 3600.0, scan=list, clock=lambda: now[0]
+    )
+
+    def store(key: bytes) -> list[bytes]:
+        temp = str(tmp_path / f".{key.hex()}.tmp")
+        plan, victims = index.reserve(key, size, temp)
+        assert plan == "write"
+        Path(chunk_path(key)).write_bytes(bytes(size))
+        index.written(key, temp)
+        now[0] += 1
+        return victims
+
+    try:
+        for key in (b"a", b"b", b"c"):
+            assert store(key) == []
+        now[0] -= 3600  # the clock set back
+        index.touch(b"a")
+        index.flush()
+        assert store(b"d") == [b"b"]  # not "a", loaded after "b" was stored
+        assert store(b"e") == [b"c"]  # not "d", stored after "c"
+        assert sorted(p.name for p in tmp_path.iterdir() if len(p.name) == 2) == [
+            b"a".hex(),
+            b"d".hex(),
+            b"e".hex(),
+        ]
+    finally:
+        index.close()

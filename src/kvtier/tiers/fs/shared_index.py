@@ -80,6 +80,8 @@ STAMP_FLUSH_S = 1.0
 STAMP_FLUSH_COUNT = 4096
 #: Rows changed per transaction when re-indexing, so others wait little.
 _BATCH = 1024
+#: Step between uses recorded while the clock is behind the latest use.
+_TICK = 1e-6
 #: First and longest pause between tries of a lock another process holds.
 _LOCK_POLL_S = (20e-6, 1e-3)
 
@@ -433,7 +435,7 @@ class SharedIndex:
         row = db.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
         if row is not None:
             if not self._files_gone(key, row[0]):
-                db.execute("UPDATE chunks SET used = ? WHERE key = ?", (self._clock(), key))
+                db.execute("UPDATE chunks SET used = ? WHERE key = ?", (self._use_time(db), key))
                 return "present", []
             db.execute("DELETE FROM chunks WHERE key = ?", (key,))  # a dead write's row
         victims = self._evict(db, self._used(db) + size - self.max_bytes)
@@ -441,7 +443,7 @@ class SharedIndex:
             return "full", victims
         db.execute(
             "INSERT INTO chunks (key, size, used, temp) VALUES (?, ?, ?, ?)",
-            (key, size, self._clock(), temp_path),
+            (key, size, self._use_time(db), temp_path),
         )
         return "write", victims
 
@@ -488,6 +490,13 @@ class SharedIndex:
                 "UPDATE chunks SET temp = NULL WHERE key = ? AND temp = ?", list(done.items())
             )
         if stamps:
+            # In the order they were taken, each after the latest use recorded.
+            latest = self._latest_use(self._index)
+            ordered = []
+            for key, used in sorted(stamps.items(), key=lambda item: item[1]):
+                latest = used if latest is None or used > latest else latest + _TICK
+                ordered.append((key, latest))
+            stamps = dict(ordered)
             self._index.executemany(
                 "UPDATE chunks SET used = max(used, ?) WHERE key = ?",
                 [(used, key) for key, used in stamps.items()],
@@ -589,6 +598,19 @@ class SharedIndex:
         return victims
 
     # Inside a change --------------------------------------------------------------
+
+    @staticmethod
+    def _latest_use(db: sqlite3.Connection) -> float | None:
+        (latest,) = db.execute("SELECT max(used) FROM chunks").fetchone()
+        return None if latest is None else float(latest)
+
+    def _use_time(self, db: sqlite3.Connection) -> float:
+        """The time of a use now: the clock, or just after the latest use
+        recorded while the clock is behind it (set back, or another host's
+        ahead), so that uses keep their order whatever the clock does."""
+        now = self._clock()
+        latest = self._latest_use(db)
+        return now if latest is None or now > latest else latest + _TICK
 
     @staticmethod
     def _used(db: sqlite3.Connection) -> int:
