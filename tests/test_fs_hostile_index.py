@@ -25,6 +25,7 @@ from kvtier.tiers.base import Lookup
 from kvtier.tiers.fs import shared_index
 from kvtier.tiers.fs.shared_index import INDEX_FILE, LOCK_FILE
 from tests.fs_support import fs_tier
+from tests.fs_worker import LAYOUT
 from tests.test_fs_shared_bound import FILE_BYTES, disk_bytes, open_tier, store_new
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
@@ -286,3 +287,32 @@ def test_uses_keep_their_order_when_the_clock_is_set_back(tmp_path: Path) -> Non
         ]
     finally:
         index.close()
+
+
+def test_loads_never_wait_for_a_lock_held_elsewhere(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the lock held by a stopped process, loads due to write their use
+    stamps leave them in memory instead of waiting (here up to ten minutes:
+    the harness fails a call that takes over 20 s)."""
+    monkeypatch.setattr(shared_index, "STAMP_FLUSH_S", 0.0)  # every load is due
+    options = {"max_bytes": BOUND_FILES * FILE_BYTES, "index_lock_timeout_s": 600}
+    harness = TierHarness(
+        {"type": "fs", "root_dir": str(root), "io_threads": 2, **options},
+        LAYOUT,
+        call_timeout_s=20,
+    )
+    try:
+        assert fs_tier(harness).wait_index(30)
+        keys = store_new(harness, 3)
+        data = harness.buffer.array[0:3].copy()
+        other_process = os.open(namespace_dir(harness) / LOCK_FILE, os.O_RDWR)
+        fcntl.flock(other_process, fcntl.LOCK_EX)
+        try:
+            for _ in range(3):
+                assert harness.load(keys, [10, 11, 12]).success
+                np.testing.assert_array_equal(harness.buffer.array[10:13], data)
+        finally:
+            os.close(other_process)  # let go before close() writes the stamps
+    finally:
+        harness.close()

@@ -331,9 +331,10 @@ class SharedIndex:
         return db
 
     @contextlib.contextmanager
-    def _flock(self) -> Iterator[None]:
-        """Hold the lock, on the lock file and index that are there now."""
-        deadline = time.monotonic() + self._lock_timeout_s
+    def _flock(self, timeout_s: float | None = None) -> Iterator[None]:
+        """Hold the lock, on the lock file and index that are there now;
+        wait at most ``timeout_s`` (the lock timeout if ``None``)."""
+        deadline = time.monotonic() + (self._lock_timeout_s if timeout_s is None else timeout_s)
         while True:
             self._lock_until(deadline)
             if _path_id(self._lock_path) == _file_id(os.fstat(self._lock_fd)):
@@ -373,16 +374,21 @@ class SharedIndex:
     def _change(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, alone among threads and processes; pending
         use stamps and forgotten keys go in with it."""
-        with self._mutex, self._flock():
-            db = self._index
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                self._apply_pending()
-                yield db
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
+        with self._mutex, self._flock(), self._transaction() as db:
+            yield db
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """Under the lock: one transaction, which pending changes go in with."""
+        db = self._index
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            self._apply_pending()
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     # Stores --------------------------------------------------------------------
 
@@ -477,6 +483,21 @@ class SharedIndex:
         """Write pending use stamps, forgotten keys and finished writes now."""
         with self._change():
             pass
+
+    def flush_if_free(self) -> bool:
+        """:meth:`flush` if no thread or process holds the lock now, else
+        nothing (the pending changes wait for the next change): a load never
+        waits for the lock. Whether it flushed."""
+        if not self._mutex.acquire(blocking=False):
+            return False
+        try:
+            with self._flock(timeout_s=0), self._transaction():
+                pass
+        except IndexBusyError:
+            return False
+        finally:
+            self._mutex.release()
+        return True
 
     def _apply_pending(self) -> None:
         with self._pending_lock:

@@ -435,7 +435,7 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
             raise ChunkVanishedError(f"chunk file gone: {exc.filename}") from exc
         if self._bound is not None and self._bound.touch(key):
             try:
-                self._bound.flush()
+                self._bound.flush_if_free()
             except sqlite3.Error as exc:  # the chunk was loaded all the same
                 logger.warning("tier %s: use stamps not written: %s", self.tier_type, exc)
 
