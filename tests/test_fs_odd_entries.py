@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -77,13 +78,39 @@ def _dangling_symlink(path: Path, outside: Path) -> None:
     path.symlink_to(outside.parent / "nowhere")
 
 
+def _socket(path: Path, outside: Path) -> None:
+    path.unlink()
+    # Bound by its name relative to the bucket: the full path is longer
+    # than a socket address holds. open(2) of a socket fails with ENXIO.
+    cwd = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(path.name)
+    finally:
+        os.chdir(cwd)
+
+
+def _symlink_loop(path: Path, outside: Path) -> None:
+    path.unlink()
+    path.symlink_to(path.name)
+
+
 def _name(make: Callable[[Path, Path], None]) -> str:
     return make.__name__.strip("_")
 
 
 @pytest.mark.parametrize(
     "make",
-    [_fifo, _empty_directory, _symlink_to_a_valid_chunk, _symlink_to_dev_zero, _dangling_symlink],
+    [
+        _fifo,
+        _empty_directory,
+        _symlink_to_a_valid_chunk,
+        _symlink_to_dev_zero,
+        _dangling_symlink,
+        _socket,
+        _symlink_loop,
+    ],
     ids=_name,
 )
 def test_a_load_treats_a_non_file_at_a_chunk_path_as_corrupt(
