@@ -16,6 +16,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -316,3 +317,39 @@ def test_loads_never_wait_for_a_lock_held_elsewhere(
             os.close(other_process)  # let go before close() writes the stamps
     finally:
         harness.close()
+
+
+def test_a_chunk_file_that_cannot_be_looked_at_stays_counted(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file in a bucket this process may not search (EACCES) still takes
+    space: a restart keeps its row, and eviction passes it over instead of
+    dropping its row without removing it."""
+    first = open_tier(root, 4)
+    keys = store_new(first, 4)
+    first.close()
+    hidden = fs_tier(first).dir.chunk_path(keys[0])
+    real_lstat, real_unlink = os.lstat, os.unlink
+
+    def no_access(path: str) -> None:
+        if os.fspath(path) == hidden:
+            raise PermissionError(13, "Permission denied", hidden)
+
+    def lstat(path: str, **kwargs: Any) -> os.stat_result:
+        no_access(path)
+        return real_lstat(path, **kwargs)
+
+    def unlink(path: str, **kwargs: Any) -> None:
+        no_access(path)
+        real_unlink(path, **kwargs)
+
+    monkeypatch.setattr(shared_index.os, "lstat", lstat)
+    monkeypatch.setattr(shared_index.os, "unlink", unlink)
+    second = open_tier(root, 4)
+    try:
+        assert fs_tier(second).held_bytes == 4 * FILE_BYTES
+        store_new(second, 2)  # evicts two others; the hidden file stays, counted
+        assert os.path.exists(hidden)
+        assert disk_bytes(root) == fs_tier(second).held_bytes == 4 * FILE_BYTES
+    finally:
+        second.close()

@@ -145,6 +145,19 @@ def _path_id(path: str) -> tuple[int, int] | None:
         return None
 
 
+def _exists(path: str) -> bool:
+    """Whether anything is at ``path``. One that cannot be looked at (no
+    access to its directory) counts as there: the index must never drop the
+    row of a file that still takes space."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def _clear_odd_entry(path: str) -> None:
     """Make room at ``path`` for a regular file: anything else there (symlink,
     FIFO, directory, device) is removed, or moved aside when that is not safe
@@ -457,7 +470,7 @@ class SharedIndex:
         """The write to ``temp_path`` failed and its temp file is gone: drop its
         row, unless the chunk's file is there anyway (another writer's)."""
         with self._change() as db:
-            if not os.path.lexists(self._chunk_path(key)):
+            if not _exists(self._chunk_path(key)):
                 db.execute("DELETE FROM chunks WHERE key = ? AND temp = ?", (key, temp_path))
 
     # Loads ---------------------------------------------------------------------
@@ -538,9 +551,9 @@ class SharedIndex:
         its file (and was killed before saying so), or will never finish.
         The temp file is looked at first: a write that creates and renames it
         between the looks is then seen by the second, and its file goes."""
-        if os.path.lexists(temp):
+        if _exists(temp):
             return write_abandoned(temp, self._abandoned_s)
-        return os.path.lexists(self._chunk_path(key)) or write_abandoned(temp, self._abandoned_s)
+        return _exists(self._chunk_path(key)) or write_abandoned(temp, self._abandoned_s)
 
     def _files_gone(self, key: bytes, temp: str | None) -> bool:
         """Whether a row's chunk file is missing and its write (``temp`` until
@@ -549,7 +562,7 @@ class SharedIndex:
         second."""
         if temp and not write_abandoned(temp, self._abandoned_s):
             return False
-        return not os.path.lexists(self._chunk_path(key))
+        return not _exists(self._chunk_path(key))
 
     # Other processes' evictions -------------------------------------------------
 
@@ -657,7 +670,8 @@ class SharedIndex:
                     continue  # a write in flight: its file will be counted
                 if temp:
                     self._unlink(temp)  # a dead write's
-                self._unlink(self._chunk_path(key))
+                if not self._unlink(self._chunk_path(key)):
+                    continue  # still there (no access): still counted
                 victims.append(key)
                 need -= size
                 if need <= 0 or (limit is not None and len(victims) >= limit):
@@ -672,13 +686,16 @@ class SharedIndex:
         return victims
 
     @staticmethod
-    def _unlink(path: str) -> None:
+    def _unlink(path: str) -> bool:
+        """Remove ``path``; whether nothing is there now."""
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
             logger.warning("fs index: cannot remove %s: %s", path, exc.strerror)
+            return False
+        return True
 
     # Reporting and closing -----------------------------------------------------
 
