@@ -239,7 +239,9 @@ def test_an_index_that_cannot_be_opened_fails_start_up_clearly_and_is_kept(
     before = index.read_bytes()
 
     def full_disk(*args: object, **kwargs: object) -> sqlite3.Connection:
-        raise sqlite3.OperationalError("database or disk is full")
+        error = sqlite3.OperationalError("database or disk is full")
+        error.sqlite_errorcode = 13  # SQLITE_FULL, as sqlite3 sets it
+        raise error
 
     monkeypatch.setattr(shared_index.sqlite3, "connect", full_disk)
     with pytest.raises(OSError) as caught:
@@ -353,3 +355,57 @@ def test_a_chunk_file_that_cannot_be_looked_at_stays_counted(
         assert disk_bytes(root) == fs_tier(second).held_bytes == 4 * FILE_BYTES
     finally:
         second.close()
+
+
+def _truncate_index(directory: Path) -> None:
+    os.truncate(directory / INDEX_FILE, 0)
+
+
+def _truncate_wal(directory: Path) -> None:
+    os.truncate(f"{directory / INDEX_FILE}-wal", 0)
+
+
+def _copy_another_directory_s_index(directory: Path) -> None:
+    other = open_tier(directory.parent.parent / "other", BOUND_FILES)
+    store_new(other, 2)
+    other.close()
+    remove_index_files(directory)
+    source = Path(fs_tier(other).dir.path) / INDEX_FILE
+    shutil.copyfile(source, directory / "copy")
+    os.replace(directory / "copy", directory / INDEX_FILE)
+
+
+@pytest.mark.parametrize(
+    "damage", [_truncate_index, _truncate_wal, _copy_another_directory_s_index], ids=_name
+)
+def test_an_index_damaged_under_a_running_tier_lets_others_start_and_the_bound_hold(
+    root: Path, damage: Callable[[Path], None]
+) -> None:
+    first = open_tier(root, BOUND_FILES)
+    try:
+        store_new(first, 4)
+        damage(namespace_dir(first))
+        second = open_tier(root, BOUND_FILES, index_lock_timeout_s=2)
+        try:
+            for _ in range(4):
+                for harness in (first, second):
+                    store_new(harness, 2)
+                    assert disk_bytes(root) <= BOUND_FILES * FILE_BYTES
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_a_running_tier_counts_its_files_in_an_index_copied_from_another_root(
+    root: Path,
+) -> None:
+    harness = open_tier(root, BOUND_FILES)
+    try:
+        store_new(harness, 4)
+        _copy_another_directory_s_index(namespace_dir(harness))
+        for _ in range(3):
+            store_new(harness, 2)
+            assert disk_bytes(root) <= BOUND_FILES * FILE_BYTES
+    finally:
+        harness.close()

@@ -93,7 +93,7 @@ CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks (used);
 CREATE TABLE IF NOT EXISTS evicted (seq INTEGER PRIMARY KEY AUTOINCREMENT, key BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS totals (bytes INTEGER NOT NULL, count INTEGER NOT NULL);
 INSERT INTO totals SELECT 0, 0 WHERE NOT EXISTS (SELECT 1 FROM totals);
-CREATE TABLE IF NOT EXISTS filled (at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS filled (at REAL NOT NULL, directory TEXT NOT NULL);
 CREATE TRIGGER IF NOT EXISTS chunk_added AFTER INSERT ON chunks BEGIN
     UPDATE totals SET bytes = bytes + new.size, count = count + 1; END;
 CREATE TRIGGER IF NOT EXISTS chunk_dropped AFTER DELETE ON chunks BEGIN
@@ -143,6 +143,16 @@ def _path_id(path: str) -> tuple[int, int] | None:
         return _file_id(os.stat(path, follow_symlinks=False))
     except OSError:
         return None
+
+
+#: SQLite's primary result codes of errors that say nothing about the index's
+#: state (a full disk, no access, no memory): rebuilding would only lose it.
+_NOT_DAMAGE = frozenset({3, 7, 8, 13, 14})  # PERM, NOMEM, READONLY, FULL, CANTOPEN
+
+
+def _not_damage(error: sqlite3.DatabaseError) -> bool:
+    code = getattr(error, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in _NOT_DAMAGE
 
 
 def _exists(path: str) -> bool:
@@ -287,9 +297,9 @@ class SharedIndex:
             _clear_odd_entry(self.path + suffix)  # SQLite would follow a link, block on a FIFO
         try:
             db = self._connect()
-        except sqlite3.OperationalError:
-            raise  # disk full, I/O error, no access: not the index's damage, kept
         except sqlite3.DatabaseError as exc:
+            if _not_damage(exc):
+                raise  # the index is kept: other processes use it
             # Only an index: what it knew is rebuilt from a scan of the files.
             logger.warning("fs index %s unusable (%s): starting a new one", self.path, exc)
             for suffix in ("", "-wal", "-shm"):
@@ -311,7 +321,10 @@ class SharedIndex:
         (new, rebuilt, or made by a process after the old one was deleted), so
         that the bound holds from its first use. Files from the future count
         as used now, so that they do not stay the most recently used."""
-        if db.execute("SELECT 1 FROM filled").fetchone() is not None:
+        # An index copied from another directory (another root, another
+        # namespace) never counted these files.
+        directory = os.path.abspath(self._directory)
+        if db.execute("SELECT 1 FROM filled WHERE directory = ?", (directory,)).fetchone():
             return
         now = self._clock()
         rows = [(c.key, c.size, min(c.mtime_ns / 1e9, now)) for c in self._scan()]
@@ -322,7 +335,7 @@ class SharedIndex:
                 "ON CONFLICT (key) DO NOTHING",
                 rows,
             )
-            db.execute("INSERT INTO filled (at) VALUES (?)", (now,))
+            db.execute("INSERT INTO filled (at, directory) VALUES (?, ?)", (now, directory))
         except BaseException:
             db.execute("ROLLBACK")
             raise
