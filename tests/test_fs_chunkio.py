@@ -87,6 +87,17 @@ def test_a_short_file_reads_short_and_unsummed(tmp_path: Path) -> None:
     assert io._load_file(str(path), out, back, False, 60.0) == (5000, None)
 
 
+@pytest.mark.parametrize("extra", [1, 4096, 1 << 20])
+def test_a_file_longer_than_a_chunk_is_not_read_and_gives_its_size(
+    tmp_path: Path, extra: int
+) -> None:
+    path = tmp_path / "long"
+    path.write_bytes(b"x" * (PAYLOAD + 4096 + extra))
+    out, back = _pages(PAYLOAD, 5), _pages(4096, 6)
+    assert io._load_file(str(path), out, back, False, 60.0) == (PAYLOAD + 4096 + extra, None)
+    assert bytes(out) == b"\x05" * PAYLOAD and bytes(back) == b"\x06" * 4096
+
+
 def test_a_missing_file_is_file_not_found_naming_it(tmp_path: Path) -> None:
     missing = str(tmp_path / "gone")
     with pytest.raises(FileNotFoundError) as caught:

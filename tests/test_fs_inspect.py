@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from kvtier.cli import cli
@@ -179,3 +182,82 @@ def test_inspect_tells_a_live_writer_s_temp_file_from_an_abandoned_one(tmp_path:
     assert code == 0, output
     assert "1 temp files (2.0 KiB) of writes in progress" in output
     assert "abandoned" not in output
+
+
+def _inspect_in_a_bounded_process(root: Path) -> subprocess.CompletedProcess[str]:
+    """``kvtier inspect --verify ROOT`` in a process that 1 GiB of memory
+    stops: an unbounded read fails it with MemoryError instead of taking the
+    machine's memory. The timeout only ends a hang."""
+    limit = (
+        "import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)); "
+        "import sys; from kvtier.cli import main; sys.argv[0] = 'kvtier'; main()"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", limit, "inspect", "--verify", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _namespace_record(root: Path) -> Path:
+    (record,) = root.glob("*/NAMESPACE.json")
+    return record
+
+
+@pytest.mark.parametrize(
+    ("make", "reported"),
+    [
+        (lambda path: os.mkfifo(path), "a FIFO, not a regular file"),
+        (lambda path: path.symlink_to("/dev/zero"), "a symlink"),
+        (lambda path: path.mkdir(), "a directory, not a regular file"),
+        (lambda path: os.truncate(path.touch() or path, 8 << 30), f"{8 << 30} bytes"),
+        (lambda path: path.write_text("[" * 100_000), "not JSON"),
+    ],
+    ids=["fifo", "link-to-dev-zero", "directory", "sparse-8GiB", "deeply-nested"],
+)
+def test_inspect_reads_namespace_json_boundedly(
+    tmp_path: Path, make: Callable[[Path], object], reported: str
+) -> None:
+    _populate(tmp_path, "model-a", 2)
+    record = _namespace_record(tmp_path)
+    record.unlink()
+    make(record)
+    result = _inspect_in_a_bounded_process(tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Traceback" not in output
+    assert f"NAMESPACE.json unreadable: {reported}" in output.replace("\n", "")
+    assert "2 chunks" in output and "all checksums verified" in output
+
+
+@pytest.mark.parametrize(
+    "chunk_file",
+    [
+        {"payload_bytes": 1e400, "trailer_bytes": 4096},  # infinity once parsed
+        {"payload_bytes": -8192, "trailer_bytes": 4096},
+        {"payload_bytes": "16384", "trailer_bytes": 4096},
+        {"payload_bytes": True, "trailer_bytes": 4096},
+        ["payload_bytes", "trailer_bytes"],
+    ],
+    ids=["infinite", "negative", "text", "bool", "list"],
+)
+def test_inspect_ignores_a_chunk_size_namespace_json_cannot_declare(
+    tmp_path: Path, chunk_file: object
+) -> None:
+    _populate(tmp_path, "model-a", 2)
+    record = _namespace_record(tmp_path)
+    content = json.loads(record.read_text())
+    content["chunk_file"] = chunk_file
+    record.write_text(json.dumps(content))
+    code, output = _invoke(str(tmp_path), "--verify")
+    assert code == 0, output
+    assert "Traceback" not in output and "corrupt chunk" not in output
+    assert "2 chunks" in output and "all checksums verified" in output
+
+
+def test_inspect_of_a_root_that_is_a_fifo_is_a_usage_error(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "root")
+    code, output = _invoke(str(tmp_path / "root"))
+    assert code == 2, output
+    assert "is not a directory" in output

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -76,13 +78,39 @@ def _dangling_symlink(path: Path, outside: Path) -> None:
     path.symlink_to(outside.parent / "nowhere")
 
 
+def _socket(path: Path, outside: Path) -> None:
+    path.unlink()
+    # Bound by its name relative to the bucket: the full path is longer
+    # than a socket address holds. open(2) of a socket fails with ENXIO.
+    cwd = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(path.name)
+    finally:
+        os.chdir(cwd)
+
+
+def _symlink_loop(path: Path, outside: Path) -> None:
+    path.unlink()
+    path.symlink_to(path.name)
+
+
 def _name(make: Callable[[Path, Path], None]) -> str:
     return make.__name__.strip("_")
 
 
 @pytest.mark.parametrize(
     "make",
-    [_fifo, _empty_directory, _symlink_to_a_valid_chunk, _symlink_to_dev_zero, _dangling_symlink],
+    [
+        _fifo,
+        _empty_directory,
+        _symlink_to_a_valid_chunk,
+        _symlink_to_dev_zero,
+        _dangling_symlink,
+        _socket,
+        _symlink_loop,
+    ],
     ids=_name,
 )
 def test_a_load_treats_a_non_file_at_a_chunk_path_as_corrupt(
@@ -246,5 +274,53 @@ def test_files_of_a_process_killed_during_start_up_are_removed(root: Path, where
         key = harness.keys(1)[0]
         harness.fill([0])
         assert harness.store([key], [0]).success
+    finally:
+        harness.close()
+
+
+def _bucket_file(bucket: Path, outside: Path) -> None:
+    bucket.write_text("not a bucket")
+
+
+def _bucket_symlink_outside(bucket: Path, outside: Path) -> None:
+    outside.mkdir()
+    bucket.symlink_to(outside)
+
+
+def _bucket_dangling_symlink(bucket: Path, outside: Path) -> None:
+    bucket.symlink_to(outside)
+
+
+def _bucket_fifo(bucket: Path, outside: Path) -> None:
+    os.mkfifo(bucket)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_bucket_file, _bucket_symlink_outside, _bucket_dangling_symlink, _bucket_fifo],
+    ids=_name,
+)
+def test_a_start_replaces_a_bucket_that_is_not_a_directory(
+    root: Path, tmp_path: Path, make: Callable[[Path, Path], None]
+) -> None:
+    first = open_tier(root)
+    key, other = first.keys(2)
+    while other[0] == key[0]:  # another bucket
+        other = first.keys(1)[0]
+    data = first.fill([0, 1])
+    assert first.store([other], [1]).success
+    bucket = chunk_path(first, key).parent
+    first.close()
+    shutil.rmtree(bucket)
+    outside = tmp_path / "outside"
+    make(bucket, outside)
+    harness = open_tier(root)
+    try:
+        assert bucket.is_dir() and not bucket.is_symlink()
+        harness.buffer.array[0] = data[0]
+        assert harness.store([key], [0]).success
+        assert harness.load([key, other], [2, 3]).success
+        np.testing.assert_array_equal(harness.buffer.array[2:4], data)
+        assert not outside.exists() or list(outside.iterdir()) == []  # nothing written through
     finally:
         harness.close()

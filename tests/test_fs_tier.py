@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier import KVCache
+from kvtier import KVCache, integrity
 from kvtier.errors import ConfigError
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.tiers.base import Lookup
@@ -127,6 +127,11 @@ def _trailer(path: Path) -> int:
     return path.stat().st_size - TRAILER_BLOCK
 
 
+def _append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as handle:
+        handle.write(data)
+
+
 def _truncate(path: Path, size: int) -> None:
     with open(path, "r+b") as handle:
         handle.truncate(size)
@@ -141,6 +146,20 @@ def _truncate(path: Path, size: int) -> None:
         pytest.param(lambda p: _flip(p, _trailer(p) + 40), id="checksum"),
         pytest.param(lambda p: _truncate(p, _trailer(p)), id="no-trailer"),
         pytest.param(lambda p: _truncate(p, 10), id="truncated"),
+        pytest.param(lambda p: _truncate(p, 0), id="empty"),
+        pytest.param(lambda p: _truncate(p, _trailer(p) - 1), id="inside-payload-end"),
+        pytest.param(lambda p: _truncate(p, _trailer(p) + 1), id="inside-magic"),
+        pytest.param(
+            lambda p: _truncate(p, _trailer(p) + integrity.HEADER_BYTES - 1), id="inside-header"
+        ),
+        pytest.param(
+            lambda p: _truncate(p, _trailer(p) + integrity.HEADER_BYTES), id="header-no-padding"
+        ),
+        pytest.param(lambda p: _truncate(p, p.stat().st_size - 1), id="last-padding-byte"),
+        # A complete, valid chunk with bytes after it is damage too (a load
+        # served its payload while lookups and the re-index called it corrupt).
+        pytest.param(lambda p: _append(p, b"\0"), id="one-byte-appended"),
+        pytest.param(lambda p: _append(p, bytes(TRAILER_BLOCK)), id="block-appended"),
     ],
 )
 def test_damaged_chunk_is_a_miss_deleted_and_counted(

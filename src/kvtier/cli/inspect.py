@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 from rich import box
@@ -65,20 +64,24 @@ def _survey(directory: NamespaceDir, abandoned_temp_s: float) -> _Namespace:
 def _read_record(directory: NamespaceDir) -> tuple[str, int | None]:
     """The layout's description and the size of its chunk files, from ``NAMESPACE.json``."""
     try:
-        record = json.loads((directory.path / NAMESPACE_FILE).read_text())
-    except (OSError, ValueError):
-        return f"({NAMESPACE_FILE} missing or unreadable)", None
+        record: Any = directory.read_record()
+    except FileNotFoundError:
+        return f"({NAMESPACE_FILE} missing)", None
+    except (OSError, ValueError) as exc:
+        return f"({NAMESPACE_FILE} unreadable: {exc})", None
     try:
         layout = record["layout"]
         model = f"{layout['model_id']} {layout['dtype']} x{layout['chunk_tokens']} tokens"
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, IndexError):
         model = f"({NAMESPACE_FILE} incomplete)"
     try:
-        chunk_file = record["chunk_file"]
-        file_bytes = int(chunk_file["payload_bytes"]) + int(chunk_file["trailer_bytes"])
-    except (KeyError, TypeError, ValueError):
-        file_bytes = None
-    return model, file_bytes
+        sizes = [record["chunk_file"][name] for name in ("payload_bytes", "trailer_bytes")]
+    except (KeyError, TypeError, IndexError):
+        return model, None
+    # Only whole positive sizes declare one: anything else leaves each file's own size.
+    if not all(type(size) is int and size > 0 for size in sizes):
+        return model, None
+    return model, sum(sizes)
 
 
 def _when(mtime_ns: int) -> str:
@@ -164,7 +167,13 @@ def inspect(root_dir: Path, verify: bool, abandoned_temp_s: float) -> None:
     deletes what it finds corrupt).
     """
     console = Console()
-    namespaces = [_survey(directory, abandoned_temp_s) for directory in namespace_dirs(root_dir)]
+    if not root_dir.is_dir():  # a FIFO or device passes click's check
+        raise click.BadParameter(f"{root_dir} is not a directory", param_hint="ROOT_DIR")
+    try:
+        directories = list(namespace_dirs(root_dir))
+    except OSError as exc:
+        raise click.ClickException(f"cannot read {root_dir}: {exc.strerror}") from exc
+    namespaces = [_survey(directory, abandoned_temp_s) for directory in directories]
     if not namespaces:
         _nothing_found(root_dir)
     if verify:

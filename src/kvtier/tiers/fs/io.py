@@ -149,11 +149,13 @@ def _load_file_python(
     path: str, out: memoryview, trailer: memoryview, direct: bool, stamp_after_s: float
 ) -> tuple[int, bytes | None]:
     """Read ``path`` into ``out`` then ``trailer``; the bytes read (fewer than
-    both hold if the file is short) and, once both are full, the checksum of
-    ``out`` (else ``None``). Refreshes the file's mtime if older than
-    ``stamp_after_s``. A missing file raises ``FileNotFoundError``; anything
-    but a regular file raises ``OSError`` (``ELOOP`` for a symlink,
-    :data:`NOT_REGULAR_ERRNO` otherwise) before a byte is read."""
+    both hold if the file shrank meanwhile) and, once both are full, the
+    checksum of ``out`` (else ``None``). A file whose size is not exactly
+    what both hold is not read: its size comes back instead, with ``None``.
+    Refreshes the file's mtime if older than ``stamp_after_s``. A missing
+    file raises ``FileNotFoundError``; anything but a regular file raises
+    ``OSError`` (``ELOOP`` for a symlink, :data:`NOT_REGULAR_ERRNO`
+    otherwise) before a byte is read."""
     fd = os.open(path, _OPEN_EXISTING | (O_DIRECT if direct else 0))
     try:
         info = os.fstat(fd)
@@ -161,6 +163,8 @@ def _load_file_python(
             raise OSError(NOT_REGULAR_ERRNO, os.strerror(NOT_REGULAR_ERRNO), path)
         views = [out, trailer]
         total = len(out) + len(trailer)
+        if info.st_size != total:  # a chunk file has one size: damage, not read
+            return info.st_size, None
         done = 0
         while done < total:
             got = os.preadv(fd, _advance(views, done), done)
@@ -329,6 +333,8 @@ def read_chunk(path: str, out: memoryview, namespace: bytes, key: bytes, *, dire
     total = len(out) + TRAILER_BLOCK
     if done < total:
         raise CorruptChunkError(f"chunk file truncated: {done} of {total} bytes")
+    if done > total:  # a valid chunk with bytes appended is damage too
+        raise CorruptChunkError(f"chunk file is {done} bytes, a chunk is {total}")
     parsed = integrity.unpack_header(
         memoryview(trailer)[: integrity.HEADER_BYTES],
         namespace=namespace,

@@ -43,6 +43,8 @@ _TMP_NAME = re.compile(
     r"^\.(?P<what>[0-9A-Za-z_-]+)\.(?P<host>[^.]*)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$"
 )
 _NAMESPACE_DIR = re.compile(rf"^[0-9a-f]{{{2 * KEY_BYTES}}}$")
+#: Most bytes of ``NAMESPACE.json`` read (the tier writes about 1 KiB).
+RECORD_LIMIT = 1 << 20
 #: This host's name as it appears in temp file names and write reservations.
 HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64]
 
@@ -132,6 +134,55 @@ class NamespaceDir:
             json.dump(record, handle, indent=2, sort_keys=True)
             handle.write("\n")
         os.replace(temp, target)
+
+    def repair_buckets(self) -> list[tuple[str, str]]:
+        """Make each of the 256 buckets a directory again where something else
+        took its place (a file, a FIFO, a symlink, which stores would follow
+        out of the tree); returns each path replaced and what was there.
+        256 ``lstat`` calls: cheap enough for every start."""
+        replaced = []
+        for bucket in range(256):
+            path = f"{self._base}/{bucket:02x}"
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue  # made by the first store into it
+            if stat.S_ISDIR(mode):
+                continue
+            os.unlink(path)
+            os.mkdir(path)
+            replaced.append((path, mode_kind(mode)))
+        return replaced
+
+    def read_record(self) -> object:
+        """``NAMESPACE.json``, parsed. Reads boundedly: nothing but a regular
+        file of at most :data:`RECORD_LIMIT` bytes is read (a FIFO, a link to
+        ``/dev/zero``...). Raises ``FileNotFoundError`` if there is none, and
+        ``ValueError`` saying what is wrong with anything else there."""
+        path = self.path / NAMESPACE_FILE
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            try:
+                what = mode_kind(os.lstat(path).st_mode)
+            except OSError:
+                what = "unreadable"
+            raise ValueError(f"{what} ({exc.strerror})") from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{mode_kind(info.st_mode)}, not a regular file")
+            if info.st_size > RECORD_LIMIT:
+                raise ValueError(f"{info.st_size} bytes, more than {RECORD_LIMIT}")
+            data = os.pread(fd, RECORD_LIMIT, 0)
+        finally:
+            os.close(fd)
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"not JSON ({type(exc).__name__})") from exc
 
     def scan(self) -> Iterator[ChunkFile]:
         """Every complete chunk file under this namespace (order unspecified)."""

@@ -30,9 +30,20 @@ in memory and go in with the next change, like use stamps.
 Cost is kept off the load path: a load records its use in memory, and uses
 are written in batches (with the next change, or at most once a second by a
 loading thread). A store costs one short change, its reservation, and
-threads storing at once share transactions (group commit). The flock queues
-processes in the kernel (woken at once on release) instead of SQLite's
-sleeping busy handler; a mutex queues this process's threads.
+threads storing at once share transactions (group commit). Processes wait
+for the flock, tried again after pauses of 20 us growing to 1 ms (a blocking
+flock could not be given up), instead of SQLite's busy handler, which
+sleeps in steps of milliseconds; a mutex queues this process's threads.
+
+The index is only bookkeeping of what is on disk, so whatever happens to
+its files the bound is restored from the chunk files themselves: a process
+that finds, under the lock, the lock file or the index replaced or gone
+(deleted, namespace directory removed, damaged and rebuilt by another
+process) opens the current ones, and an index that was never filled from a
+scan of the directory is filled before its first use. Anything but a
+regular file at their paths is removed or moved aside. The lock is taken
+with a timeout (``lock_timeout_s``): a process stopped or hung while holding
+it makes stores fail (:class:`IndexBusyError`), never hang.
 
 SQLite's WAL needs memory shared between the processes: all of them must run
 on one host (see ``docs/fs.md``).
@@ -44,14 +55,17 @@ import contextlib
 import fcntl
 import logging
 import os
+import secrets
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
-from kvtier.tiers.fs.layout import ChunkFile, write_abandoned
+from kvtier.tiers.fs.io import remove_entry
+from kvtier.tiers.fs.layout import ChunkFile, mode_kind, write_abandoned
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +80,10 @@ STAMP_FLUSH_S = 1.0
 STAMP_FLUSH_COUNT = 4096
 #: Rows changed per transaction when re-indexing, so others wait little.
 _BATCH = 1024
+#: Step between uses recorded while the clock is behind the latest use.
+_TICK = 1e-6
+#: First and longest pause between tries of a lock another process holds.
+_LOCK_POLL_S = (20e-6, 1e-3)
 
 # ``temp``: the temp file of the write that made the row (gone once renamed).
 _SCHEMA = """
@@ -75,6 +93,7 @@ CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks (used);
 CREATE TABLE IF NOT EXISTS evicted (seq INTEGER PRIMARY KEY AUTOINCREMENT, key BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS totals (bytes INTEGER NOT NULL, count INTEGER NOT NULL);
 INSERT INTO totals SELECT 0, 0 WHERE NOT EXISTS (SELECT 1 FROM totals);
+CREATE TABLE IF NOT EXISTS filled (at REAL NOT NULL, directory TEXT NOT NULL);
 CREATE TRIGGER IF NOT EXISTS chunk_added AFTER INSERT ON chunks BEGIN
     UPDATE totals SET bytes = bytes + new.size, count = count + 1; END;
 CREATE TRIGGER IF NOT EXISTS chunk_dropped AFTER DELETE ON chunks BEGIN
@@ -110,6 +129,70 @@ def filesystem_type(path: str) -> str | None:
 _T = TypeVar("_T")
 
 
+class IndexBusyError(sqlite3.OperationalError):
+    """The index lock stayed taken by another process for longer than the
+    timeout: that process is stopped or hung inside a change."""
+
+
+def _file_id(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+def _path_id(path: str) -> tuple[int, int] | None:
+    try:
+        return _file_id(os.stat(path, follow_symlinks=False))
+    except OSError:
+        return None
+
+
+#: SQLite's primary result codes of errors that say nothing about the index's
+#: state (a full disk, no access, no memory): rebuilding would only lose it.
+_NOT_DAMAGE = frozenset({3, 7, 8, 13, 14})  # PERM, NOMEM, READONLY, FULL, CANTOPEN
+
+
+def _not_damage(error: sqlite3.DatabaseError) -> bool:
+    code = getattr(error, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in _NOT_DAMAGE
+
+
+def _exists(path: str) -> bool:
+    """Whether anything is at ``path``. One that cannot be looked at (no
+    access to its directory) counts as there: the index must never drop the
+    row of a file that still takes space."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _clear_odd_entry(path: str) -> None:
+    """Make room at ``path`` for a regular file: anything else there (symlink,
+    FIFO, directory, device) is removed, or moved aside when that is not safe
+    (a directory with something in it). Raises ``OSError`` naming the path
+    when neither works."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = mode_kind(mode)
+    if remove_entry(path):
+        logger.warning("fs index: removed %s at %s", kind, path)
+        return
+    aside = f"{path}.{secrets.token_hex(4)}.moved-aside"
+    try:
+        os.rename(path, aside)
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"fs index: {kind} at {path} can be neither removed nor moved aside"
+        ) from exc
+    logger.warning("fs index: moved %s at %s to %s", kind, path, aside)
+
+
 @dataclass
 class _Queued(Generic[_T]):
     """A change waiting for a transaction; ``result`` or ``error`` once done."""
@@ -134,7 +217,9 @@ class SharedIndex:
     ``max_bytes`` across processes. Thread-safe; see the module docstring.
 
     ``chunk_path`` maps a key to its file; ``abandoned_s`` is how old another
-    host's reservation must be to count as abandoned.
+    host's reservation must be to count as abandoned; ``scan`` lists the
+    complete chunk files of the directory (to fill an index that lost them);
+    ``lock_timeout_s`` bounds every wait for the lock.
     """
 
     def __init__(
@@ -143,12 +228,18 @@ class SharedIndex:
         max_bytes: int,
         chunk_path: Callable[[bytes], str],
         abandoned_s: float,
+        scan: Callable[[], Iterable[ChunkFile]],
+        lock_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.max_bytes = max_bytes
+        self._directory = directory
         self.path = os.path.join(directory, INDEX_FILE)
+        self._lock_path = os.path.join(directory, LOCK_FILE)
         self._chunk_path = chunk_path
         self._abandoned_s = abandoned_s
+        self._scan = scan
+        self._lock_timeout_s = lock_timeout_s
         self._clock = clock
         self._mutex = threading.Lock()
         self._batch_lock = threading.Lock()
@@ -158,30 +249,102 @@ class SharedIndex:
         self._forget: set[bytes] = set()
         self._done: dict[bytes, str] = {}
         self._last_flush = time.monotonic()
-        self._lock_fd = os.open(
-            os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
-        )
+        self._db: sqlite3.Connection | None = None
+        self._db_id: tuple[int, int] | None = None
+        self._reopened = False
+        self._lock_fd = self._open_lock()
         try:
-            self._db = self._open()
+            with self._flock():  # opens the index
+                pass
         except BaseException:
+            if self._db is not None:
+                self._db.close()
             os.close(self._lock_fd)
             raise
+        self._reopened = False
         self.evictions_seen = self._last_eviction()
 
-    def _open(self) -> sqlite3.Connection:
-        with self._flock():
+    @property
+    def _index(self) -> sqlite3.Connection:
+        assert self._db is not None, "opened by the constructor"
+        return self._db
+
+    def _open_lock(self) -> int:
+        """Open (creating) the lock file, never through a symlink, making room
+        for it if something else is at its path."""
+        os.makedirs(self._directory, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        for attempt in (1, 2):
             try:
-                return self._connect()
-            except sqlite3.DatabaseError as exc:
-                # Only an index: what it knew is rebuilt from a scan of the files.
-                logger.warning("fs index %s unusable (%s): starting a new one", self.path, exc)
-                for suffix in ("", "-wal", "-shm"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.path + suffix)
-                return self._connect()
+                fd = os.open(self._lock_path, flags, 0o644)
+            except OSError:
+                if attempt == 2:
+                    raise
+                _clear_odd_entry(self._lock_path)
+                continue
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd
+            os.close(fd)
+            _clear_odd_entry(self._lock_path)
+        raise OSError(f"fs index: cannot make a lock file at {self._lock_path}")
+
+    def _open_index(self) -> None:
+        """Under the lock: (re)open the index at :attr:`path`, rebuilding it if
+        it is damaged and filling it from a scan if it never was."""
+        if self._db is not None:
+            logger.warning("fs index %s was replaced or removed: opening it again", self.path)
+        for suffix in ("", "-wal", "-shm"):
+            _clear_odd_entry(self.path + suffix)  # SQLite would follow a link, block on a FIFO
+        try:
+            db = self._connect()
+        except sqlite3.DatabaseError as exc:
+            if _not_damage(exc):
+                raise  # the index is kept: other processes use it
+            # Only an index: what it knew is rebuilt from a scan of the files.
+            logger.warning("fs index %s unusable (%s): starting a new one", self.path, exc)
+            for suffix in ("", "-wal", "-shm"):
+                remove_entry(self.path + suffix)
+            db = self._connect()
+        try:
+            db_id = _path_id(self.path)
+            self._fill(db)
+        except BaseException:
+            db.close()  # the old connection stays, and this is tried again
+            raise
+        if self._db is not None:
+            self._db.close()
+            self._reopened = True
+        self._db, self._db_id = db, db_id
+
+    def _fill(self, db: sqlite3.Connection) -> None:
+        """Count the chunk files on disk in an index that never counted them
+        (new, rebuilt, or made by a process after the old one was deleted), so
+        that the bound holds from its first use. Files from the future count
+        as used now, so that they do not stay the most recently used."""
+        # An index copied from another directory (another root, another
+        # namespace) never counted these files.
+        directory = os.path.abspath(self._directory)
+        if db.execute("SELECT 1 FROM filled WHERE directory = ?", (directory,)).fetchone():
+            return
+        now = self._clock()
+        rows = [(c.key, c.size, min(c.mtime_ns / 1e9, now)) for c in self._scan()]
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.executemany(
+                "INSERT INTO chunks (key, size, used) VALUES (?, ?, ?) "
+                "ON CONFLICT (key) DO NOTHING",
+                rows,
+            )
+            db.execute("INSERT INTO filled (at, directory) VALUES (?, ?)", (now, directory))
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
+        db = sqlite3.connect(
+            self.path, timeout=self._lock_timeout_s, isolation_level=None, check_same_thread=False
+        )
         try:
             db.execute("PRAGMA journal_mode = WAL")
             # Commits skip fsync (checkpoints do it): a power cut may lose the
@@ -194,26 +357,64 @@ class SharedIndex:
         return db
 
     @contextlib.contextmanager
-    def _flock(self) -> Iterator[None]:
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+    def _flock(self, timeout_s: float | None = None) -> Iterator[None]:
+        """Hold the lock, on the lock file and index that are there now;
+        wait at most ``timeout_s`` (the lock timeout if ``None``)."""
+        deadline = time.monotonic() + (self._lock_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            self._lock_until(deadline)
+            if _path_id(self._lock_path) == _file_id(os.fstat(self._lock_fd)):
+                break
+            # Removed or replaced: a lock on a file no one else opens excludes no one.
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = self._open_lock()
         try:
+            if self._db is None or _path_id(self.path) != self._db_id:
+                self._open_index()
             yield
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _lock_until(self, deadline: float) -> None:
+        """Take the lock, or raise :class:`IndexBusyError` at ``deadline``. A
+        blocking ``flock`` cannot be given up, so a taken lock is tried again
+        after short, growing pauses."""
+        pause, longest = _LOCK_POLL_S
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise IndexBusyError(
+                    f"fs index lock {self._lock_path} held by another process for more "
+                    f"than {self._lock_timeout_s} s"
+                )
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, longest)
 
     @contextlib.contextmanager
     def _change(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, alone among threads and processes; pending
         use stamps and forgotten keys go in with it."""
-        with self._mutex, self._flock():
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._apply_pending()
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        with self._mutex, self._flock(), self._transaction() as db:
+            yield db
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """Under the lock: one transaction, which pending changes go in with."""
+        db = self._index
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            self._apply_pending()
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     # Stores --------------------------------------------------------------------
 
@@ -266,7 +467,7 @@ class SharedIndex:
         row = db.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
         if row is not None:
             if not self._files_gone(key, row[0]):
-                db.execute("UPDATE chunks SET used = ? WHERE key = ?", (self._clock(), key))
+                db.execute("UPDATE chunks SET used = ? WHERE key = ?", (self._use_time(db), key))
                 return "present", []
             db.execute("DELETE FROM chunks WHERE key = ?", (key,))  # a dead write's row
         victims = self._evict(db, self._used(db) + size - self.max_bytes)
@@ -274,7 +475,7 @@ class SharedIndex:
             return "full", victims
         db.execute(
             "INSERT INTO chunks (key, size, used, temp) VALUES (?, ?, ?, ?)",
-            (key, size, self._clock(), temp_path),
+            (key, size, self._use_time(db), temp_path),
         )
         return "write", victims
 
@@ -282,7 +483,7 @@ class SharedIndex:
         """The write to ``temp_path`` failed and its temp file is gone: drop its
         row, unless the chunk's file is there anyway (another writer's)."""
         with self._change() as db:
-            if not os.path.lexists(self._chunk_path(key)):
+            if not _exists(self._chunk_path(key)):
                 db.execute("DELETE FROM chunks WHERE key = ? AND temp = ?", (key, temp_path))
 
     # Loads ---------------------------------------------------------------------
@@ -309,6 +510,21 @@ class SharedIndex:
         with self._change():
             pass
 
+    def flush_if_free(self) -> bool:
+        """:meth:`flush` if no thread or process holds the lock now, else
+        nothing (the pending changes wait for the next change): a load never
+        waits for the lock. Whether it flushed."""
+        if not self._mutex.acquire(blocking=False):
+            return False
+        try:
+            with self._flock(timeout_s=0), self._transaction():
+                pass
+        except IndexBusyError:
+            return False
+        finally:
+            self._mutex.release()
+        return True
+
     def _apply_pending(self) -> None:
         with self._pending_lock:
             stamps, self._stamps = self._stamps, {}
@@ -317,11 +533,18 @@ class SharedIndex:
             self._last_flush = time.monotonic()
         if done:
             # Only the row of that write: another may have replaced it since.
-            self._db.executemany(
+            self._index.executemany(
                 "UPDATE chunks SET temp = NULL WHERE key = ? AND temp = ?", list(done.items())
             )
         if stamps:
-            self._db.executemany(
+            # In the order they were taken, each after the latest use recorded.
+            latest = self._latest_use(self._index)
+            ordered = []
+            for key, used in sorted(stamps.items(), key=lambda item: item[1]):
+                latest = used if latest is None or used > latest else latest + _TICK
+                ordered.append((key, latest))
+            stamps = dict(ordered)
+            self._index.executemany(
                 "UPDATE chunks SET used = max(used, ?) WHERE key = ?",
                 [(used, key) for key, used in stamps.items()],
             )
@@ -330,20 +553,20 @@ class SharedIndex:
         # starting later enters a new row.
         gone = []
         for key in forget:
-            row = self._db.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
+            row = self._index.execute("SELECT temp FROM chunks WHERE key = ?", (key,)).fetchone()
             if row is not None and self._files_gone(key, row[0]):
                 gone.append((key,))
         if gone:
-            self._db.executemany("DELETE FROM chunks WHERE key = ?", gone)
+            self._index.executemany("DELETE FROM chunks WHERE key = ?", gone)
 
     def _write_over(self, key: bytes, temp: str) -> bool:
         """Whether the write of a row still marked in flight is over: it renamed
         its file (and was killed before saying so), or will never finish.
         The temp file is looked at first: a write that creates and renames it
         between the looks is then seen by the second, and its file goes."""
-        if os.path.lexists(temp):
+        if _exists(temp):
             return write_abandoned(temp, self._abandoned_s)
-        return os.path.lexists(self._chunk_path(key)) or write_abandoned(temp, self._abandoned_s)
+        return _exists(self._chunk_path(key)) or write_abandoned(temp, self._abandoned_s)
 
     def _files_gone(self, key: bytes, temp: str | None) -> bool:
         """Whether a row's chunk file is missing and its write (``temp`` until
@@ -352,7 +575,7 @@ class SharedIndex:
         second."""
         if temp and not write_abandoned(temp, self._abandoned_s):
             return False
-        return not os.path.lexists(self._chunk_path(key))
+        return not _exists(self._chunk_path(key))
 
     # Other processes' evictions -------------------------------------------------
 
@@ -360,20 +583,25 @@ class SharedIndex:
         """Keys evicted by any process since the last call; ``None`` when the
         log was trimmed past them (the caller must forget what it knows)."""
         with self._mutex:
-            oldest, newest = self._db.execute("SELECT min(seq), max(seq) FROM evicted").fetchone()
+            db = self._index
+            oldest, newest = db.execute("SELECT min(seq), max(seq) FROM evicted").fetchone()
+            if self._reopened:  # another index: what was logged before is lost
+                self._reopened = False
+                self.evictions_seen = int(newest or 0)
+                return None
             if newest is None or newest <= self.evictions_seen:
                 return []
             since, self.evictions_seen = self.evictions_seen, newest
             if oldest > since + 1:
                 return None
-            rows = self._db.execute(
+            rows = self._index.execute(
                 "SELECT key FROM evicted WHERE seq > ? AND seq <= ?", (since, newest)
             ).fetchall()
         return [key for (key,) in rows]
 
     def _last_eviction(self) -> int:
         with self._mutex:
-            (newest,) = self._db.execute("SELECT max(seq) FROM evicted").fetchone()
+            (newest,) = self._index.execute("SELECT max(seq) FROM evicted").fetchone()
         return int(newest or 0)
 
     # Restarts ------------------------------------------------------------------
@@ -382,14 +610,20 @@ class SharedIndex:
         """Make the index agree with a scan of the directory and the bound hold.
 
         Files it did not count (stored by a process without ``max_bytes``, or
-        lost in a power cut) join with their mtime as last use; rows whose
+        lost in a power cut) join with their mtime as last use (now, for an
+        mtime in the future: it would outrank every use); rows whose
         files are gone are dropped (not those of writes in flight). Returns
         the keys evicted.
         """
         on_disk = {chunk.key: chunk for chunk in found}
         with self._mutex:
-            known = {key for (key,) in self._db.execute("SELECT key FROM chunks")}
-        new = [(c.key, c.size, c.mtime_ns / 1e9) for k, c in on_disk.items() if k not in known]
+            known = {key for (key,) in self._index.execute("SELECT key FROM chunks")}
+        now = self._clock()
+        new = [
+            (c.key, c.size, min(c.mtime_ns / 1e9, now))
+            for key, c in on_disk.items()
+            if key not in known
+        ]
         for start in range(0, len(new), _BATCH):
             if stopping():
                 return []
@@ -411,6 +645,19 @@ class SharedIndex:
         return victims
 
     # Inside a change --------------------------------------------------------------
+
+    @staticmethod
+    def _latest_use(db: sqlite3.Connection) -> float | None:
+        (latest,) = db.execute("SELECT max(used) FROM chunks").fetchone()
+        return None if latest is None else float(latest)
+
+    def _use_time(self, db: sqlite3.Connection) -> float:
+        """The time of a use now: the clock, or just after the latest use
+        recorded while the clock is behind it (set back, or another host's
+        ahead), so that uses keep their order whatever the clock does."""
+        now = self._clock()
+        latest = self._latest_use(db)
+        return now if latest is None or now > latest else latest + _TICK
 
     @staticmethod
     def _used(db: sqlite3.Connection) -> int:
@@ -436,7 +683,8 @@ class SharedIndex:
                     continue  # a write in flight: its file will be counted
                 if temp:
                     self._unlink(temp)  # a dead write's
-                self._unlink(self._chunk_path(key))
+                if not self._unlink(self._chunk_path(key)):
+                    continue  # still there (no access): still counted
                 victims.append(key)
                 need -= size
                 if need <= 0 or (limit is not None and len(victims) >= limit):
@@ -451,20 +699,23 @@ class SharedIndex:
         return victims
 
     @staticmethod
-    def _unlink(path: str) -> None:
+    def _unlink(path: str) -> bool:
+        """Remove ``path``; whether nothing is there now."""
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
             logger.warning("fs index: cannot remove %s: %s", path, exc.strerror)
+            return False
+        return True
 
     # Reporting and closing -----------------------------------------------------
 
     def totals(self) -> Totals:
         """Bytes and counts of chunks and writes in flight, of all processes."""
         with self._mutex:
-            nbytes, count = self._db.execute("SELECT bytes, count FROM totals").fetchone()
+            nbytes, count = self._index.execute("SELECT bytes, count FROM totals").fetchone()
         return Totals(nbytes, count)
 
     def close(self) -> None:
@@ -474,5 +725,6 @@ class SharedIndex:
         except sqlite3.Error as exc:
             logger.warning("fs index %s: last use stamps not written: %s", self.path, exc)
         finally:
-            self._db.close()
+            if self._db is not None:
+                self._db.close()
             os.close(self._lock_fd)

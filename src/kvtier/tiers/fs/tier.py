@@ -26,14 +26,14 @@ import os
 import sqlite3
 import stat
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import ByteSize, Field
 
-from kvtier.errors import ChunkVanishedError
+from kvtier.errors import ChunkVanishedError, describe_error
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
 from kvtier.tiers.fs import io as chunk_io
@@ -89,6 +89,12 @@ class FilesystemTierOptions(ThreadedTierOptions):
     """Age after which a temp file (or a reservation of ``max_bytes``) of
     another host's unfinished write is deleted."""
 
+    index_lock_timeout_s: float = Field(default=10.0, gt=0)
+    """With ``max_bytes``: longest wait for the lock of the index shared with
+    other processes. A process stopped or hung while holding it makes stores
+    fail after this long (counted, the chunks stay where they are) instead of
+    blocking I/O threads and ``close()``."""
+
 
 class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     """Chunk files under ``root_dir/<namespace hex>/``; see the module docstring."""
@@ -114,6 +120,8 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         self.dir = NamespaceDir(self.root_dir, self.namespace)
         try:
             self.dir.create(self.spec.layout, TRAILER_BLOCK)
+            for path, kind in self.dir.repair_buckets():
+                logger.warning("tier %s: replaced %s at bucket %s", self.tier_type, kind, path)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"{self.tier_type}: cannot use root_dir {self.root_dir}: {exc.strerror}"
@@ -146,9 +154,20 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
                     self.root_dir,
                     fstype,
                 )
-            self._bound = SharedIndex(
-                str(self.dir.path), self.max_bytes, self.dir.chunk_path, options.abandoned_temp_s
-            )
+            try:
+                self._bound = SharedIndex(
+                    str(self.dir.path),
+                    self.max_bytes,
+                    self.dir.chunk_path,
+                    options.abandoned_temp_s,
+                    scan=self._complete_chunk_files,
+                    lock_timeout_s=options.index_lock_timeout_s,
+                )
+            except (sqlite3.Error, OSError) as exc:
+                raise OSError(
+                    f"{self.tier_type}: cannot open the index that holds max_bytes in "
+                    f"{self.dir.path}: {describe_error(exc)}"
+                ) from exc
         self._index_ready = threading.Event()
         self._indexer = threading.Thread(
             target=self._reindex,
@@ -249,6 +268,11 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
             logger.exception("tier %s: re-index of %s failed", self.tier_type, self.dir.path)
         finally:
             self._index_ready.set()
+
+    def _complete_chunk_files(self) -> Iterator[ChunkFile]:
+        """Chunk files of the namespace's size (others are damage the
+        re-index removes)."""
+        return (chunk for chunk in self.dir.scan() if chunk.size == self.file_bytes)
 
     def _drop_broken(self, broken: Sequence[str]) -> None:
         if not broken:
@@ -411,7 +435,7 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
             raise ChunkVanishedError(f"chunk file gone: {exc.filename}") from exc
         if self._bound is not None and self._bound.touch(key):
             try:
-                self._bound.flush()
+                self._bound.flush_if_free()
             except sqlite3.Error as exc:  # the chunk was loaded all the same
                 logger.warning("tier %s: use stamps not written: %s", self.tier_type, exc)
 

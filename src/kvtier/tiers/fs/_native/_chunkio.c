@@ -149,7 +149,8 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args) {
 
 /* load(path, out, trailer, direct, stamp_after_s, digest): reads the file into
  * out then trailer; with a 16-byte digest buffer (not None), the checksum of out
- * goes there once the whole file was read. */
+ * goes there once the whole file was read. A file whose size is not exactly
+ * what out and trailer hold is not read: its size is returned instead. */
 static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *path_obj, *digest_obj;
     Py_buffer out, trailer, digest = {0};
@@ -186,6 +187,9 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
         close(fd);
     } else if (!S_ISREG(info.st_mode)) {
         error = NOT_REGULAR;
+        close(fd);
+    } else if (info.st_size != (off_t)(out.len + trailer.len)) {
+        total = (Py_ssize_t)info.st_size; /* a chunk file has one size: damage, not read */
         close(fd);
     } else {
         struct iovec iov[2] = {{out.buf, (size_t)out.len}, {trailer.buf, (size_t)trailer.len}};
