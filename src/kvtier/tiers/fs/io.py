@@ -415,19 +415,6 @@ def odd_entry_kind(path: str) -> str | None:
     return None if stat.S_ISREG(mode) else mode_kind(mode)
 
 
-def remove_entry(path: str) -> bool:
-    """Remove what is at a chunk path, if that is safe: never follows a
-    symlink, removes a directory only when it is empty. Whether it went."""
-    try:
-        if stat.S_ISDIR(os.lstat(path).st_mode):
-            os.rmdir(path)
-        else:
-            os.unlink(path)
-    except OSError:
-        return False
-    return True
-
-
 def _fsync_directory(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:

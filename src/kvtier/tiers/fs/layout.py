@@ -358,3 +358,16 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def remove_entry(path: str) -> bool:
+    """Remove what is at a chunk path, if that is safe: never follows a
+    symlink, removes a directory only when it is empty. Whether it went."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except OSError:
+        return False
+    return True

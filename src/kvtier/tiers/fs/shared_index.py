@@ -64,8 +64,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
-from kvtier.tiers.fs.io import remove_entry
-from kvtier.tiers.fs.layout import ChunkFile, mode_kind, write_abandoned
+from kvtier.tiers.fs.layout import ChunkFile, mode_kind, remove_entry, write_abandoned
 
 logger = logging.getLogger(__name__)
 

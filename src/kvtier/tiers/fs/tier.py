@@ -42,10 +42,9 @@ from kvtier.tiers.fs.io import (
     TRAILER_BLOCK,
     probe_direct_io,
     read_chunk,
-    remove_entry,
     write_chunk,
 )
-from kvtier.tiers.fs.layout import ChunkFile, NamespaceDir, OddEntry, mode_kind
+from kvtier.tiers.fs.layout import ChunkFile, NamespaceDir, OddEntry, mode_kind, remove_entry
 from kvtier.tiers.fs.shared_index import NETWORK_FILESYSTEMS, SharedIndex, filesystem_type
 from kvtier.tiers.threaded import _CHECK, ThreadedTier, ThreadedTierOptions
 
