@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,12 +12,12 @@ import pytest
 from kvtier import KVCache
 from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
-from kvtier.integrity import DIGEST_OFFSET, HEADER_BYTES, frame
-from kvtier.layout import KEY_BYTES
+from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import FakeClock, recover
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.remote import RemoteTier
+from tests.damaged_values import FIELDS, Damage, assert_no_damaged_value_served, flipped
 from tests.servers import S3Server, free_port
 
 
@@ -372,61 +373,44 @@ def test_an_empty_object_at_a_chunk_name_is_corrupt_not_an_outage(
 def test_no_damaged_object_is_ever_served_nor_taken_for_an_outage(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
-    layout = small_layout()
     harness = TierHarness(
-        {"type": "obj", **s3_server.tier_options(s3_bucket), "breaker_failures": 1}, layout
+        {"type": "obj", **s3_server.tier_options(s3_bucket), "breaker_failures": 1},
+        small_layout(),
     )
-    tier = harness.tier
-    assert isinstance(tier, RemoteTier)
     client = s3_server.client()
 
     def read(name: str) -> bytes:
         return bytes(client.get_object(Bucket=s3_bucket, Key=name)["Body"].read())
 
-    def flip(at: int) -> Any:
-        def damage(name: str, _other: str) -> bytes:
-            value = bytearray(read(name))
-            value[at] ^= 0x40
-            return bytes(value)
+    def replace(spoil: Callable[[str, str], bytes]) -> Damage:
+        def damage(name: str, other: str) -> None:
+            client.put_object(Bucket=s3_bucket, Key=name, Body=spoil(name, other))
 
         return damage
 
-    damages = {
-        "magic flipped": flip(0),
-        "format version flipped": flip(4),
-        "length field flipped": flip(8),
-        "checksum flipped": flip(DIGEST_OFFSET),
-        "namespace flipped": flip(DIGEST_OFFSET + 16),
-        "key flipped": flip(DIGEST_OFFSET + 16 + KEY_BYTES),
-        "first payload byte flipped": flip(HEADER_BYTES),
-        "another chunk's value": lambda name, other: read(other),
-        "extended by a byte": lambda name, _other: read(name) + b"\0",
-        "header only": lambda name, _other: read(name)[:HEADER_BYTES],
-        "shorter than a header": lambda name, _other: b"KVTC",
-    }
-    count = len(damages)
+    def flip(at: int) -> Damage:
+        return replace(lambda name, _other: flipped(read(name), at))
+
+    damages = (
+        [flip(at) for at in FIELDS.values()]
+        + [
+            replace(lambda _name, other: read(other)),  # another chunk's value
+            replace(lambda name, _other: read(name) + b"\0"),  # extended by a byte
+            replace(lambda name, _other: read(name)[:HEADER_BYTES]),  # header only
+            replace(lambda _name, _other: b"KVTC"),  # shorter than a header
+        ]
+    )
+
+    def present(name: str) -> bool:
+        listed = client.list_objects_v2(Bucket=s3_bucket, Prefix=name).get("Contents", [])
+        return any(item["Key"] == name for item in listed)
+
     try:
-        keys = harness.keys(count + 2)  # one per damage, one gone, one intact
-        stored = harness.fill(range(count + 2))
-        assert harness.store(keys, list(range(count + 2))).success
-        names = [tier.store_name(key) for key in keys]
-        for index, damage in enumerate(damages.values()):
-            body = damage(names[index], names[index + 1])
-            client.put_object(Bucket=s3_bucket, Key=names[index], Body=body)
-        client.delete_object(Bucket=s3_bucket, Key=names[count])  # gone: not corrupt
-        slots = list(range(count + 2, 2 * count + 4))
-        harness.buffer.array[slots] = 7
-        result = harness.load(keys, slots)
-        assert result.succeeded == frozenset([keys[-1]])
-        assert result.vanished == frozenset([keys[count]])
-        np.testing.assert_array_equal(harness.buffer.array[slots[-1]], stored[-1])
-        for name, slot in zip(damages, slots, strict=False):
-            assert (harness.buffer.array[slot] == 7).all(), name
-        assert tier.stats.corrupt_chunks == count
-        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
-        assert tier.breaker.closed
-        left = client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
-        assert sorted(o["Key"] for o in left) == [names[-1]]
-        assert [harness.lookup(key) for key in keys] == [Lookup.MISS] * (count + 1) + [Lookup.HIT]
+        assert_no_damaged_value_served(
+            harness,
+            damages,
+            remove=lambda name: client.delete_object(Bucket=s3_bucket, Key=name),
+            present=present,
+        )
     finally:
         harness.close()

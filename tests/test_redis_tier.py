@@ -13,13 +13,13 @@ import pytest
 from kvtier import KVCache
 from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
-from kvtier.integrity import DIGEST_OFFSET, HEADER_BYTES, frame
-from kvtier.layout import KEY_BYTES
+from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import FakeClock, recover, wait_until
 from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.remote import RemoteTier
 from tests.conftest import need_redis_server
+from tests.damaged_values import FIELDS, Damage, assert_no_damaged_value_served, flipped
 from tests.p2p.certs import PKI, make_pki
 from tests.servers import LOOPBACK, RedisClusterServers, RedisServer, ServerError, free_port
 
@@ -684,42 +684,32 @@ def test_a_tls_url_for_a_server_without_tls_fails_at_start_saying_so(
     assert "TLS" in message or "SSL" in message
 
 
-def _damages(chunk_bytes: int) -> dict[str, Callable[[Any, str, str], None]]:
-    """Ways a chunk's value may be damaged, as ``damage(client, name, other_name)``."""
+def _damages(client: Any, chunk_bytes: int) -> list[Damage]:
+    """Ways a chunk's value may be damaged at its name in redis."""
 
-    def flip(at: int) -> Callable[[Any, str, str], None]:
-        def damage(client: Any, name: str, _other: str) -> None:
-            value = bytearray(client.get(name))
-            value[at] ^= 0x40
-            client.set(name, bytes(value))
+    def flip(at: int) -> Damage:
+        return lambda name, _other: client.set(name, flipped(client.get(name), at))
 
-        return damage
-
-    def retype(write: Callable[[Any, str], None]) -> Callable[[Any, str, str], None]:
-        def damage(client: Any, name: str, _other: str) -> None:
+    def retype(write: Callable[[str], object]) -> Damage:
+        def damage(name: str, _other: str) -> None:
             client.delete(name)
-            write(client, name)
+            write(name)
 
         return damage
 
-    return {
-        "magic flipped": flip(0),
-        "format version flipped": flip(4),
-        "length field flipped": flip(8),
-        "checksum flipped": flip(DIGEST_OFFSET),
-        "namespace flipped": flip(DIGEST_OFFSET + 16),
-        "key flipped": flip(DIGEST_OFFSET + 16 + KEY_BYTES),
-        "last payload byte flipped": flip(HEADER_BYTES + chunk_bytes - 1),
-        "another chunk's value": lambda client, name, other: client.set(name, client.get(other)),
-        "extended": lambda client, name, _other: client.append(name, b"\0" * 8),
-        "header only": lambda client, name, _: client.set(name, client.get(name)[:HEADER_BYTES]),
-        "shorter than a header": lambda client, name, _other: client.set(name, b"KVTC"),
-        "empty": lambda client, name, _other: client.set(name, b""),
-        "a hash": retype(lambda client, name: client.hset(name, "f", "v")),
-        "a set": retype(lambda client, name: client.sadd(name, "m")),
-        "a sorted set": retype(lambda client, name: client.zadd(name, {"m": 1.0})),
-        "a stream": retype(lambda client, name: client.xadd(name, {"f": "v"})),
-    }
+    return [
+        *(flip(at) for at in FIELDS.values()),
+        flip(HEADER_BYTES + chunk_bytes - 1),  # the last payload byte
+        lambda name, other: client.set(name, client.get(other)),  # another chunk's value
+        lambda name, _other: client.append(name, b"\0" * 8),  # extended
+        lambda name, _other: client.set(name, client.get(name)[:HEADER_BYTES]),  # header only
+        lambda name, _other: client.set(name, b"KVTC"),  # shorter than a header
+        lambda name, _other: client.set(name, b""),
+        retype(lambda name: client.hset(name, "f", "v")),
+        retype(lambda name: client.sadd(name, "m")),
+        retype(lambda name: client.zadd(name, {"m": 1.0})),
+        retype(lambda name: client.xadd(name, {"f": "v"})),
+    ]
 
 
 @pytest.mark.parametrize("where", ["server", "cluster"])
@@ -738,37 +728,19 @@ def test_no_damaged_value_is_ever_served_nor_taken_for_an_outage(
         host, port = cluster.startup_nodes[0].rsplit(":", 1)
         client = redis.RedisCluster(host=host, port=int(port))
     layout = small_layout()
-    damages = _damages(layout.slot_bytes)
-    count = len(damages)
+    damages = _damages(client, layout.slot_bytes)
     harness = TierHarness(
         {"type": "redis", "key_prefix": key_prefix, "breaker_failures": 1, **options},
         layout,
-        num_slots=4 * count + 2,
+        num_slots=2 * len(damages) + 4,
     )
-    tier = harness.tier
-    assert isinstance(tier, RemoteTier)
     try:
-        keys = harness.keys(count + 2)  # one per damage, one gone, one intact
-        stored = harness.fill(range(count + 2))
-        assert harness.store(keys, list(range(count + 2))).success
-        names = [tier.store_name(key) for key in keys]
-        for index, damage in enumerate(damages.values()):
-            damage(client, names[index], names[index + 1])
-        client.delete(names[count])  # evicted by the server: gone, not corrupt
-        slots = list(range(2 * count + 2, 3 * count + 4))
-        harness.buffer.array[slots] = 7
-        result = harness.load(keys, slots)
-        assert result.succeeded == frozenset([keys[-1]])
-        assert result.vanished == frozenset([keys[count]])
-        np.testing.assert_array_equal(harness.buffer.array[slots[-1]], stored[-1])
-        for name, slot in zip(damages, slots, strict=False):
-            assert (harness.buffer.array[slot] == 7).all(), name
-        # Each damaged value counted and deleted; none of it an outage.
-        assert tier.stats.corrupt_chunks == count
-        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
-        assert tier.breaker.closed
-        assert [client.exists(name) for name in names[:count]] == [0] * count
-        assert [harness.lookup(key) for key in keys] == [Lookup.MISS] * (count + 1) + [Lookup.HIT]
+        assert_no_damaged_value_served(
+            harness,
+            damages,
+            remove=client.delete,  # evicted by the server: gone, not corrupt
+            present=lambda name: bool(client.exists(name)),
+        )
     finally:
         harness.close()
         client.close()
