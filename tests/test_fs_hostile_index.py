@@ -130,8 +130,10 @@ def held_lock(root: Path) -> Iterator[Callable[[TierHarness], None]]:
 def test_a_lock_never_let_go_fails_stores_instead_of_hanging_them(
     root: Path, held_lock: Callable[[TierHarness], None]
 ) -> None:
-    # A process stopped (SIGSTOP) or hung inside a change of the index.
-    harness = open_tier(root, BOUND_FILES, index_lock_timeout_s=0.2)
+    # A process stopped (SIGSTOP) or hung inside a change of the index. One
+    # I/O thread: nothing of the tier's own waits on the lock before the test
+    # holds it, however slow a loaded machine makes the tier.
+    harness = open_tier(root, BOUND_FILES, index_lock_timeout_s=0.2, io_threads=1)
     stored = store_new(harness, 2)
     data = harness.buffer.array[0:2].copy()
     held_lock(harness)
@@ -385,7 +387,10 @@ def test_an_index_damaged_under_a_running_tier_lets_others_start_and_the_bound_h
     try:
         store_new(first, 4)
         damage(namespace_dir(first))
-        second = open_tier(root, BOUND_FILES, index_lock_timeout_s=2)
+        # Opening a truncated index waits out the lock timeout while the first
+        # tier's connection keeps SQLite busy: short, yet ample for the brief
+        # hold of each store's change on a loaded machine.
+        second = open_tier(root, BOUND_FILES, index_lock_timeout_s=5)
         try:
             for _ in range(4):
                 for harness in (first, second):
