@@ -566,12 +566,16 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             for item in items
             if isinstance(item, BaseException) and not isinstance(item, CorruptChunkError)
         ]
-        refused = [error for error in errors if writes and self._refuses_write(error)]
+        refused: list[BaseException] = []
+        if writes:
+            failed: list[BaseException] = []
+            for error in errors:
+                (refused if self._refuses_write(error) else failed).append(error)
+            errors = failed
         if refused:
             self.count(backend_errors=len(refused), refused_stores=len(refused))
             self._answered()
             logger.debug("tier %s: %d writes refused: %r", self.tier_type, len(refused), refused[0])
-            errors = [error for error in errors if not self._refuses_write(error)]
         self._outcome(len(errors), len(items) - len(refused), errors[0] if errors else None)
 
     def _outcome(self, errors: int, items: int, first: BaseException | None) -> None:

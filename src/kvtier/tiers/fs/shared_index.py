@@ -154,6 +154,18 @@ def _not_damage(error: sqlite3.DatabaseError) -> bool:
     return code is not None and code & 0xFF in _NOT_DAMAGE
 
 
+@contextlib.contextmanager
+def _immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One write transaction on ``db``, rolled back if anything raises."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
 def _exists(path: str) -> bool:
     """Whether anything is at ``path``. One that cannot be looked at (no
     access to its directory) counts as there: the index must never drop the
@@ -327,18 +339,13 @@ class SharedIndex:
             return
         now = self._clock()
         rows = [(c.key, c.size, min(c.mtime_ns / 1e9, now)) for c in self._scan()]
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with _immediate(db):
             db.executemany(
                 "INSERT INTO chunks (key, size, used) VALUES (?, ?, ?) "
                 "ON CONFLICT (key) DO NOTHING",
                 rows,
             )
             db.execute("INSERT INTO filled (at, directory) VALUES (?, ?)", (now, directory))
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(
@@ -405,15 +412,9 @@ class SharedIndex:
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """Under the lock: one transaction, which pending changes go in with."""
-        db = self._index
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with _immediate(self._index) as db:
             self._apply_pending()
             yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
 
     # Stores --------------------------------------------------------------------
 
