@@ -278,6 +278,12 @@ class SecondaryTier(ABC, Generic[OptionsT]):
     def shutdown(self) -> None:
         """Drain, then release workers and connections. Idempotent."""
 
+    def release_view(self) -> None:
+        """Let go of the primary view, after :meth:`shutdown`, so that whoever
+        owns the buffer can unmap it (a view still held keeps it exported)."""
+        self._flat_view.release()
+        self.primary_kv_view.release()
+
     # Optional hooks -----------------------------------------------------
 
     def on_attach(self, primary: PrimaryTier) -> None:
