@@ -247,6 +247,8 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         ``NotImplementedError``), so tiers take slots through this.
         """
         size = self.slot_bytes
+        if not 0 <= index < len(self._flat_view) // max(size, 1):
+            raise IndexError(f"{self.tier_type}: slot {index} is outside the primary view")
         return self._flat_view[index * size : (index + 1) * size]
 
     @property

@@ -57,8 +57,6 @@ logger = logging.getLogger(__name__)
 
 #: Tiers that keep chunks in this process's memory; every other one is storage.
 _CPU_TIERS = frozenset({"memory", "example"})
-#: Tiers whose chunks live on another machine unless an operator says otherwise.
-_REMOTE_TIERS = frozenset({"redis", "obj", "mooncake"})
 #: Chunks announced as stored whose removal kvtier still reports (a bound on memory).
 _ANNOUNCED_LIMIT = 1 << 20
 #: Keys of a ``secondary_tiers`` entry that vLLM's factory takes for itself.
@@ -80,8 +78,9 @@ class TieringOptions(BaseModel):
     (when vLLM's own KV events are on)."""
 
     locality: Literal["LOCAL", "REMOTE"] | None = None
-    """Where the tier's storage is relative to this engine; by default LOCAL
-    for ``memory`` and ``fs``, REMOTE for ``redis``, ``obj`` and ``mooncake``."""
+    """Where the tier's storage is relative to this engine (``LOCAL`` or
+    ``REMOTE``), for vLLM's per-request tier filters and KV events; unset, as
+    with vLLM's own tiers, means unknown."""
 
     model_id: str | None = None
     """Declares the weights' identity instead of reading their files; whoever
@@ -245,12 +244,11 @@ class KVTierSecondaryTier(SecondaryTierManager):
             _Spec(self._layout),
             entry=f"{path}.tier",
         )
-        local = tier_config.tier_type not in _REMOTE_TIERS
         self.medium = Medium.CPU if tier_config.tier_type in _CPU_TIERS else Medium.STORAGE
         self.cache_hit_source = (
             CacheHitSource.HOST if self.medium is Medium.CPU else CacheHitSource.DISK
         )
-        self.locality = Locality(settings.locality or ("LOCAL" if local else "REMOTE"))
+        self.locality = None if settings.locality is None else Locality(settings.locality)
         self._events: list[OffloadingEvent] | None = None
         if settings.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:
@@ -358,10 +356,10 @@ class KVTierSecondaryTier(SecondaryTierManager):
         return results
 
     def _translate(self, job: _Job, result: JobResult) -> VllmJobResult:
-        good = [job.by_kvtier_key[k] for k in result.succeeded if k in job.by_kvtier_key]
+        good = [key for own, key in job.by_kvtier_key.items() if own in result.succeeded]
         bad = len(job.keys) - len(good)
         if job.loading:
-            lost = [job.by_kvtier_key[k] for k in job.by_kvtier_key if k not in result.succeeded]
+            lost = [key for own, key in job.by_kvtier_key.items() if own not in result.succeeded]
             self._forget(lost)
             if lost:
                 self._failed_loads.setdefault(job.request_id, set()).update(lost)
