@@ -290,11 +290,12 @@ def full_disk(kind: str, root: str) -> str:
 
 def two_processes(kind: str, root: str) -> str:
     """Another process stores chunks on the same root; this one finds and loads them."""
+    here = str(Path(__file__).parent)
     script = (
-        "import sys; sys.path.insert(0, %r); import bench_vllm_tiering as b; "
-        "buf = b.Buffer(8, 256*1024); t = b.build(%r, buf.view, %r, 2); "
+        f"import sys; sys.path.insert(0, {here!r}); import bench_vllm_tiering as b; "
+        f"buf = b.Buffer(8, 256*1024); t = b.build({kind!r}, buf.view, {root!r}, 2); "
         "b.transfer(t, b.keys(8, tag=b'other'), load=False, job_chunks=8); t.shutdown()"
-    ) % (str(Path(__file__).parent), kind, root)
+    )
     subprocess.run([sys.executable, "-c", script], check=True)
     buffer = Buffer(8, 256 * 1024)
     chunk_keys = keys(8, tag=b"other")
