@@ -24,7 +24,7 @@ from tests.integrations.vllm_tiering import (  # noqa: E402
     payload,
     tiering_config,
 )
-from tests.servers import RedisServer, S3Server  # noqa: E402
+from tests.servers import MooncakeMaster, RedisServer, S3Server  # noqa: E402
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadKey  # noqa: E402
 
 from kvtier.errors import BackendUnavailableError, ConfigError  # noqa: E402
@@ -43,17 +43,22 @@ def tier_factory(kind: str, request: pytest.FixtureRequest, root: str) -> TierFa
         server: RedisServer = request.getfixturevalue("redis_server")
         prefix = f"t{uuid.uuid4().hex[:10]}:"
         return lambda: {"type": "redis", "url": server.url, "key_prefix": prefix}
+    if kind == "mooncake":
+        master: MooncakeMaster = request.getfixturevalue("mooncake_master")
+        # Chunks live in the master's storage process: they outlive each engine.
+        options = master.tier_options(f"t{uuid.uuid4().hex[:10]}:") | {"global_segment_size": 0}
+        return lambda: dict(options)
     s3: S3Server = request.getfixturevalue("s3_server")
     bucket = s3.create_bucket(f"kvtier-{uuid.uuid4().hex[:16]}")
     return lambda: s3.tier_options(bucket) | {"type": "obj"}
 
 
-@pytest.fixture(params=["memory", "fs", "redis", "obj"])
+@pytest.fixture(params=["memory", "fs", "redis", "obj", "mooncake"])
 def tier(request: pytest.FixtureRequest, tmp_path: Any) -> TierFactory:
     return tier_factory(request.param, request, str(tmp_path / "kv"))
 
 
-@pytest.fixture(params=["fs", "redis", "obj"])
+@pytest.fixture(params=["fs", "redis", "obj", "mooncake"])
 def stored_tier(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, TierFactory]:
     """A tier whose chunks outlive the engine and that another engine can reach
     (a memory tier's live and die with its process)."""
@@ -135,6 +140,13 @@ def spoil(engine: Engine, tier_kind: str, key: OffloadKey, request: pytest.Fixtu
         value[-100] ^= 0x40
         client.set(store_name, bytes(value))
         client.close()
+        return
+    if tier_kind == "mooncake":
+        raw = request.getfixturevalue("raw_store")
+        value = bytearray(raw.get(store_name))
+        value[-100] ^= 0x40
+        assert raw.batch_remove([store_name], True) == [0]
+        assert raw.put(store_name, bytes(value)) == 0
         return
     s3: S3Server = request.getfixturevalue("s3_server")
     bucket = tier.options.bucket  # type: ignore[attr-defined]
@@ -292,3 +304,17 @@ def test_the_namespace_follows_what_changes_the_bytes() -> None:
     # Bytes vLLM declares parallelism-agnostic are shared across layouts.
     assert namespace(tp_size=2, agnostic=True) == namespace(agnostic=True)
     assert tiering_layout(tiering_config({}), ROW_BYTES, model_id="v2").namespace != base
+
+
+def test_vllms_backpressure_detector_reaches_the_tier(
+    tmp_path: Any, engines: Callable[..., Engine]
+) -> None:
+    backpressure = {"backpressure_cls": "EMABackpressureDetector"}
+    engine = engines(
+        {"type": "fs", "root_dir": str(tmp_path)}, options={"backpressure": backpressure}
+    )
+    assert engine.adapter.bp_detector is not None
+    keys = offload_keys(3)
+    engine.store(keys)
+    engine.evict_primary()
+    assert list(engine.load(keys)) == keys
