@@ -5,8 +5,9 @@ Every ``FileSystemTierManager`` those tests build becomes a
 ``KVTierSecondaryTier`` built from the same arguments, so the tests that go
 through vLLM's ``SecondaryTierManager`` contract check kvtier's tier; the
 tests that read the vLLM tier's internals (its file mapper, thread pool,
-lookup manager, C extension) fail with an AttributeError and are listed as
-such. Run it in the vLLM environment::
+event list) fail with an AttributeError and are listed as such. The tests'
+own helper that waits for lookups (it peeks at the vLLM tier's lookup
+manager) steps the tier through its public calls instead. Run it in the vLLM environment::
 
     pip download --no-deps --no-binary :all: --no-build-isolation vllm==0.32.0  # or any copy
     tar xzf vllm-0.32.0.tar.gz vllm-0.32.0/tests
@@ -16,6 +17,7 @@ such. Run it in the vLLM environment::
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +56,33 @@ class _AsKVTierFs:
         )
 
 
+def _lookup_and_wait(
+    tier: Any, keys: list[Any], ctx: Any = None, timeout: float = 5.0
+) -> list[Any]:
+    """The tests' own waiting helper, without the vLLM tier's lookup internals
+    it peeks at: step until no lookup answers RETRY."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+
+    ctx = ctx or ReqContext(req_id="test")
+    deadline = time.monotonic() + timeout
+    while True:
+        answers = [tier.lookup(key, ctx) for key in keys]
+        if LookupResult.RETRY not in answers or time.monotonic() > deadline:
+            return answers
+        tier.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+        time.sleep(0.01)
+
+
 class _Substitute:
-    """A pytest plugin: the test module's fs tier is kvtier's, for every test."""
+    """A pytest plugin: the test module's fs tier is kvtier's, for every test,
+    and its lookup helper waits through the tier's own calls."""
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         module = getattr(item, "module", None)
         if module is not None and hasattr(module, "FileSystemTierManager"):
             module.FileSystemTierManager = _AsKVTierFs
+            module.lookup_and_wait = _lookup_and_wait
 
 
 class _Outcomes:
@@ -72,7 +93,9 @@ class _Outcomes:
         if report.when == "call" or (report.when == "setup" and not report.passed):
             why = ""
             if report.failed:
-                why = str(report.longrepr).strip().splitlines()[-1][:140]
+                crash = getattr(report.longrepr, "reprcrash", None)
+                message = crash.message if crash is not None else str(report.longrepr)
+                why = message.strip().splitlines()[0][:120].replace("|", "/")
             self.rows.append((report.nodeid.split("::")[-1], report.outcome, why))
 
 

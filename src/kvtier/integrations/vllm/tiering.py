@@ -16,10 +16,10 @@ import hashlib
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -77,7 +77,7 @@ class TieringOptions(BaseModel):
     """Announce chunks stored in and removed from the tier as vLLM KV events
     (when vLLM's own KV events are on)."""
 
-    locality: Literal["LOCAL", "REMOTE"] | None = None
+    locality: str | None = None
     """Where the tier's storage is relative to this engine (``LOCAL`` or
     ``REMOTE``), for vLLM's per-request tier filters and KV events; unset, as
     with vLLM's own tiers, means unknown."""
@@ -85,6 +85,13 @@ class TieringOptions(BaseModel):
     model_id: str | None = None
     """Declares the weights' identity instead of reading their files; whoever
     sets it must change it whenever the weights change."""
+
+    @field_validator("locality")
+    @classmethod
+    def _known_locality(cls, value: str | None) -> str | None:
+        if value is not None and value not in Locality.__members__:
+            raise ValueError(f"Locality must be one of {list(Locality.__members__)}, got {value!r}")
+        return value
 
 
 @dataclass(frozen=True)
