@@ -13,8 +13,9 @@ python3 -m venv .venv-vllm
 . .venv-vllm/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e '.[vllm,test]'
+python -m pip install --quiet -e '.[vllm,test,redis,obj,mooncake]'
 python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 python -c "import vllm, kvtier.integrations.vllm; print('vllm', vllm.__version__)"
 
-pytest -q tests/integrations/test_vllm.py tests/integrations/test_vllm_trace_recording.py
+pytest -q tests/integrations/test_vllm.py tests/integrations/test_vllm_trace_recording.py \
+    tests/integrations/test_vllm_tiering.py

@@ -42,28 +42,6 @@ def lending_master() -> Iterator[MooncakeMaster]:
         yield master
 
 
-@pytest.fixture
-def raw_store(mooncake_master: MooncakeMaster) -> Iterator[Any]:
-    """A plain Mooncake client of the shared pool, lending it nothing."""
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    code = store.setup(
-        {
-            "local_hostname": "127.0.0.1",
-            "metadata_server": "P2PHANDSHAKE",
-            "global_segment_size": "0",
-            "local_buffer_size": str(16 << 20),
-            "protocol": "tcp",
-            "rdma_devices": "",
-            "master_server_addr": mooncake_master.address,
-        }
-    )
-    assert code == 0
-    yield store
-    store.close()
-
-
 class TestMooncakeTierContract(TierContractTests):
     persistent = True
 

@@ -39,6 +39,7 @@ __all__ = [
     "TraceRecordingConfig",
     "load_config",
     "validate_options",
+    "validate_tier",
 ]
 
 Problems = list[tuple[str, str]]
@@ -112,6 +113,16 @@ def _read_document(path: Path) -> Any:
         raise ConfigError(
             [("", f"not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}")], str(path)
         ) from exc
+
+
+def validate_tier(raw: Any, path: str) -> TierConfig:
+    """One secondary-tier entry validated on its own (class resolved, options
+    typed), raising :class:`ConfigError` with every problem under ``path``."""
+    problems: Problems = []
+    tier = _validate_tier(raw, path, problems)
+    if tier is None:
+        raise ConfigError(problems)
+    return tier
 
 
 def _validate_tier(raw: Any, path: str, problems: Problems) -> TierConfig | None:

@@ -187,6 +187,18 @@ class TierContractTests:
         again = harness.store(keys, [0, 1])
         assert again.success and again.succeeded == frozenset(keys)
 
+    def test_a_slot_outside_the_primary_view_fails_its_chunk(self, harness: TierHarness) -> None:
+        beyond = len(harness.buffer.array)
+        key, other = harness.keys(2)
+        stored = harness.store([key], [beyond])
+        assert not stored.success and stored.succeeded == frozenset()
+        harness.drain()
+        harness.fill([0])
+        assert harness.store([other], [0]).success
+        harness.drain()
+        loaded = harness.load([other], [beyond])
+        assert not loaded.success and loaded.succeeded == frozenset()
+
     def test_each_result_is_reported_once(self, harness: TierHarness) -> None:
         keys = harness.keys(1)
         harness.fill([0])

@@ -247,6 +247,8 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         ``NotImplementedError``), so tiers take slots through this.
         """
         size = self.slot_bytes
+        if not 0 <= index < len(self._flat_view) // max(size, 1):
+            raise IndexError(f"{self.tier_type}: slot {index} is outside the primary view")
         return self._flat_view[index * size : (index + 1) * size]
 
     @property
@@ -277,6 +279,12 @@ class SecondaryTier(ABC, Generic[OptionsT]):
     @abstractmethod
     def shutdown(self) -> None:
         """Drain, then release workers and connections. Idempotent."""
+
+    def release_view(self) -> None:
+        """Let go of the primary view, after :meth:`shutdown`, so that whoever
+        owns the buffer can unmap it (a view still held keeps it exported)."""
+        self._flat_view.release()
+        self.primary_kv_view.release()
 
     # Optional hooks -----------------------------------------------------
 

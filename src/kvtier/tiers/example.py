@@ -31,19 +31,28 @@ class ExampleTier(SecondaryTier):
 
     def submit_store(self, job: TransferJob) -> None:
         started = time.perf_counter()
+        stored = set()
         for key, slot in zip(job.keys, job.slots, strict=True):
-            # Copy out of the primary slot: it is reused once the job ends.
-            self._chunks.setdefault(key, bytes(self.slot(slot)))
-        self._finish(job, set(job.keys), started)
+            try:
+                # Copy out of the primary slot: it is reused once the job ends.
+                self._chunks.setdefault(key, bytes(self.slot(slot)))
+            except IndexError:  # a slot outside the primary view: that chunk fails
+                continue
+            stored.add(key)
+        self._finish(job, stored, started)
 
     def submit_load(self, job: TransferJob) -> None:
         started = time.perf_counter()
         loaded = set()
         for key, slot in zip(job.keys, job.slots, strict=True):
             data = self._chunks.get(key)
-            if data is not None:  # partial success is allowed: report what made it
+            if data is None:  # partial success is allowed: report what made it
+                continue
+            try:
                 self.slot(slot)[:] = data
-                loaded.add(key)
+            except IndexError:
+                continue
+            loaded.add(key)
         self._finish(job, loaded, started)
 
     def _finish(self, job: TransferJob, succeeded: set[ChunkKey], started: float) -> None:

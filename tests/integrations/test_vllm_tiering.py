@@ -1,0 +1,320 @@
+"""kvtier's tiers inside vLLM's own tiering, through vLLM's machinery: a real
+``TieringOffloadingSpec``, its factory loading the adapter by ``module_path``,
+and the manager calls vLLM's offloading connector makes."""
+
+from __future__ import annotations
+
+import glob
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
+
+pytestmark = pytest.mark.slow
+
+from tests.integrations.vllm_tiering import (  # noqa: E402
+    ROW_BYTES,
+    Engine,
+    offload_keys,
+    payload,
+    tiering_config,
+)
+from tests.servers import MooncakeMaster, RedisServer, S3Server  # noqa: E402
+from vllm.v1.kv_offload.base import Locality, Medium, OffloadKey  # noqa: E402
+
+from kvtier.errors import BackendUnavailableError, ConfigError  # noqa: E402
+from kvtier.integrations.vllm.tiering import tiering_layout  # noqa: E402
+
+TierFactory = Callable[[], dict[str, Any]]
+
+
+def tier_factory(kind: str, request: pytest.FixtureRequest, root: str) -> TierFactory:
+    """A factory of one kvtier tier's configuration (the same backend each time)."""
+    if kind == "memory":
+        return lambda: {"type": "memory", "max_bytes": 64 * ROW_BYTES}
+    if kind == "fs":
+        return lambda: {"type": "fs", "root_dir": root}
+    if kind == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        prefix = f"t{uuid.uuid4().hex[:10]}:"
+        return lambda: {"type": "redis", "url": server.url, "key_prefix": prefix}
+    if kind == "mooncake":
+        master: MooncakeMaster = request.getfixturevalue("mooncake_master")
+        # Chunks live in the master's storage process: they outlive each engine.
+        options = master.tier_options(f"t{uuid.uuid4().hex[:10]}:") | {"global_segment_size": 0}
+        return lambda: dict(options)
+    s3: S3Server = request.getfixturevalue("s3_server")
+    bucket = s3.create_bucket(f"kvtier-{uuid.uuid4().hex[:16]}")
+    return lambda: s3.tier_options(bucket) | {"type": "obj"}
+
+
+@pytest.fixture(params=["memory", "fs", "redis", "obj", "mooncake"])
+def tier(request: pytest.FixtureRequest, tmp_path: Any) -> TierFactory:
+    return tier_factory(request.param, request, str(tmp_path / "kv"))
+
+
+@pytest.fixture(params=["fs", "redis", "obj", "mooncake"])
+def stored_tier(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[str, TierFactory]:
+    """A tier whose chunks outlive the engine and that another engine can reach
+    (a memory tier's live and die with its process)."""
+    return request.param, tier_factory(request.param, request, str(tmp_path / "kv"))
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[..., Engine]]:
+    started: list[Engine] = []
+
+    def start(tier: dict[str, Any], **config: Any) -> Engine:
+        engine = Engine(tier, **config)
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.close()
+
+
+def assert_exact(loaded: dict[OffloadKey, np.ndarray]) -> None:
+    for key, data in loaded.items():
+        assert np.array_equal(data, payload(key)), "a loaded chunk differs from what was stored"
+
+
+def test_loads_byte_exact_from_the_tier(tier: TierFactory, engines: Callable[..., Engine]) -> None:
+    engine = engines(tier())
+    keys = offload_keys(4)
+    engine.store(keys)
+    engine.evict_primary()
+    loaded = engine.load(keys)
+    assert list(loaded) == keys
+    assert_exact(loaded)
+    assert engine.adapter.tier.stats.chunks_loaded >= 4
+
+
+def test_a_restarted_engine_finds_the_chunks(
+    stored_tier: tuple[str, TierFactory], engines: Callable[..., Engine]
+) -> None:
+    _, tier = stored_tier
+    first = engines(tier())
+    keys = offload_keys(5)
+    first.store(keys)
+    first.close()
+    loaded = engines(tier()).load(keys)
+    assert list(loaded) == keys
+    assert_exact(loaded)
+
+
+def test_another_model_finds_nothing(
+    stored_tier: tuple[str, TierFactory], engines: Callable[..., Engine]
+) -> None:
+    _, tier = stored_tier
+    keys = offload_keys(3)
+    engines(tier()).store(keys)
+    assert engines(tier(), model="kvtier-test/other-model").load(keys) == {}
+    assert engines(tier(), tp_size=2).load(keys) == {}
+    assert list(engines(tier()).load(keys)) == keys
+
+
+def spoil(engine: Engine, tier_kind: str, key: OffloadKey, request: pytest.FixtureRequest) -> None:
+    """Flip one payload byte of ``key``'s stored chunk, in the backend itself."""
+    tier = engine.adapter.tier
+    name = engine.adapter.chunk_key(key).hex()
+    if tier_kind == "fs":
+        (path,) = glob.glob(f"{tier.options.root_dir}/**/{name}*", recursive=True)  # type: ignore[attr-defined]
+        with open(path, "r+b") as handle:
+            handle.seek(100)
+            byte = handle.read(1)
+            handle.seek(100)
+            handle.write(bytes([byte[0] ^ 0x40]))
+        return
+    store_name = tier.store_name(engine.adapter.chunk_key(key))  # type: ignore[attr-defined]
+    if tier_kind == "redis":
+        import redis
+
+        client = redis.Redis.from_url(tier.options.url)  # type: ignore[attr-defined]
+        value = bytearray(client.get(store_name))
+        value[-100] ^= 0x40
+        client.set(store_name, bytes(value))
+        client.close()
+        return
+    if tier_kind == "mooncake":
+        raw = request.getfixturevalue("raw_store")
+        value = bytearray(raw.get(store_name))
+        value[-100] ^= 0x40
+        assert raw.batch_remove([store_name], True) == [0]
+        assert raw.put(store_name, bytes(value)) == 0
+        return
+    s3: S3Server = request.getfixturevalue("s3_server")
+    bucket = tier.options.bucket  # type: ignore[attr-defined]
+    value = bytearray(s3.client().get_object(Bucket=bucket, Key=store_name)["Body"].read())
+    value[-100] ^= 0x40
+    s3.client().put_object(Bucket=bucket, Key=store_name, Body=bytes(value))
+
+
+def test_a_corrupt_chunk_is_a_miss_never_wrong_bytes(
+    stored_tier: tuple[str, TierFactory],
+    engines: Callable[..., Engine],
+    request: pytest.FixtureRequest,
+) -> None:
+    tier_kind, tier = stored_tier
+    keys = offload_keys(4)
+    engines(tier()).store(keys)
+    engine = engines(tier(), events=True, options={"enable_kv_events": True})
+    spoil(engine, tier_kind, keys[1], request)
+    loaded = engine.load(keys)
+    # The promotion keeps what was sound (vLLM's partial success) and the
+    # request stops at the corrupt chunk: chunk 0 served, chunk 1 a miss.
+    assert list(loaded) == keys[:1]
+    assert_exact(loaded)
+    assert engine.adapter.tier.stats.corrupt_chunks == 1
+    # Deleted, counted, and from now on a plain miss; the chunks after it were
+    # promoted whole and are served from the primary tier.
+    assert engine.load(keys[1:2]) == {}
+    assert list(engine.load(keys[2:])) == keys[2:]
+    assert_exact(engine.load(keys[2:]))
+
+
+def test_partial_success_keeps_the_sound_chunks(
+    engines: Callable[..., Engine], tmp_path: Any
+) -> None:
+    root = str(tmp_path / "kv")
+    keys = offload_keys(3)
+    engines({"type": "fs", "root_dir": root}).store(keys)
+    engine = engines({"type": "fs", "root_dir": root})
+    spoil(engine, "fs", keys[1], None)  # type: ignore[arg-type]
+    loaded = engine.load(keys)
+    assert list(loaded) == keys[:1]
+    # The third chunk came back with the first: it is in the primary tier now.
+    assert list(engine.load(keys[2:])) == keys[2:]
+    assert engine.adapter.tier.stats.chunks_loaded == 2
+
+
+def test_events_announce_stores_and_removals(tmp_path: Any, engines: Callable[..., Engine]) -> None:
+    root = str(tmp_path / "kv")
+    engine = engines(
+        {"type": "fs", "root_dir": root},
+        events=True,
+        options={"enable_kv_events": True, "locality": "LOCAL"},
+    )
+    keys = offload_keys(3)
+    engine.store(keys)
+    mine = [e for e in engine.events if e.medium is Medium.STORAGE]
+    assert [sorted(e.keys) for e in mine if not e.removed] == [sorted(keys)]
+    assert all(e.locality is Locality.LOCAL for e in mine)
+    # A chunk removed behind the tier's back is announced removed once found gone.
+    for path in glob.glob(f"{root}/**/{engine.adapter.chunk_key(keys[0]).hex()}*", recursive=True):
+        os.unlink(path)
+    engine.evict_primary()
+    engine.events.clear()
+    engine.load(keys)
+    removed = [e for e in engine.events if e.removed and e.medium is Medium.STORAGE]
+    assert [list(e.keys) for e in removed] == [[keys[0]]]
+
+
+def test_events_stay_off_unless_vllm_publishes_them(
+    tmp_path: Any, engines: Callable[..., Engine]
+) -> None:
+    engine = engines({"type": "fs", "root_dir": str(tmp_path)}, options={"enable_kv_events": True})
+    engine.store(offload_keys(2))
+    assert [e for e in engine.events if e.medium is Medium.STORAGE] == []
+
+
+def test_memory_tier_is_a_cpu_medium(engines: Callable[..., Engine]) -> None:
+    engine = engines({"type": "memory"}, events=True, options={"enable_kv_events": True})
+    keys = offload_keys(2)
+    engine.store(keys)
+    assert engine.adapter.medium is Medium.CPU
+    # Unset, the locality is unknown, as with vLLM's own tiers.
+    mine = [e for e in engine.events if e.medium is Medium.CPU and e.locality is None]
+    assert any(sorted(e.keys) == sorted(keys) for e in mine)
+
+
+def test_metrics_reach_vllms_stats(tmp_path: Any, engines: Callable[..., Engine]) -> None:
+    engine = engines({"type": "fs", "root_dir": str(tmp_path)})
+    engine.store(offload_keys(3))
+    stats = engine.manager.get_stats()
+    assert stats is not None
+    reduced = stats.data["data"]["kvtier:tier_chunks_stored"]
+    assert reduced == {("secondary_tiers[0]:fs",): 3}
+    # Deltas: nothing new, nothing reported twice.
+    again = engine.manager.get_stats()
+    assert again is None or "kvtier:tier_chunks_stored" not in again.data["data"]
+
+
+def test_a_redis_outage_costs_misses_never_a_crash(
+    own_redis_server: RedisServer, engines: Callable[..., Engine]
+) -> None:
+    tier = {"type": "redis", "url": own_redis_server.url, "deadline_s": 0.5}
+    engine = engines(tier)
+    keys = offload_keys(3)
+    engine.store(keys)
+    engine.evict_primary()
+    own_redis_server.stop()
+    assert engine.load(keys) == {}
+    engine.store(offload_keys(2, tag=b"during the outage"))  # fails, counted, no crash
+    stats = engine.adapter.tier.stats
+    assert stats.store_failures > 0
+
+
+@pytest.mark.parametrize(
+    ("entry", "path", "says"),
+    [
+        ({"type": "fss", "root_dir": "/tmp"}, "secondary_tiers[0].tier.type", "'fss'"),
+        ({"type": "fs", "root_dri": "/tmp"}, "secondary_tiers[0].tier.root_dri", "root_dir"),
+        ({"type": "memory", "max_bytes": "lots"}, "secondary_tiers[0].tier.max_bytes", ""),
+        ({"root_dir": "/tmp"}, "secondary_tiers[0].tier.type", "required"),
+        ({"type": "p2p", "secret": "s" * 32}, "secondary_tiers[0].tier.type", "p2p"),
+    ],
+)
+def test_a_bad_tier_fails_at_get_manager_naming_its_path(
+    entry: dict[str, Any], path: str, says: str
+) -> None:
+    with pytest.raises(ConfigError) as failure:
+        Engine(entry)
+    assert f"{path}:" in str(failure.value)
+    assert says in str(failure.value)
+
+
+def test_a_bad_entry_option_fails_naming_its_path() -> None:
+    typo = r"secondary_tiers\[0\]\.enable_kv_event: .*enable_kv_events"
+    with pytest.raises(ConfigError, match=typo):
+        Engine({"type": "memory"}, options={"enable_kv_event": True})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.tier: "):
+        Engine("fs")  # type: ignore[arg-type]
+
+
+def test_an_unreachable_backend_is_refused_at_start(s3_server: S3Server) -> None:
+    tier = s3_server.tier_options("kvtier-no-such-bucket") | {"type": "obj"}
+    with pytest.raises(BackendUnavailableError, match=r"secondary_tiers\[0\]\.tier"):
+        Engine(tier)
+
+
+def test_the_namespace_follows_what_changes_the_bytes() -> None:
+    def namespace(**config: Any) -> bytes:
+        return tiering_layout(tiering_config({}, **config), ROW_BYTES).namespace
+
+    base = namespace()
+    assert namespace() == base
+    assert namespace(model="kvtier-test/other") != base
+    assert namespace(tp_size=2) != base
+    # Bytes vLLM declares parallelism-agnostic are shared across layouts.
+    assert namespace(tp_size=2, agnostic=True) == namespace(agnostic=True)
+    assert tiering_layout(tiering_config({}), ROW_BYTES, model_id="v2").namespace != base
+
+
+def test_vllms_backpressure_detector_reaches_the_tier(
+    tmp_path: Any, engines: Callable[..., Engine]
+) -> None:
+    backpressure = {"backpressure_cls": "EMABackpressureDetector"}
+    engine = engines(
+        {"type": "fs", "root_dir": str(tmp_path)}, options={"backpressure": backpressure}
+    )
+    assert engine.adapter.bp_detector is not None
+    keys = offload_keys(3)
+    engine.store(keys)
+    engine.evict_primary()
+    assert list(engine.load(keys)) == keys
