@@ -74,7 +74,7 @@ class RouteService:
 
     def start(self) -> RouteService:
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="kvtier-route", daemon=True
+            target=self._server.serve_forever, args=(0.05,), name="kvtier-route", daemon=True
         )
         self._thread.start()
         return self

@@ -1,0 +1,135 @@
+"""``kvtier route``: routing scores over HTTP, and what it refuses."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvtier.cli import cli
+from kvtier.cli.probe import probe_layout
+from kvtier.fleet import FleetIndex
+from kvtier.fleet.base import NodeLease
+from kvtier.fleet.service import RouteService
+from kvtier.keys import chunk_keys
+from tests import fleet_doubles
+
+CHUNK_TOKENS = 16
+LAYOUT = probe_layout(CHUNK_TOKENS, 16)
+TOKEN = "route-token-0123456789"
+
+
+@pytest.fixture
+def service() -> Iterator[RouteService]:
+    fleet_doubles.STORE = fleet_doubles.DictStore()
+    index = fleet_doubles.DictIndex(fleet_doubles.DictIndexOptions())
+    tokens = np.arange(CHUNK_TOKENS * 3)
+    keys = list(chunk_keys(LAYOUT.namespace, tokens, CHUNK_TOKENS))
+    index.publish(
+        "00000000000000a1", NodeLease("a", "127.0.0.1:7001"), [(k, "cpu") for k in keys], []
+    )
+    index.publish("00000000000000b2", NodeLease("b", None), [(keys[0], "fs")], [])
+    fleet = FleetIndex(index, CHUNK_TOKENS, LAYOUT)
+    running = RouteService(fleet, token=TOKEN, max_body_bytes=4096, max_chunks=64).start()
+    yield running
+    running.close()
+
+
+def post(
+    service: RouteService, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    host, port = service.address
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    sent = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/scores", body=body, headers={**sent, **(headers or {})})
+    response = conn.getresponse()
+    payload = json.loads(response.read())
+    conn.close()
+    return response.status, payload
+
+
+def test_scores_for_tokens_and_for_keys(service: RouteService) -> None:
+    tokens = list(range(CHUNK_TOKENS * 3))
+    status, answer = post(service, json.dumps({"tokens": tokens}).encode())
+    assert status == 200
+    assert answer == {
+        "chunk_tokens": CHUNK_TOKENS,
+        "chunks": 3,
+        "nodes": [
+            {"node": "a", "p2p": "127.0.0.1:7001", "tokens": {"any": 48, "cpu": 48}},
+            {"node": "b", "p2p": None, "tokens": {"any": 16, "fs": 16}},
+        ],
+    }
+    keys = [k.hex() for k in chunk_keys(LAYOUT.namespace, np.arange(32), CHUNK_TOKENS)]
+    status, answer = post(service, json.dumps({"keys": keys}).encode())
+    assert status == 200 and answer["nodes"][0]["tokens"] == {"any": 32, "cpu": 32}
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (b'{"tokens": [1.5]}', 400),
+        (b'{"tokens": [-1]}', 400),
+        (b'{"keys": ["zz"]}', 400),
+        (b'{"keys": ["abcd"]}', 400),
+        (b'{"tokens": [1], "keys": []}', 400),
+        (b"[" * 3000 + b"]" * 3000, 413),
+        (json.dumps({"tokens": list(range(CHUNK_TOKENS * 65))}).encode(), 413),
+    ],
+)
+def test_malformed_or_oversized_requests_get_a_4xx(
+    service: RouteService, body: bytes, status: int
+) -> None:
+    got, answer = post(service, body)
+    assert got == status and "error" in answer
+
+
+def test_a_request_without_the_token_is_refused(service: RouteService) -> None:
+    status, _ = post(service, b'{"tokens": []}', {"Authorization": "Bearer wrong"})
+    assert status == 401
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(service: RouteService) -> None:
+    host, port = service.address
+    with socket.create_connection((host, port), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/scores HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+            b"Content-Length: 1000000000\r\n\r\n"
+        )  # and never a byte of the body
+        reply = conn.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 413")
+
+
+def test_a_body_without_a_length_is_refused(service: RouteService) -> None:
+    host, port = service.address
+    with socket.create_connection((host, port), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/scores HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
+        )
+        reply = conn.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 411")
+
+
+def test_an_index_that_fails_answers_503(service: RouteService) -> None:
+    fleet_doubles.STORE.failing = True
+    status, answer = post(service, b'{"tokens": []}')
+    assert status == 503 and "index" in answer["error"]
+
+
+def test_the_command_refuses_to_serve_unauthenticated_beyond_loopback(tmp_path: Any) -> None:
+    config = tmp_path / "kvtier.json"
+    config.write_text(json.dumps({"index": {"type": "redis", "url": "redis://127.0.0.1:1/0"}}))
+    result = CliRunner().invoke(cli, ["route", str(config), "--host", "0.0.0.0", "--no-auth"])
+    assert result.exit_code == 2 and "non-loopback" in result.output
+    result = CliRunner(env={"KVTIER_ROUTE_TOKEN": ""}).invoke(cli, ["route", str(config)])
+    assert result.exit_code == 2 and "KVTIER_ROUTE_TOKEN" in result.output
