@@ -122,8 +122,8 @@ def replay_routed(
     else:
         shared: OrderedDict[int, None] = OrderedDict()
         cascades = [CascadeReplay(new_policy(), shared_capacity) for _ in range(replicas)]
-        for replica in cascades:
-            replica.secondary = shared  # one tier behind every replica
+        for cascade in cascades:
+            cascade.secondary = shared  # one tier behind every replica
         fleet = list(cascades)
     load = _LoadWindow(replicas, window or 8 * replicas)
     cap = math.ceil(load.size / replicas * (1 + slack))
