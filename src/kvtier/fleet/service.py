@@ -154,6 +154,9 @@ class RouteService:
 def _handler_class(service: RouteService) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT_S
+        # A reply's headers and body go out in separate writes: with Nagle's
+        # algorithm the body would wait for the client's delayed ACK (40 ms).
+        disable_nagle_algorithm = True
         protocol_version = "HTTP/1.1"
         server_version = "kvtier-route"
 

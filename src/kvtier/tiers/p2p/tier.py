@@ -266,7 +266,8 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
         self._holders_lock = threading.Lock()
         self._index: HolderIndex | None = None
         self._by_name = {client.name: client for client in self._clients}
-        #: Queries sent to peers; lookup batches the index steered; batches it failed.
+        #: Lookup batches; queries sent to peers; batches the index steered; batches it failed.
+        self.query_batches = 0
         self.peer_queries = 0
         self.index_batches = 0
         self.index_fallbacks = 0
@@ -361,6 +362,7 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
         if not live or not keys:
             return holders
         live = self._steered(keys, live)
+        self.query_batches += 1
         self.peer_queries += len(live)
         futures = {self._fanout.submit(client.query, keys): client for client in live}
         connecting = CONNECT_ATTEMPTS * self._settings.connect_timeout_s
@@ -458,6 +460,12 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
         values = [
             TierMetric("peers", len(self._clients), "Peers this node fetches from."),
             TierMetric("peers_reachable", reachable, "Peers not sitting out a failure."),
+            TierMetric(
+                "peer_query_batches",
+                self.query_batches,
+                "Lookup batches that asked peers.",
+                counter=True,
+            ),
             TierMetric(
                 "peer_queries", self.peer_queries, "Lookup queries sent to peers.", counter=True
             ),
