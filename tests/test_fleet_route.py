@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,6 +119,28 @@ def test_a_body_without_a_length_is_refused(service: RouteService) -> None:
         )
         reply = conn.recv(65536)
     assert reply.startswith(b"HTTP/1.1 411")
+
+
+def test_connections_past_the_bound_are_closed_unanswered(service: RouteService) -> None:
+    bounded = RouteService(service.fleet, token=TOKEN, max_connections=1).start()
+    host, port = bounded.address
+    try:
+        idle = socket.create_connection((host, port), timeout=30)  # takes the only slot
+        refused = socket.create_connection((host, port), timeout=30)
+        assert refused.recv(1024) == b""  # closed without an answer
+        refused.close()
+        idle.close()
+        deadline = time.monotonic() + 30  # safety net: the slot comes back with the close
+        while True:
+            try:
+                status, _ = post(bounded, b'{"tokens": []}')
+                break
+            except (ConnectionError, http.client.RemoteDisconnected):
+                assert time.monotonic() < deadline, "the slot never came back"
+                time.sleep(0.01)
+        assert status == 200
+    finally:
+        bounded.close()
 
 
 def test_an_index_that_fails_answers_503(service: RouteService) -> None:

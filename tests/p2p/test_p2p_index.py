@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from tests.p2p.p2p_nodes import (
     layout_of,
     load_all,
     node,
+    spawner,
     wait_until,
 )
 from tests.servers import RedisServer, free_port
@@ -32,6 +34,26 @@ _prefixes = itertools.count()
 def prefix() -> str:
     """A key prefix of the test's own: tests share the session's server."""
     return f"t{next(_prefixes)}-p2p-index:"
+
+
+@pytest.fixture(scope="module")
+def indexed_fleet(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+) -> Iterator[tuple[str, list[PeerProcess]]]:
+    """Four nodes publishing to the session's Redis under a prefix of their own,
+    each in the index once the fixture returns."""
+    prefix = "fleet-p2p-index:"
+    spawn, started = spawner(tmp_path_factory.mktemp("indexed-fleet"))
+    try:
+        peers = spawn_nodes(spawn, redis_server, prefix, 4)
+        fleet = reader(redis_server, prefix)
+        for peer in peers:
+            wait_until(lambda peer=peer: visible(fleet, peer), f"{peer.name} in the index")
+        fleet.close()
+        yield prefix, peers
+    finally:
+        for peer in started:
+            peer.stop()
 
 
 def index_section(server: RedisServer, prefix: str, **options: Any) -> dict[str, Any]:
@@ -65,12 +87,10 @@ def visible(fleet: FleetIndex, peer: PeerProcess) -> bool:
 
 
 def test_routing_answers_match_what_each_node_holds(
-    spawn_peer: Spawn, redis_server: RedisServer, prefix: str
+    indexed_fleet: tuple[str, list[PeerProcess]], redis_server: RedisServer
 ) -> None:
-    peers = spawn_nodes(spawn_peer, redis_server, prefix, 3)
+    prefix, peers = indexed_fleet
     fleet = reader(redis_server, prefix)
-    for peer in peers:
-        wait_until(lambda peer=peer: visible(fleet, peer), f"{peer.name} in the index")
     for i, peer in enumerate(peers):
         [score] = fleet.scores_for_tokens(peer.tokens)
         assert score.node == f"engine-{i}" and score.p2p_address == peer.address
@@ -107,13 +127,9 @@ def fetcher_tier(cache: Any) -> Any:
 
 
 def test_p2p_asks_only_the_nodes_the_index_names(
-    spawn_peer: Spawn, redis_server: RedisServer, prefix: str
+    indexed_fleet: tuple[str, list[PeerProcess]], redis_server: RedisServer
 ) -> None:
-    peers = spawn_nodes(spawn_peer, redis_server, prefix, 4)
-    fleet = reader(redis_server, prefix)
-    for peer in peers:
-        wait_until(lambda peer=peer: visible(fleet, peer), f"{peer.name} in the index")
-    fleet.close()
+    prefix, peers = indexed_fleet
     addresses = [peer.address for peer in peers]
     index = index_section(redis_server, prefix, node="fetcher")
     with node(addresses, chunk_kib=CHUNK_KIB, index=index, listen=None) as cache:
@@ -132,10 +148,10 @@ def test_p2p_asks_only_the_nodes_the_index_names(
         assert tier.peer_queries >= len(peers) * len(peers)
 
 
-def test_with_the_index_down_p2p_asks_every_peer(spawn_peer: Spawn) -> None:
-    peers = [
-        spawn_peer(f"n{i}", chunk_kib=CHUNK_KIB, chunks=CHUNKS, seed=200 + i) for i in range(2)
-    ]
+def test_with_the_index_down_p2p_asks_every_peer(
+    indexed_fleet: tuple[str, list[PeerProcess]],
+) -> None:
+    _, peers = indexed_fleet
     down = {"type": "redis", "url": f"redis://127.0.0.1:{free_port()}/0", "max_backoff_s": 0.1}
     addresses = [peer.address for peer in peers]
     with node(addresses, chunk_kib=CHUNK_KIB, index=down, listen=None) as cache:
@@ -147,12 +163,10 @@ def test_with_the_index_down_p2p_asks_every_peer(spawn_peer: Spawn) -> None:
 
 
 def test_a_forged_or_stale_entry_costs_a_miss(
-    spawn_peer: Spawn, redis_server: RedisServer, prefix: str
+    indexed_fleet: tuple[str, list[PeerProcess]], redis_server: RedisServer
 ) -> None:
-    [holder, liar] = spawn_nodes(spawn_peer, redis_server, prefix, 2)
+    prefix, [holder, liar, *_] = indexed_fleet
     fleet = reader(redis_server, prefix)
-    for peer in (holder, liar):
-        wait_until(lambda peer=peer: visible(fleet, peer), f"{peer.name} in the index")
     # Someone with write access claims the liar holds the holder's chunks,
     # and an address outside the configured peers holds them too.
     forged = [(key, "cpu") for key in holder.keys]
@@ -165,3 +179,21 @@ def test_a_forged_or_stale_entry_costs_a_miss(
     fleet.index.withdraw("f0f0f0f0f0f0f0f0")
     fleet.index.withdraw("e0e0e0e0e0e0e0e0")
     fleet.close()
+
+
+def test_a_frozen_index_costs_one_bounded_wait_then_every_peer_is_asked(
+    indexed_fleet: tuple[str, list[PeerProcess]], own_redis_server: RedisServer
+) -> None:
+    _, peers = indexed_fleet
+    index = {"type": "redis", "url": own_redis_server.url, "max_backoff_s": 0.1}
+    addresses = [peer.address for peer in peers]
+    with node(addresses, chunk_kib=CHUNK_KIB, index=index, listen=None) as cache:
+        own_redis_server.pause()  # accepts connections, answers nothing
+        try:
+            for peer in peers:
+                assert cache.cached_prefix(peer.tokens) == len(peer.tokens)
+                assert np.array_equal(load_all(cache, peer.tokens), peer.data)
+            tier = fetcher_tier(cache)
+            assert tier.index_fallbacks >= len(peers) and tier.index_batches == 0
+        finally:
+            own_redis_server.resume()

@@ -70,7 +70,7 @@ class IndexOptions(BaseModel):
     batch_size: int = Field(default=4096, ge=1, le=1 << 20)
     """Most changes sent in one batch (one round trip per store node)."""
 
-    max_pending: int = Field(default=1 << 20, ge=1)
+    max_pending: int = Field(default=100_000, ge=1)
     """Changes held while the index is unreachable; past it they are dropped
     and the node republishes what it holds once the index answers again."""
 

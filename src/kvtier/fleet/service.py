@@ -30,7 +30,7 @@ from kvtier.layout import KEY_BYTES
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a connection may take to send its request (a slow client holds one thread).
+#: Seconds a connection may stay silent before it is closed (it holds a thread meanwhile).
 REQUEST_TIMEOUT_S = 5.0
 
 
@@ -54,6 +54,7 @@ class RouteService:
         token: str | None,
         max_body_bytes: int = 1 << 20,
         max_chunks: int = 4096,
+        max_connections: int = 64,
     ) -> None:
         """``token``: the bearer token requests must carry; ``None`` accepts any
         request (the caller decides whether that is acceptable)."""
@@ -63,7 +64,7 @@ class RouteService:
         self.max_chunks = max_chunks
         self.answered = 0
         self.refused = 0
-        self._server = ThreadingHTTPServer((host, port), _handler_class(self))
+        self._server = _BoundedServer((host, port), _handler_class(self), max_connections)
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 
@@ -149,6 +150,33 @@ class RouteService:
                 HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                 f"{chunks} chunks asked about; at most {self.max_chunks}",
             )
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once: past
+    them a new connection is closed unanswered, so slow or idle clients
+    cannot pile up threads (a connection silent for :data:`REQUEST_TIMEOUT_S`
+    is closed)."""
+
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def _handler_class(service: RouteService) -> type[BaseHTTPRequestHandler]:
