@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from importlib.metadata import EntryPoint
 from typing import Any
 
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from kvtier import KVCache
+from kvtier import KVCache, plugins
 from kvtier.cli.peer import synthetic_chunks
 from kvtier.cli.probe import probe_layout
 from kvtier.config import load_config
@@ -79,6 +80,21 @@ def test_an_unknown_index_lists_the_supported_ones() -> None:
 
 def test_an_out_of_tree_index_loads_by_module_path(store: fleet_doubles.DictStore) -> None:
     config = load_config({"index": DICT_INDEX})
+    assert config.index is not None and config.index.index_class is fleet_doubles.DictIndex
+
+
+def test_an_index_resolves_through_the_kvtier_indexes_entry_points(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    declared = EntryPoint("dict-index", "tests.fleet_doubles:DictIndex", "kvtier.indexes")
+
+    def installed(**selection: str) -> list[EntryPoint]:
+        wanted = selection.get("group") == declared.group
+        named = selection.get("name", declared.name) == declared.name
+        return [declared] if wanted and named else []
+
+    monkeypatch.setattr(plugins, "entry_points", installed)
+    config = load_config({"index": {"type": "dict-index"}})
     assert config.index is not None and config.index.index_class is fleet_doubles.DictIndex
 
 
