@@ -147,6 +147,12 @@ def test_an_index_that_fails_answers_503(service: RouteService) -> None:
     fleet_doubles.STORE.failing = True
     status, answer = post(service, b'{"tokens": []}')
     assert status == 503 and "index" in answer["error"]
+    host, port = service.address
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.request("GET", "/healthz")  # no token needed
+    health = json.loads(conn.getresponse().read())
+    conn.close()
+    assert health["ok"] and health["refused"] == 1 and health["answered"] == 0
 
 
 def test_the_command_refuses_to_serve_unauthenticated_beyond_loopback(tmp_path: Any) -> None:

@@ -5,7 +5,7 @@ ids, hashed with the engines' layout) or ``{"keys": ["<hex chunk key>", ...]}``,
 answers ``{"chunk_tokens": N, "chunks": n, "nodes": [{"node", "p2p",
 "tokens": {"any": ..., "cpu": ..., ...}}, ...]}``, best node first; nodes
 holding nothing of the prompt are left out. ``GET /healthz`` answers
-``{"ok": true}``.
+``{"ok": true, ...}`` with the service's counts.
 
 Every request but ``/healthz`` carries ``Authorization: Bearer <token>``.
 A body is read only when its ``Content-Length`` is within
@@ -88,6 +88,17 @@ class RouteService:
         self._server.server_close()
         if self._thread is not None:
             self._thread.join()
+
+    def counts(self) -> dict[str, int]:
+        """Requests answered and refused, and what the index reader saw."""
+        index = self.fleet.index.counters
+        return {
+            "answered": self.answered,
+            "refused": self.refused,
+            "index_queries": index.queries,
+            "index_query_failures": index.query_failures,
+            "malformed_entries": index.malformed_entries,
+        }
 
     # The request, checked ----------------------------------------------------
 
@@ -193,7 +204,7 @@ def _handler_class(service: RouteService) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/healthz":
-                self._reply(HTTPStatus.OK, {"ok": True})
+                self._reply(HTTPStatus.OK, {"ok": True, **service.counts()})
             else:
                 self._refuse(HTTPStatus.NOT_FOUND, "unknown path; POST /v1/scores")
 
