@@ -267,3 +267,15 @@ def test_a_redis_cluster_holds_the_index(redis_cluster: RedisClusterServers) -> 
     index.withdraw("00000000000000aa")
     index.withdraw("00000000000000bb")
     index.close()
+
+
+def test_an_entry_not_published_again_ages_out(redis_server: RedisServer) -> None:
+    index = redis_index(redis_server.url, key_prefix="t-aging:", entry_ttl_s=0.2, lease_s=60)
+    [old, fresh] = keys_of(np.arange(CHUNK_TOKENS * 2))
+    lease = NodeLease("n", None)
+    index.publish("00000000000000cc", lease, [(old, "fs")], [])
+    wait_until(lambda: index.holders([old]).per_key == [{}], "the entry to expire")
+    index.publish("00000000000000cc", lease, [(fresh, "fs")], [])  # the lease is renewed
+    assert index.holders([old, fresh]).per_key == [{}, {"n": frozenset({"fs"})}]
+    index.withdraw("00000000000000cc")
+    index.close()
