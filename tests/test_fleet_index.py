@@ -270,12 +270,15 @@ def test_a_redis_cluster_holds_the_index(redis_cluster: RedisClusterServers) -> 
 
 
 def test_an_entry_not_published_again_ages_out(redis_server: RedisServer) -> None:
-    index = redis_index(redis_server.url, key_prefix="t-aging:", entry_ttl_s=0.2, lease_s=60)
+    short = redis_index(redis_server.url, key_prefix="t-aging:", entry_ttl_s=0.2, lease_s=60)
+    index = redis_index(redis_server.url, key_prefix="t-aging:", lease_s=60)
     [old, fresh] = keys_of(np.arange(CHUNK_TOKENS * 2))
     lease = NodeLease("n", None)
-    index.publish("00000000000000cc", lease, [(old, "fs")], [])
-    wait_until(lambda: index.holders([old]).per_key == [{}], "the entry to expire")
-    index.publish("00000000000000cc", lease, [(fresh, "fs")], [])  # the lease is renewed
+    short.publish("00000000000000cc", lease, [(old, "fs")], [])
+    index.publish("00000000000000cc", lease, [(fresh, "fs")], [])  # an hour's entry
+    wait_until(lambda: index.holders([old]).per_key == [{}], "the short entry to expire")
+    # The node's lease lives on, and so do its entries still within their time.
     assert index.holders([old, fresh]).per_key == [{}, {"n": frozenset({"fs"})}]
     index.withdraw("00000000000000cc")
+    short.close()
     index.close()
