@@ -148,15 +148,17 @@ def test_past_max_pending_the_node_republishes_what_it_holds(
 ) -> None:
     store.failing = True
     with node(4, {**DICT_INDEX, "max_pending": 2, "max_backoff_s": 0.05}) as cache:
+        publisher: Any = cache.manager.attachments[0]
+        # The first publish names every chunk held: let it come (and fail) first.
+        wait_until(lambda: publisher.republished == 1 and publisher.failures, "a first try")
         for seed in range(3):
             tokens, data = synthetic_chunks(LAYOUT, 3, 10 + seed)
             cache.store(tokens, data)
-        publisher: Any = cache.manager.attachments[0]
         assert publisher.dropped > 0
         store.failing = False
         held = set(cache.manager.primary.ready_keys())
         wait_until(lambda: store.held() == held, "the held chunks republished")
-        assert publisher.republished >= 2  # at start, and after the overflow
+        assert publisher.republished >= 2  # at start, and after an overflow
 
 
 def test_the_index_metrics_are_exported(store: fleet_doubles.DictStore) -> None:
@@ -243,7 +245,7 @@ def test_an_index_that_is_down_fails_only_itself() -> None:
             assert found.num_tokens == len(tokens)
         publisher: Any = cache.manager.attachments[0]
         wait_until(lambda: publisher.failures >= 2, "failed publishes")
-        assert publisher.pending == 2  # kept for when the index comes back
+        assert publisher.added == publisher.dropped == 0  # kept for when it comes back
     reader = FleetIndex(redis_index(down), CHUNK_TOKENS, LAYOUT)
     with pytest.raises(Exception, match=r"(?i)connect|refused"):
         reader.scores_for_tokens(tokens)
