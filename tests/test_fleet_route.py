@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +23,7 @@ from kvtier.fleet.base import NodeLease
 from kvtier.fleet.service import RouteService
 from kvtier.keys import chunk_keys
 from tests import fleet_doubles
+from tests.servers import RedisServer
 
 CHUNK_TOKENS = 16
 LAYOUT = probe_layout(CHUNK_TOKENS, 16)
@@ -162,3 +166,39 @@ def test_the_command_refuses_to_serve_unauthenticated_beyond_loopback(tmp_path: 
     assert result.exit_code == 2 and "non-loopback" in result.output
     result = CliRunner(env={"KVTIER_ROUTE_TOKEN": ""}).invoke(cli, ["route", str(config)])
     assert result.exit_code == 2 and "KVTIER_ROUTE_TOKEN" in result.output
+
+
+def test_the_command_serves_scores_from_redis(tmp_path: Any, redis_server: RedisServer) -> None:
+    from kvtier.config import load_config
+    from kvtier.fleet import build_index
+
+    section = {"type": "redis", "url": redis_server.url, "key_prefix": "t-route-cli:"}
+    config_path = tmp_path / "kvtier.json"
+    config_path.write_text(json.dumps({"chunk_tokens": CHUNK_TOKENS, "index": section}))
+    loaded = load_config({"index": section})
+    assert loaded.index is not None
+    index = build_index(loaded.index.index_class, loaded.index.options)
+    keys = list(chunk_keys(LAYOUT.namespace, np.arange(CHUNK_TOKENS * 2), CHUNK_TOKENS))
+    index.publish("00000000000000d1", NodeLease("engine-d", None), [(k, "cpu") for k in keys], [])
+    command = [sys.executable, "-c", "from kvtier.cli import main; main()", "route"]
+    command += [str(config_path), "--port", "0"]
+    env = {**os.environ, "KVTIER_ROUTE_TOKEN": TOKEN}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("listening on 127.0.0.1:"), line
+        host, _, port = line.split()[-1].rpartition(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = json.dumps({"keys": [k.hex() for k in keys]})
+        conn.request("POST", "/v1/scores", body=body, headers={"Authorization": f"Bearer {TOKEN}"})
+        answer = json.loads(conn.getresponse().read())
+        conn.close()
+        assert answer["nodes"] == [
+            {"node": "engine-d", "p2p": None, "tokens": {"any": 32, "cpu": 32}}
+        ]
+    finally:
+        process.terminate()
+        process.wait(60)
+        index.withdraw("00000000000000d1")
+        index.close()
