@@ -284,3 +284,19 @@ def test_an_entry_not_published_again_ages_out(redis_server: RedisServer) -> Non
     index.withdraw("00000000000000cc")
     short.close()
     index.close()
+
+
+def test_the_lease_names_the_p2p_service_or_the_configured_address(
+    store: fleet_doubles.DictStore,
+) -> None:
+    p2p = {"type": "p2p", "secret": "s" * 16}
+    with node(4, DICT_INDEX, secondary_tiers=[p2p]) as cache:
+        publisher: Any = cache.manager.attachments[0]
+        tier: Any = cache.manager.tiers[0]
+        assert publisher.lease.p2p_address == tier.advertised_address()
+        assert publisher.lease.p2p_address.startswith("127.0.0.1:")
+    with node(4, {**DICT_INDEX, "p2p_address": "10.0.0.5:7420"}, secondary_tiers=[p2p]) as cache:
+        publisher = cache.manager.attachments[0]
+        assert publisher.lease.p2p_address == "10.0.0.5:7420"
+    with pytest.raises(ConfigError, match=r"index\.p2p_address"):
+        load_config({"index": {**DICT_INDEX, "p2p_address": "nowhere"}})

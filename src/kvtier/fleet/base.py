@@ -23,6 +23,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvtier.keys import ChunkKey
+from kvtier.tiers.addresses import parse_host_port
 
 #: The medium of the primary (CPU) tier; a secondary tier's medium is its ``type``.
 PRIMARY_MEDIUM = "cpu"
@@ -88,6 +89,13 @@ class IndexOptions(BaseModel):
             raise ValueError(
                 f"a node name is 1 to {MAX_NAME_CHARS} printable characters without '|'"
             )
+        return value
+
+    @field_validator("p2p_address")
+    @classmethod
+    def _check_p2p_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_host_port(value)
         return value
 
     @field_validator("media")

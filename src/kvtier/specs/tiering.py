@@ -91,6 +91,12 @@ class TieringSpec(OffloadingSpec):
             tier_media=[tier.tier_type for tier in manager.tiers],
             p2p_address=next((address for address in advertised if address), None),
         )
+        serving = any(getattr(tier, "address", None) for tier in manager.tiers)
+        if serving and publisher.lease.p2p_address is None:
+            logger.warning(
+                "cluster index: this node's p2p service listens on a wildcard address, so "
+                "peers asking the index cannot find it: set index.p2p_address"
+            )
         manager.attachments.append(publisher)
         manager.primary.watchers.append(publisher.primary_changed)
         manager.job_listeners.append(publisher.job_finished)
