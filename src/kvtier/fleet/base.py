@@ -49,7 +49,8 @@ class IndexOptions(BaseModel):
 
     p2p_address: str | None = None
     """``host:port`` peers reach this node's ``p2p`` service at; unset: the
-    ``listen`` address of its ``p2p`` tier (if any)."""
+    ``listen`` address of its ``p2p`` tier, unless that is a wildcard
+    (``0.0.0.0``), which peers cannot dial: then set this."""
 
     media: tuple[str, ...] = (PRIMARY_MEDIUM,)
     """Tiers whose chunks this node publishes: ``cpu`` (the primary tier) and
