@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import need_redis_server
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -183,3 +185,22 @@ def test_bench_peers_check_refuses_a_wrong_or_missing_chunk() -> None:
         check_chunks("peer", chunks, [chunks[0], flipped, chunks[2]])
     with pytest.raises(RuntimeError, match="first: chunk 2"):
         check_chunks("peer", chunks, [chunks[0], chunks[1], None])
+
+
+def test_bench_fleet_asks_only_holders_and_counts_its_writes() -> None:
+    need_redis_server()
+    out = run_quick("bench_fleet.py")
+    nodes, stored = out["nodes"], out["chunks_stored"]
+    assert out["entries"] == stored  # one entry per chunk held, each by one node
+    # ZADD, ZREMRANGEBYSCORE and PEXPIRE per stored chunk; no removals here.
+    assert out["index_entry_writes_per_chunk"] == 3
+    assert 0 < out["publish_round_trips_per_chunk"] <= 1
+    assert out["store_to_visible_ms"]["samples"] == stored // out["prompt_chunks"]
+    with_index, without = out["lookups_with_index"], out["lookups_without_index"]
+    for row in (with_index, without):
+        assert row["tokens_found"] == row["tokens_asked"] > 0
+    assert with_index["peer_queries_per_batch"] <= 2
+    assert without["peer_queries_per_batch"] == nodes
+    routing = out["routing"]
+    assert routing["answers_naming_the_holder_first"] == routing["calls"]
+    assert out["redis_key_bytes_per_entry"] > 0

@@ -54,6 +54,14 @@ def test_every_top_level_key_is_in_the_reference() -> None:
     assert entry == {"type", "module_path"}
 
 
+def test_every_key_of_the_redis_cluster_index_is_in_the_reference() -> None:
+    from kvtier.fleet.redis import RedisIndexOptions
+
+    reference = config_reference()
+    text = section(reference[reference.index("## Cluster index") :], "### `redis`")
+    assert documented_keys(text) == set(RedisIndexOptions.model_fields)
+
+
 @pytest.mark.parametrize("tier_type", tier_registry.registered_names())
 def test_every_key_of_every_built_in_tier_is_in_the_reference(tier_type: str) -> None:
     try:

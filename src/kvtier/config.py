@@ -24,8 +24,10 @@ from pydantic import (
     ValidationError,
 )
 
-from kvtier.config_model import KVTierConfig, TierConfig
+from kvtier.config_model import IndexConfig, KVTierConfig, TierConfig
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.fleet.factory import index_registry
+from kvtier.plugins import PluginRegistry
 from kvtier.policies.factory import policy_registry
 from kvtier.settings import BackpressureConfig, MetricsConfig, TraceRecordingConfig
 from kvtier.specs.factory import spec_registry
@@ -33,6 +35,7 @@ from kvtier.tiers.factory import tier_registry
 
 __all__ = [
     "BackpressureConfig",
+    "IndexConfig",
     "KVTierConfig",
     "MetricsConfig",
     "TierConfig",
@@ -65,6 +68,8 @@ def load_config(
 
     problems: Problems = []
     document = dict(document)
+    raw_index = document.pop("index", None)
+    cluster_index = _validate_index(raw_index, problems) if raw_index is not None else None
     raw_tiers = document.pop("secondary_tiers", [])
     tiers: list[TierConfig] = []
     if not isinstance(raw_tiers, list):
@@ -75,7 +80,9 @@ def load_config(
             if tier is not None:
                 tiers.append(tier)
     try:
-        config = KVTierConfig.model_validate({**document, "secondary_tiers": tuple(tiers)})
+        config = KVTierConfig.model_validate(
+            {**document, "secondary_tiers": tuple(tiers), "index": cluster_index}
+        )
     except ValidationError as exc:
         problems.extend(_problems_from(exc, KVTierConfig, ""))
     else:
@@ -126,20 +133,34 @@ def validate_tier(raw: Any, path: str) -> TierConfig:
 
 
 def _validate_tier(raw: Any, path: str, problems: Problems) -> TierConfig | None:
+    plugin = _validate_plugin(raw, path, problems, tier_registry, "tier")
+    return TierConfig(*plugin) if plugin is not None else None
+
+
+def _validate_index(raw: Any, problems: Problems) -> IndexConfig | None:
+    plugin = _validate_plugin(raw, "index", problems, index_registry, "cluster index")
+    return IndexConfig(*plugin) if plugin is not None else None
+
+
+def _validate_plugin(
+    raw: Any, path: str, problems: Problems, registry: PluginRegistry[Any], what: str
+) -> tuple[str, str | None, type, Any] | None:
+    """An entry's ``(type, module_path, class, validated options)``, or ``None``
+    with its problems noted: a ``secondary_tiers`` entry, the ``index`` section."""
     if not isinstance(raw, Mapping):
         problems.append((path, f"expected a mapping with 'type', got {type(raw).__name__}"))
         return None
     options = dict(raw)
-    tier_type = options.pop("type", None)
+    plugin_type = options.pop("type", None)
     module_path = options.pop("module_path", None)
-    if not isinstance(tier_type, str) or not tier_type:
-        problems.append((f"{path}.type", "required: the tier's registered name or class name"))
+    if not isinstance(plugin_type, str) or not plugin_type:
+        problems.append((f"{path}.type", f"required: the {what}'s registered name or class name"))
         return None
     if module_path is not None and not isinstance(module_path, str):
         problems.append((f"{path}.module_path", "expected a module name string"))
         return None
     try:
-        cls = tier_registry.resolve(tier_type, module_path, entry=path)
+        cls = registry.resolve(plugin_type, module_path, entry=path)
     except (KVTierError, TypeError) as exc:
         problems.append((f"{path}.type", str(exc).removeprefix(f"{path}: ")))
         return None
@@ -148,7 +169,7 @@ def _validate_tier(raw: Any, path: str, problems: Problems) -> TierConfig | None
     except ValidationError as exc:
         problems.extend(_problems_from(exc, cls.Options, path, extra_keys=("type", "module_path")))
         return None
-    return TierConfig(tier_type, module_path, cls, validated)
+    return plugin_type, module_path, cls, validated
 
 
 def _resolve_or_note(

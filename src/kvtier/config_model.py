@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PrivateAttr
 
+from kvtier.fleet.base import ClusterIndex, IndexOptions
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.factory import policy_registry
 from kvtier.settings import BackpressureConfig, MetricsConfig, TraceRecordingConfig
@@ -36,6 +37,16 @@ class TierConfig:
         if self.module_path is not None:
             entry["module_path"] = self.module_path
         return entry
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """The validated ``index`` section: the cluster index this node publishes to."""
+
+    index_type: str
+    module_path: str | None
+    index_class: type[ClusterIndex]
+    options: IndexOptions
 
 
 class KVTierConfig(BaseModel):
@@ -69,6 +80,11 @@ class KVTierConfig(BaseModel):
 
     secondary_tiers: tuple[TierConfig, ...] = ()
     """Tiers behind the primary one, looked up in this order."""
+
+    index: IndexConfig | None = None
+    """The cluster index (``type: redis`` or an out-of-tree ``type`` +
+    ``module_path``): the node publishes which chunks it holds there, routers
+    and the ``p2p`` tier read it. Unset: no index."""
 
     backpressure: BackpressureConfig = BackpressureConfig()
     """Per-tier store backpressure."""

@@ -21,13 +21,20 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar
 
 from kvtier.backpressure import Backpressure
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
 from kvtier.settings import BackpressureConfig
-from kvtier.tiers.base import JobResult, Lookup, LookupContext, SecondaryTier, TransferJob
+from kvtier.tiers.base import (
+    JobResult,
+    Lookup,
+    LookupContext,
+    SecondaryTier,
+    TierMetric,
+    TransferJob,
+)
 
 if TYPE_CHECKING:
     from kvtier.sim.record import TraceRecorder
@@ -40,6 +47,18 @@ _ANSWER_COUNTER = {Lookup.HIT: "hits", Lookup.MISS: "misses", Lookup.PENDING: "p
 #: Called with ``(tier_index, loading, result)`` for every finished job (see
 #: :attr:`TieringManager.job_listeners`).
 JobListener = Callable[[int, bool, JobResult], None]
+
+
+class Attachment(Protocol):
+    """A service running beside the manager (the cluster index publisher):
+    exported as ``kvtier_<name>_<metric>``, closed when the manager shuts down."""
+
+    name: str
+
+    def metrics(self) -> Sequence[TierMetric]: ...
+
+    def close(self) -> None: ...
+
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -143,6 +162,8 @@ class TieringManager:
         self.job_listeners: list[JobListener] = []
         #: Where the engine side records each request's keys (``trace_recording``); closed here.
         self.trace_recorder: TraceRecorder | None = None
+        #: Services closed, in order, at :meth:`shutdown` (after the drain, before the tiers).
+        self.attachments: list[Attachment] = []
         for tier in self.tiers:
             self._call(tier, "on_attach", primary)
 
@@ -337,6 +358,11 @@ class TieringManager:
             return
         self.drain()
         self._closed = True
+        for attachment in self.attachments:
+            try:
+                attachment.close()
+            except Exception:
+                logger.exception("%s: close raised", attachment.name)
         for tier in self.tiers:
             self._call(tier, "shutdown")
         self.primary.buffer.close()

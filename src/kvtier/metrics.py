@@ -115,6 +115,19 @@ class _ManagerCollector(Collector):
         yield pressured
         yield from self._extra(families.keys())
         yield from self._trace()
+        yield from self._attachments()
+
+    def _attachments(self) -> Iterator[Metric]:
+        for attachment in self.manager.attachments:
+            try:
+                values = list(attachment.metrics())
+            except Exception:
+                logger.exception("%s: metrics() raised; skipped", attachment.name)
+                continue
+            for metric in values:
+                kind = CounterMetricFamily if metric.counter else GaugeMetricFamily
+                name = f"{PREFIX}_{attachment.name}_{metric.name}"
+                yield kind(name, metric.help, value=metric.value)
 
     def _trace(self) -> Iterator[Metric]:
         recorder = self.manager.trace_recorder

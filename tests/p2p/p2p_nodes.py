@@ -53,8 +53,10 @@ class PeerProcess:
         chunks: int = 4,
         seed: int = 0,
         secret: str = SECRET,
+        index: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
+        """``index``: the node's ``index`` section (none by default)."""
         self.name = name
         self._pump: threading.Thread | None = None
         self.layout = layout_of(chunk_kib)
@@ -64,6 +66,8 @@ class PeerProcess:
             "cpu_bytes_to_use": (chunks + 2) * self.layout.slot_bytes,
             "secondary_tiers": [{"type": "p2p", "secret": secret, **options}],
         }
+        if index is not None:
+            config["index"] = index
         config_path = workdir / f"{name}.json"
         config_path.write_text(json.dumps(config))
         self.log_path = workdir / f"{name}.log"
@@ -139,15 +143,18 @@ def node(
     chunk_kib: int = 64,
     slots: int = 16,
     secret: str = SECRET,
+    index: dict[str, Any] | None = None,
     **options: Any,
 ) -> Iterator[KVCache]:
     """An in-process kvtier node (node C) whose only secondary tier is ``p2p``."""
     layout = layout_of(chunk_kib)
-    config = {
+    config: dict[str, Any] = {
         "chunk_tokens": CHUNK_TOKENS,
         "cpu_bytes_to_use": slots * layout.slot_bytes,
         "secondary_tiers": [{"type": "p2p", "secret": secret, "peers": peers, **options}],
     }
+    if index is not None:
+        config["index"] = index
     with KVCache(config, layout) as cache:
         yield cache
 

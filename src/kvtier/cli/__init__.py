@@ -13,6 +13,7 @@ from kvtier.cli.demo import demo
 from kvtier.cli.inspect import inspect
 from kvtier.cli.peer import peer
 from kvtier.cli.reference import reference
+from kvtier.cli.route import route
 from kvtier.cli.simulate import simulate
 
 
@@ -32,6 +33,7 @@ cli.add_command(reference)
 cli.add_command(demo)
 cli.add_command(inspect)
 cli.add_command(simulate)
+cli.add_command(route)
 
 
 def main() -> None:

@@ -29,10 +29,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from kvtier.config import KVTierConfig
+from kvtier.fleet.factory import index_registry
 from kvtier.plugins import PluginRegistry
 from kvtier.policies.factory import policy_registry
 from kvtier.specs.factory import spec_registry
-from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.factory import tier_registry
 
 #: Keys of every ``secondary_tiers`` entry, whatever its type.
@@ -188,7 +188,9 @@ def plugin_docs(registry: PluginRegistry[Any], *, installed: bool = False) -> li
             error = f"{type(cause).__name__}: {cause}"
             docs.append(PluginDoc(name, target, origin.strip(), None, error))
             continue
-        options = getattr(cls, "Options", None) if issubclass(cls, SecondaryTier) else None
+        options = getattr(cls, "Options", None)
+        if not (isinstance(options, type) and issubclass(options, BaseModel)):
+            options = None
         docs.append(PluginDoc(name, target, origin + _summary(cls), options))
     return docs
 
@@ -216,16 +218,14 @@ def config_reference(heading_level: int = 2, *, installed: bool = False) -> str:
             ]
         ),
     ]
-    for doc in plugin_docs(tier_registry, installed=installed):
-        parts.append(f"{h3} `{doc.name}`")
-        parts.append(f"Class `{doc.target}`." + (f" {doc.summary}" if doc.summary else ""))
-        if doc.error is not None:
-            parts.append(f"It does not import here, so its options are not listed: "
-                         f"{_cell(doc.error)}")  # fmt: skip
-        elif doc.options is None or not doc.options.model_fields:
-            parts.append("No options.")
-        else:
-            parts.append(options_table(option_rows(doc.options)))
+    parts += _plugin_sections(tier_registry, h3, installed)
+    parts += [
+        f"{h2} Cluster index",
+        "`index` (unset: none) names the store where nodes publish which chunks they hold, "
+        "for routers and the `p2p` tier: `type`, `module_path` for an out-of-tree index "
+        "(as for tiers), and the keys of its type:",
+    ]
+    parts += _plugin_sections(index_registry, h3, installed)
     for title, key, registry in (
         ("Eviction policies", "eviction_policy", policy_registry),
         ("Offloading specs", "spec_name", spec_registry),
@@ -238,6 +238,22 @@ def config_reference(heading_level: int = 2, *, installed: bool = False) -> str:
             lines.append(f"| `{doc.name}` | `{doc.target}` | {_cell(text)} |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def _plugin_sections(registry: PluginRegistry[Any], h3: str, installed: bool) -> list[str]:
+    """A section per registered plugin with options (tiers, cluster indexes)."""
+    parts = []
+    for doc in plugin_docs(registry, installed=installed):
+        parts.append(f"{h3} `{doc.name}`")
+        parts.append(f"Class `{doc.target}`." + (f" {doc.summary}" if doc.summary else ""))
+        if doc.error is not None:
+            parts.append(f"It does not import here, so its options are not listed: "
+                         f"{_cell(doc.error)}")  # fmt: skip
+        elif doc.options is None or not doc.options.model_fields:
+            parts.append("No options.")
+        else:
+            parts.append(options_table(option_rows(doc.options)))
+    return parts
 
 
 __all__ = [

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvtier.cli.routing_report import routing_table, run_routing
 from kvtier.errors import KVTierError, MissingDependencyError
 from kvtier.policies.factory import CachePolicyFactory, policy_registry
 from kvtier.sim.cascade import CascadeResult, replay_cascade
@@ -110,6 +111,24 @@ _BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
     help="Also replay each policy with one evicting secondary tier of this capacity behind "
     "the primary (same units as --capacity), and report hits per tier.",
 )
+@click.option(
+    "-r",
+    "--replicas",
+    "replica_counts",
+    multiple=True,
+    type=click.IntRange(min=1),
+    help="Route the trace across this many replicas instead (repeatable): each has a "
+    "primary tier of --capacity (one) under --policy (one, default lru), --secondary "
+    "is a tier they share; compares round-robin, first-chunk hashing and kvtier's scores.",
+)
+@click.option(
+    "--slack",
+    default=0.25,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="With --replicas: kvtier routing's load cap, the share above an even split "
+    "a replica may take of recent requests.",
+)
 @click.option("--limit", type=int, help="Replay only the first N requests.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option(
@@ -127,6 +146,8 @@ def simulate(
     block_size: int,
     chunk_bytes: str | None,
     secondary: str | None,
+    replica_counts: tuple[int, ...],
+    slack: float,
     limit: int | None,
     as_json: bool,
     plot_path: Path | None,
@@ -141,12 +162,16 @@ def simulate(
     also the hits each tier serves when an LRU-evicting secondary tier sits
     behind the primary one (every transfer done before the next request).
     With --plot, also draws hit ratio against capacity to an SVG or PNG file.
+    With --replicas, routes the trace across replicas instead and prints each
+    router's hit ratio and load.
     """
     if (trace is None) == (chat_seed is None):
         raise click.UsageError("give a TRACE file or --chat-seed, not both or neither")
     if block_size < 1 or (limit is not None and limit < 1):
         raise click.BadParameter("--block-size and --limit must be positive")
-    policies = tuple(dict.fromkeys(policies or DEFAULT_POLICIES))
+    if replica_counts and (len(policies) > 1 or len(capacities) > 1 or plot_path is not None):
+        raise click.UsageError("--replicas takes one --policy and one --capacity, and no --plot")
+    policies = tuple(dict.fromkeys(policies or (("lru",) if replica_counts else DEFAULT_POLICIES)))
     for name in policies:
         try:
             policy_registry.resolve(name, None, entry="--policy")
@@ -165,12 +190,23 @@ def simulate(
     secondary_slots = (
         None if secondary is None else parse_capacity(secondary, distinct, chunk, "--secondary")
     )
-    report = run(requests, policies, slots, progress=not as_json, secondary=secondary_slots)
+    if replica_counts:
+        report = run_routing(
+            requests,
+            policies[0],
+            slots[0],
+            replica_counts,
+            shared_slots=secondary_slots,
+            slack=slack,
+            progress=not as_json,
+        )
+    else:
+        report = run(requests, policies, slots, progress=not as_json, secondary=secondary_slots)
     report["trace"] = str(trace) if trace is not None else f"chat seed {chat_seed}"
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        Console().print(_table(report))
+        Console().print(routing_table(report) if replica_counts else _table(report))
     if plot_path is not None:
         try:
             plot_report(report, plot_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from kvtier.keys import ChunkKey
@@ -45,6 +45,10 @@ class PrimaryTier:
         self.evictions = 0
         #: Chunks that readers found ready here (see :meth:`touch`).
         self.hits = 0
+        #: Called as ``watcher(added, removed)`` when chunks become ready or
+        #: leave (evicted, removed, cleared), under this tier's lock: a watcher
+        #: records and returns, and never calls back into the tier.
+        self.watchers: list[Callable[[Sequence[ChunkKey], Sequence[ChunkKey]], None]] = []
 
     @property
     def num_slots(self) -> int:
@@ -80,6 +84,18 @@ class PrimaryTier:
                 **dict.fromkeys(self._writing, WRITING),
                 **{key: pins.get(key, 0) for key in self._ready},
             }
+
+    def ready_keys(self) -> list[ChunkKey]:
+        """Every ready key (a snapshot)."""
+        with self._lock:
+            return list(self._ready)
+
+    def _notify(self, added: Sequence[ChunkKey], removed: Sequence[ChunkKey]) -> None:
+        for watcher in self.watchers:
+            try:
+                watcher(added, removed)
+            except Exception:
+                logger.exception("primary tier watcher %r raised", watcher)
 
     def slot_of(self, key: ChunkKey) -> int | None:
         slot = self._ready.get(key)
@@ -121,6 +137,8 @@ class PrimaryTier:
                     return None
                 walk.free_victims(ready, free, victims)
                 self.evictions += len(victims)
+                if self.watchers:
+                    self._notify((), victims)
             walk.take_slots(reserved, free, writing)
             return reserved
 
@@ -183,6 +201,8 @@ class PrimaryTier:
             self._ready.update(written)
             if pins:
                 self._pins.update(dict.fromkeys(written, pins))
+            if self.watchers:
+                self._notify(list(written), ())
             return written
 
     def _track_one_by_one(self, keys: list[ChunkKey]) -> list[ChunkKey]:
@@ -268,15 +288,17 @@ class PrimaryTier:
 
     def remove_idle(self, keys: Iterable[ChunkKey]) -> int:
         """Drop idle chunks (e.g. found stale); busy ones stay. Returns how many."""
-        removed = 0
+        removed = []
         with self._lock:
             ready, pins = self._ready, self._pins
             for key in keys:
                 if key in ready and key not in pins:
                     self._free.append(ready.pop(key))
                     self.policy.remove(key)
-                    removed += 1
-        return removed
+                    removed.append(key)
+            if removed and self.watchers:
+                self._notify((), removed)
+        return len(removed)
 
     def clear(self) -> None:
         """Forget every chunk. Call only when nothing is pinned or writing."""
@@ -284,6 +306,8 @@ class PrimaryTier:
             busy = len(self._writing) + len(self._pins)
             if busy:
                 raise RuntimeError(f"cannot clear the primary tier: {busy} slots busy")
+            if self.watchers:
+                self._notify((), list(self._ready))
             self._ready.clear()
             self._free = list(range(self.num_slots - 1, -1, -1))
             self.policy.clear()

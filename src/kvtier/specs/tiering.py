@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import logging
 
+from kvtier.config_model import IndexConfig
 from kvtier.errors import ConfigError
+from kvtier.fleet.factory import build_index
+from kvtier.fleet.publisher import IndexPublisher
+from kvtier.fleet.routing import PeerFinder
 from kvtier.manager import TieringManager
 from kvtier.primary import PrimaryTier, SlotBuffer
 from kvtier.specs.base import OffloadingSpec
@@ -66,4 +70,36 @@ class TieringSpec(OffloadingSpec):
             self.config.eviction_policy,
             [t.tier_type for t in tiers],
         )
-        return TieringManager(PrimaryTier(buffer, policy), tiers, self.config.backpressure)
+        manager = TieringManager(PrimaryTier(buffer, policy), tiers, self.config.backpressure)
+        if self.config.index is not None:
+            try:
+                self._attach_index(manager, self.config.index)
+            except BaseException:
+                manager.shutdown()
+                raise
+        return manager
+
+    @staticmethod
+    def _attach_index(manager: TieringManager, section: IndexConfig) -> None:
+        """Publish the node's chunks to the cluster index; tiers that ask
+        other nodes ask it first."""
+        index = build_index(section.index_class, section.options)
+        advertised = [tier.advertised_address() for tier in manager.tiers]
+        publisher = IndexPublisher(
+            index,
+            held=manager.primary.ready_keys,
+            tier_media=[tier.tier_type for tier in manager.tiers],
+            p2p_address=next((address for address in advertised if address), None),
+        )
+        serving = any(getattr(tier, "address", None) for tier in manager.tiers)
+        if serving and publisher.lease.p2p_address is None:
+            logger.warning(
+                "cluster index: this node's p2p service listens on a wildcard address, so "
+                "peers asking the index cannot find it: set index.p2p_address"
+            )
+        manager.attachments.append(publisher)
+        manager.primary.watchers.append(publisher.primary_changed)
+        manager.job_listeners.append(publisher.job_finished)
+        finder = PeerFinder(index)
+        for tier in manager.tiers:
+            tier.use_holder_index(finder)

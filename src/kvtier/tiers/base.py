@@ -37,6 +37,15 @@ class TierSpec(Protocol):
     def layout(self) -> KVLayout: ...
 
 
+class HolderIndex(Protocol):
+    """Where chunks are, as the cluster index tells (see :mod:`kvtier.fleet`)."""
+
+    def peers_holding(self, keys: Sequence[ChunkKey]) -> list[frozenset[str]]:
+        """For each key, the ``host:port`` of the live nodes' peer services whose
+        primary tier holds it. Raises when the index cannot answer in time."""
+        ...
+
+
 class Lookup(enum.Enum):
     """What a tier knows about a key right now."""
 
@@ -307,6 +316,15 @@ class SecondaryTier(ABC, Generic[OptionsT]):
     def describe(self) -> dict[str, object]:
         """Facts for ``kvtier check`` and logs (backend, paths, modes)."""
         return {"type": self.tier_type}
+
+    def advertised_address(self) -> str | None:
+        """``host:port`` where other nodes fetch this node's chunks through
+        this tier (``p2p``), for the cluster index; ``None``: nowhere."""
+        return None
+
+    def use_holder_index(self, index: HolderIndex) -> None:
+        """A cluster index is configured: a tier that asks other nodes may ask
+        only those ``index`` names. Default: ignored."""
 
     def discard(self, keys: Sequence[ChunkKey]) -> None:
         """Remove these chunks where the tier holds them, best effort; may block.

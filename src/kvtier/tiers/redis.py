@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import urllib.parse
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
@@ -105,7 +105,7 @@ class RedisTierOptions(RemoteTierOptions):
     @classmethod
     def _check_url(cls, url: str | None) -> str | None:
         if url is not None:
-            problem = _url_problem(url)
+            problem = redis_url_problem(url)
             if problem:
                 raise ValueError(
                     f"{problem}; write it as redis://[user[:password]@]host:port/db "
@@ -302,7 +302,7 @@ def _wrong_type_is_corrupt(reply: Any) -> Fetched:
 
 def _connected(options: RedisTierOptions) -> Any:
     """A client for ``options`` that answered one ``PING``."""
-    client = _connect(options)
+    client = redis_client(options)
     try:
         client.ping()
     except BaseException:
@@ -311,7 +311,7 @@ def _connected(options: RedisTierOptions) -> Any:
     return client
 
 
-def _url_problem(url: str) -> str | None:
+def redis_url_problem(url: str) -> str | None:
     """What is wrong with a Redis URL, or ``None``."""
     try:
         parts = split_url(url, _URL_SCHEMES)
@@ -341,7 +341,38 @@ def _query_problem(url: str) -> str | None:
     return None
 
 
-def _connect(options: RedisTierOptions) -> Any:
+class RedisTarget(Protocol):
+    """The connection options :func:`redis_client` reads (the tier's, the cluster index's)."""
+
+    @property
+    def url(self) -> str | None: ...
+
+    @property
+    def startup_nodes(self) -> tuple[str, ...]: ...
+
+    @property
+    def username(self) -> str | None: ...
+
+    @property
+    def password(self) -> SecretStr | None: ...
+
+    @property
+    def max_connections(self) -> int: ...
+
+    @property
+    def connect_timeout_s(self) -> float: ...
+
+    @property
+    def socket_timeout_s(self) -> float: ...
+
+    @property
+    def retries(self) -> int: ...
+
+    @property
+    def is_cluster(self) -> bool: ...
+
+
+def redis_client(options: RedisTarget) -> Any:
     """A redis-py client for ``options``: a blocking pool, or a cluster client."""
     try:
         import redis

@@ -4,8 +4,11 @@ Each node with a ``p2p`` tier runs a peer service (on ``listen``) that
 serves its own primary tier, and asks the ``peers`` it is configured with:
 
 * **lookups** are batched per engine step and sent to every reachable peer
-  in parallel; a key answers PENDING until the peers reply (or the request
-  timeout passes: a silent peer holds nothing). The tier remembers which
+  in parallel (with a cluster index configured, only to the ``index_fanout``
+  peers the index names as holding most of the batch; to every peer when
+  the index cannot answer within its ``timeout_s``); a key answers PENDING
+  until the peers reply (or the request timeout passes: a silent peer holds
+  nothing). The tier remembers which
   peer said it holds which key and fetches from those.
 * **loads** stream each chunk straight into its reserved primary slot and
   verify the integrity header and checksum there. A chunk that fails, or a
@@ -23,10 +26,11 @@ timeouts are described in :mod:`kvtier.tiers.p2p.server`.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import ssl
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -35,7 +39,14 @@ from pydantic import ByteSize, Field, FilePath, SecretStr, field_validator, mode
 
 from kvtier.errors import CorruptChunkError, KVTierError
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import HealthCheck, JobResult, TierMetric, TierOptions, TransferJob
+from kvtier.tiers.base import (
+    HealthCheck,
+    HolderIndex,
+    JobResult,
+    TierMetric,
+    TierOptions,
+    TransferJob,
+)
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.client import CONNECT_ATTEMPTS, PeerClient
 from kvtier.tiers.p2p.counters import ClientCounters
@@ -85,6 +96,11 @@ class PeerTierOptions(ThreadedTierOptions):
     """The peer service closes an authenticated connection idle this long;
     clients close pooled connections unused for half of it, and reconnect
     transparently when a peer closed one first."""
+
+    index_fanout: int = Field(default=2, ge=1, le=1024)
+    """With a cluster index (the top-level ``index`` section): peers one lookup
+    batch asks, those the index names as holding most of its chunks. An index
+    that is down or slow costs one bounded wait, then every peer is asked."""
 
     retry_after_s: float = Field(default=2.0, ge=0, le=3600)
     """After a peer fails, seconds before it is asked again."""
@@ -248,6 +264,13 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
         self._budget = ByteBudget(int(options.max_inflight_bytes))
         self._holders: OrderedDict[ChunkKey, list[PeerClient]] = OrderedDict()
         self._holders_lock = threading.Lock()
+        self._index: HolderIndex | None = None
+        self._by_name = {client.name: client for client in self._clients}
+        #: Lookup batches; queries sent to peers; batches the index steered; batches it failed.
+        self.query_batches = 0
+        self.peer_queries = 0
+        self.index_batches = 0
+        self.index_fallbacks = 0
         # Bound now, so a bad or taken address stops the node's startup; serving
         # starts when the manager attaches the node's primary tier.
         self._server: PeerServer | None = None
@@ -291,6 +314,19 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
         """Where this node's peer service listens, once started."""
         return self._server.address if self._server else None
 
+    def advertised_address(self) -> str | None:
+        """The bound listen address, unless it is a wildcard (then the index's
+        ``p2p_address`` must say where peers reach this node)."""
+        if self._server is None:
+            return None
+        host, port = self._server.address
+        if ipaddress.ip_address(host).is_unspecified:
+            return None
+        return protocol.format_address(host, port)
+
+    def use_holder_index(self, index: HolderIndex) -> None:
+        self._index = index
+
     def on_attach(self, primary: PrimaryTier) -> None:
         """Start serving the node's primary tier on the bound listen address."""
         super().on_attach(primary)
@@ -325,6 +361,9 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
         live = [client for client in self._clients if client.available()]
         if not live or not keys:
             return holders
+        live = self._steered(keys, live)
+        self.query_batches += 1
+        self.peer_queries += len(live)
         futures = {self._fanout.submit(client.query, keys): client for client in live}
         connecting = CONNECT_ATTEMPTS * self._settings.connect_timeout_s
         done, _ = wait(futures, timeout=connecting + self._settings.request_timeout_s)
@@ -335,6 +374,32 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
                 if held:
                     holders[index].append(futures[future])
         return holders
+
+    def _steered(self, keys: Sequence[ChunkKey], live: list[PeerClient]) -> list[PeerClient]:
+        """The peers worth asking about ``keys``: with an index, the
+        ``index_fanout`` configured peers it names as holding most of them
+        (none if it names none); without one, or when it fails, all of ``live``.
+
+        Only configured peers are ever asked: an entry naming another address,
+        forged or stale, is ignored. What an asked peer says still decides.
+        """
+        if self._index is None:
+            return live
+        try:
+            named = self._index.peers_holding(keys)
+        except Exception as exc:
+            self.index_fallbacks += 1
+            logger.debug("p2p: the cluster index did not answer (%r); asking every peer", exc)
+            return live
+        self.index_batches += 1
+        reachable = {client.name: client for client in live}
+        votes: Counter[str] = Counter()
+        for addresses in named:
+            for address in addresses:
+                name = _normalized(address)
+                if name in reachable:
+                    votes[name] += 1
+        return [reachable[name] for name, _ in votes.most_common(self._settings.index_fanout)]
 
     def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
         """Fetch ``key`` from a peer that holds it, straight into ``out``.
@@ -395,6 +460,27 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
         values = [
             TierMetric("peers", len(self._clients), "Peers this node fetches from."),
             TierMetric("peers_reachable", reachable, "Peers not sitting out a failure."),
+            TierMetric(
+                "peer_query_batches",
+                self.query_batches,
+                "Lookup batches that asked peers.",
+                counter=True,
+            ),
+            TierMetric(
+                "peer_queries", self.peer_queries, "Lookup queries sent to peers.", counter=True
+            ),
+            TierMetric(
+                "peer_index_batches",
+                self.index_batches,
+                "Lookup batches whose peers the cluster index chose.",
+                counter=True,
+            ),
+            TierMetric(
+                "peer_index_fallbacks",
+                self.index_fallbacks,
+                "Lookup batches that asked every peer because the cluster index failed.",
+                counter=True,
+            ),
         ]
         if self._server is not None:
             served = self._server.counters.as_dict()
@@ -484,3 +570,11 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
         if self._server is not None:
             facts.update(self._server.counters.as_dict())
         return facts
+
+
+def _normalized(address: str) -> str | None:
+    """``address`` as peer clients name theirs, or ``None`` if it is not ``host:port``."""
+    try:
+        return protocol.format_address(*protocol.parse_address(address))
+    except (ValueError, KVTierError):
+        return None

@@ -1,0 +1,245 @@
+"""``redis``: the cluster index in Redis or Valkey, single server or cluster.
+
+Layout (``P`` is ``key_prefix``):
+
+* ``P c:<chunk key>``: a sorted set per chunk; a member ``<incarnation>|<medium>``
+  per node process and tier holding it, scored by the entry's expiry (Unix
+  seconds). The key itself expires ``entry_ttl_s`` after its last write.
+* ``P n:<incarnation>``: the lease of one node process, a small JSON object
+  (``{"node": ..., "p2p": ...}``) that expires ``lease_s`` after its last renewal.
+
+A process picks a fresh random incarnation when it starts, so the entries of
+an earlier run of the same node count for nothing once that run's lease is
+gone, and a reader needs no list of nodes: an entry counts while its member
+has not expired and its incarnation's lease exists. Every command names one
+key, so a cluster pipeline sends each node its share in one round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+
+from kvtier.fleet.base import (
+    INCARNATION_CHARS,
+    MAX_NAME_CHARS,
+    ClusterIndex,
+    Holders,
+    IndexOptions,
+    NodeLease,
+)
+from kvtier.keys import ChunkKey
+from kvtier.tiers.addresses import parse_host_port
+from kvtier.tiers.redis import redis_client, redis_url_problem
+
+_MAX_LEASE_BYTES = 4096
+
+
+class RedisIndexOptions(IndexOptions):
+    url: str | None = None
+    """``redis://[user[:password]@]host:port/db`` (``rediss://`` for TLS); with
+    ``cluster: true``, any one node of the cluster."""
+
+    cluster: bool = False
+    """Talk to a Redis Cluster (seeded by ``url``) instead of a single server."""
+
+    startup_nodes: tuple[str, ...] = ()
+    """``host:port`` seed nodes of a Redis Cluster, instead of ``url``; implies ``cluster``."""
+
+    key_prefix: str = "kvtier:index:"
+    """Prepended to every key of the index."""
+
+    username: str | None = None
+    """ACL user, if not in ``url``."""
+
+    password: SecretStr | None = None
+    """Password, if not in ``url``."""
+
+    max_connections: int = Field(default=8, ge=2, le=1024)
+    """Connection pool size (per node in cluster mode)."""
+
+    connect_timeout_s: float = Field(default=0.25, gt=0, le=60)
+    """Seconds to wait for a connection to open."""
+
+    retries: int = Field(default=0, ge=0, le=5)
+    """Further attempts of a failed call; each adds up to ``timeout_s`` to a wait."""
+
+    @property
+    def socket_timeout_s(self) -> float:
+        return self.timeout_s
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.cluster or bool(self.startup_nodes)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            problem = redis_url_problem(url)
+            if problem:
+                raise ValueError(f"{problem}; write it as redis://[user[:password]@]host:port/db")
+        return url
+
+    @model_validator(mode="after")
+    def _check_target(self) -> RedisIndexOptions:
+        if (self.url is None) == (not self.startup_nodes):
+            raise ValueError("set exactly one of 'url' and 'startup_nodes'")
+        for node in self.startup_nodes:
+            try:
+                parse_host_port(node)
+            except ValueError as exc:
+                raise ValueError(f"startup_nodes: {exc}") from None
+        return self
+
+
+class RedisIndex(ClusterIndex):
+    """The cluster index as sorted sets and leases in Redis or Valkey."""
+
+    Options: ClassVar[type[IndexOptions]] = RedisIndexOptions
+
+    def __init__(self, options: IndexOptions) -> None:
+        if not isinstance(options, RedisIndexOptions):
+            raise TypeError(f"RedisIndex takes RedisIndexOptions, not {type(options).__name__}")
+        super().__init__(options)
+        self._options = options
+        self._prefix = options.key_prefix.encode()
+        # Connects lazily: a store that is down at startup only delays publishing.
+        self._client: Any = redis_client(options)
+        # Leases read recently: a routing call asks for each node once a second
+        # at most, not once per chunk entry.
+        self._leases: dict[str, tuple[float, NodeLease | None]] = {}
+        self._leases_lock = threading.Lock()
+        self._lease_cache_s = min(1.0, options.lease_s / 4)
+
+    def _chunk_name(self, key: ChunkKey) -> bytes:
+        return self._prefix + b"c:" + key
+
+    def _lease_name(self, incarnation: str) -> bytes:
+        return self._prefix + b"n:" + incarnation.encode()
+
+    def publish(
+        self,
+        incarnation: str,
+        lease: NodeLease,
+        added: Sequence[tuple[ChunkKey, str]],
+        removed: Sequence[tuple[ChunkKey, str]],
+    ) -> None:
+        options = self._options
+        now = time.time()
+        expiry = now + options.entry_ttl_s
+        ttl_ms = int(options.entry_ttl_s * 1000)
+        pipe = self._client.pipeline(transaction=False)
+        value = json.dumps({"node": lease.node, "p2p": lease.p2p_address})
+        pipe.set(self._lease_name(incarnation), value, px=int(options.lease_s * 1000))
+        for key, medium in added:
+            name = self._chunk_name(key)
+            pipe.zadd(name, {f"{incarnation}|{medium}": expiry})
+            # Entries of dead nodes in a chunk that live nodes keep refreshing.
+            pipe.zremrangebyscore(name, "-inf", now)
+            pipe.pexpire(name, ttl_ms)
+        for key, medium in removed:
+            pipe.zrem(self._chunk_name(key), f"{incarnation}|{medium}")
+        pipe.execute()
+
+    def withdraw(self, incarnation: str) -> None:
+        self._client.delete(self._lease_name(incarnation))
+
+    def holders(self, keys: Sequence[ChunkKey]) -> Holders:
+        try:
+            holders = self._holders(keys)
+        except Exception:
+            self.counters.query_failures += 1
+            raise
+        self.counters.queries += 1
+        return holders
+
+    def _holders(self, keys: Sequence[ChunkKey]) -> Holders:
+        now = time.time()
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.zrangebyscore(self._chunk_name(key), now, "+inf")
+        replies = pipe.execute() if keys else []
+        entries: list[list[tuple[str, str]]] = []
+        for members in replies:
+            entries.append([entry for m in members if (entry := self._parse_member(m))])
+        incarnations = {inc for found in entries for inc, _ in found}
+        leases = self._live_leases(incarnations)
+        per_key: list[dict[str, frozenset[str]]] = []
+        for found in entries:
+            media: dict[str, set[str]] = {}
+            for inc, medium in found:
+                lease = leases.get(inc)
+                if lease is not None:
+                    media.setdefault(lease.node, set()).add(medium)
+            per_key.append({node: frozenset(m) for node, m in media.items()})
+        nodes = {lease.node: lease for lease in leases.values()}
+        return Holders(per_key, nodes)
+
+    def _parse_member(self, member: Any) -> tuple[str, str] | None:
+        try:
+            text = bytes(member).decode("ascii")
+            incarnation, medium = text.split("|")
+            int(incarnation, 16)
+        except (TypeError, ValueError):
+            self.counters.malformed_entries += 1
+            return None
+        if len(incarnation) != INCARNATION_CHARS or not (0 < len(medium) <= MAX_NAME_CHARS):
+            self.counters.malformed_entries += 1
+            return None
+        return incarnation, medium
+
+    def _live_leases(self, incarnations: set[str]) -> dict[str, NodeLease]:
+        now = time.monotonic()
+        live: dict[str, NodeLease] = {}
+        wanted: list[str] = []
+        with self._leases_lock:
+            for inc in incarnations:
+                cached = self._leases.get(inc)
+                if cached is not None and now - cached[0] < self._lease_cache_s:
+                    if cached[1] is not None:
+                        live[inc] = cached[1]
+                else:
+                    wanted.append(inc)
+        if not wanted:
+            return live
+        pipe = self._client.pipeline(transaction=False)
+        for inc in wanted:
+            pipe.get(self._lease_name(inc))
+        replies = pipe.execute()
+        fetched = {inc: self._parse_lease(raw) for inc, raw in zip(wanted, replies, strict=True)}
+        with self._leases_lock:
+            if len(self._leases) > 65536:
+                self._leases.clear()
+            for inc, lease in fetched.items():
+                self._leases[inc] = (now, lease)
+                if lease is not None:
+                    live[inc] = lease
+        return live
+
+    def _parse_lease(self, raw: Any) -> NodeLease | None:
+        if raw is None:
+            return None  # expired or withdrawn: a dead node, not a malformed entry
+        try:
+            if len(raw) > _MAX_LEASE_BYTES:
+                raise ValueError("too long")
+            value = json.loads(raw)
+            node, p2p = value["node"], value.get("p2p")
+            if not isinstance(node, str) or not (0 < len(node) <= MAX_NAME_CHARS):
+                raise ValueError("bad node")
+            if p2p is not None:
+                if not isinstance(p2p, str):
+                    raise ValueError("bad p2p address")
+                parse_host_port(p2p)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            self.counters.malformed_entries += 1
+            return None
+        return NodeLease(node, p2p)
+
+    def close(self) -> None:
+        self._client.close()
