@@ -441,7 +441,12 @@ def check_model(sizes: ModelSizes, device: torch.device) -> tuple[ModelResult, l
     def tokens(count: int) -> list[int]:
         return torch.randint(0, sizes.vocab, (count,), generator=generator).tolist()
 
-    kv_config = {"chunk_tokens": sizes.chunk_tokens, "cpu_bytes_to_use": "4GiB"}
+    # Room for every prompt of the run (float32 K and V of each layer and KV head).
+    head_dim = sizes.hidden // sizes.heads
+    slot_bytes = sizes.layers * 2 * sizes.kv_heads * head_dim * sizes.chunk_tokens * 4
+    prompt_chunks = (sizes.prefix_tokens + sizes.suffix_tokens) // sizes.chunk_tokens + 1
+    cpu_bytes = slot_bytes * prompt_chunks * 2 * (sizes.rounds + 2)
+    kv_config = {"chunk_tokens": sizes.chunk_tokens, "cpu_bytes_to_use": cpu_bytes}
     failures: list[str] = []
     miss, hit, errors, reused = [], [], [], 0
     with PrefixCache(model, kv_config) as kv:
