@@ -8,10 +8,7 @@ trip: only a check against independent references can see it.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -21,20 +18,14 @@ torch = pytest.importorskip("torch")
 
 from kvtier.integrations import page_copies  # noqa: E402
 from kvtier.integrations.page_copies import CopyIndex, LayerPages, Transfers  # noqa: E402
+from tests.device_check_script import device_check  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_check.py"
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def check() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+@pytest.fixture
+def check() -> ModuleType:
+    return device_check()
 
 
 def test_the_whole_check_passes_on_the_cpu(
