@@ -45,9 +45,10 @@ from kvtier.integrations.page_copies import CopyIndex, LayerPages, Transfers
 
 # Layouts ---------------------------------------------------------------------
 #
-# Reference pages are bytes ``[blocks, 2 (K, V), tokens, heads, head_dim * itemsize]``.
-# A layout builds the tensor the engine hands over from them (its memory, then
-# the view vLLM gives the connector) and says in which byte order a page lies
+# Reference pages are bytes ``[layers, blocks, 2 (K, V), tokens, heads,
+# head_dim * itemsize]``. A layout builds the engine's memory from them (all
+# layers: some orders interleave them) and each layer's view of it, the
+# tensor vLLM hands the connector, and says in which byte order a page lies
 # in a slot: the order of the view's dimensions after the block one.
 
 
@@ -56,63 +57,62 @@ class Layout:
     name: str
     #: Which engines use it.
     used_by: str
-    #: Reference bytes -> the engine's memory (contiguous uint8).
+    #: Reference bytes -> the engine's memory (contiguous uint8, every layer).
     memory: Callable[[torch.Tensor], torch.Tensor]
-    #: The engine's memory (any dtype, last dimension whole elements) -> its view.
-    view: Callable[[torch.Tensor], torch.Tensor]
+    #: The engine's memory (any dtype, last dimension whole elements), a layer -> its view.
+    view: Callable[[torch.Tensor, int], torch.Tensor]
     #: Reference pages ``[n, 2, tokens, heads, bytes]`` -> slot rows ``[n, page_bytes]``.
     slot_page: Callable[[torch.Tensor], torch.Tensor]
-
-
-def _kv_last(reference: torch.Tensor) -> torch.Tensor:
-    """``[B, 2, N, H, D]`` -> ``[B, N, H, 2·D]``: K then V of each head and token."""
-    b, _, n, h, d = reference.shape
-    return reference.permute(0, 2, 3, 1, 4).reshape(b, n, h, 2 * d)
 
 
 def _flat(pages: torch.Tensor) -> torch.Tensor:
     return pages.reshape(len(pages), -1)
 
 
+def _legacy(name: str, used_by: str, order: tuple[int, ...]) -> Layout:
+    """A layer's pages ``[blocks, 2, tokens, heads, dim]`` permuted by ``order``, layer by layer."""
+    layer_order = (0, *(d + 1 for d in order))
+    return Layout(
+        name,
+        used_by,
+        memory=lambda r: r.permute(layer_order).contiguous(),
+        view=lambda m, layer: m[layer],
+        slot_page=_flat,
+    )
+
+
+def _vllm_0_32(name: str, used_by: str) -> Layout:
+    """vLLM 0.32: every layer's view is ``[blocks, heads, tokens, K|V]`` (K and V of
+    a head and token side by side) over memory in the order the name spells,
+    out of ``L, B, H, N, C`` (``vllm.v1.kv_cache_layout.KVCacheLayout``)."""
+    order = tuple("LBHNC".index(axis) for axis in name)
+    inverse = tuple(order.index(axis) for axis in range(5))
+
+    def logical(reference: torch.Tensor) -> torch.Tensor:
+        layers, blocks, _, tokens, heads, dim = reference.shape
+        kv_last = reference.permute(0, 1, 4, 3, 2, 5)  # [L, B, H, N, 2, D]
+        return kv_last.reshape(layers, blocks, heads, tokens, 2 * dim)
+
+    return Layout(
+        name,
+        used_by,
+        memory=lambda r: logical(r).permute(order).contiguous(),
+        view=lambda m, layer: m.permute(inverse)[layer],
+        slot_page=lambda p: _flat(p.permute(0, 3, 2, 1, 4)),
+    )
+
+
 LAYOUTS = {
     layout.name: layout
     for layout in (
-        Layout(
-            "blocks-first",
-            "[blocks, 2, tokens, heads, dim]: FlashInfer before vLLM 0.32",
-            memory=lambda r: r.contiguous(),
-            view=lambda m: m,
-            slot_page=_flat,
-        ),
-        Layout(
-            "kv-first",
-            "[2, blocks, tokens, heads, dim]: FlashAttention and Triton before vLLM 0.32",
-            memory=lambda r: r.transpose(0, 1).contiguous(),
-            view=lambda m: m,
-            slot_page=_flat,
-        ),
-        Layout(
-            "LBHNC",
-            "[blocks, heads, tokens, K|V] in that order: vLLM 0.32's CPU attention, FlashInfer HND",
-            memory=lambda r: _kv_last(r).transpose(1, 2).contiguous(),
-            view=lambda m: m,
-            slot_page=lambda p: _flat(p.permute(0, 3, 2, 1, 4)),
-        ),
-        Layout(
-            "LBNHC",
-            "[blocks, heads, tokens, K|V] over tokens-outer memory: vLLM 0.32's default "
-            "(FlashAttention)",
-            memory=lambda r: _kv_last(r).contiguous(),
-            view=lambda m: m.transpose(1, 2),
-            slot_page=lambda p: _flat(p.permute(0, 3, 2, 1, 4)),
-        ),
-        Layout(
-            "LHBNC",
-            "[blocks, heads, tokens, K|V] over heads-outer memory: vLLM 0.32's ROCm backends",
-            memory=lambda r: _kv_last(r).permute(2, 0, 1, 3).contiguous(),
-            view=lambda m: m.permute(1, 0, 2, 3),
-            slot_page=lambda p: _flat(p.permute(0, 3, 2, 1, 4)),
-        ),
+        _legacy("blocks-first", "FlashInfer before vLLM 0.32", (0, 1, 2, 3, 4)),
+        _legacy("kv-first", "FlashAttention and Triton before vLLM 0.32", (1, 0, 2, 3, 4)),
+        _vllm_0_32("LBHNC", "vLLM 0.32: CPU attention, FlashInfer HND"),
+        _vllm_0_32("LBNHC", "vLLM 0.32's default, which FlashAttention takes"),
+        _vllm_0_32("LHBNC", "vLLM 0.32: ROCm backends"),
+        _vllm_0_32("BLHNC", "vLLM 0.32: block-outermost (FlashInfer on Blackwell accepts it)"),
+        _vllm_0_32("BLNHC", "vLLM 0.32: block-outermost, tokens outside heads"),
+        _vllm_0_32("BHLNC", "vLLM 0.32: block-outermost, heads outside layers"),
     )
 }
 
@@ -174,7 +174,7 @@ class PageCase:
 
 
 class _Engine:
-    """One rank's KV cache: every layer's memory and the view kvtier is given."""
+    """One rank's KV cache: the memory of every layer and the view kvtier is given of each."""
 
     def __init__(
         self, case: PageCase, reference: torch.Tensor, heads: slice, device: torch.device
@@ -182,11 +182,12 @@ class _Engine:
         self.layout, self.heads = case.layout, heads
         # Copied even on the CPU: the engine never shares memory with the reference.
         # Kept as bytes, so every write and read is a plain byte copy in any dtype.
-        self.memory = [self._memory(layer).to(device, copy=True) for layer in reference]
-        self.views = [case.layout.view(m.view(case.dtype)) for m in self.memory]
+        self.memory = self._memory(reference).to(device, copy=True)
+        typed = self.memory.view(case.dtype)
+        self.views = [case.layout.view(typed, layer) for layer in range(len(reference))]
 
-    def _memory(self, layer: torch.Tensor) -> torch.Tensor:
-        return self.layout.memory(layer[..., self.heads, :])
+    def _memory(self, reference: torch.Tensor) -> torch.Tensor:
+        return self.layout.memory(reference[..., self.heads, :])
 
     def pages(self, num_blocks: int, page_bytes: int) -> list[LayerPages]:
         return [
@@ -195,11 +196,15 @@ class _Engine:
 
     def write(self, reference: torch.Tensor) -> None:
         """Overwrite every layer on the engine's stream, as its next forward pass does."""
-        for memory, layer in zip(self.memory, reference, strict=True):
-            memory.copy_(self._memory(layer))
+        self.memory.copy_(self._memory(reference))
 
-    def bytes_of(self, layer: int) -> torch.Tensor:
-        return self.memory[layer].cpu()
+    def wrong_bytes(self, reference: torch.Tensor) -> list[int]:
+        """Per layer, how many bytes differ from what ``reference`` says they hold."""
+        got, want = self.memory.cpu(), self._memory(reference)
+        return [
+            int((self.layout.view(got, layer) != self.layout.view(want, layer)).sum())
+            for layer in range(len(reference))
+        ]
 
 
 def check_pages(case: PageCase, sizes: PageSizes, device: torch.device, seed: int) -> list[str]:
@@ -283,17 +288,14 @@ def check_pages(case: PageCase, sizes: PageSizes, device: torch.device, seed: in
 
     # Load from slots holding the reference bytes, not what kvtier stored.
     slot_rows.copy_(expected)
+    after_load = before_load.clone()
+    after_load[:, targets] = stored[:, sources]
     for rank, head_range in enumerate(rank_heads):
         engine = _Engine(case, before_load, head_range, device)
         transfers.load(engine.pages(num_blocks, page_bytes), index(rank, targets), slot_rows)
         _synchronize(device)
-        for layer in range(layers):
-            want = before_load[layer].clone()
-            want[targets] = stored[layer, sources]
-            want_memory = case.layout.memory(want[..., head_range, :])
-            got = engine.bytes_of(layer)
-            if not torch.equal(got, want_memory):
-                wrong = int((got != want_memory).sum())
+        for layer, wrong in enumerate(engine.wrong_bytes(after_load)):
+            if wrong:
                 failures.append(
                     f"{case.label}: load: rank {rank} layer {layer}: {wrong} wrong bytes"
                 )
@@ -491,7 +493,7 @@ def check_model(sizes: ModelSizes, device: torch.device) -> tuple[ModelResult, l
 # Command line ------------------------------------------------------------------
 
 QUICK_PAGES = PageSizes(layers=2, heads=4, head_dim=16, chunk_tokens=128, chunks=3, spare_slots=2)
-FULL_PAGES = PageSizes(layers=4, heads=8, head_dim=128, chunk_tokens=256, chunks=8, spare_slots=4)
+FULL_PAGES = PageSizes(layers=4, heads=8, head_dim=128, chunk_tokens=256, chunks=4, spare_slots=3)
 QUICK_RATE = PageSizes(layers=2, heads=2, head_dim=64, chunk_tokens=64, chunks=32, spare_slots=0)
 FULL_RATE = PageSizes(layers=32, heads=8, head_dim=128, chunk_tokens=256, chunks=16, spare_slots=0)
 QUICK_MODEL = ModelSizes(
@@ -558,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "device_name": _device_name(device),
             "torch": torch.__version__,
             "page_cases": len(cases),
+            "layouts": {layout.name: layout.used_by for layout in LAYOUTS.values()},
             "failures": failures,
             "bandwidth": [
                 {**asdict(r), "store_ratio": r.store_ratio, "load_ratio": r.load_ratio}

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 LAYERS, BLOCKS, HEADS, HEAD_DIM = 3, 7, 4, 16
 
 
-@pytest.mark.parametrize("name", ["LBHNC", "LBNHC", "LHBNC"])
+@pytest.mark.parametrize("name", [layout.name for layout in KVCacheLayout])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_each_layout_is_the_view_vllm_gives_the_connector(
@@ -37,8 +37,7 @@ def test_each_layout_is_the_view_vllm_gives_the_connector(
     reference = torch.randint(
         0, 256, (LAYERS, BLOCKS, 2, block_size, HEADS, HEAD_DIM * dtype.itemsize), dtype=torch.uint8
     )
-    memory = [layout.memory(layer) for layer in reference]
-    raw = torch.cat([m.flatten() for m in memory]).view(torch.int8)
+    memory = layout.memory(reference)
 
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dtype
@@ -46,23 +45,21 @@ def test_each_layout_is_the_view_vllm_gives_the_connector(
     order = KVCacheLayout[name]
     layer_stride, block_stride, *_ = compute_layout_strides(spec, BLOCKS, LAYERS, order)
     tensor = KVCacheTensor(
-        size=raw.numel(),
+        size=memory.numel(),
         layers=[f"layer{i}" for i in range(LAYERS)],
         layer_stride=layer_stride,
         block_stride=block_stride,
     )
-    views = create_kv_cache_views(raw, spec, BLOCKS, order, tensor)
+    views = create_kv_cache_views(memory.flatten().view(torch.int8), spec, BLOCKS, order, tensor)
 
-    for ours, theirs in zip(memory, views, strict=True):
-        view = layout.view(ours.view(dtype))
-        assert view.shape == theirs.shape
-        assert view.stride() == theirs.stride()
-        assert torch.equal(view.view(torch.uint8), theirs.view(torch.uint8))
-    # vLLM's pages hold the bytes the check expects in a slot row.
     page_bytes = spec.page_size_bytes
-    for layer in range(LAYERS):
+    for layer, theirs in enumerate(views):
+        ours = layout.view(memory.view(dtype), layer)
+        assert ours.shape == theirs.shape
+        assert ours.stride() == theirs.stride()
+        assert ours.data_ptr() == theirs.data_ptr()
+        # vLLM's pages hold the bytes the check expects in a slot row.
         expected = layout.slot_page(reference[layer])
         assert expected.shape == (BLOCKS, page_bytes)
-        theirs = views[layer].view(torch.uint8)
         for block in range(BLOCKS):
-            assert torch.equal(theirs[block].flatten(), expected[block])
+            assert torch.equal(theirs[block].view(torch.uint8).flatten(), expected[block])
