@@ -174,3 +174,20 @@ def test_a_mirrored_bug_makes_the_script_exit_non_zero(
     assert check.main(["--device", "cpu", "--quick", "--skip-model", "--repeat", "1"]) == 1
     out = capsys.readouterr().out
     assert "pages: 4 cases" in out and "FAIL blocks-first" in out
+
+
+def test_a_part_that_raises_fails_the_run_but_the_others_still_report(
+    check: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    all_cases = check.page_cases()
+    monkeypatch.setattr(check, "page_cases", lambda: all_cases[:2])
+
+    def broken(*args: Any) -> None:
+        raise AttributeError("module 'torch' has no attribute 'xyz'")
+
+    monkeypatch.setattr(check, "check_model", broken)
+    assert check.main(["--device", "cpu", "--quick", "--repeat", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "pages: 2 cases" in out and ": OK in" in out
+    assert "bandwidth" in out and "LBNHC" in out
+    assert "FAIL model: AttributeError: module 'torch' has no attribute 'xyz'" in out
