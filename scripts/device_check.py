@@ -14,7 +14,8 @@ Three parts, each on the given torch device (default: the first accelerator):
   never from what kvtier stored, so a wrong row mapping shows even when
   store and load share it. Stores run as two overlapping steps, the engine
   overwriting its blocks right after each (the copy stream must have read
-  them first).
+  them first); loaded pages are read back on the compute stream with no
+  device-wide wait (the load's event must order them).
 * **bandwidth**: kvtier's store (device → slots) and load (slots → device)
   against a plain ``tensor.copy_`` of the same bytes to and from pinned host
   memory, as GB/s and a ratio.
@@ -294,7 +295,8 @@ def check_pages(case: PageCase, sizes: PageSizes, device: torch.device, seed: in
     for rank, head_range in enumerate(rank_heads):
         engine = _Engine(case, before_load, head_range, device)
         transfers.load(engine.pages(num_blocks, page_bytes), index(rank, targets), slot_rows)
-        _synchronize(device)
+        # Read back on the compute stream, with no device-wide wait: only the
+        # load's event orders this read after the copy stream's writes.
         for layer, wrong in enumerate(engine.wrong_bytes(after_load)):
             if wrong:
                 failures.append(
