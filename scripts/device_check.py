@@ -526,9 +526,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures: list[str] = []
     began = time.perf_counter()
     cases = page_cases()
+    sizes = QUICK_PAGES if quick else FULL_PAGES
     for number, case in enumerate(cases):
-        sizes = QUICK_PAGES if quick else FULL_PAGES
         failures += _guarded(case.label, failures, check_pages, case, sizes, device, number) or []
+        if number + 1 == len(cases) or cases[number + 1].layout != case.layout:
+            # Progress, so that a run cut short still shows how far it got.
+            print(f"  {case.layout.name} done at {time.perf_counter() - began:.1f} s", flush=True)
     print(
         f"pages: {len(cases)} cases ({_covered(cases)}): "
         f"{'FAIL' if failures else 'OK'} in {time.perf_counter() - began:.1f} s"
