@@ -326,6 +326,10 @@ class Rate:
     load_gbps: float
     copy_to_host_gbps: float
     copy_to_device_gbps: float
+    #: Host memory alone: the step's rows gathered out of the slots (a load's
+    #: first step) and written into them (a store's last), to tell where time goes.
+    slot_gather_gbps: float
+    slot_scatter_gbps: float
 
     @property
     def store_ratio(self) -> float:
@@ -389,6 +393,8 @@ def measure_bandwidth(
         if not transfers.start_store(pages, index, slot_rows).finish():
             raise RuntimeError("a store failed")
 
+    words, rows = slot_rows.view(torch.int64), index.rows.flatten()
+    staged = words.index_select(0, rows)
     return Rate(
         layout.name,
         moved / 2**20,
@@ -396,6 +402,8 @@ def measure_bandwidth(
         load_gbps=best(lambda: transfers.load(pages, index, slot_rows)),
         copy_to_host_gbps=best(lambda: host.copy_(on_device)),
         copy_to_device_gbps=best(lambda: on_device.copy_(host)),
+        slot_gather_gbps=best(lambda: words.index_select(0, rows)),
+        slot_scatter_gbps=best(lambda: words.index_copy_(0, rows, staged)),
     )
 
 
@@ -559,6 +567,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"({rate.store_ratio:.2f}x of {rate.copy_to_host_gbps:.2f})  load "
             f"{rate.load_gbps:6.2f} ({rate.load_ratio:.2f}x of {rate.copy_to_device_gbps:.2f})  "
             + _verdict(rate, device)
+        )
+        print(
+            f"  {'':13s} host side alone: rows out of the slots {rate.slot_gather_gbps:6.2f}, "
+            f"into them {rate.slot_scatter_gbps:6.2f}"
         )
 
     model: ModelResult | None = None
