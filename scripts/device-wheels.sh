@@ -5,11 +5,8 @@
 # Reads the dependencies from pyproject.toml, downloads them and everything
 # they need into device-wheels/ (ignored by git) with the requirements file
 # beside them, and prints the bundle's size. On that machine, from a checkout
-# holding device-wheels/ (kvtier itself runs from src/, its C extensions are
-# optional):
-#
-#   python3 -m pip install --no-index --find-links device-wheels -r device-wheels/requirements.txt
-#   PYTHONPATH=src python3 scripts/device_check.py
+# holding device-wheels/, scripts/device-check.sh installs them and runs the
+# check (kvtier itself runs from src/, its C extensions are optional).
 #
 # PYTHON picks the interpreter whose pip downloads (default python3; any
 # version: the target is given explicitly below), DEST the folder.
