@@ -100,6 +100,30 @@ class CopyIndex(NamedTuple):
     layer_rows: torch.Tensor
     block_ids: torch.Tensor
 
+    @classmethod
+    def for_chunks(
+        cls,
+        slots: list[int],
+        positions: list[int],
+        block_ids: list[int],
+        *,
+        rows_per_slot: int,
+        part_row: int,
+        num_layers: int,
+        blocks_per_chunk: int,
+    ) -> CopyIndex:
+        """Pages laid out in slots as ``slot[part][layer][position]``, one row each.
+
+        Entry ``i`` is KV block ``block_ids[i]`` at position ``positions[i]`` of
+        slot ``slots[i]``; a slot is ``rows_per_slot`` rows and this copier's
+        part of it starts ``part_row`` rows in, holding ``num_layers ×
+        blocks_per_chunk`` pages.
+        """
+        first = torch.tensor(slots, dtype=torch.long) * rows_per_slot + part_row
+        first += torch.tensor(positions, dtype=torch.long)
+        layers = torch.arange(num_layers, dtype=torch.long) * blocks_per_chunk
+        return cls(first, layers, torch.tensor(block_ids, dtype=torch.long))
+
     @property
     def rows(self) -> torch.Tensor:
         """Slot rows ``[layer, page]``."""

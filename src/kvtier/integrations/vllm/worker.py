@@ -216,12 +216,14 @@ class WorkerSide:
         self._slots = flat.view(-1, self.shape.page_bytes)
 
     def _index(self, copies: PageCopies) -> CopyIndex:
-        """Slot rows of this rank's pages: a slot's first row, plus this rank's
-        part, plus ``layer × blocks_per_chunk + position``."""
-        page_bytes, per_chunk = self.shape.page_bytes, self.shape.blocks_per_chunk
-        slots = torch.tensor(copies.slots, dtype=torch.long)
-        first = slots * (self.shape.slot_bytes // page_bytes) + self._part[0] // page_bytes
-        first += torch.tensor(copies.positions, dtype=torch.long)
-        layers = torch.arange(self.shape.num_layers, dtype=torch.long) * per_chunk
-        block_ids = torch.tensor(copies.block_ids, dtype=torch.long)
-        return CopyIndex(first, layers, block_ids)
+        """Slot rows of this rank's pages: its part of each slot, ``[layer][position]``."""
+        page_bytes = self.shape.page_bytes
+        return CopyIndex.for_chunks(
+            copies.slots,
+            copies.positions,
+            copies.block_ids,
+            rows_per_slot=self.shape.slot_bytes // page_bytes,
+            part_row=self._part[0] // page_bytes,
+            num_layers=self.shape.num_layers,
+            blocks_per_chunk=self.shape.blocks_per_chunk,
+        )
