@@ -183,3 +183,16 @@ def test_bench_peers_check_refuses_a_wrong_or_missing_chunk() -> None:
         check_chunks("peer", chunks, [chunks[0], flipped, chunks[2]])
     with pytest.raises(RuntimeError, match="first: chunk 2"):
         check_chunks("peer", chunks, [chunks[0], chunks[1], None])
+
+
+def test_bench_request_path_finds_the_same_hits_through_kvtier_and_the_minimal_cache() -> None:
+    out = run_quick("bench_request_path.py")
+    rows = {row["system"]: row for row in out["results"]}
+    assert set(rows) == {"minimal", "kvtier", "kvtier-keyed"}
+    # The driver refuses to report systems that found different hits; some were found.
+    assert 0 < out["hit_chunks"] < out["chunks"]
+    for row in rows.values():
+        assert row["requests_per_s"] > 0 and row["vs_minimal"] > 0
+        low, high = row["vs_minimal_range"]
+        assert low <= row["vs_minimal"] <= high
+    assert rows["minimal"]["vs_minimal"] == pytest.approx(1.0)

@@ -21,7 +21,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from kvtier.backpressure import Backpressure
 from kvtier.keys import ChunkKey
@@ -58,11 +58,11 @@ def _serialised(
     return locked
 
 
-@dataclass(frozen=True)
-class LookupResult:
+class LookupResult(NamedTuple):
     """``hit_chunks`` leading chunks are ready in the primary tier now;
     ``pending`` means more may be once in-flight work ends: ask again next step."""
 
+    # A named tuple: made once a lookup, where a frozen dataclass costs a call per field.
     hit_chunks: int
     pending: bool
 
@@ -249,12 +249,18 @@ class TieringManager:
     @_serialised
     def complete_store(self, keys: Sequence[ChunkKey], success: bool = True) -> None:
         """The engine finished writing ``keys``; on success they cascade to the tiers."""
-        written = [k for k in dict.fromkeys(keys) if self.primary.is_writing(k)]
         if not success:
-            self.primary.complete_store(written, success=False)
+            self.primary.complete_store(keys, success=False)
             return
-        targets = self._admit(range(len(self.tiers)), len(written)) if written else []
-        self._cascade(self.primary.complete_store(written, pins=len(targets)), targets)
+        # Which tiers take a store job is known before the chunks are ready
+        # (admission only reads the backpressure), so that they come ready
+        # already pinned once per tier, with no pass over the keys of its own.
+        targets = [index for index, pressure in enumerate(self.backpressure) if pressure.admit()]
+        ready = self.primary.complete_store(keys, pins=len(targets))
+        if ready and len(targets) < len(self.tiers):
+            for index in set(range(len(self.tiers))).difference(targets):
+                self.tiers[index].count(backpressure_drops=len(ready))
+        self._cascade(ready, targets)
 
     @_serialised
     def touch(self, keys: Sequence[ChunkKey]) -> None:
