@@ -40,6 +40,7 @@ from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.prefix import ChunkCopier, HeldPrefix, copy_out
 from kvtier.sim.record import TraceRecorder
 from kvtier.specs.factory import OffloadingSpecFactory
+from kvtier.status import CacheStatus
 
 __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
 
@@ -49,7 +50,9 @@ _anonymous_requests = map(f"kvtier-{uuid.uuid4().hex[:12]}-{{}}".format, itertoo
 
 
 class KVCache:
-    """A kvtier manager plus the key bookkeeping an engine needs. Thread-safe."""
+    """kvtier for an engine: the surface engine integrations use (see the
+    engine API docs). Thread-safe. Its ``manager`` is internal: watch a
+    running cache through :attr:`status`."""
 
     def __init__(
         self,
@@ -75,6 +78,8 @@ class KVCache:
         except BaseException:
             self.manager.shutdown()
             raise
+        #: What the cache holds and how its tiers fare, read-only (see :mod:`kvtier.status`).
+        self.status = CacheStatus(self.manager)
         #: Admits calls until :meth:`close`, which waits for the copies in progress.
         self.lifecycle = Lifecycle("KVCache")
         self._key_memo = KeyMemo(layout.namespace, layout.chunk_tokens)
@@ -101,6 +106,13 @@ class KVCache:
         self.lifecycle.check()
         array = token_array(tokens)
         return KeyedTokens(self.layout.namespace, tuple(self._key_memo.keys(array)), len(array))
+
+    def chunks(self, keys: Sequence[ChunkKey]) -> KeyedTokens:
+        """Keys an engine made itself (say, from its own page hashes with
+        :func:`~kvtier.keys.chain_key` and this cache's namespace), for
+        :meth:`lookup`, :meth:`load` and :meth:`store` to take as a sequence
+        of ``len(keys)`` full chunks."""
+        return KeyedTokens(self.layout.namespace, tuple(keys), len(keys) * self.chunk_tokens)
 
     def _key_source(self, tokens: TokenIds | KeyedTokens) -> np.ndarray | KeyedTokens:
         """The checked token ids, or ``tokens`` itself if keyed (by this cache's layout)."""
@@ -134,7 +146,7 @@ class KVCache:
         holder's :attr:`~HeldPrefix.num_tokens` can all be loaded, whatever
         other threads store meanwhile. A chunk whose promotion failed is not
         retried within the call. ``request_id`` groups lookups of one
-        request (the caller then ends it with ``manager.on_request_finished``).
+        request (the caller then ends it with :meth:`end_request`).
         """
         self.lifecycle.check()
         source = self._key_source(tokens)
@@ -272,6 +284,17 @@ class KVCache:
         """Wait until every transfer in flight has ended."""
         with self.lifecycle.running():
             self.manager.drain()
+
+    def reset(self) -> None:
+        """Drain, then empty the primary tier; the secondary tiers keep their chunks."""
+        with self.lifecycle.running():
+            self.manager.reset()
+
+    def end_request(self, request_id: str) -> None:
+        """End the request a caller named in its lookups (``request_id``): the
+        tiers forget what they kept for it, and its failed promotions may be tried again."""
+        with self.lifecycle.running():
+            self.manager.on_request_finished(request_id)
 
     def _unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Release chunks pinned for this cache's lookups (nothing to do once closed)."""
