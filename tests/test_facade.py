@@ -212,6 +212,7 @@ def test_token_ids_that_are_not_integers_are_refused(
     for call in (
         lambda: cache.store(tokens, data),
         lambda: cache.keys(tokens),
+        lambda: cache.keyed(tokens),
         lambda: cache.cached_prefix(tokens),
         lambda: cache.load(tokens, 16, np.zeros_like(data)),
     ):

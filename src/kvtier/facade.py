@@ -299,8 +299,11 @@ class KVCache:
     def _unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Release chunks pinned for this cache's lookups (nothing to do once closed)."""
         if keys:
-            with suppress(ClosedError), self.lifecycle.running():
-                self.manager.complete_load(keys)
+            try:
+                with self.lifecycle.running():
+                    self.manager.complete_load(keys)
+            except ClosedError:
+                pass
 
     def close(self) -> None:
         """Drain and stop the tiers. Idempotent.

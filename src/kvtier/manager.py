@@ -162,7 +162,8 @@ class TieringManager:
         hits = primary.lookup(keys, count_hits=not asked_before)
         pending = False
         chain: set[ChunkKey] | None = None
-        for index in range(hits, len(keys)):
+        # Past the ready prefix, only secondary tiers or writes in flight add anything.
+        for index in range(hits, len(keys) if self.tiers or primary.has_writes else hits):
             key = keys[index]
             if primary.is_ready(key):
                 continue

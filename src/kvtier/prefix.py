@@ -72,8 +72,9 @@ class HeldPrefix:
         self, cache: Holder, keys: Sequence[ChunkKey], slots: Sequence[int], pending: bool
     ) -> None:
         self._cache = cache
-        self._keys = list(keys)
-        self._slots = list(slots)
+        # Its own sequences: made for it by the lookup, never changed.
+        self._keys = keys
+        self._slots = slots
         self._released = False
         # A load and a release of the same holder exclude each other: the
         # chunks must stay pinned while they are copied. Re-entrant: a copier
