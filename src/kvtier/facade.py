@@ -38,7 +38,7 @@ from kvtier.lifecycle import Lifecycle
 from kvtier.manager import TieringManager
 from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.prefix import ChunkCopier, HeldPrefix, copy_out
-from kvtier.sim.record import TraceRecorder
+from kvtier.recording import TraceRecorder
 from kvtier.specs.factory import OffloadingSpecFactory
 from kvtier.status import CacheStatus
 
@@ -67,16 +67,19 @@ class KVCache:
         self.layout = layout
         self.spec = OffloadingSpecFactory.create_spec(self.config, layout)
         self.manager: TieringManager = self.spec.build_manager()
+        #: Where each lookup's keys are recorded (``trace_recording``); ``None`` when off.
+        self.trace_recorder: TraceRecorder | None = None
         try:
-            # Owned by the manager from here: its shutdown closes the recorder.
-            self.manager.trace_recorder = TraceRecorder.from_config(
+            self.trace_recorder = TraceRecorder.from_config(
                 self.config.trace_recording, layout.chunk_tokens
             )
             self.metrics: KVTierMetrics = attach_metrics(
-                self.manager, self.config.metrics, metrics_registry
+                self.manager, self.config.metrics, metrics_registry, self.trace_recorder
             )
         except BaseException:
             self.manager.shutdown()
+            if self.trace_recorder is not None:
+                self.trace_recorder.close()
             raise
         #: What the cache holds and how its tiers fare, read-only (see :mod:`kvtier.status`).
         self.status = CacheStatus(self.manager)
@@ -154,7 +157,7 @@ class KVCache:
         timeout = seconds(timeout, "timeout")
         poll_s = seconds(poll_s, "poll_s")
         keys = self._keys(source)
-        recorder = self.manager.trace_recorder
+        recorder = self.trace_recorder
         if recorder is not None and not self.closed:  # one record a lookup: what simulate replays
             recorder.record(keys, len(source))
         owned = request_id is None
@@ -317,6 +320,9 @@ class KVCache:
                 return
             self.metrics.close()
             self.manager.shutdown()
+            # After the manager: an engine's scheduler may record until it stops.
+            if self.trace_recorder is not None:
+                self.trace_recorder.close()
 
     def __enter__(self) -> KVCache:
         return self

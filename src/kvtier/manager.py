@@ -21,16 +21,13 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Concatenate, NamedTuple, ParamSpec, TypeVar
+from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from kvtier.backpressure import Backpressure
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
 from kvtier.settings import BackpressureConfig
 from kvtier.tiers.base import JobResult, Lookup, LookupContext, SecondaryTier, TransferJob
-
-if TYPE_CHECKING:
-    from kvtier.sim.record import TraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +138,6 @@ class TieringManager:
         #: the manager's lock once a result is applied; an observer that raises
         #: is logged and never disturbs the manager.
         self.job_listeners: list[JobListener] = []
-        #: Where the engine side records each request's keys (``trace_recording``); closed here.
-        self.trace_recorder: TraceRecorder | None = None
         for tier in self.tiers:
             self._call(tier, "on_attach", primary)
 
@@ -347,8 +342,6 @@ class TieringManager:
         for tier in self.tiers:
             self._call(tier, "shutdown")
         self.primary.buffer.close()
-        if self.trace_recorder is not None:
-            self.trace_recorder.close()
 
     # Machinery -------------------------------------------------------------
 
