@@ -4,6 +4,8 @@ import logging
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import pytest
@@ -420,22 +422,28 @@ def test_the_contract_harness_validates_once_too(counted: list[str]) -> None:
         harness.close()
 
 
-def test_arguments_a_tier_changes_before_the_base_are_validated_again(
-    counted: list[str],
-) -> None:
-    config = load_config({"secondary_tiers": [{"type": "renaming", "label": "r"}]})
-    entry = config.secondary_tiers[0]
+@contextmanager
+def built_from_a_configuration(entry: dict[str, Any]) -> Iterator[SecondaryTier]:
+    """The tier of ``entry``, built as a spec builds it from a validated configuration."""
+    tier_config = load_config({"secondary_tiers": [entry]}).secondary_tiers[0]
     buffer = SlotBuffer(4, small_layout().slot_bytes)
     spec = TieringSpec(load_config({"chunk_tokens": 16}), small_layout())
     tier = SecondaryTierFactory.build_secondary_tier(
-        entry.tier_class, entry.tier_type, entry.options, buffer.view, spec
+        tier_config.tier_class, tier_config.tier_type, tier_config.options, buffer.view, spec
     )
     try:
-        assert counted == ["r", "r-renamed"]
-        assert tier.options.label == "r-renamed"
+        yield tier
     finally:
         tier.shutdown()
         buffer.close()
+
+
+def test_arguments_a_tier_changes_before_the_base_are_validated_again(
+    counted: list[str],
+) -> None:
+    with built_from_a_configuration({"type": "renaming", "label": "r"}) as tier:
+        assert counted == ["r", "r-renamed"]
+        assert tier.options.label == "r-renamed"
 
 
 def test_a_tier_built_from_a_plain_mapping_validates_its_options(counted: list[str]) -> None:
@@ -525,16 +533,6 @@ def test_a_tier_that_names_its_options_is_built_from_a_validated_configuration(
     counted: list[str],
 ) -> None:
     register_tier("named", __name__, "NamedOptionsTier")
-    config = load_config({"secondary_tiers": [{"type": "named", "label": "n"}]})
-    entry = config.secondary_tiers[0]
-    buffer = SlotBuffer(4, small_layout().slot_bytes)
-    spec = TieringSpec(load_config({"chunk_tokens": 16}), small_layout())
-    tier = SecondaryTierFactory.build_secondary_tier(
-        entry.tier_class, entry.tier_type, entry.options, buffer.view, spec
-    )
-    try:
+    with built_from_a_configuration({"type": "named", "label": "n"}) as tier:
         # Nothing to pass the validated object on with: its arguments are validated again.
         assert counted == ["n", "n"] and tier.options.label == "n"
-    finally:
-        tier.shutdown()
-        buffer.close()
