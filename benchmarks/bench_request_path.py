@@ -109,14 +109,15 @@ class MinimalCache:
         step = self.layout.chunk_tokens * 8
         data = np.asarray(tokens, dtype="<i8").tobytes()
         view = memoryview(data)
-        keys = []
+        keys: list[bytes] = []
+        append, copy = keys.append, self.hasher.copy  # as tight as kvtier's own loop
         parent = self.layout.namespace
         for start in range(0, len(data) - step + 1, step):
-            digest = self.hasher.copy()
+            digest = copy()
             digest.update(parent)
             digest.update(view[start : start + step])
             parent = digest.digest()
-            keys.append(parent)
+            append(parent)
         with self.lock:
             lru = self.lru
             hits = 0

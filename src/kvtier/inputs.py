@@ -50,7 +50,8 @@ def token_array(tokens: Any, where: str = "tokens") -> np.ndarray:
         except OverflowError:
             raise ValueError(f"{where}: a token id does not fit in 64 bits") from None
         # Bools pass as 0 and 1 (a bool is an int): only those ids need a look.
-        suspects = np.flatnonzero((array == 0) | (array == 1)).tolist()
+        low = array <= 1
+        suspects = np.flatnonzero(low & (array >= 0)).tolist() if low.any() else ()
         if suspects:
             items = tokens if hasattr(tokens, "__getitem__") else list(tokens)
             if any(isinstance(items[index], bool) for index in suspects):
