@@ -168,14 +168,12 @@ class KVCache:
         try:
             while True:
                 with self.lifecycle.running():
-                    rest = keys[len(slots) :]
-                    result = manager.lookup(rest, request)
-                    pinned = manager.pin_prefix(rest[: result.hit_chunks])
+                    pinned, pending = manager.lookup_pinned(
+                        keys[len(slots) :], request, end_request=owned
+                    )
                     slots += pinned
-                    # Fewer pinned than found: evicted in between; look again.
-                    pending = result.pending or len(pinned) < result.hit_chunks
                     if not pending or time.monotonic() >= deadline:
-                        if owned:
+                        if owned and pending:
                             manager.on_request_finished(request)
                         return HeldPrefix(self, keys[: len(slots)], slots, pending)
                     manager.step()

@@ -145,7 +145,29 @@ class TieringManager:
 
     @_serialised
     def lookup(self, keys: Sequence[ChunkKey], request_id: str | None = None) -> LookupResult:
-        """How many leading chunks are ready; starts promotions for the rest it finds.
+        """How many leading chunks are ready; starts promotions for the rest it finds."""
+        return self._lookup(keys, request_id)
+
+    @_serialised
+    def lookup_pinned(
+        self, keys: Sequence[ChunkKey], request_id: str, *, end_request: bool = False
+    ) -> tuple[list[int], bool]:
+        """:meth:`lookup`, then pin the leading ready chunks, in one entry: the
+        slots pinned, and whether more may be ready at a later step (fewer
+        pinned than found also counts: evicted in between, ask again).
+
+        ``end_request``: the request's lookups are over unless more is pending,
+        and then it ends here as by :meth:`on_request_finished`.
+        """
+        result = self._lookup(keys, request_id)
+        slots = self.primary.pin_prefix(keys[: result.hit_chunks])
+        pending = result.pending or len(slots) < result.hit_chunks
+        if end_request and not pending:
+            self._end_request(request_id)
+        return slots, pending
+
+    def _lookup(self, keys: Sequence[ChunkKey], request_id: str | None) -> LookupResult:
+        """:meth:`lookup`, under the lock.
 
         Linear in ``keys``: the leading ready chunks are found and touched in
         one pass (touched first, so that the promotions' evictions meet them
@@ -266,6 +288,9 @@ class TieringManager:
 
     @_serialised
     def on_request_finished(self, request_id: str) -> None:
+        self._end_request(request_id)
+
+    def _end_request(self, request_id: str) -> None:
         self._failed.pop(request_id, None)
         self._asking.discard(request_id)
         for tier in self.tiers:
