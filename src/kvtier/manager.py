@@ -20,10 +20,10 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from kvtier.backpressure import Backpressure
+from kvtier.jobs import JobOutcome, JobRecord
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
 from kvtier.settings import BackpressureConfig
@@ -64,44 +64,6 @@ class LookupResult(NamedTuple):
     pending: bool
 
 
-@dataclass
-class _Job:
-    job_id: int
-    tier_index: int
-    loading: bool
-    keys: tuple[ChunkKey, ...]
-    request_id: str | None
-    #: Whether the job's slots were handed back (a load's slots completed, a
-    #: store's unpinned): exactly once, whatever else goes wrong.
-    released: bool = False
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    """A tier's :class:`JobResult`, checked against its job."""
-
-    good: list[ChunkKey]
-    bad: list[ChunkKey]
-    nbytes: int
-    seconds: float
-    #: Of ``bad``: keys the tier no longer held (misses, not failures).
-    vanished: int = 0
-
-    @classmethod
-    def of(cls, job: _Job, result: JobResult) -> _Outcome:
-        """Raises ``TypeError`` or ``ValueError`` on a malformed result."""
-        succeeded = frozenset(result.succeeded)
-        bad = [key for key in job.keys if key not in succeeded]
-        vanished = frozenset(result.vanished)
-        return cls(
-            good=[key for key in job.keys if key in succeeded],
-            bad=bad,
-            nbytes=int(result.nbytes),
-            seconds=float(result.seconds),
-            vanished=sum(key in vanished for key in bad),
-        )
-
-
 class TieringManager:
     """Owns the primary tier and drives the secondary tiers behind it."""
 
@@ -117,7 +79,7 @@ class TieringManager:
         self.backpressure = [Backpressure(config) for _ in self.tiers]
         # Re-entrant: drain and reset step, a listener may read the manager.
         self._lock = threading.RLock()
-        self._jobs: dict[tuple[int, int], _Job] = {}
+        self._jobs: dict[tuple[int, int], JobRecord] = {}
         # (tier index, request id) -> [(key, slot)], submitted at step end.
         self._promotions: dict[tuple[int, str | None], list[tuple[ChunkKey, int]]] = defaultdict(
             list
@@ -405,7 +367,7 @@ class TieringManager:
         tier = self.tiers[index]
         # Recorded before the tier sees it: a fast tier may report the job
         # before submit returns, and its result must find the job.
-        record = _Job(job.job_id, index, loading, job.keys, job.request_id)
+        record = JobRecord(job.job_id, index, loading, job.keys, job.request_id)
         self._jobs[(index, job.job_id)] = record
         try:
             (tier.submit_load if loading else tier.submit_store)(job)
@@ -441,12 +403,12 @@ class TieringManager:
                     continue
                 self._finish(job, result)
 
-    def _finish(self, job: _Job, result: JobResult) -> None:
+    def _finish(self, job: JobRecord, result: JobResult) -> None:
         """Apply one finished job in isolation: a result that cannot be applied
         fails its own job (counted, logged once), and its slots come back."""
         tier = self.tiers[job.tier_index]
         try:
-            self._apply(tier, job, _Outcome.of(job, result))
+            self._apply(tier, job, JobOutcome.of(job, result))
         except Exception:
             logger.exception(
                 "tier %s: the result of job %d could not be applied; the job failed",
@@ -468,7 +430,7 @@ class TieringManager:
             except Exception:
                 logger.exception("job listener %r raised", listener)
 
-    def _apply(self, tier: SecondaryTier, job: _Job, outcome: _Outcome) -> None:
+    def _apply(self, tier: SecondaryTier, job: JobRecord, outcome: JobOutcome) -> None:
         if job.loading:
             # Slower tiers' hits warm the faster tiers in front of them; the
             # chunks are pinned for that as they become ready.
@@ -496,7 +458,7 @@ class TieringManager:
                 store_failures=len(outcome.bad),
             )
 
-    def _release_failed(self, job: _Job) -> None:
+    def _release_failed(self, job: JobRecord) -> None:
         """Hand back the slots of a job that failed as a whole."""
         if job.loading:
             # Keys already ready stay (their bytes are whole); the rest are freed.
