@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from bench_primary import TraceSpec as ChainSpec  # beside this script
 
 from kvtier import KVCache, KVLayout
 
@@ -51,16 +52,13 @@ WARMUP_REQUESTS = 200
 
 
 @dataclass(frozen=True)
-class TraceSpec:
+class TraceSpec(ChainSpec):
+    """The primary-tier benchmark's trace shape, as token ids: shorter prompts,
+    ``chunk_tokens`` tokens a chunk."""
+
     requests: int = 4_000
-    prefixes: int = 16
     prefix_chunks: int = 32
-    min_suffix_chunks: int = 2
-    max_suffix_chunks: int = 12
     chunk_tokens: int = 16
-    zipf_s: float = 1.1
-    slots: int = 512
-    rng_seed: int = 0
 
 
 def bench_layout(spec: TraceSpec) -> KVLayout:
