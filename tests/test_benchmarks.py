@@ -204,3 +204,16 @@ def test_bench_fleet_asks_only_holders_and_counts_its_writes() -> None:
     routing = out["routing"]
     assert routing["answers_naming_the_holder_first"] == routing["calls"]
     assert out["redis_key_bytes_per_entry"] > 0
+
+
+def test_bench_request_path_finds_the_same_hits_through_kvtier_and_the_minimal_cache() -> None:
+    out = run_quick("bench_request_path.py")
+    rows = {row["system"]: row for row in out["results"]}
+    assert set(rows) == {"minimal", "kvtier", "kvtier-keyed"}
+    # The driver refuses to report systems that found different hits; some were found.
+    assert 0 < out["hit_chunks"] < out["chunks"]
+    for row in rows.values():
+        assert row["requests_per_s"] > 0 and row["vs_minimal"] > 0
+        low, high = row["vs_minimal_range"]
+        assert low <= row["vs_minimal"] <= high
+    assert rows["minimal"]["vs_minimal"] == pytest.approx(1.0)

@@ -212,6 +212,7 @@ def test_token_ids_that_are_not_integers_are_refused(
     for call in (
         lambda: cache.store(tokens, data),
         lambda: cache.keys(tokens),
+        lambda: cache.keyed(tokens),
         lambda: cache.cached_prefix(tokens),
         lambda: cache.load(tokens, 16, np.zeros_like(data)),
     ):
@@ -396,3 +397,37 @@ def test_a_copier_releasing_its_own_holder_ends_the_load_then_unpins(
     assert cache.manager.primary.busy_counts()["pinned"] == 0  # unpinned once, at the end
     with pytest.raises(ClosedError, match="released"):
         found.load(np.zeros_like(data))
+
+
+def test_the_status_view_reports_slots_and_tiers_without_the_internals(tmp_path: Any) -> None:
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 8 * LAYOUT.slot_bytes,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}],
+    }
+    rows = np.ones((3, LAYOUT.slot_bytes), np.uint8)
+    with KVCache(config, LAYOUT) as cache:
+        tokens = list(range(12))
+        assert cache.store(tokens, rows) == 3
+        cache.drain()
+        held = cache.lookup(tokens)
+        primary = cache.status.primary
+        assert (primary.num_slots, primary.slot_bytes) == (8, LAYOUT.slot_bytes)
+        assert (primary.free, primary.idle, primary.pinned, primary.writing) == (5, 0, 3, 0)
+        assert primary.chunks == 3 and primary.held_bytes == 3 * LAYOUT.slot_bytes
+        assert set(cache.status.slot_states().values()) == {1}  # pinned once each, by held
+        held.release()
+        assert set(cache.status.slot_states().values()) == {0}
+        (tier,) = cache.status.tiers
+        assert (tier.index, tier.tier_type, tier.chunk_count) == (0, "fs", 3)
+        assert tier.stats["chunks_stored"] == 3 and tier.held_bytes and tier.held_bytes > 0
+        assert tier.facts["root_dir"] == str(tmp_path)
+        assert cache.status.tier_types == ["fs"] and not cache.status.busy
+        ((tier_type, checks),) = cache.status.health()
+        assert tier_type == "fs" and checks and all(check.ok for check in checks)
+        keys = cache.keys(tokens)
+        assert cache.status.holds([*keys, b"\0" * len(keys[0])]) == [True] * 3 + [False]
+        cache.reset()  # the primary tier forgets, the fs tier keeps
+        assert cache.status.primary.chunks == 0 and cache.status.tiers[0].chunk_count == 3
+        assert cache.cached_prefix(cache.chunks(keys)) == 12  # promoted back, by keys alone
+        cache.end_request("never-named")  # nothing kept for it: a no-op, not an error

@@ -4,6 +4,8 @@ import logging
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import pytest
@@ -328,13 +330,15 @@ def test_the_policy_and_spec_classes_are_resolved_once_per_configuration(
 
     resolved: list[str] = []
     for registry in (policy_registry, spec_registry):
-        real = registry.resolve
+        # Lookups the registry makes, past its memo of what it resolved already.
+        registry.restore(registry.snapshot())  # that memo emptied
+        real = registry._find
 
         def counting(name: str, *args: object, _real: Any = real, **kwargs: object) -> Any:
             resolved.append(name)
             return _real(name, *args, **kwargs)
 
-        monkeypatch.setattr(registry, "resolve", counting)
+        monkeypatch.setattr(registry, "_find", counting)
     layout = small_layout()
     config = load_config({"chunk_tokens": layout.chunk_tokens, "eviction_policy": "arc"})
     assert sorted(resolved) == ["arc", "tiering"]
@@ -418,22 +422,28 @@ def test_the_contract_harness_validates_once_too(counted: list[str]) -> None:
         harness.close()
 
 
-def test_arguments_a_tier_changes_before_the_base_are_validated_again(
-    counted: list[str],
-) -> None:
-    config = load_config({"secondary_tiers": [{"type": "renaming", "label": "r"}]})
-    entry = config.secondary_tiers[0]
+@contextmanager
+def built_from_a_configuration(entry: dict[str, Any]) -> Iterator[SecondaryTier]:
+    """The tier of ``entry``, built as a spec builds it from a validated configuration."""
+    tier_config = load_config({"secondary_tiers": [entry]}).secondary_tiers[0]
     buffer = SlotBuffer(4, small_layout().slot_bytes)
     spec = TieringSpec(load_config({"chunk_tokens": 16}), small_layout())
     tier = SecondaryTierFactory.build_secondary_tier(
-        entry.tier_class, entry.tier_type, entry.options, buffer.view, spec
+        tier_config.tier_class, tier_config.tier_type, tier_config.options, buffer.view, spec
     )
     try:
-        assert counted == ["r", "r-renamed"]
-        assert tier.options.label == "r-renamed"
+        yield tier
     finally:
         tier.shutdown()
         buffer.close()
+
+
+def test_arguments_a_tier_changes_before_the_base_are_validated_again(
+    counted: list[str],
+) -> None:
+    with built_from_a_configuration({"type": "renaming", "label": "r"}) as tier:
+        assert counted == ["r", "r-renamed"]
+        assert tier.options.label == "r-renamed"
 
 
 def test_a_tier_built_from_a_plain_mapping_validates_its_options(counted: list[str]) -> None:
@@ -456,3 +466,73 @@ def test_options_of_another_tier_class_are_refused(counted: list[str]) -> None:
             )
     finally:
         buffer.close()
+
+
+# One resolution, memoised in the registry ----------------------------------
+
+
+def test_a_name_and_module_path_resolve_once_until_the_registrations_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    looked_up: list[str] = []
+    real = tier_registry._find
+
+    def counting(name: str, *args: Any, **kwargs: Any) -> Any:
+        looked_up.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(tier_registry, "_find", counting)
+    entry = {"type": "OutOfTreeTier", "module_path": OOT}
+    first = SecondaryTierFactory.get_tier_class(entry)
+    assert SecondaryTierFactory.get_tier_class(entry) is first
+    assert looked_up == ["OutOfTreeTier"]
+    register_tier("another", OOT, "OutOfTreeTier")  # a registration forgets what was resolved
+    assert SecondaryTierFactory.get_tier_class(entry) is first
+    assert looked_up == ["OutOfTreeTier"] * 2
+    # The allow-list holds for a module path resolved before it was set.
+    monkeypatch.setenv("KVTIER_ALLOWED_MODULES", "acme_only")
+    with pytest.raises(UntrustedModuleError):
+        SecondaryTierFactory.get_tier_class(entry)
+
+
+def test_a_new_kind_of_plugin_is_a_factory_over_a_registry_of_its_own() -> None:
+    from kvtier.plugins import PluginFactory, PluginRegistry
+
+    class Codec:
+        pass
+
+    class CodecFactory(PluginFactory[Codec]):
+        registry = PluginRegistry(
+            kind="codec",
+            base=Codec,
+            name_key="codec",
+            module_key="codec_module_path",
+            entry_point_group="kvtier.codecs",
+        )
+
+    CodecFactory.register("plain", "kvtier.tiers.memory", "MemoryTier")
+    with pytest.raises(TypeError, match=r"not a subclass of .*Codec"):
+        CodecFactory.resolve("plain")
+    with pytest.raises(UnknownPluginError, match="'codec_module_path'") as error:
+        CodecFactory.resolve("zstd")
+    assert str(error.value).startswith("codec: unknown codec 'zstd'")
+
+
+class NamedOptionsTier(MemoryTier):
+    """Names its options in its own signature (no ``**kwargs`` to pass on)."""
+
+    Options: ClassVar[type[TierOptions]] = CountingTierOptions
+
+    def __init__(self, *, spec: Any, primary_kv_view: Any, tier_type: str, label: str) -> None:
+        super().__init__(
+            spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, label=label
+        )
+
+
+def test_a_tier_that_names_its_options_is_built_from_a_validated_configuration(
+    counted: list[str],
+) -> None:
+    register_tier("named", __name__, "NamedOptionsTier")
+    with built_from_a_configuration({"type": "named", "label": "n"}) as tier:
+        # Nothing to pass the validated object on with: its arguments are validated again.
+        assert counted == ["n", "n"] and tier.options.label == "n"

@@ -136,17 +136,24 @@ def test_the_key_memo_answers_as_chunk_keys_whatever_the_limit() -> None:
     assert memo.keys(changed)[0] == expected[0] and memo.keys(changed)[1] != expected[1]
 
 
+@pytest.fixture
+def hashed(monkeypatch: pytest.MonkeyPatch) -> list[None]:
+    """One entry per chunk hashed from here on (each chunk hashes a copy of the set-up hasher)."""
+    counts: list[None] = []
+    real = keys_module._HASHER
+
+    class Counting:
+        def copy(self) -> Any:
+            counts.append(None)
+            return real.copy()
+
+    monkeypatch.setattr(keys_module, "_HASHER", Counting())
+    return counts
+
+
 def test_the_key_memo_hashes_a_known_prompt_never_again_and_stays_bounded(
-    monkeypatch: pytest.MonkeyPatch,
+    hashed: list[None],
 ) -> None:
-    hashed: list[bytes] = []
-    real = keys_module._chain_key
-
-    def counting(parent: bytes, data: Any, extra: bytes) -> Any:
-        hashed.append(parent)
-        return real(parent, data, extra)
-
-    monkeypatch.setattr(keys_module, "_chain_key", counting)
     memo = KeyMemo(b"ns", 4, entries=2, max_bytes=3 * 4 * 8)
     prompts = [np.arange(i * 100, i * 100 + 12) for i in range(3)]  # three chunks each
     memo.keys(prompts[0])
@@ -161,15 +168,7 @@ def test_the_key_memo_hashes_a_known_prompt_never_again_and_stays_bounded(
     assert len(hashed) == 17
 
 
-def test_a_request_hashes_its_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    hashed: list[bytes] = []
-    real = keys_module._chain_key
-
-    def counting(parent: bytes, data: Any, extra: bytes) -> Any:
-        hashed.append(parent)
-        return real(parent, data, extra)
-
-    monkeypatch.setattr(keys_module, "_chain_key", counting)
+def test_a_request_hashes_its_prompt_once(hashed: list[None]) -> None:
     layout = small_layout(chunk_tokens=4)
     config = {"chunk_tokens": 4, "cpu_bytes_to_use": 8 * layout.slot_bytes}
     tokens = list(range(500, 514))  # three full chunks
@@ -182,3 +181,37 @@ def test_a_request_hashes_its_prompt_once(monkeypatch: pytest.MonkeyPatch) -> No
         assert cache.load(tokens, 8, out[:2]) == 8
         assert (out[:2] == 1).all()
     assert len(hashed) == 3
+
+
+def test_tokens_keyed_once_serve_a_request_as_the_token_ids_do(hashed: list[None]) -> None:
+    layout = small_layout(chunk_tokens=4)
+    config = {"chunk_tokens": 4, "cpu_bytes_to_use": 8 * layout.slot_bytes}
+    tokens = list(range(700, 714))  # three full chunks and a tail
+    rows = np.arange(3 * layout.slot_bytes, dtype=np.uint64).astype(np.uint8).reshape(3, -1)
+    with KVCache(config, layout) as cache:
+        keyed = cache.keyed(tokens)
+        assert list(keyed.keys) == cache.keys(tokens)  # from the memo: hashed once
+        assert len(keyed) == keyed.num_tokens == 14
+        assert cache.store(keyed, rows, num_chunks=2) == 2
+        with cache.lookup(keyed) as found:
+            assert found.num_tokens == 8
+        assert cache.store(keyed, rows) == 1  # only the chunk it lacked
+        out = np.zeros_like(rows)
+        assert cache.load(keyed, 12, out) == 12
+        assert (out == rows).all()
+        assert cache.cached_prefix(tokens) == 12  # the same chunks, by the token ids
+        with pytest.raises(ValueError, match="num_tokens=16 exceeds the 12 tokens"):
+            cache.load(keyed, 16, out)
+    assert len(hashed) == 3
+
+
+def test_tokens_keyed_by_another_layout_are_refused() -> None:
+    layout = small_layout(chunk_tokens=4)
+    other = replace(layout, model_id="another-model")
+    config = {"chunk_tokens": 4, "cpu_bytes_to_use": 8 * layout.slot_bytes}
+    with KVCache(config, layout) as cache, KVCache(config, other) as foreign:
+        keyed = foreign.keyed(list(range(8)))
+        with pytest.raises(ValueError, match="another layout"):
+            cache.lookup(keyed)
+        with pytest.raises(ValueError, match="another layout"):
+            cache.store(keyed, np.zeros((2, layout.slot_bytes), np.uint8))

@@ -16,7 +16,7 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.policies import CachePolicyFactory
-from kvtier.sim.record import TraceRecorder
+from kvtier.recording import TraceRecorder
 from kvtier.sim.replay import PrimaryReplay
 from kvtier.sim.synthetic import ChatShape, chat_trace
 from kvtier.sim.trace import Request, parse_records, read_trace
@@ -120,7 +120,7 @@ def test_an_unwritable_path_is_logged_once_and_counted(
 ) -> None:
     path = tmp_path / "missing-dir" / "t.jsonl"
     with (
-        caplog.at_level(logging.WARNING, "kvtier.sim.record"),
+        caplog.at_level(logging.WARNING, "kvtier.recording"),
         TraceRecorder(path, block_size=BLOCK) as recorder,
     ):
         record_all(recorder, prompts())
@@ -160,7 +160,7 @@ def test_a_recording_made_through_kvcache_replays_to_the_same_hits(
             hit = cache.cached_prefix(tokens)
             cache.store(tokens, lambda index, chunk: None)
             real_hits.append(hit // 4)
-        recorder = cache.manager.trace_recorder
+        recorder = cache.trace_recorder
         assert recorder is not None
         recorder.flush()
         assert cache.metrics.registry.get_sample_value(
@@ -188,7 +188,7 @@ def test_a_recording_made_through_kvcache_replays_to_the_same_hits(
 def test_recording_is_off_by_default_and_dropped_requests_are_counted(tmp_path: Path) -> None:
     layout = small_layout(chunk_tokens=4, head_dim=4)
     with KVCache({"chunk_tokens": 4}, layout) as cache:
-        assert cache.manager.trace_recorder is None
+        assert cache.trace_recorder is None
         cache.cached_prefix(list(range(16)))
         assert (
             cache.metrics.registry.get_sample_value("kvtier_trace_requests_recorded_total") is None
@@ -196,7 +196,7 @@ def test_recording_is_off_by_default_and_dropped_requests_are_counted(tmp_path: 
     path = tmp_path / "traffic.jsonl"
     config = {"chunk_tokens": 4, "trace_recording": {"path": str(path), "queue_size": 1}}
     with KVCache(config, layout) as cache:
-        recorder = cache.manager.trace_recorder
+        recorder = cache.trace_recorder
         assert recorder is not None
         entered, release = threading.Event(), threading.Event()
         write = recorder._write
@@ -228,7 +228,7 @@ def test_an_unwritable_trace_path_never_stops_the_cache(tmp_path: Path) -> None:
         tokens = list(range(16))
         cache.store(tokens, lambda index, chunk: None)
         assert cache.cached_prefix(tokens) == 16
-        recorder = cache.manager.trace_recorder
+        recorder = cache.trace_recorder
         assert recorder is not None
         recorder.flush()
         assert (

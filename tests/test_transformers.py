@@ -179,7 +179,7 @@ def test_logits_after_a_reused_prefix_equal_a_full_prefill(
         _, first = kv.prefill(shared)
         assert first.reused_tokens == 0
         if source == "fs":
-            kv.manager.reset()  # the CPU tier forgets; the fs tier behind it keeps
+            kv.kv.reset()  # the CPU tier forgets; the fs tier behind it keeps
         logits, reused = kv.prefill(shared + suffix)
     assert reused.reused_tokens == 3 * CHUNK  # the partial fourth chunk was never stored
     assert reused.promoted_chunks == ((3,) if source == "fs" else (0,))
@@ -205,7 +205,7 @@ def test_only_full_chunks_are_stored() -> None:
     with PrefixCache(model, kv_config()) as kv:
         kv.prefill(tokens)
         assert kv.kv.cached_prefix(tokens) == 2 * CHUNK
-        assert len(kv.manager.primary) == 2
+        assert kv.kv.status.primary.chunks == 2
 
 
 def test_bfloat16_kv_round_trips_bit_exact() -> None:
@@ -281,11 +281,11 @@ def test_another_model_never_hits_the_chunks_of_this_one(
     with PrefixCache(tiny_model("llama"), kv_config(tier=shared_tier)) as same:
         _, reused = same.prefill(tokens, store=False)
         assert reused.hit_tokens == 4 * CHUNK  # the shared tier does serve the same model
-        assert same.manager.tiers[0].stats.hits == 4
+        assert same.kv.status.tiers[0].stats["hits"] == 4
     with PrefixCache(other(), kv_config(chunk_tokens, tier=shared_tier)) as kv:
         _, reused = kv.prefill(tokens, store=False)
         assert reused.hit_tokens == 0
-        assert kv.manager.tiers[0].stats.hits == 0
+        assert kv.kv.status.tiers[0].stats["hits"] == 0
 
 
 def test_a_broken_tier_costs_the_reuse_never_the_answer() -> None:
@@ -295,10 +295,10 @@ def test_a_broken_tier_costs_the_reuse_never_the_answer() -> None:
     faulty = {"type": "FaultyTier", "module_path": "kvtier.testing.faults"}
     with PrefixCache(model, kv_config(tier=faulty)) as kv:
         kv.generate(tokens, 6)
-        kv.manager.reset()
-        kv.manager.tiers[0].broken = True
+        kv.kv.reset()
+        kv.kv.manager.tiers[0].broken = True  # fault injection: the tier itself
         result = kv.generate(tokens, 6)
-        kv.manager.tiers[0].broken = False
+        kv.kv.manager.tiers[0].broken = False
     assert result.reused_tokens == 0
     assert result.tokens == expected
 

@@ -14,11 +14,12 @@ from kvtier.errors import (
     UntrustedModuleError,
 )
 from kvtier.facade import HeldPrefix, KVCache
-from kvtier.keys import ChunkKey, chunk_keys
+from kvtier.keys import ChunkKey, KeyedTokens, chain_key, chunk_keys
 from kvtier.layout import FORMAT_VERSION, KVLayout
 from kvtier.manager import LookupResult, TieringManager
 from kvtier.policies import CachePolicy, CachePolicyFactory, register_policy
 from kvtier.specs import OffloadingSpec, OffloadingSpecFactory, register_spec
+from kvtier.status import CacheStatus, PrimaryStatus, TierStatus
 from kvtier.tiers import (
     JobResult,
     Lookup,
@@ -37,6 +38,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CachePolicy",
     "CachePolicyFactory",
+    "CacheStatus",
     "ChunkKey",
     "ClosedError",
     "ConfigError",
@@ -47,6 +49,7 @@ __all__ = [
     "KVLayout",
     "KVTierConfig",
     "KVTierError",
+    "KeyedTokens",
     "LayoutMismatchError",
     "Lookup",
     "LookupContext",
@@ -54,6 +57,7 @@ __all__ = [
     "MissingDependencyError",
     "OffloadingSpec",
     "OffloadingSpecFactory",
+    "PrimaryStatus",
     "PluginLoadError",
     "PluginTypeError",
     "SecondaryTier",
@@ -61,10 +65,12 @@ __all__ = [
     "ThreadedTier",
     "TierConfig",
     "TierOptions",
+    "TierStatus",
     "TieringManager",
     "TransferJob",
     "UnknownPluginError",
     "UntrustedModuleError",
+    "chain_key",
     "chunk_keys",
     "load_config",
     "register_policy",

@@ -86,22 +86,22 @@ def load_config(
     except ValidationError as exc:
         problems.extend(_problems_from(exc, KVTierConfig, ""))
     else:
-        policy = _resolve_or_note(
+        # Resolved here, so a bad name fails before anything starts; the
+        # registries keep the classes for the spec and the policy to build.
+        _resolve_or_note(
             lambda: policy_registry.resolve(
                 config.eviction_policy, config.cache_policy_module_path, entry="eviction_policy"
             ),
             "eviction_policy",
             problems,
         )
-        spec = _resolve_or_note(
+        _resolve_or_note(
             lambda: spec_registry.resolve(
                 config.spec_name, config.spec_module_path, entry="spec_name"
             ),
             "spec_name",
             problems,
         )
-        if policy is not None and spec is not None:
-            config._resolved(policy, spec)
     if problems:
         raise ConfigError(problems, label)
     return config

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from kvtier.fleet.base import ClusterIndex, IndexOptions
 from kvtier.policies.base import CachePolicy
@@ -95,22 +95,8 @@ class KVTierConfig(BaseModel):
     trace_recording: TraceRecordingConfig = TraceRecordingConfig()
     """A trace of the requests' prefixes, off the request path (off by default)."""
 
-    # Set by load_config, which resolves each class once; a configuration
-    # built otherwise resolves on first use.
-    _policy_class: type[CachePolicy] | None = PrivateAttr(default=None)
-    _spec_class: type | None = PrivateAttr(default=None)
-
     def policy_class(self) -> type[CachePolicy]:
-        """The ``eviction_policy`` class (looked up once per configuration)."""
-        if self._policy_class is None:
-            self._policy_class = policy_registry.resolve(
-                self.eviction_policy, self.cache_policy_module_path, entry="eviction_policy"
-            )
-        return self._policy_class
-
-    def resolved_spec_class(self) -> type | None:
-        """The ``spec_name`` class :func:`~kvtier.config.load_config` resolved, if it did."""
-        return self._spec_class
-
-    def _resolved(self, policy: type[CachePolicy], spec: type) -> None:
-        self._policy_class, self._spec_class = policy, spec
+        """The ``eviction_policy`` class (the registry resolves it once)."""
+        return policy_registry.resolve(
+            self.eviction_policy, self.cache_policy_module_path, entry="eviction_policy"
+        )

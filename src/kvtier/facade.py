@@ -17,10 +17,11 @@ outside the manager's lock. See the threading model in the architecture docs.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -31,20 +32,27 @@ from prometheus_client import CollectorRegistry
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ClosedError
 from kvtier.inputs import TokenIds, chunk_rows, chunks_of, count, seconds, token_array
-from kvtier.keys import ChunkKey, KeyMemo
+from kvtier.keys import ChunkKey, KeyedTokens, KeyMemo
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.manager import TieringManager
 from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.prefix import ChunkCopier, HeldPrefix, copy_out
-from kvtier.sim.record import TraceRecorder
+from kvtier.recording import TraceRecorder
 from kvtier.specs.factory import OffloadingSpecFactory
+from kvtier.status import CacheStatus
 
 __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
 
+#: Ids of the lookups made without a ``request_id``: unique in the process
+#: (``next`` on a counter is atomic), and cheaper than a UUID per lookup.
+_anonymous_requests = map(f"kvtier-{uuid.uuid4().hex[:12]}-{{}}".format, itertools.count())
+
 
 class KVCache:
-    """A kvtier manager plus the key bookkeeping an engine needs. Thread-safe."""
+    """kvtier for an engine: the surface engine integrations use (see the
+    engine API docs). Thread-safe. Its ``manager`` is internal: watch a
+    running cache through :attr:`status`."""
 
     def __init__(
         self,
@@ -59,17 +67,22 @@ class KVCache:
         self.layout = layout
         self.spec = OffloadingSpecFactory.create_spec(self.config, layout)
         self.manager: TieringManager = self.spec.build_manager()
+        #: Where each lookup's keys are recorded (``trace_recording``); ``None`` when off.
+        self.trace_recorder: TraceRecorder | None = None
         try:
-            # Owned by the manager from here: its shutdown closes the recorder.
-            self.manager.trace_recorder = TraceRecorder.from_config(
+            self.trace_recorder = TraceRecorder.from_config(
                 self.config.trace_recording, layout.chunk_tokens
             )
             self.metrics: KVTierMetrics = attach_metrics(
-                self.manager, self.config.metrics, metrics_registry
+                self.manager, self.config.metrics, metrics_registry, self.trace_recorder
             )
         except BaseException:
             self.manager.shutdown()
+            if self.trace_recorder is not None:
+                self.trace_recorder.close()
             raise
+        #: What the cache holds and how its tiers fare, read-only (see :mod:`kvtier.status`).
+        self.status = CacheStatus(self.manager)
         #: Admits calls until :meth:`close`, which waits for the copies in progress.
         self.lifecycle = Lifecycle("KVCache")
         self._key_memo = KeyMemo(layout.namespace, layout.chunk_tokens)
@@ -87,15 +100,42 @@ class KVCache:
         """Keys of the full chunks of ``tokens`` (ints: floats and bools are refused)."""
         self.lifecycle.check()
         with self.lifecycle.running():
-            return self._keys(token_array(tokens))
+            return self._key_memo.keys(token_array(tokens))
 
-    def _keys(self, tokens: np.ndarray, limit: int | None = None) -> list[ChunkKey]:
+    def keyed(self, tokens: TokenIds) -> KeyedTokens:
+        """``tokens`` checked and keyed once, for :meth:`lookup`, :meth:`load` and
+        :meth:`store` to take in their place: a request's calls then skip the
+        per-call checks and the key memo's pass over the token ids."""
+        self.lifecycle.check()
+        array = token_array(tokens)
+        return KeyedTokens(self.layout.namespace, tuple(self._key_memo.keys(array)), len(array))
+
+    def chunks(self, keys: Sequence[ChunkKey]) -> KeyedTokens:
+        """Keys an engine made itself (say, from its own page hashes with
+        :func:`~kvtier.keys.chain_key` and this cache's namespace), for
+        :meth:`lookup`, :meth:`load` and :meth:`store` to take as a sequence
+        of ``len(keys)`` full chunks."""
+        return KeyedTokens(self.layout.namespace, tuple(keys), len(keys) * self.chunk_tokens)
+
+    def _key_source(self, tokens: TokenIds | KeyedTokens) -> np.ndarray | KeyedTokens:
+        """The checked token ids, or ``tokens`` itself if keyed (by this cache's layout)."""
+        if isinstance(tokens, KeyedTokens):
+            if tokens.namespace != self.layout.namespace:
+                raise ValueError("tokens: keyed by a cache of another layout (namespace)")
+            return tokens
+        return token_array(tokens)
+
+    def _keys(
+        self, source: np.ndarray | KeyedTokens, limit: int | None = None
+    ) -> Sequence[ChunkKey]:
+        if isinstance(source, KeyedTokens):
+            return source.keys if limit is None else source.keys[:limit]
         # A request's lookup, load and store key the same prompt: hashed once.
-        return self._key_memo.keys(tokens, limit)
+        return self._key_memo.keys(source, limit)
 
     def lookup(
         self,
-        tokens: TokenIds,
+        tokens: TokenIds | KeyedTokens,
         *,
         request_id: str | None = None,
         timeout: float = 30.0,
@@ -109,45 +149,45 @@ class KVCache:
         holder's :attr:`~HeldPrefix.num_tokens` can all be loaded, whatever
         other threads store meanwhile. A chunk whose promotion failed is not
         retried within the call. ``request_id`` groups lookups of one
-        request (the caller then ends it with ``manager.on_request_finished``).
+        request (the caller then ends it with :meth:`end_request`).
         """
         self.lifecycle.check()
-        array = token_array(tokens)
+        source = self._key_source(tokens)
         # NaN would never compare past the deadline: a lookup waiting for ever.
         timeout = seconds(timeout, "timeout")
         poll_s = seconds(poll_s, "poll_s")
-        keys = self._keys(array)
-        recorder = self.manager.trace_recorder
+        keys = self._keys(source)
+        recorder = self.trace_recorder
         if recorder is not None and not self.closed:  # one record a lookup: what simulate replays
-            recorder.record(keys, len(array))
+            recorder.record(keys, len(source))
         owned = request_id is None
-        request = f"kvtier-{uuid.uuid4().hex}" if request_id is None else request_id
+        request = next(_anonymous_requests) if request_id is None else request_id
         deadline = time.monotonic() + timeout
         slots: list[int] = []
+        manager = self.manager
         try:
             while True:
                 with self.lifecycle.running():
-                    rest = keys[len(slots) :]
-                    result = self.manager.lookup(rest, request)
-                    pinned = self.manager.pin_prefix(rest[: result.hit_chunks])
+                    pinned, pending = manager.lookup_pinned(
+                        keys[len(slots) :], request, end_request=owned
+                    )
                     slots += pinned
-                    # Fewer pinned than found: evicted in between; look again.
-                    pending = result.pending or len(pinned) < result.hit_chunks
                     if not pending or time.monotonic() >= deadline:
+                        if owned and pending:
+                            manager.on_request_finished(request)
                         return HeldPrefix(self, keys[: len(slots)], slots, pending)
-                    self.manager.step()
+                    manager.step()
                 time.sleep(poll_s)
         except BaseException:
             self._unpin(keys[: len(slots)])
-            raise
-        finally:
             if owned:
                 with suppress(ClosedError), self.lifecycle.running():
-                    self.manager.on_request_finished(request)
+                    manager.on_request_finished(request)
+            raise
 
     def cached_prefix(
         self,
-        tokens: TokenIds,
+        tokens: TokenIds | KeyedTokens,
         *,
         request_id: str | None = None,
         timeout: float = 30.0,
@@ -161,7 +201,9 @@ class KVCache:
         with self.lookup(tokens, request_id=request_id, timeout=timeout, poll_s=poll_s) as found:
             return found.num_tokens
 
-    def load(self, tokens: TokenIds, num_tokens: int, out: np.ndarray | ChunkCopier) -> int:
+    def load(
+        self, tokens: TokenIds | KeyedTokens, num_tokens: int, out: np.ndarray | ChunkCopier
+    ) -> int:
         """Copy the chunks of the first ``num_tokens`` tokens out of kvtier; returns
         the tokens really loaded.
 
@@ -174,12 +216,12 @@ class KVCache:
         chunks of ``tokens`` is a ``ValueError``.
         """
         self.lifecycle.check()
-        array = token_array(tokens)
-        full = len(array) - len(array) % self.chunk_tokens
+        source = self._key_source(tokens)
+        full = len(source) - len(source) % self.chunk_tokens
         chunks = chunks_of(num_tokens, self.chunk_tokens, full, "num_tokens")
         if not callable(out):
             chunk_rows(out, chunks, self.layout, "out", writable=True)
-        keys = self._keys(array, chunks)
+        keys = self._keys(source, chunks)
         with self.lifecycle.running():
             slots = self.manager.pin_prefix(keys)
             try:
@@ -190,7 +232,7 @@ class KVCache:
 
     def store(
         self,
-        tokens: TokenIds,
+        tokens: TokenIds | KeyedTokens,
         src: np.ndarray | ChunkCopier,
         *,
         num_chunks: int | None = None,
@@ -206,8 +248,8 @@ class KVCache:
         stored, from the start.
         """
         self.lifecycle.check()
-        array = token_array(tokens)
-        full = len(array) // self.chunk_tokens
+        source = self._key_source(tokens)
+        full = len(source) // self.chunk_tokens
         wanted = full if num_chunks is None else count(num_chunks, "num_chunks")
         if wanted > full:
             raise ValueError(f"num_chunks={wanted} exceeds the {full} full chunks of tokens")
@@ -216,28 +258,23 @@ class KVCache:
         rows = None
         if not callable(src):
             rows = chunk_rows(src, wanted, self.layout, "src", writable=False)
-        keys = self._keys(array, wanted)
+        keys = self._keys(source, wanted)
         with self.lifecycle.running():
             reserved = self.manager.prepare_store(keys)
             if not reserved:
                 return 0
-            written: list[ChunkKey] = []
+            slot_rows = self.manager.primary.buffer.array
             try:
-                for index, key in enumerate(keys):
-                    slot = reserved.get(key)
-                    if slot is None:
-                        continue
-                    chunk = self.manager.primary.buffer.slot(slot)
+                for index, slot in _positions(keys, reserved):
                     if rows is not None:
-                        chunk[:] = rows[index]
+                        slot_rows[slot] = rows[index]
                     else:
-                        src(index, chunk)  # type: ignore[operator]
-                    written.append(key)
+                        src(index, slot_rows[slot])  # type: ignore[operator]
             except BaseException:
                 self.manager.complete_store(list(reserved), success=False)
                 raise
-            self.manager.complete_store(written, success=True)
-        return len(written)
+            self.manager.complete_store(list(reserved), success=True)
+        return len(reserved)
 
     def step(self) -> None:
         """Drive pending work: collect finished transfers, submit promotions."""
@@ -249,11 +286,25 @@ class KVCache:
         with self.lifecycle.running():
             self.manager.drain()
 
+    def reset(self) -> None:
+        """Drain, then empty the primary tier; the secondary tiers keep their chunks."""
+        with self.lifecycle.running():
+            self.manager.reset()
+
+    def end_request(self, request_id: str) -> None:
+        """End the request a caller named in its lookups (``request_id``): the
+        tiers forget what they kept for it, and its failed promotions may be tried again."""
+        with self.lifecycle.running():
+            self.manager.on_request_finished(request_id)
+
     def _unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Release chunks pinned for this cache's lookups (nothing to do once closed)."""
         if keys:
-            with suppress(ClosedError), self.lifecycle.running():
-                self.manager.complete_load(keys)
+            try:
+                with self.lifecycle.running():
+                    self.manager.complete_load(keys)
+            except ClosedError:
+                pass
 
     def close(self) -> None:
         """Drain and stop the tiers. Idempotent.
@@ -267,9 +318,26 @@ class KVCache:
                 return
             self.metrics.close()
             self.manager.shutdown()
+            # After the manager: an engine's scheduler may record until it stops.
+            if self.trace_recorder is not None:
+                self.trace_recorder.close()
 
     def __enter__(self) -> KVCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _positions(
+    keys: Sequence[ChunkKey], reserved: Mapping[ChunkKey, int]
+) -> Iterable[tuple[int, int]]:
+    """``(index in keys, slot)`` of each reserved key (reserved in the order of ``keys``).
+
+    Most stores reserve a run of chunks to the end of the prompt (those past
+    the cached prefix): then the indexes are a range, with no lookup per key.
+    """
+    start = keys.index(next(iter(reserved)))
+    if len(keys) - start == len(reserved):
+        return zip(range(start, len(keys)), reserved.values(), strict=True)
+    return ((index, reserved[key]) for index, key in enumerate(keys) if key in reserved)

@@ -8,6 +8,7 @@ key of ``1``), and so is a bool.
 
 from __future__ import annotations
 
+from array import array as Int64Array
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -39,20 +40,22 @@ def token_array(tokens: Any, where: str = "tokens") -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         array = tokens
     else:
-        # One pass over the types in C; the slow search only to name the culprit.
-        if any(t is bool or not issubclass(t, int | np.integer) for t in set(map(type, tokens))):
-            index, token = next(
-                (i, t)
-                for i, t in enumerate(tokens)
-                if isinstance(t, bool) or not isinstance(t, int | np.integer)
-            )
-            raise TypeError(
-                f"{where}[{index}] = {token!r} ({type(token).__name__}): token ids must be integers"
-            )
+        # One pass in C that converts and checks at once: ``array('q')`` takes
+        # exactly what Python's integer protocol takes (no float, no str).
         try:
-            array = np.asarray(tokens, dtype=_TOKEN_DTYPE)
+            array = np.frombuffer(Int64Array("q", tokens), dtype=np.int64)
+        except TypeError:
+            _refuse_non_integer(tokens, where)
+            raise
         except OverflowError:
             raise ValueError(f"{where}: a token id does not fit in 64 bits") from None
+        # Bools pass as 0 and 1 (a bool is an int): only those ids need a look.
+        low = array <= 1
+        suspects = np.flatnonzero(low & (array >= 0)).tolist() if low.any() else ()
+        if suspects:
+            items = tokens if hasattr(tokens, "__getitem__") else list(tokens)
+            if any(isinstance(items[index], bool) for index in suspects):
+                _refuse_non_integer(tokens, where)
     if array.ndim != 1:
         raise ValueError(f"{where}: expected one sequence (1-D), got shape {array.shape}")
     if array.dtype.kind not in "iu" and array.size:
@@ -60,6 +63,15 @@ def token_array(tokens: Any, where: str = "tokens") -> np.ndarray:
     if array.dtype == np.uint64 and array.size and int(array.max()) > _INT64_MAX:
         raise ValueError(f"{where}: a token id does not fit in 64 bits")
     return array.astype(_TOKEN_DTYPE, copy=False)
+
+
+def _refuse_non_integer(tokens: Any, where: str) -> None:
+    """Raise ``TypeError`` naming the first token id that is not an integer (or is a bool)."""
+    for index, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, int | np.integer):
+            raise TypeError(
+                f"{where}[{index}] = {token!r} ({type(token).__name__}): token ids must be integers"
+            )
 
 
 def seconds(value: Any, where: str) -> float:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import NewType
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType, cast
 
 import numpy as np
 
@@ -44,13 +45,13 @@ def _chain_key(parent: bytes, token_bytes: bytes | memoryview, extra: bytes) -> 
     return ChunkKey(digest.digest())
 
 
-def iter_chunk_keys(
+def chunk_keys(
     namespace: bytes,
     tokens: Sequence[int] | np.ndarray,
     chunk_tokens: int,
     extras: Sequence[bytes] | None = None,
-) -> Iterator[ChunkKey]:
-    """The key of every *full* chunk of ``tokens``, lazily; a partial tail has no key.
+) -> list[ChunkKey]:
+    """The keys of every *full* chunk of ``tokens``, in order; a partial tail has no key.
 
     ``extras[i]``, when given, mixes per-chunk data into the key (LoRA id,
     multimodal hashes, a tenant salt) without changing the token ids.
@@ -63,30 +64,52 @@ def _full_chunk_bytes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int) -> 
     """The little-endian bytes of the full chunks of ``tokens``, and how many there are."""
     array = np.asarray(tokens, dtype=_TOKEN_DTYPE)
     chunks = len(array) // chunk_tokens
-    return np.ascontiguousarray(array[: chunks * chunk_tokens]).tobytes(), chunks
+    return array[: chunks * chunk_tokens].tobytes(), chunks
 
 
 def _keys_of_bytes(
     namespace: bytes, data: bytes, chunks: int, extras: Sequence[bytes] | None = None
-) -> Iterator[ChunkKey]:
+) -> list[ChunkKey]:
     # One conversion for the whole prompt; each chunk hashes a slice of it.
     view = memoryview(data)
     step = len(data) // chunks if chunks else 0
     parent: bytes = namespace
-    for index in range(chunks):
-        extra = extras[index] if extras else b""
-        parent = _chain_key(parent, view[index * step : (index + 1) * step], extra)
-        yield ChunkKey(parent)
+    if extras:
+        keys: list[ChunkKey] = []
+        for index in range(chunks):
+            parent = _chain_key(parent, view[index * step : (index + 1) * step], extras[index])
+            keys.append(ChunkKey(parent))
+        return keys
+    # Hashing is most of a request's work: :func:`_chain_key` inlined, no call per chunk.
+    copy = _HASHER.copy
+    digests: list[bytes] = []
+    append = digests.append
+    for start in range(0, chunks * step, step or 1):
+        digest = copy()
+        digest.update(parent)
+        digest.update(view[start : start + step])
+        parent = digest.digest()
+        append(parent)
+    return cast("list[ChunkKey]", digests)
 
 
-def chunk_keys(
-    namespace: bytes,
-    tokens: Sequence[int] | np.ndarray,
-    chunk_tokens: int,
-    extras: Sequence[bytes] | None = None,
-) -> list[ChunkKey]:
-    """The keys of every full chunk of ``tokens``, in order."""
-    return list(iter_chunk_keys(namespace, tokens, chunk_tokens, extras))
+@dataclass(frozen=True, slots=True)
+class KeyedTokens:
+    """A token sequence keyed once: what one request's lookup, load and store share.
+
+    Made by :meth:`kvtier.KVCache.keyed`; those calls take it in place of the
+    token ids and then neither check nor hash them again.
+    """
+
+    #: The namespace digest the keys chain from (that of the cache which made them).
+    namespace: bytes
+    #: The key of each full chunk, in order.
+    keys: tuple[ChunkKey, ...]
+    #: Tokens in the sequence, the partial tail included.
+    num_tokens: int
+
+    def __len__(self) -> int:
+        return self.num_tokens
 
 
 class KeyMemo:
@@ -119,8 +142,8 @@ class KeyMemo:
         if limit is not None and limit < chunks:
             # Only a prefix wanted: hash just that, and keep nothing partial.
             prefix = data[: len(data) // chunks * limit] if chunks else data
-            return list(_keys_of_bytes(self.namespace, prefix, limit))
-        keys = list(_keys_of_bytes(self.namespace, data, chunks))
+            return _keys_of_bytes(self.namespace, prefix, limit)
+        keys = _keys_of_bytes(self.namespace, data, chunks)
         if len(data) <= self.max_bytes:
             with self._lock:
                 if data not in self._memo:

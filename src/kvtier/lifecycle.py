@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 from kvtier.errors import ClosedError, KVTierError
 
@@ -18,12 +17,14 @@ class Lifecycle:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._changed = threading.Condition()
-        self._running = 0
+        self._lock = threading.Lock()
         self._closed = False
-        # Calls of this thread now inside running(): a close from within one
-        # would wait for itself.
-        self._local = threading.local()
+        # Calls running now, per thread (a close from within one would wait
+        # for itself); their total is what a close waits for.
+        self._running: dict[int, int] = {}
+        # Set by a close while calls still run; the last call to end sets it.
+        self._idle: threading.Event | None = None
+        self._running_call = _Running(self)
 
     @property
     def closed(self) -> bool:
@@ -35,33 +36,65 @@ class Lifecycle:
         if self._closed:
             raise ClosedError(f"{self.name} is closed")
 
-    @contextmanager
-    def running(self) -> Iterator[None]:
-        """Run the block as a call of the open object; raises :class:`ClosedError` once closed."""
-        with self._changed:
+    def running(self) -> _Running:
+        """Run the ``with`` block as a call of the open object; raises
+        :class:`ClosedError` once closed."""
+        return self._running_call
+
+    def _enter(self) -> None:
+        thread = threading.get_ident()
+        with self._lock:
             if self._closed:
                 raise ClosedError(f"{self.name} is closed")
-            self._running += 1
-        self._local.depth = getattr(self._local, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            self._local.depth -= 1
-            with self._changed:
-                self._running -= 1
-                if not self._running:
-                    self._changed.notify_all()
+            running = self._running
+            running[thread] = running.get(thread, 0) + 1
+
+    def _exit(self) -> None:
+        thread = threading.get_ident()
+        with self._lock:
+            running = self._running
+            depth = running[thread] - 1
+            if depth:
+                running[thread] = depth
+                return
+            del running[thread]
+            if not running and self._idle is not None:
+                self._idle.set()
 
     def close(self) -> bool:
         """Refuse new calls and wait for the running ones to end.
 
         Returns ``True`` for the call that closed it, ``False`` if already closed.
         """
-        if getattr(self._local, "depth", 0):
-            raise KVTierError(f"{self.name}: close() called from inside one of its own calls")
-        with self._changed:
+        with self._lock:
+            if threading.get_ident() in self._running:
+                raise KVTierError(f"{self.name}: close() called from inside one of its own calls")
             if self._closed:
                 return False
             self._closed = True
-            self._changed.wait_for(lambda: not self._running)
-            return True
+            if not self._running:
+                return True
+            idle = self._idle = threading.Event()
+        idle.wait()
+        return True
+
+
+class _Running:
+    """The context manager of :meth:`Lifecycle.running`: one per lifecycle,
+    holding no state of its own, so that entering a call allocates nothing."""
+
+    __slots__ = ("_lifecycle",)
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self._lifecycle = lifecycle
+
+    def __enter__(self) -> None:
+        self._lifecycle._enter()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._lifecycle._exit()

@@ -20,10 +20,10 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from kvtier.backpressure import Backpressure
+from kvtier.jobs import JobOutcome, JobRecord
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
 from kvtier.settings import BackpressureConfig
@@ -35,9 +35,6 @@ from kvtier.tiers.base import (
     TierMetric,
     TransferJob,
 )
-
-if TYPE_CHECKING:
-    from kvtier.sim.record import TraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -77,51 +74,13 @@ def _serialised(
     return locked
 
 
-@dataclass(frozen=True)
-class LookupResult:
+class LookupResult(NamedTuple):
     """``hit_chunks`` leading chunks are ready in the primary tier now;
     ``pending`` means more may be once in-flight work ends: ask again next step."""
 
+    # A named tuple: made once a lookup, where a frozen dataclass costs a call per field.
     hit_chunks: int
     pending: bool
-
-
-@dataclass
-class _Job:
-    job_id: int
-    tier_index: int
-    loading: bool
-    keys: tuple[ChunkKey, ...]
-    request_id: str | None
-    #: Whether the job's slots were handed back (a load's slots completed, a
-    #: store's unpinned): exactly once, whatever else goes wrong.
-    released: bool = False
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    """A tier's :class:`JobResult`, checked against its job."""
-
-    good: list[ChunkKey]
-    bad: list[ChunkKey]
-    nbytes: int
-    seconds: float
-    #: Of ``bad``: keys the tier no longer held (misses, not failures).
-    vanished: int = 0
-
-    @classmethod
-    def of(cls, job: _Job, result: JobResult) -> _Outcome:
-        """Raises ``TypeError`` or ``ValueError`` on a malformed result."""
-        succeeded = frozenset(result.succeeded)
-        bad = [key for key in job.keys if key not in succeeded]
-        vanished = frozenset(result.vanished)
-        return cls(
-            good=[key for key in job.keys if key in succeeded],
-            bad=bad,
-            nbytes=int(result.nbytes),
-            seconds=float(result.seconds),
-            vanished=sum(key in vanished for key in bad),
-        )
 
 
 class TieringManager:
@@ -139,7 +98,7 @@ class TieringManager:
         self.backpressure = [Backpressure(config) for _ in self.tiers]
         # Re-entrant: drain and reset step, a listener may read the manager.
         self._lock = threading.RLock()
-        self._jobs: dict[tuple[int, int], _Job] = {}
+        self._jobs: dict[tuple[int, int], JobRecord] = {}
         # (tier index, request id) -> [(key, slot)], submitted at step end.
         self._promotions: dict[tuple[int, str | None], list[tuple[ChunkKey, int]]] = defaultdict(
             list
@@ -160,8 +119,6 @@ class TieringManager:
         #: the manager's lock once a result is applied; an observer that raises
         #: is logged and never disturbs the manager.
         self.job_listeners: list[JobListener] = []
-        #: Where the engine side records each request's keys (``trace_recording``); closed here.
-        self.trace_recorder: TraceRecorder | None = None
         #: Services closed, in order, at :meth:`shutdown` (after the drain, before the tiers).
         self.attachments: list[Attachment] = []
         for tier in self.tiers:
@@ -171,7 +128,29 @@ class TieringManager:
 
     @_serialised
     def lookup(self, keys: Sequence[ChunkKey], request_id: str | None = None) -> LookupResult:
-        """How many leading chunks are ready; starts promotions for the rest it finds.
+        """How many leading chunks are ready; starts promotions for the rest it finds."""
+        return self._lookup(keys, request_id)
+
+    @_serialised
+    def lookup_pinned(
+        self, keys: Sequence[ChunkKey], request_id: str, *, end_request: bool = False
+    ) -> tuple[list[int], bool]:
+        """:meth:`lookup`, then pin the leading ready chunks, in one entry: the
+        slots pinned, and whether more may be ready at a later step (fewer
+        pinned than found also counts: evicted in between, ask again).
+
+        ``end_request``: the request's lookups are over unless more is pending,
+        and then it ends here as by :meth:`on_request_finished`.
+        """
+        result = self._lookup(keys, request_id)
+        slots = self.primary.pin_prefix(keys[: result.hit_chunks])
+        pending = result.pending or len(slots) < result.hit_chunks
+        if end_request and not pending:
+            self._end_request(request_id)
+        return slots, pending
+
+    def _lookup(self, keys: Sequence[ChunkKey], request_id: str | None) -> LookupResult:
+        """:meth:`lookup`, under the lock.
 
         Linear in ``keys``: the leading ready chunks are found and touched in
         one pass (touched first, so that the promotions' evictions meet them
@@ -183,7 +162,8 @@ class TieringManager:
         hits = primary.lookup(keys, count_hits=not asked_before)
         pending = False
         chain: set[ChunkKey] | None = None
-        for index in range(hits, len(keys)):
+        # Past the ready prefix, only secondary tiers or writes in flight add anything.
+        for index in range(hits, len(keys) if self.tiers or primary.has_writes else hits):
             key = keys[index]
             if primary.is_ready(key):
                 continue
@@ -270,12 +250,18 @@ class TieringManager:
     @_serialised
     def complete_store(self, keys: Sequence[ChunkKey], success: bool = True) -> None:
         """The engine finished writing ``keys``; on success they cascade to the tiers."""
-        written = [k for k in dict.fromkeys(keys) if self.primary.is_writing(k)]
         if not success:
-            self.primary.complete_store(written, success=False)
+            self.primary.complete_store(keys, success=False)
             return
-        targets = self._admit(range(len(self.tiers)), len(written)) if written else []
-        self._cascade(self.primary.complete_store(written, pins=len(targets)), targets)
+        # Which tiers take a store job is known before the chunks are ready
+        # (admission only reads the backpressure), so that they come ready
+        # already pinned once per tier, with no pass over the keys of its own.
+        targets = [index for index, pressure in enumerate(self.backpressure) if pressure.admit()]
+        ready = self.primary.complete_store(keys, pins=len(targets))
+        if ready and len(targets) < len(self.tiers):
+            for index in set(range(len(self.tiers))).difference(targets):
+                self.tiers[index].count(backpressure_drops=len(ready))
+        self._cascade(ready, targets)
 
     @_serialised
     def touch(self, keys: Sequence[ChunkKey]) -> None:
@@ -285,6 +271,9 @@ class TieringManager:
 
     @_serialised
     def on_request_finished(self, request_id: str) -> None:
+        self._end_request(request_id)
+
+    def _end_request(self, request_id: str) -> None:
         self._failed.pop(request_id, None)
         self._asking.discard(request_id)
         for tier in self.tiers:
@@ -366,8 +355,6 @@ class TieringManager:
         for tier in self.tiers:
             self._call(tier, "shutdown")
         self.primary.buffer.close()
-        if self.trace_recorder is not None:
-            self.trace_recorder.close()
 
     # Machinery -------------------------------------------------------------
 
@@ -406,7 +393,7 @@ class TieringManager:
         tier = self.tiers[index]
         # Recorded before the tier sees it: a fast tier may report the job
         # before submit returns, and its result must find the job.
-        record = _Job(job.job_id, index, loading, job.keys, job.request_id)
+        record = JobRecord(job.job_id, index, loading, job.keys, job.request_id)
         self._jobs[(index, job.job_id)] = record
         try:
             (tier.submit_load if loading else tier.submit_store)(job)
@@ -442,12 +429,12 @@ class TieringManager:
                     continue
                 self._finish(job, result)
 
-    def _finish(self, job: _Job, result: JobResult) -> None:
+    def _finish(self, job: JobRecord, result: JobResult) -> None:
         """Apply one finished job in isolation: a result that cannot be applied
         fails its own job (counted, logged once), and its slots come back."""
         tier = self.tiers[job.tier_index]
         try:
-            self._apply(tier, job, _Outcome.of(job, result))
+            self._apply(tier, job, JobOutcome.of(job, result))
         except Exception:
             logger.exception(
                 "tier %s: the result of job %d could not be applied; the job failed",
@@ -469,7 +456,7 @@ class TieringManager:
             except Exception:
                 logger.exception("job listener %r raised", listener)
 
-    def _apply(self, tier: SecondaryTier, job: _Job, outcome: _Outcome) -> None:
+    def _apply(self, tier: SecondaryTier, job: JobRecord, outcome: JobOutcome) -> None:
         if job.loading:
             # Slower tiers' hits warm the faster tiers in front of them; the
             # chunks are pinned for that as they become ready.
@@ -497,7 +484,7 @@ class TieringManager:
                 store_failures=len(outcome.bad),
             )
 
-    def _release_failed(self, job: _Job) -> None:
+    def _release_failed(self, job: JobRecord) -> None:
         """Hand back the slots of a job that failed as a whole."""
         if job.loading:
             # Keys already ready stay (their bytes are whole); the rest are freed.

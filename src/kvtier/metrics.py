@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.manager import TieringManager
+from kvtier.recording import TraceRecorder
 from kvtier.settings import MetricsConfig
 from kvtier.tiers.base import JobResult, SecondaryTier, TierMetric
 
@@ -72,8 +73,9 @@ def _labels(index: int, tier: SecondaryTier) -> list[str]:
 class _ManagerCollector(Collector):
     """Reads a manager's counters and states when scraped."""
 
-    def __init__(self, manager: TieringManager) -> None:
+    def __init__(self, manager: TieringManager, trace_recorder: TraceRecorder | None) -> None:
         self.manager = manager
+        self.trace_recorder = trace_recorder
 
     def describe(self) -> Iterable[Metric]:
         # Names vary with the tiers' own fields and metrics(): registered
@@ -130,7 +132,7 @@ class _ManagerCollector(Collector):
                 yield kind(name, metric.help, value=metric.value)
 
     def _trace(self) -> Iterator[Metric]:
-        recorder = self.manager.trace_recorder
+        recorder = self.trace_recorder
         if recorder is None:
             return
         yield CounterMetricFamily(
@@ -214,10 +216,17 @@ class KVTierMetrics:
     join the process-wide one, which takes one kvtier cache per process.
     """
 
-    def __init__(self, manager: TieringManager, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        manager: TieringManager,
+        registry: CollectorRegistry | None = None,
+        trace_recorder: TraceRecorder | None = None,
+    ) -> None:
+        """``trace_recorder``: the recorder of the manager's requests, whose counts
+        are exported too (if any)."""
         self.manager = manager
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._collector = _ManagerCollector(manager)
+        self._collector = _ManagerCollector(manager, trace_recorder)
         self.transfer_seconds = Histogram(
             f"{PREFIX}_tier_transfer_seconds",
             "Seconds from submitting a job to the tier until it finished.",
@@ -315,12 +324,13 @@ def attach_metrics(
     manager: TieringManager,
     config: MetricsConfig | None = None,
     registry: CollectorRegistry | None = None,
+    trace_recorder: TraceRecorder | None = None,
 ) -> KVTierMetrics:
     """Metrics for ``manager`` as ``config`` asks: registry choice and HTTP server."""
     config = config or MetricsConfig()
     if registry is None and config.global_registry:
         registry = REGISTRY
-    metrics = KVTierMetrics(manager, registry)
+    metrics = KVTierMetrics(manager, registry, trace_recorder)
     if config.port is not None:
         try:
             metrics.serve(config.port, config.host)

@@ -1,4 +1,4 @@
-"""The one resolver behind kvtier's three factories.
+"""The one resolver behind kvtier's plugin factories (tiers, policies, specs).
 
 A name resolves, in order, through
 
@@ -7,6 +7,10 @@ A name resolves, in order, through
 2. installed entry points in the registry's group (``kvtier.tiers`` ...);
 3. the configured module path: ``importlib.import_module(module_path)`` and the
    attribute named like the plugin.
+
+A name and module path resolve once: the registry keeps the class until
+its registrations change. Each kind of plugin has a :class:`PluginFactory`
+subclass over its registry.
 
 Importing a module runs its code, so configuration that names one is trusted
 input. Operators who accept configuration from less trusted hands can confine
@@ -22,7 +26,7 @@ import logging
 import os
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 from kvtier.errors import (
     PluginLoadError,
@@ -82,16 +86,22 @@ class PluginRegistry(Generic[T]):
         self._registry: dict[str, _LazyClass] = {}
         # Once-per-process warnings already given, by topic.
         self._warned: set[str] = set()
+        # Classes resolved, by (name, module path), and where an out-of-tree
+        # one came from: each use is logged as a load is, and a module path
+        # is checked against the allow-list again (which may have changed).
+        self._resolved: dict[tuple[str, str | None], tuple[type[T], _LazyClass | None]] = {}
 
     def register(self, name: str, module_path: str, class_name: str) -> None:
         """Make ``name`` resolve to ``module_path.class_name``, imported on first use."""
         if name in self._registry:
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._registry[name] = _LazyClass(module_path, class_name)
+        self._resolved.clear()
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` (for tests and for plugins replacing themselves)."""
         del self._registry[name]
+        self._resolved.clear()
 
     def snapshot(self) -> RegistrySnapshot:
         """The registrations and given warnings, for :meth:`restore` (tests use it)."""
@@ -101,6 +111,7 @@ class PluginRegistry(Generic[T]):
         """Put back what :meth:`snapshot` saw; ``forget_warnings`` as a new process has."""
         self._registry = dict(snapshot.registry)
         self._warned = set() if forget_warnings else set(snapshot.warned)
+        self._resolved.clear()
 
     def _warn_once(self, topic: str, message: str, *args: object) -> None:
         if topic not in self._warned:
@@ -131,12 +142,33 @@ class PluginRegistry(Generic[T]):
         return sorted(set(self._registry) | installed)
 
     def resolve(self, name: str, module_path: str | None = None, *, entry: str = "") -> type[T]:
-        """The class for ``name``; ``entry`` names the config entry in errors."""
+        """The class for ``name``; ``entry`` names the config entry in errors.
+
+        Resolved once per name and module path (until a registration
+        changes); a module path stays subject to ``KVTIER_ALLOWED_MODULES``.
+        """
+        known = self._resolved.get((name, module_path))
+        if known is not None:
+            cls, origin = known
+            if origin is None:
+                return cls
+            if origin.module != module_path or module_is_allowed(origin.module):
+                self._log_out_of_tree(origin)
+                return cls
+            # No longer allowed: resolved anew, which says why (or finds another way).
+        cls, origin = self._find(name, module_path, entry)
+        self._resolved[(name, module_path)] = (cls, origin)
+        return cls
+
+    def _find(
+        self, name: str, module_path: str | None, entry: str
+    ) -> tuple[type[T], _LazyClass | None]:
+        """The class, and where it came from if out of tree."""
         where = f"{entry}: " if entry else ""
         lazy = self._registry.get(name)
         if lazy is not None:
             self._ignored_module_path(name, module_path, lazy.module, lazy.class_name)
-            return self._load(lazy.module, lazy.class_name, name, entry, out_of_tree=False)
+            return self._load(lazy, name, entry), None
         # The same package seen twice (an editable install beside a wheel) is one entry.
         declared = entry_points(group=self.entry_point_group, name=name)
         installed = list({ep.value: ep for ep in declared}.values())
@@ -156,7 +188,9 @@ class PluginRegistry(Generic[T]):
                 )
             module, _, attr = (part.strip() for part in chosen.value.partition(":"))
             self._ignored_module_path(name, module_path, module, attr or name)
-            return self._load(module, attr or name, name, entry, out_of_tree=True)
+            origin = _LazyClass(module, attr or name)
+            self._log_out_of_tree(origin)
+            return self._load(origin, name, entry), origin
         if module_path is None:
             raise UnknownPluginError(
                 f"{where}unknown {self.kind} {name!r}. Supported: {', '.join(self.names())}. "
@@ -170,7 +204,9 @@ class PluginRegistry(Generic[T]):
                 module=module_path,
                 name=name,
             )
-        return self._load(module_path, name, name, entry, out_of_tree=True)
+        origin = _LazyClass(module_path, name)
+        self._log_out_of_tree(origin)
+        return self._load(origin, name, entry), origin
 
     def _ignored_module_path(
         self, name: str, module_path: str | None, module: str, class_name: str
@@ -189,20 +225,20 @@ class PluginRegistry(Generic[T]):
                 module_path,
             )
 
-    def _load(
-        self, module_path: str, class_name: str, name: str, entry: str, *, out_of_tree: bool
-    ) -> type[T]:
+    def _log_out_of_tree(self, origin: _LazyClass) -> None:
+        self._warn_once(
+            "out-of-tree",
+            "Loading an out-of-tree %s. This interface is experimental and may "
+            "change in future kvtier releases.",
+            self.kind,
+        )
+        logger.info(
+            "Loading out-of-tree %s %r from module %r", self.kind, origin.class_name, origin.module
+        )
+
+    def _load(self, target: _LazyClass, name: str, entry: str) -> type[T]:
         where = f"{entry}: " if entry else ""
-        if out_of_tree:
-            self._warn_once(
-                "out-of-tree",
-                "Loading an out-of-tree %s. This interface is experimental and may "
-                "change in future kvtier releases.",
-                self.kind,
-            )
-            logger.info(
-                "Loading out-of-tree %s %r from module %r", self.kind, class_name, module_path
-            )
+        module_path, class_name = target.module, target.class_name
         try:
             module = importlib.import_module(module_path)
         except Exception as exc:
@@ -234,3 +270,23 @@ class PluginRegistry(Generic[T]):
                 + (" (registered as a virtual subclass only: inherit from it)" if virtual else "")
             )
         return cast("type[T]", loaded)
+
+
+class PluginFactory(Generic[T]):
+    """A factory for one kind of plugin: registration and resolution through
+    its :attr:`registry`. Subclasses set the registry, name their public
+    calls as the kind's configuration does, and build instances."""
+
+    registry: ClassVar[PluginRegistry[Any]]
+
+    @classmethod
+    def register(cls, name: str, module_path: str, class_name: str) -> None:
+        """Make ``name`` resolve to ``module_path.class_name`` (``ValueError`` if taken)."""
+        cls.registry.register(name, module_path, class_name)
+
+    @classmethod
+    def resolve(cls, name: str, module_path: str | None = None, *, entry: str = "") -> type[T]:
+        """The class configured as ``name`` (and ``module_path``); errors name
+        ``entry``, by default the configuration key of the name."""
+        resolved = cls.registry.resolve(name, module_path, entry=entry or cls.registry.name_key)
+        return cast("type[T]", resolved)

@@ -49,14 +49,14 @@ ChunkCopier = Callable[[int, np.ndarray], None]
 
 def copy_out(cache: Holder, slots: Sequence[int], out: np.ndarray | ChunkCopier) -> None:
     """Copy pinned ``slots``, in order, into ``out``'s rows (or hand them to a copier)."""
-    buffer = cache.manager.primary.buffer
+    slot_rows = cache.manager.primary.buffer.array
     if callable(out):
         for index, slot in enumerate(slots):
-            out(index, buffer.slot(slot))
+            out(index, slot_rows[slot])
         return
     rows = chunk_rows(out, len(slots), cache.layout, "out", writable=True)
     for index, slot in enumerate(slots):
-        rows[index] = buffer.slot(slot)
+        rows[index] = slot_rows[slot]
 
 
 class HeldPrefix:
@@ -72,8 +72,9 @@ class HeldPrefix:
         self, cache: Holder, keys: Sequence[ChunkKey], slots: Sequence[int], pending: bool
     ) -> None:
         self._cache = cache
-        self._keys = list(keys)
-        self._slots = list(slots)
+        # Its own sequences: made for it by the lookup, never changed.
+        self._keys = keys
+        self._slots = slots
         self._released = False
         # A load and a release of the same holder exclude each other: the
         # chunks must stay pinned while they are copied. Re-entrant: a copier

@@ -40,7 +40,9 @@ def test_each_request_is_recorded_once_with_its_prompt_chunks(tmp_path: Path) ->
     }
     kv = KVCache(config, layout)
     shape = VllmGeometry(("layer",), CHUNK, 1, layout.slot_bytes, 64)
-    scheduler = SchedulerSide(kv.manager, layout, shape, lookup_timeout_s=1.0)
+    scheduler = SchedulerSide(
+        kv.manager, layout, shape, lookup_timeout_s=1.0, trace_recorder=kv.trace_recorder
+    )
     try:
         shared = list(range(12))
         first = request("a", [*shared, 50, 51, 52, 53, 54])
@@ -49,8 +51,8 @@ def test_each_request_is_recorded_once_with_its_prompt_chunks(tmp_path: Path) ->
             scheduler.get_num_new_matched_tokens(first, 0)
         scheduler.get_num_new_matched_tokens(second, 0)
     finally:
-        scheduler.shutdown()  # shuts the manager down, which closes the recorder
-        kv.metrics.close()
+        scheduler.shutdown()
+        kv.close()  # the cache owns the recorder: closing it writes what is queued
     requests = read_trace(path)
     # Full chunks only; the two prompts share their first three chunks.
     assert [len(r.blocks) for r in requests] == [4, 3]

@@ -192,8 +192,8 @@ def _describe(
         f"chunks of {layout.chunk_tokens} tokens = {format_bytes(layout.slot_bytes)}"
     )
     tiers = [f"CPU {format_bytes(int(settings.cpu_bytes_to_use))}"]
-    for tier in kv.manager.tiers:
-        where = tier.describe().get("root_dir")
+    for tier in kv.kv.status.tiers:
+        where = tier.facts.get("root_dir")
         tiers.append(f"{tier.tier_type}" + (f" in {where}" if where else ""))
     console.print(f"[bold]tiers[/bold] {' → '.join(tiers)}")
     console.print(
@@ -228,13 +228,13 @@ def _run_with_progress(console: Console, kv: PrefixCache, workload: ChatWorkload
 def _report(console: Console, run: DemoRun, kv: PrefixCache) -> None:
     from kvtier.demo.report import slow_hits_note, summarise, tier_table, ttft_table
 
-    tier_types = [tier.tier_type for tier in kv.manager.tiers]
+    tier_types = kv.kv.status.tier_types
     rows = summarise(run, tier_types)
     console.print(ttft_table(rows))
     note = slow_hits_note(rows)
     if note:
         console.print(f"[bold yellow]note:[/bold yellow] {note}")
-    console.print(tier_table(run, kv.manager, kv.layout.slot_bytes))
+    console.print(tier_table(run, kv.kv.status, kv.layout.slot_bytes))
     records = run.kvtier + (run.refetch or [])
     reused = sum(r.reused_tokens for r in records)
     prompt = sum(r.prompt_tokens for r in records)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from kvtier.demo.workload import DemoRun, RequestRecord
-from kvtier.manager import TieringManager
+from kvtier.status import CacheStatus
 from kvtier.units import format_bytes
 
 
@@ -106,7 +106,7 @@ def slow_hits_note(rows: list[PathSummary]) -> str | None:
     )
 
 
-def tier_table(run: DemoRun, manager: TieringManager, slot_bytes: int) -> Table:
+def tier_table(run: DemoRun, status: CacheStatus, slot_bytes: int) -> Table:
     """Per tier, over the kvtier phases: chunks served, hit rate, bytes."""
     records = run.kvtier + (run.refetch or [])
     table = Table(title="Tiers: chunks and bytes over the kvtier phases")
@@ -122,21 +122,21 @@ def tier_table(run: DemoRun, manager: TieringManager, slot_bytes: int) -> Table:
         _rate(served, asked),
         format_bytes(served * slot_bytes),
         format_bytes(written * slot_bytes),
-        format_bytes(len(manager.primary) * slot_bytes),
+        format_bytes(status.primary.held_bytes),
     )
-    for index, tier in enumerate(manager.tiers):
+    for index, tier in enumerate(status.tiers):
         served = sum(r.promoted_chunks[index] for r in records)
         # A tier is asked for the prompt chunks that the tiers in front of it lacked.
         asked = sum(
             r.full_chunks - r.primary_hit_chunks - sum(r.promoted_chunks[:index]) for r in records
         )
-        held = tier.describe().get("held_bytes")
+        held = tier.held_bytes if tier.held_bytes is not None else tier.facts.get("held_bytes")
         table.add_row(
             f"{index}: {tier.tier_type}",
             f"{served:,}",
             _rate(served, asked),
-            format_bytes(tier.stats.bytes_loaded),
-            format_bytes(tier.stats.bytes_stored),
+            format_bytes(tier.stats["bytes_loaded"]),
+            format_bytes(tier.stats["bytes_stored"]),
             format_bytes(held) if isinstance(held, int) else "-",
         )
     return table

@@ -265,6 +265,6 @@ def run_demo(
     first = phase("full prefill, no kvtier", baseline)
     second = phase("through kvtier", cached)
     third = None
-    if kv.manager.tiers:
-        third = phase("through kvtier, CPU tier emptied first", cached, kv.manager.reset)
+    if kv.kv.status.tiers:
+        third = phase("through kvtier, CPU tier emptied first", cached, kv.kv.reset)
     return DemoRun(first, second, third)

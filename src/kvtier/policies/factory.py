@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.plugins import PluginRegistry
+from kvtier.plugins import PluginFactory, PluginRegistry
 from kvtier.policies.base import CachePolicy
 
 policy_registry: PluginRegistry[CachePolicy] = PluginRegistry(
@@ -20,29 +20,27 @@ policy_registry.register("s3fifo", "kvtier.policies.s3fifo", "S3FIFOCachePolicy"
 policy_registry.register("leaf-lru", "kvtier.policies.leaf_lru", "LeafFirstLRUCachePolicy")
 
 
-def register_policy(name: str, module_path: str, class_name: str) -> None:
-    """Register an eviction policy under ``name`` (``ValueError`` if taken)."""
-    policy_registry.register(name, module_path, class_name)
-
-
-class CachePolicyFactory:
+class CachePolicyFactory(PluginFactory[CachePolicy]):
     """Resolves and builds cache policies named in configuration."""
+
+    registry = policy_registry
 
     @classmethod
     def register_policy(cls, name: str, module_path: str, class_name: str) -> None:
-        """Register ``module_path.class_name`` under ``name`` (``ValueError`` if taken);
-        the same as the module-level :func:`register_policy`."""
-        register_policy(name, module_path, class_name)
+        """Register an eviction policy under ``name`` (``ValueError`` if taken)."""
+        cls.register(name, module_path, class_name)
 
-    @staticmethod
+    @classmethod
     def get_cache_policy_class(
-        name: str, module_path: str | None = None, *, entry: str = "eviction_policy"
+        cls, name: str, module_path: str | None = None, *, entry: str = ""
     ) -> type[CachePolicy]:
-        return policy_registry.resolve(name, module_path, entry=entry)
+        return cls.resolve(name, module_path, entry=entry)
 
-    @staticmethod
+    @classmethod
     def create_cache_policy(
-        name: str, capacity: int, module_path: str | None = None, **kwargs: Any
+        cls, name: str, capacity: int, module_path: str | None = None, **kwargs: Any
     ) -> CachePolicy:
-        cls = CachePolicyFactory.get_cache_policy_class(name, module_path)
-        return cls(capacity, **kwargs)
+        return cls.resolve(name, module_path)(capacity, **kwargs)
+
+
+register_policy = CachePolicyFactory.register_policy

@@ -70,6 +70,11 @@ class PrimaryTier:
     def is_writing(self, key: ChunkKey) -> bool:
         return key in self._writing
 
+    @property
+    def has_writes(self) -> bool:
+        """Whether any write is in flight."""
+        return bool(self._writing)
+
     def refcount(self, key: ChunkKey) -> int | None:
         """Readers of a ready chunk, :data:`WRITING` while written, ``None`` if absent."""
         if key in self._ready:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvtier.config_model import KVTierConfig
 from kvtier.layout import KVLayout
-from kvtier.plugins import PluginRegistry
+from kvtier.plugins import PluginFactory, PluginRegistry
 from kvtier.specs.base import OffloadingSpec
 
 spec_registry: PluginRegistry[OffloadingSpec] = PluginRegistry(
@@ -17,29 +17,24 @@ spec_registry: PluginRegistry[OffloadingSpec] = PluginRegistry(
 spec_registry.register("tiering", "kvtier.specs.tiering", "TieringSpec")
 
 
-def register_spec(name: str, module_path: str, class_name: str) -> None:
-    """Register an offloading spec under ``name`` (``ValueError`` if taken)."""
-    spec_registry.register(name, module_path, class_name)
-
-
-class OffloadingSpecFactory:
+class OffloadingSpecFactory(PluginFactory[OffloadingSpec]):
     """Resolves and builds the offloading spec named in configuration."""
+
+    registry = spec_registry
 
     @classmethod
     def register_spec(cls, name: str, module_path: str, class_name: str) -> None:
-        """Register ``module_path.class_name`` under ``name`` (``ValueError`` if taken);
-        the same as the module-level :func:`register_spec`."""
-        register_spec(name, module_path, class_name)
+        """Register an offloading spec under ``name`` (``ValueError`` if taken)."""
+        cls.register(name, module_path, class_name)
 
-    @staticmethod
-    def get_spec_class(name: str, module_path: str | None = None) -> type[OffloadingSpec]:
-        return spec_registry.resolve(name, module_path, entry="spec_name")
+    @classmethod
+    def get_spec_class(cls, name: str, module_path: str | None = None) -> type[OffloadingSpec]:
+        return cls.resolve(name, module_path)
 
-    @staticmethod
-    def create_spec(config: KVTierConfig, layout: KVLayout) -> OffloadingSpec:
-        resolved = config.resolved_spec_class()  # by load_config: not looked up again
-        if resolved is not None and issubclass(resolved, OffloadingSpec):
-            cls: type[OffloadingSpec] = resolved
-        else:
-            cls = OffloadingSpecFactory.get_spec_class(config.spec_name, config.spec_module_path)
-        return cls(config, layout)
+    @classmethod
+    def create_spec(cls, config: KVTierConfig, layout: KVLayout) -> OffloadingSpec:
+        # Resolved by load_config already: the registry answers from its memo.
+        return cls.resolve(config.spec_name, config.spec_module_path)(config, layout)
+
+
+register_spec = OffloadingSpecFactory.register_spec

@@ -13,9 +13,7 @@ import enum
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
@@ -169,42 +167,37 @@ class TierOptions(BaseModel):
 #: makes ``self.options`` an ``AcmeTierOptions`` to the type checker.
 OptionsT = TypeVar("OptionsT", bound=TierOptions)
 
-# Options validated already, and the keyword arguments made of them, while
-# the factory constructs a tier with those arguments (see handed_over).
-_handed_over: ContextVar[tuple[TierOptions, dict[str, Any]] | None] = ContextVar(
-    "kvtier_validated_tier_options", default=None
-)
+#: The keyword under which a factory hands a tier the options object it
+#: validated, beside the options themselves. No option can take this name: a
+#: pydantic field never starts with an underscore.
+VALIDATED_OPTIONS = "_validated_options"
 
 
-@contextmanager
-def handed_over(options: TierOptions) -> Iterator[dict[str, Any]]:
-    """The constructor keyword arguments of ``options``, validated already.
+def constructor_arguments(options: TierOptions) -> dict[str, Any]:
+    """The keyword arguments that build a tier with ``options``, validated already.
 
     A tier is constructed with its options as keyword arguments (the plugin
-    contract). While this block runs, :class:`SecondaryTier` takes ``options``
-    itself when exactly these arguments reach it, instead of validating them
-    a second time: a configuration's options are validated once. Arguments a
-    subclass changed on their way are validated as usual.
+    contract); :class:`SecondaryTier` takes ``options`` itself when exactly
+    these arguments reach it, instead of validating them a second time.
+    Arguments a subclass changed on their way are validated as usual.
     """
     arguments = {name: getattr(options, name) for name in options.model_fields_set}
-    token = _handed_over.set((options, arguments))
-    try:
-        yield arguments
-    finally:
-        _handed_over.reset(token)
+    arguments[VALIDATED_OPTIONS] = options
+    return arguments
 
 
-def _validated(model: type[TierOptions], options: Mapping[str, Any]) -> TierOptions:
-    """``options`` validated against ``model``, or the object they were made of."""
-    handed = _handed_over.get()
-    if handed is not None:
-        validated, arguments = handed
-        if (
-            type(validated) is model
-            and options.keys() == arguments.keys()
-            and all(options[name] is value for name, value in arguments.items())
-        ):
-            return validated
+def _validated(
+    model: type[TierOptions], options: Mapping[str, Any], validated: TierOptions | None
+) -> TierOptions:
+    """``options`` validated against ``model``, or ``validated`` if they were made
+    of it: the same names, each the very same object."""
+    if (
+        validated is not None
+        and type(validated) is model
+        and options.keys() == validated.model_fields_set
+        and all(options[name] is getattr(validated, name) for name in options)
+    ):
+        return validated
     return model.model_validate(options)
 
 
@@ -241,7 +234,8 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         self.tier_type = tier_type
         #: The entry's options, validated against :attr:`Options` (once: a
         #: configuration that validated them hands them over as they are).
-        self.options = cast(OptionsT, _validated(self.Options, options))
+        handed = options.pop(VALIDATED_OPTIONS, None)
+        self.options = cast(OptionsT, _validated(self.Options, options, handed))
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from kvtier.errors import BackendUnavailableError
-from kvtier.plugins import PluginRegistry
-from kvtier.tiers.base import SecondaryTier, TierOptions, TierSpec, handed_over
+from kvtier.plugins import PluginFactory, PluginRegistry
+from kvtier.tiers.base import SecondaryTier, TierOptions, TierSpec, constructor_arguments
 
 tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
     kind="secondary tier",
@@ -28,25 +30,24 @@ for _name, _module, _cls in [
     tier_registry.register(_name, _module, _cls)
 
 
-def register_tier(tier_type: str, module_path: str, class_name: str) -> None:
-    """Register a secondary tier under ``tier_type`` (``ValueError`` if taken)."""
-    tier_registry.register(tier_type, module_path, class_name)
-
-
-class SecondaryTierFactory:
+class SecondaryTierFactory(PluginFactory[SecondaryTier]):
     """Resolves and builds the secondary tiers named in configuration."""
+
+    registry = tier_registry
 
     @classmethod
     def register_tier(cls, tier_type: str, module_path: str, class_name: str) -> None:
-        """Register ``module_path.class_name`` under ``tier_type`` (``ValueError`` if taken);
-        the same as the module-level :func:`register_tier`."""
-        register_tier(tier_type, module_path, class_name)
+        """Register a secondary tier under ``tier_type`` (``ValueError`` if taken)."""
+        cls.register(tier_type, module_path, class_name)
 
-    @staticmethod
-    def get_tier_class(tier_config: Mapping[str, Any], *, entry: str = "") -> type[SecondaryTier]:
+    @classmethod
+    def get_tier_class(
+        cls, tier_config: Mapping[str, Any], *, entry: str = ""
+    ) -> type[SecondaryTier]:
         tier_type = tier_config.get("type")
         if not isinstance(tier_type, str) or not tier_type:
             raise ValueError(f"{entry or 'secondary tier'}: configuration must include 'type'")
+        # Errors name the entry, or nothing more (not the name key: "type" says little).
         return tier_registry.resolve(tier_type, tier_config.get("module_path"), entry=entry)
 
     @staticmethod
@@ -87,10 +88,15 @@ class SecondaryTierFactory:
                         f"{cls.__qualname__} takes {cls.Options.__qualname__}, "
                         f"not {type(options).__qualname__}"
                     )
-                with handed_over(options) as arguments:
-                    return cls(
-                        spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **arguments
-                    )
+                arguments = (
+                    constructor_arguments(options)
+                    if _takes_any_keyword(cls)
+                    # Its own signature: the options as declared, validated again by the base.
+                    else {name: getattr(options, name) for name in options.model_fields_set}
+                )
+                return cls(
+                    spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **arguments
+                )
             return cls(
                 spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **dict(options)
             )
@@ -103,3 +109,14 @@ class SecondaryTierFactory:
             if entry and entry not in str(exc):
                 exc.add_note(f"while starting {entry} (type {tier_type!r}, {cls.__qualname__})")
             raise
+
+
+register_tier = SecondaryTierFactory.register_tier
+
+
+@functools.cache
+def _takes_any_keyword(cls: type[SecondaryTier]) -> bool:
+    """Whether ``cls(...)`` passes keywords it does not name on (``**kwargs``), so
+    that the validated options object reaches :class:`SecondaryTier` with them."""
+    parameters = inspect.signature(cls).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,9 +23,8 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
-from kvtier.facade import KVCache
+from kvtier.facade import HeldPrefix, KVCache
 from kvtier.keys import ChunkKey, chain_key
-from kvtier.manager import TieringManager
 
 from .settings import (
     kvtier_config,
@@ -82,7 +79,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
             # Pages go through the primary tier a window at a time, so a batch
             # larger than the primary tier still goes through, and half the
             # slots stay free for the write-through cascades in flight.
-            self._window = max(1, self._kv.manager.primary.num_slots // 2)
+            self._window = max(1, self._kv.status.primary.num_slots // 2)
             logger.info(
                 "kvtier HiCache storage: %d-token pages of %d bytes (%s), namespace %s, "
                 "%d primary slots, secondary tiers: %s",
@@ -90,8 +87,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 layout.slot_bytes,
                 mem_pool_host.layout,
                 layout.namespace.hex()[:16],
-                self._kv.manager.primary.num_slots,
-                [tier.tier_type for tier in self._kv.manager.tiers] or "none",
+                self._kv.status.primary.num_slots,
+                self._kv.status.tier_types or "none",
             )
 
     @property
@@ -232,7 +229,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         engines may share them)."""
         with self._lock:
             if self._kv is not None:
-                self._kv.manager.reset()
+                self._kv.reset()
         return True
 
     def close(self) -> None:
@@ -247,20 +244,18 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def _ready(self, keys: Sequence[ChunkKey]) -> int:
         """Leading ``keys`` ready in the primary tier, after waiting (at most
         ``kvtier_lookup_timeout_s``) for promotions from secondary tiers."""
-        manager = self.kv.manager
-        request = f"sglang-{uuid.uuid4().hex}"
-        deadline = time.monotonic() + self.options.kvtier_lookup_timeout_s
-        try:
-            while True:
-                with self._lock:
-                    manager.step()
-                    result = manager.lookup(keys, request)
-                if not result.pending or time.monotonic() >= deadline:
-                    return result.hit_chunks
-                time.sleep(_POLL_S)
-        finally:
-            with self._lock:
-                manager.on_request_finished(request)
+        with self._held(keys) as found:
+            return found.num_chunks
+
+    def _held(self, keys: Sequence[ChunkKey]) -> HeldPrefix:
+        """The leading ``keys`` kvtier holds, pinned, once finished transfers are
+        collected and promotions waited for (see :meth:`_ready`)."""
+        kv = self.kv
+        with self._lock:
+            kv.step()
+        return kv.lookup(
+            kv.chunks(keys), timeout=self.options.kvtier_lookup_timeout_s, poll_s=_POLL_S
+        )
 
     def _windows(self, keys: Sequence[ChunkKey]) -> list[Sequence[ChunkKey]]:
         return [keys[start : start + self._window] for start in range(0, len(keys), self._window)]
@@ -276,22 +271,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return found
 
     def _read_window(self, keys: Sequence[ChunkKey], sink: _SlotCopier) -> int:
-        found = self._ready(keys)
-        with self._lock:
-            manager = self.kv.manager
-            # Another thread's store may have evicted a page since the lookup.
-            found = next(
-                (i for i, key in enumerate(keys[:found]) if not manager.primary.is_ready(key)),
-                found,
-            )
-            loading = list(keys[:found])
-            slots = manager.prepare_load(loading)
-            try:
-                for index, slot in enumerate(slots):
-                    sink(index, manager.primary.buffer.slot(slot))
-            finally:
-                manager.complete_load(loading)
-        return found
+        # Pinned from the lookup on: no other thread's store can evict a page before it is read.
+        with self._held(keys) as found:
+            found.load(sink)
+            return found.num_chunks
 
     def _write(self, keys: Sequence[ChunkKey], source: _SlotCopier) -> list[bool]:
         """Fill a primary slot per new page from ``source``; they then cascade to
@@ -302,34 +285,25 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return held
 
     def _write_window(self, keys: Sequence[ChunkKey], source: _SlotCopier) -> list[bool]:
+        kv = self.kv
+        pages = kv.chunks(keys)
         with self._lock:
-            manager: TieringManager = self.kv.manager
-            manager.step()  # finished cascades unpin their slots first
-            reserved = manager.prepare_store(keys)
-            if reserved is None:
+            kv.step()  # finished cascades unpin their slots first
+            kv.store(pages, source)
+            held = kv.status.holds(keys)
+            if not all(held):
                 # Every slot is pinned by cascades still writing: wait for them.
-                manager.drain()
-                reserved = manager.prepare_store(keys)
-            if reserved is None:
+                kv.drain()
+                kv.store(pages, source)
+                held = kv.status.holds(keys)
+            if not all(held):
                 logger.warning(
                     "kvtier: no room in the primary tier for %d pages (%d slots); "
                     "raise cpu_bytes_to_use",
                     len(keys),
-                    manager.primary.num_slots,
+                    kv.status.primary.num_slots,
                 )
-                return [manager.primary.is_ready(key) for key in keys]
-            written: list[ChunkKey] = []
-            try:
-                for index, key in enumerate(keys):
-                    slot = reserved.get(key)
-                    if slot is not None:
-                        source(index, manager.primary.buffer.slot(slot))
-                        written.append(key)
-            except BaseException:
-                manager.complete_store(list(reserved), success=False)
-                raise
-            manager.complete_store(written, success=True)
-            return [manager.primary.slot_of(key) is not None for key in keys]
+            return held
 
     def _page_starts(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:
         """First host pool index of each page, or ``None`` (logged) if they do not fit."""

@@ -25,7 +25,6 @@ from kvtier.integrations.transformers.chunks import ChunkReader, ChunkWriter, ne
 from kvtier.integrations.transformers.generate import Generation, greedy_generate, prefill
 from kvtier.integrations.transformers.layout import layout_for_model
 from kvtier.layout import KVLayout
-from kvtier.manager import TieringManager
 
 TokenIds = Sequence[int] | torch.Tensor
 
@@ -68,10 +67,6 @@ class PrefixCache:
             model, chunk_tokens=settings.chunk_tokens, model_id=model_id
         )
         self.kv = KVCache(settings, self.layout)
-
-    @property
-    def manager(self) -> TieringManager:
-        return self.kv.manager
 
     @property
     def chunk_tokens(self) -> int:
@@ -175,7 +170,7 @@ class PrefixCache:
         self.close()
 
     def _promoted_so_far(self) -> list[int]:
-        return [tier.stats.chunks_loaded for tier in self.manager.tiers]
+        return [tier.stats["chunks_loaded"] for tier in self.kv.status.tiers]
 
 
 def _as_ids(token_ids: TokenIds) -> list[int]:

@@ -74,6 +74,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 kv.manager,
                 layout,
                 shape,
+                trace_recorder=kv.trace_recorder,
                 lookup_timeout_s=options.kvtier_lookup_timeout_s,
                 stats_file=options.kvtier_stats_file,
             )

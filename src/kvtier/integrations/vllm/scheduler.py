@@ -21,6 +21,7 @@ from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.manager import TieringManager
 from kvtier.primary import SlotBuffer
+from kvtier.recording import TraceRecorder
 
 from .metadata import (
     KVTierConnectorMetadata,
@@ -123,8 +124,11 @@ class SchedulerSide:
         lookup_timeout_s: float,
         stats_file: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        trace_recorder: TraceRecorder | None = None,
     ) -> None:
         self.manager = manager
+        #: Where each request's keys are recorded once (the cache's ``trace_recording``).
+        self.trace_recorder = trace_recorder
         self.layout = layout
         self.shape = shape
         self.lookup_timeout_s = lookup_timeout_s
@@ -356,8 +360,8 @@ class SchedulerSide:
         if state is None:
             keys = request_keys(self.layout.namespace, request, self.chunk_tokens, self._adapters)
             state = self._requests[request.request_id] = _Request(request, keys)
-            if keys is not None and self.manager.trace_recorder is not None:  # once a request
-                self.manager.trace_recorder.record(keys, len(request.prompt_token_ids))
+            if keys is not None and self.trace_recorder is not None:  # once a request
+                self.trace_recorder.record(keys, len(request.prompt_token_ids))
         return state
 
     def _release_name(self) -> None:
