@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 from kvtier.backpressure import Backpressure
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
+from kvtier.residency import ResidencyFeed
 from kvtier.settings import BackpressureConfig
 from kvtier.tiers.base import JobResult, Lookup, LookupContext, SecondaryTier, TransferJob
 
@@ -77,6 +78,8 @@ class _Job:
     #: Whether the job's slots were handed back (a load's slots completed, a
     #: store's unpinned): exactly once, whatever else goes wrong.
     released: bool = False
+    #: A store the residency feed follows (see :meth:`ResidencyFeed.store_started`).
+    followed: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class _Outcome:
     nbytes: int
     seconds: float
     #: Of ``bad``: keys the tier no longer held (misses, not failures).
-    vanished: int = 0
+    gone: list[ChunkKey]
 
     @classmethod
     def of(cls, job: _Job, result: JobResult) -> _Outcome:
@@ -101,7 +104,7 @@ class _Outcome:
             bad=bad,
             nbytes=int(result.nbytes),
             seconds=float(result.seconds),
-            vanished=sum(key in vanished for key in bad),
+            gone=[key for key in bad if key in vanished] if vanished else [],
         )
 
 
@@ -143,7 +146,12 @@ class TieringManager:
         self.job_listeners: list[JobListener] = []
         #: Where the engine side records each request's keys (``trace_recording``); closed here.
         self.trace_recorder: TraceRecorder | None = None
-        for tier in self.tiers:
+        #: Which tier holds which chunk, as it changes (KV events for routers):
+        #: add observers to ``residency.listeners``.
+        self.residency = ResidencyFeed([tier.tier_type for tier in self.tiers])
+        primary.residency_listeners.append(self.residency.primary_changed)
+        for index, tier in enumerate(self.tiers):
+            tier.removal_listeners.append(functools.partial(self.residency.removed, index))
             self._call(tier, "on_attach", primary)
 
     # Scheduler side -------------------------------------------------------
@@ -381,6 +389,7 @@ class TieringManager:
         # Recorded before the tier sees it: a fast tier may report the job
         # before submit returns, and its result must find the job.
         record = _Job(job.job_id, index, loading, job.keys, job.request_id)
+        record.followed = not loading and self.residency.store_started(index, job.keys)
         self._jobs[(index, job.job_id)] = record
         try:
             (tier.submit_load if loading else tier.submit_store)(job)
@@ -429,6 +438,7 @@ class TieringManager:
                 job.job_id,
             )
             self.unapplied_results += 1
+            self._store_ended(job, ())
             if job.released:
                 return  # only its bookkeeping was lost
             try:
@@ -457,8 +467,9 @@ class TieringManager:
                 bytes_loaded=outcome.nbytes,
                 # A chunk evicted since the lookup (by another process, say) is
                 # a miss: the request recomputes it, and nothing failed.
-                load_failures=len(outcome.bad) - outcome.vanished,
+                load_failures=len(outcome.bad) - len(outcome.gone),
             )
+            self.residency.removed(job.tier_index, outcome.gone)
             self._cascade(loaded, targets)
         else:
             self.primary.complete_load(job.keys)
@@ -470,6 +481,7 @@ class TieringManager:
                 bytes_stored=outcome.nbytes,
                 store_failures=len(outcome.bad),
             )
+            self._store_ended(job, outcome.good)
 
     def _release_failed(self, job: _Job) -> None:
         """Hand back the slots of a job that failed as a whole."""
@@ -480,6 +492,7 @@ class TieringManager:
         else:
             self.primary.complete_load(job.keys)
             self.backpressure[job.tier_index].cancelled()
+            self._store_ended(job, ())
         job.released = True
 
     def _remember_failures(
@@ -487,6 +500,11 @@ class TieringManager:
     ) -> None:
         if request_id is not None and keys:
             self._failed[request_id].update((index, key) for key in keys)
+
+    def _store_ended(self, job: _Job, stored: Sequence[ChunkKey]) -> None:
+        if job.followed:
+            job.followed = False
+            self.residency.store_ended(job.tier_index, job.keys, stored)
 
     @staticmethod
     def _call(tier: SecondaryTier, method: str, *args: object) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
 from kvtier.keys import ChunkKey
@@ -16,6 +16,10 @@ logger = logging.getLogger(__name__)
 
 #: Reference count of a slot whose bytes are being written.
 WRITING = -1
+
+#: Told ``(keys, stored)`` when chunks become ready in the tier (``True``) or
+#: leave it (``False``): see :attr:`PrimaryTier.residency_listeners`.
+ResidencyListener = Callable[[Sequence[ChunkKey], bool], None]
 
 
 class PrimaryTier:
@@ -45,6 +49,11 @@ class PrimaryTier:
         self.evictions = 0
         #: Chunks that readers found ready here (see :meth:`touch`).
         self.hits = 0
+        #: Observers of the chunks that become ready here or leave (evicted,
+        #: removed, cleared). Called under the tier's lock, so that they see
+        #: every key's changes in order: they must be quick and must not call
+        #: back into the tier.
+        self.residency_listeners: list[ResidencyListener] = []
 
     @property
     def num_slots(self) -> int:
@@ -121,6 +130,7 @@ class PrimaryTier:
                     return None
                 walk.free_victims(ready, free, victims)
                 self.evictions += len(victims)
+                self._tell(victims, stored=False)
             walk.take_slots(reserved, free, writing)
             return reserved
 
@@ -183,6 +193,7 @@ class PrimaryTier:
             self._ready.update(written)
             if pins:
                 self._pins.update(dict.fromkeys(written, pins))
+            self._tell(written, stored=True)
             return written
 
     def _track_one_by_one(self, keys: list[ChunkKey]) -> list[ChunkKey]:
@@ -268,15 +279,16 @@ class PrimaryTier:
 
     def remove_idle(self, keys: Iterable[ChunkKey]) -> int:
         """Drop idle chunks (e.g. found stale); busy ones stay. Returns how many."""
-        removed = 0
+        removed = []
         with self._lock:
             ready, pins = self._ready, self._pins
             for key in keys:
                 if key in ready and key not in pins:
                     self._free.append(ready.pop(key))
                     self.policy.remove(key)
-                    removed += 1
-        return removed
+                    removed.append(key)
+            self._tell(removed, stored=False)
+        return len(removed)
 
     def clear(self) -> None:
         """Forget every chunk. Call only when nothing is pinned or writing."""
@@ -284,9 +296,21 @@ class PrimaryTier:
             busy = len(self._writing) + len(self._pins)
             if busy:
                 raise RuntimeError(f"cannot clear the primary tier: {busy} slots busy")
+            self._tell(self._ready, stored=False)
             self._ready.clear()
             self._free = list(range(self.num_slots - 1, -1, -1))
             self.policy.clear()
+
+    def _tell(self, keys: Collection[ChunkKey], *, stored: bool) -> None:
+        """Tell the residency listeners (under the lock); one that raises is logged."""
+        if not keys or not self.residency_listeners:
+            return
+        listed = list(keys)
+        for listener in self.residency_listeners:
+            try:
+                listener(listed, stored)
+            except Exception:
+                logger.exception("primary tier: residency listener %r raised", listener)
 
     def busy_counts(self) -> Mapping[str, int]:
         """Slots by state, for metrics."""
