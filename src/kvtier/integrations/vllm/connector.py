@@ -139,8 +139,12 @@ class KVTierConnector(KVConnectorBase_V1):
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """What kvtier's tiers stored or dropped since the last step, as vLLM's
-        scheduler publishes KV-cache events (see docs/vllm.md)."""
+        """What kvtier's tiers stored or dropped since the last step.
+
+        vLLM's scheduler calls it once per step and publishes the events with
+        its own (see docs/vllm.md). Every change happens on the scheduler
+        side, so the workers' ``get_kv_connector_kv_cache_events`` has none.
+        """
         return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

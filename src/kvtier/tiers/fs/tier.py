@@ -304,8 +304,11 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         if evicted is None:  # too far behind: rely on the filesystem instead
             self._keys.clear()
         else:
+            # Those still held here: the index also lists this process's own
+            # evictions, reported when they were made.
+            held = [ChunkKey(key) for key in evicted if key in self._keys]
             self._keys.difference_update(evicted)
-            self.report_removed([ChunkKey(key) for key in evicted])
+            self.report_removed(held)
 
     # ThreadedTier hooks (worker threads) ----------------------------------------
 
