@@ -369,3 +369,21 @@ def test_a_router_sees_kvtiers_tiers_in_vllms_event_stream(tmp_path: Path, route
     assert len(router.held("kvtier:fs")) == FS_CHUNKS * CHUNK // SERVER_BLOCK
     assert any(isinstance(e, BlockRemoved) for e in router.of("kvtier:fs"))
     assert stats["kv_events"]["dropped"] == 0
+
+
+def test_the_cost_benchmark_runs_and_counts_consistently() -> None:
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_kv_events.py"), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root / "src")},
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["chunks"] == 50 and result["block_size"] == 16
+    # At least the packed token ids (4 bytes each) and one hash per block.
+    assert result["bytes_per_chunk"] > 4 * 256 + 8 * 16
+    assert result["kvtier_us_per_chunk"] > 0 and result["vllm_us_per_chunk"] > 0

@@ -17,7 +17,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import (
@@ -45,7 +45,8 @@ MEDIUM_PREFIX = "kvtier:"
 class ChunkBlocks:
     """What vLLM's ``BlockStored`` says about the blocks of one kvtier chunk."""
 
-    block_hashes: tuple[ExternalBlockHash, ...]
+    #: Packed where vLLM's event hashes are 64-bit ints (its default).
+    block_hashes: Sequence[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
     #: The chunk's token ids, packed (a list of ints takes nine times the room).
     token_ids: array[int]
@@ -89,7 +90,7 @@ def chunk_blocks(
         extra.append(keys)
     lora = request.lora_request
     return ChunkBlocks(
-        block_hashes=tuple(maybe_convert_block_hash(hashes[b]) for b in range(first, end)),
+        block_hashes=_packed([maybe_convert_block_hash(hashes[b]) for b in range(first, end)]),
         parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
         token_ids=array("i", request.all_token_ids[start_token:end_token]),
         block_size=block_size,
@@ -99,11 +100,19 @@ def chunk_blocks(
     )
 
 
+def _packed(hashes: list[ExternalBlockHash]) -> Sequence[ExternalBlockHash]:
+    """Ints in an array (8 bytes each, not 40), bytes as they are."""
+    if all(isinstance(h, int) for h in hashes):
+        return array("Q", cast(list[int], hashes))
+    return tuple(hashes)
+
+
 @dataclass(slots=True)
 class _Tracked:
     blocks: ChunkBlocks
-    #: The media (tiers) the chunk was announced in and not removed from since.
-    media: set[str] = field(default_factory=set)
+    #: The media (tiers) the chunk was announced in and not removed from since
+    #: (a few: a list takes a quarter of a set's room).
+    media: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -220,7 +229,7 @@ class TierEvents:
             if tracked is None:
                 self.counters.unmapped += 1
             elif medium not in tracked.media:
-                tracked.media.add(medium)
+                tracked.media.append(medium)
                 yield tracked.blocks.stored(medium)
 
     def _removed(self, medium: str, keys: Sequence[ChunkKey]) -> list[ExternalBlockHash]:
@@ -229,7 +238,7 @@ class TierEvents:
             tracked = self._chunks.get(key)
             if tracked is None or medium not in tracked.media:
                 continue  # never announced here (or forgotten): nothing to take back
-            tracked.media.discard(medium)
+            tracked.media.remove(medium)
             hashes.extend(tracked.blocks.block_hashes)
             if not tracked.media:
                 del self._chunks[key]

@@ -63,7 +63,7 @@ class ConnectorOptions(BaseModel):
 
     kvtier_kv_events_max_chunks: int = Field(default=16384, ge=1)
     """Chunks whose vLLM block hashes are remembered, to announce their removal
-    (about 2.5 KB each for 256-token chunks of 16-token blocks)."""
+    (about 1.8 KB each for 256-token chunks)."""
 
     kvtier_kv_events_max_queued: int = Field(default=65536, ge=1)
     """Tier changes held between two engine steps; more are dropped and counted."""
