@@ -165,6 +165,45 @@ def test_a_medium_for_an_unknown_tier_is_a_config_error() -> None:
         _events(media={"redis": "REMOTE"})
 
 
+@pytest.mark.parametrize(
+    ("vllm_events", "extra", "published"),
+    [(True, {}, True), (False, {}, False), (True, {"kvtier_kv_events": False}, False)],
+)
+def test_events_follow_vllms_setting_and_the_connector_option(
+    vllm_events: bool, extra: dict[str, Any], published: bool
+) -> None:
+    from types import SimpleNamespace
+
+    from vllm.config import KVEventsConfig
+
+    from kvtier.config import load_config
+    from kvtier.integrations.vllm.events import tier_events
+    from kvtier.integrations.vllm.settings import VllmGeometry, connector_options
+
+    config = load_config({"secondary_tiers": [{"type": "memory"}, {"type": "fs", "root_dir": "/x"},
+                                               {"type": "fs", "root_dir": "/y"}]})  # fmt: skip
+    on = KVEventsConfig(enable_kv_cache_events=vllm_events)
+    vllm_config = SimpleNamespace(kv_events_config=on)
+    shape = VllmGeometry(("l0",), block_size=16, blocks_per_chunk=4, page_bytes=64, num_blocks=8)
+    media = {"kvtier_kv_events_media": {"fs:2": "STORAGE"}}
+    options = connector_options({**media, **extra})
+    events = tier_events(options, config, vllm_config, SimpleNamespace(), shape)
+    assert (events is not None) == published
+    if events is not None:
+        assert events.media == {
+            "cpu": "kvtier:cpu", "memory": "kvtier:memory", "fs:1": "kvtier:fs:1",
+            "fs:2": "STORAGE",
+        }  # fmt: skip
+        assert (events.blocks_per_chunk, events.hash_block_size) == (4, 16)
+
+
+def test_a_misspelt_event_option_names_the_nearest_key() -> None:
+    from kvtier.integrations.vllm.settings import connector_options
+
+    with pytest.raises(ConfigError, match="did you mean 'kvtier_kv_events_media'"):
+        connector_options({"kvtier_kv_event_media": {}})
+
+
 # End to end: vLLM's OpenAI server, its ZMQ event stream, a router's view ----
 
 CHUNK, SERVER_BLOCK = 64, 32
