@@ -142,7 +142,7 @@ def test_no_listener_no_followed_stores_and_a_raising_listener_is_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     feed = ResidencyFeed(["fs"])
-    assert feed.store_started(0, [ChunkKey(b"k" * 16)]) is False
+    assert feed.job_started(0, [ChunkKey(b"k" * 16)]) is False
 
     def broken(tier: str, keys: Sequence[ChunkKey], stored: bool) -> None:
         raise RuntimeError("listener down")
@@ -150,7 +150,25 @@ def test_no_listener_no_followed_stores_and_a_raising_listener_is_logged(
     changes = Changes()
     feed.listeners += [broken, changes]
     key = ChunkKey(b"k" * 16)
-    assert feed.store_started(0, [key])
-    feed.store_ended(0, [key], [key])
+    assert feed.job_started(0, [key])
+    feed.job_ended(0, [key], [key])
     assert changes.of("fs") == [(key, True)]
     assert "listener down" in caplog.text
+
+
+def test_a_chunk_read_from_a_tier_is_announced_there_though_stored_unseen() -> None:
+    """Chunks a tier held before anyone listened (an earlier engine's) are
+    announced once a promotion reads them."""
+    cache, changes = make_cache({"type": "memory", "io_threads": 1}, slots=4)
+    try:
+        tokens = list(range(8))
+        cache.manager.residency.listeners.remove(changes)
+        cache.store(tokens, chunks(2))
+        cache.drain()
+        cache.manager.reset()
+        cache.manager.residency.listeners.append(changes)
+        assert cache.cached_prefix(tokens, timeout=5) == 8
+        keys = cache.keys(tokens)
+        assert changes.held("memory") == set(keys) == changes.held("cpu")
+    finally:
+        cache.close()

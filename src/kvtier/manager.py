@@ -78,7 +78,7 @@ class _Job:
     #: Whether the job's slots were handed back (a load's slots completed, a
     #: store's unpinned): exactly once, whatever else goes wrong.
     released: bool = False
-    #: A store the residency feed follows (see :meth:`ResidencyFeed.store_started`).
+    #: A job the residency feed follows (see :meth:`ResidencyFeed.job_started`).
     followed: bool = False
 
 
@@ -389,7 +389,7 @@ class TieringManager:
         # Recorded before the tier sees it: a fast tier may report the job
         # before submit returns, and its result must find the job.
         record = _Job(job.job_id, index, loading, job.keys, job.request_id)
-        record.followed = not loading and self.residency.store_started(index, job.keys)
+        record.followed = self.residency.job_started(index, job.keys)
         self._jobs[(index, job.job_id)] = record
         try:
             (tier.submit_load if loading else tier.submit_store)(job)
@@ -438,7 +438,7 @@ class TieringManager:
                 job.job_id,
             )
             self.unapplied_results += 1
-            self._store_ended(job, ())
+            self._job_ended(job, ())
             if job.released:
                 return  # only its bookkeeping was lost
             try:
@@ -470,6 +470,7 @@ class TieringManager:
                 load_failures=len(outcome.bad) - len(outcome.gone),
             )
             self.residency.removed(job.tier_index, outcome.gone)
+            self._job_ended(job, outcome.good)
             self._cascade(loaded, targets)
         else:
             self.primary.complete_load(job.keys)
@@ -481,7 +482,7 @@ class TieringManager:
                 bytes_stored=outcome.nbytes,
                 store_failures=len(outcome.bad),
             )
-            self._store_ended(job, outcome.good)
+            self._job_ended(job, outcome.good)
 
     def _release_failed(self, job: _Job) -> None:
         """Hand back the slots of a job that failed as a whole."""
@@ -492,7 +493,7 @@ class TieringManager:
         else:
             self.primary.complete_load(job.keys)
             self.backpressure[job.tier_index].cancelled()
-            self._store_ended(job, ())
+        self._job_ended(job, ())
         job.released = True
 
     def _remember_failures(
@@ -501,10 +502,10 @@ class TieringManager:
         if request_id is not None and keys:
             self._failed[request_id].update((index, key) for key in keys)
 
-    def _store_ended(self, job: _Job, stored: Sequence[ChunkKey]) -> None:
+    def _job_ended(self, job: _Job, held: Sequence[ChunkKey]) -> None:
         if job.followed:
             job.followed = False
-            self.residency.store_ended(job.tier_index, job.keys, stored)
+            self.residency.job_ended(job.tier_index, job.keys, held)
 
     @staticmethod
     def _call(tier: SecondaryTier, method: str, *args: object) -> None:

@@ -46,9 +46,11 @@ class ResidencyFeed:
     the order they were made. They must be quick and thread-safe and must not
     call back into kvtier; one that raises is logged.
 
-    A store job's result arrives after its chunks were written: a tier that
-    evicts one of them meanwhile (a tier smaller than a few jobs) reports the
-    removal first, so the feed leaves that chunk out of the job's stores.
+    A job's result tells which chunks the tier holds: those a store wrote,
+    and those a load read (chunks the tier held before this process started
+    included). It arrives after the I/O: a tier that evicts one of them
+    meanwhile (a tier smaller than a few jobs) reports the removal first, so
+    the feed leaves that chunk out of the job's result.
     """
 
     def __init__(self, secondary_types: Sequence[str]) -> None:
@@ -56,7 +58,7 @@ class ResidencyFeed:
         self.names = tier_names(secondary_types)
         self.listeners: list[ResidencyListener] = []
         self._lock = threading.Lock()
-        # Per secondary tier: keys of its store jobs in flight (how many jobs
+        # Per secondary tier: keys of its jobs in flight (how many jobs
         # each), and those it reported dropped while in flight.
         self._storing: list[Counter[ChunkKey]] = [Counter() for _ in self.names]
         self._dropped: list[set[ChunkKey]] = [set() for _ in self.names]
@@ -67,20 +69,20 @@ class ResidencyFeed:
             with self._lock:
                 self._tell(PRIMARY_TIER_NAME, keys, stored)
 
-    def store_started(self, tier: int, keys: Sequence[ChunkKey]) -> bool:
-        """A store job goes to secondary tier ``tier``; ``True`` if it is followed
-        (end it with :meth:`store_ended`), ``False`` when nobody listens."""
+    def job_started(self, tier: int, keys: Sequence[ChunkKey]) -> bool:
+        """A job of ``keys`` goes to secondary tier ``tier``; ``True`` if it is
+        followed (end it with :meth:`job_ended`), ``False`` when nobody listens."""
         if not self.listeners:
             return False
         with self._lock:
             self._storing[tier].update(keys)
         return True
 
-    def store_ended(self, tier: int, keys: Sequence[ChunkKey], stored: Sequence[ChunkKey]) -> None:
-        """A followed store job of ``keys`` ended; ``stored`` made it into the tier."""
+    def job_ended(self, tier: int, keys: Sequence[ChunkKey], held: Sequence[ChunkKey]) -> None:
+        """A followed job of ``keys`` ended; the tier holds ``held`` (stored or read)."""
         with self._lock:
             storing, dropped = self._storing[tier], self._dropped[tier]
-            kept = [key for key in stored if key not in dropped] if dropped else stored
+            kept = [key for key in held if key not in dropped] if dropped else held
             for key in keys:
                 storing[key] -= 1
                 if storing[key] <= 0:
