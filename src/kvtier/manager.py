@@ -149,7 +149,7 @@ class TieringManager:
         #: Which tier holds which chunk, as it changes (KV events for routers):
         #: add observers to ``residency.listeners``.
         self.residency = ResidencyFeed([tier.tier_type for tier in self.tiers])
-        primary.residency_listeners.append(self.residency.primary_changed)
+        primary.watchers.append(self.residency.primary_changed)
         for index, tier in enumerate(self.tiers):
             tier.removal_listeners.append(functools.partial(self.residency.removed, index))
             self._call(tier, "on_attach", primary)

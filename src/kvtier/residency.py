@@ -63,11 +63,15 @@ class ResidencyFeed:
         self._storing: list[Counter[ChunkKey]] = [Counter() for _ in self.names]
         self._dropped: list[set[ChunkKey]] = [set() for _ in self.names]
 
-    def primary_changed(self, keys: Sequence[ChunkKey], stored: bool) -> None:
-        """The primary tier made ``keys`` ready or dropped them."""
-        if keys and self.listeners:
+    def primary_changed(self, added: Sequence[ChunkKey], removed: Sequence[ChunkKey]) -> None:
+        """The primary tier made ``added`` ready and dropped ``removed`` (a
+        :attr:`PrimaryTier.watchers` callback)."""
+        if self.listeners and (added or removed):
             with self._lock:
-                self._tell(PRIMARY_TIER_NAME, keys, stored)
+                if removed:
+                    self._tell(PRIMARY_TIER_NAME, removed, False)
+                if added:
+                    self._tell(PRIMARY_TIER_NAME, added, True)
 
     def job_started(self, tier: int, keys: Sequence[ChunkKey]) -> bool:
         """A job of ``keys`` goes to secondary tier ``tier``; ``True`` if it is

@@ -17,10 +17,6 @@ logger = logging.getLogger(__name__)
 #: Reference count of a slot whose bytes are being written.
 WRITING = -1
 
-#: Told ``(keys, stored)`` when chunks become ready in the tier (``True``) or
-#: leave it (``False``): see :attr:`PrimaryTier.residency_listeners`.
-ResidencyListener = Callable[[Sequence[ChunkKey], bool], None]
-
 
 class PrimaryTier:
     """Slots of a :class:`SlotBuffer`, reference-counted, evicted by a policy.
@@ -49,11 +45,10 @@ class PrimaryTier:
         self.evictions = 0
         #: Chunks that readers found ready here (see :meth:`touch`).
         self.hits = 0
-        #: Observers of the chunks that become ready here or leave (evicted,
-        #: removed, cleared). Called under the tier's lock, so that they see
-        #: every key's changes in order: they must be quick and must not call
-        #: back into the tier.
-        self.residency_listeners: list[ResidencyListener] = []
+        #: Called as ``watcher(added, removed)`` when chunks become ready or
+        #: leave (evicted, removed, cleared), under this tier's lock: a watcher
+        #: records and returns, and never calls back into the tier.
+        self.watchers: list[Callable[[Sequence[ChunkKey], Sequence[ChunkKey]], None]] = []
 
     @property
     def num_slots(self) -> int:
@@ -89,6 +84,18 @@ class PrimaryTier:
                 **dict.fromkeys(self._writing, WRITING),
                 **{key: pins.get(key, 0) for key in self._ready},
             }
+
+    def ready_keys(self) -> list[ChunkKey]:
+        """Every ready key (a snapshot)."""
+        with self._lock:
+            return list(self._ready)
+
+    def _notify(self, added: Sequence[ChunkKey], removed: Sequence[ChunkKey]) -> None:
+        for watcher in self.watchers:
+            try:
+                watcher(added, removed)
+            except Exception:
+                logger.exception("primary tier watcher %r raised", watcher)
 
     def slot_of(self, key: ChunkKey) -> int | None:
         slot = self._ready.get(key)
@@ -130,7 +137,8 @@ class PrimaryTier:
                     return None
                 walk.free_victims(ready, free, victims)
                 self.evictions += len(victims)
-                self._tell(victims, stored=False)
+                if self.watchers:
+                    self._notify((), victims)
             walk.take_slots(reserved, free, writing)
             return reserved
 
@@ -193,7 +201,8 @@ class PrimaryTier:
             self._ready.update(written)
             if pins:
                 self._pins.update(dict.fromkeys(written, pins))
-            self._tell(written, stored=True)
+            if self.watchers:
+                self._notify(list(written), ())
             return written
 
     def _track_one_by_one(self, keys: list[ChunkKey]) -> list[ChunkKey]:
@@ -287,7 +296,8 @@ class PrimaryTier:
                     self._free.append(ready.pop(key))
                     self.policy.remove(key)
                     removed.append(key)
-            self._tell(removed, stored=False)
+            if removed and self.watchers:
+                self._notify((), removed)
         return len(removed)
 
     def clear(self) -> None:
@@ -296,21 +306,11 @@ class PrimaryTier:
             busy = len(self._writing) + len(self._pins)
             if busy:
                 raise RuntimeError(f"cannot clear the primary tier: {busy} slots busy")
-            self._tell(self._ready, stored=False)
+            if self.watchers:
+                self._notify((), list(self._ready))
             self._ready.clear()
             self._free = list(range(self.num_slots - 1, -1, -1))
             self.policy.clear()
-
-    def _tell(self, keys: Collection[ChunkKey], *, stored: bool) -> None:
-        """Tell the residency listeners (under the lock); one that raises is logged."""
-        if not keys or not self.residency_listeners:
-            return
-        listed = list(keys)
-        for listener in self.residency_listeners:
-            try:
-                listener(listed, stored)
-            except Exception:
-                logger.exception("primary tier: residency listener %r raised", listener)
 
     def busy_counts(self) -> Mapping[str, int]:
         """Slots by state, for metrics."""
