@@ -146,13 +146,14 @@ class TieringManager:
         self.job_listeners: list[JobListener] = []
         #: Where the engine side records each request's keys (``trace_recording``); closed here.
         self.trace_recorder: TraceRecorder | None = None
+        for tier in self.tiers:
+            self._call(tier, "on_attach", primary)
         #: Which tier holds which chunk, as it changes (KV events for routers):
         #: add observers to ``residency.listeners``.
         self.residency = ResidencyFeed([tier.tier_type for tier in self.tiers])
         primary.watchers.append(self.residency.primary_changed)
         for index, tier in enumerate(self.tiers):
             tier.removal_listeners.append(functools.partial(self.residency.removed, index))
-            self._call(tier, "on_attach", primary)
 
     # Scheduler side -------------------------------------------------------
 
