@@ -337,3 +337,21 @@ def test_a_store_is_one_transaction_and_its_done_mark_waits_for_the_next(root: P
     finally:
         first.close()
         second.close()
+
+
+def test_evictions_are_reported_removed_once_by_the_evicting_and_the_other_tier(
+    pair: tuple[TierHarness, TierHarness],
+) -> None:
+    first, second = pair
+    removed: tuple[list[bytes], list[bytes]] = ([], [])
+    for harness, log in zip(pair, removed, strict=True):
+        fs_tier(harness).removal_listeners.append(log.extend)
+    mine = store_new(first, 4)
+    store_new(second, 8)  # evicts all four
+    assert sorted(removed[1]) == sorted(mine) and removed[0] == []
+    for harness in pair:  # what each runs at its next step, run here at once
+        tier = fs_tier(harness)
+        assert tier._bound is not None
+        tier._poll_evictions(tier._bound)
+    assert sorted(removed[0]) == sorted(mine)
+    assert sorted(removed[1]) == sorted(mine)  # its own, not told twice

@@ -22,6 +22,8 @@ class JobRecord:
     #: Whether the job's slots were handed back (a load's slots completed, a
     #: store's unpinned): exactly once, whatever else goes wrong.
     released: bool = False
+    #: A job the residency feed follows (see :meth:`ResidencyFeed.job_started`).
+    followed: bool = False
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class JobOutcome:
     nbytes: int
     seconds: float
     #: Of ``bad``: keys the tier no longer held (misses, not failures).
-    vanished: int = 0
+    gone: list[ChunkKey]
 
     @classmethod
     def of(cls, job: JobRecord, result: JobResult) -> JobOutcome:
@@ -46,5 +48,5 @@ class JobOutcome:
             bad=bad,
             nbytes=int(result.nbytes),
             seconds=float(result.seconds),
-            vanished=sum(key in vanished for key in bad),
+            gone=[key for key in bad if key in vanished] if vanished else [],
         )

@@ -26,6 +26,7 @@ from kvtier.backpressure import Backpressure
 from kvtier.jobs import JobOutcome, JobRecord
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
+from kvtier.residency import ResidencyFeed
 from kvtier.settings import BackpressureConfig
 from kvtier.tiers.base import (
     JobResult,
@@ -123,6 +124,12 @@ class TieringManager:
         self.attachments: list[Attachment] = []
         for tier in self.tiers:
             self._call(tier, "on_attach", primary)
+        #: Which tier holds which chunk, as it changes (KV events for routers):
+        #: add observers to ``residency.listeners``.
+        self.residency = ResidencyFeed([tier.tier_type for tier in self.tiers])
+        primary.watchers.append(self.residency.primary_changed)
+        for index, tier in enumerate(self.tiers):
+            tier.removal_listeners.append(functools.partial(self.residency.removed, index))
 
     # Scheduler side -------------------------------------------------------
 
@@ -394,6 +401,7 @@ class TieringManager:
         # Recorded before the tier sees it: a fast tier may report the job
         # before submit returns, and its result must find the job.
         record = JobRecord(job.job_id, index, loading, job.keys, job.request_id)
+        record.followed = self.residency.job_started(index, job.keys)
         self._jobs[(index, job.job_id)] = record
         try:
             (tier.submit_load if loading else tier.submit_store)(job)
@@ -442,6 +450,7 @@ class TieringManager:
                 job.job_id,
             )
             self.unapplied_results += 1
+            self._job_ended(job, ())
             if job.released:
                 return  # only its bookkeeping was lost
             try:
@@ -470,8 +479,10 @@ class TieringManager:
                 bytes_loaded=outcome.nbytes,
                 # A chunk evicted since the lookup (by another process, say) is
                 # a miss: the request recomputes it, and nothing failed.
-                load_failures=len(outcome.bad) - outcome.vanished,
+                load_failures=len(outcome.bad) - len(outcome.gone),
             )
+            self.residency.removed(job.tier_index, outcome.gone)
+            self._job_ended(job, outcome.good)
             self._cascade(loaded, targets)
         else:
             self.primary.complete_load(job.keys)
@@ -483,6 +494,7 @@ class TieringManager:
                 bytes_stored=outcome.nbytes,
                 store_failures=len(outcome.bad),
             )
+            self._job_ended(job, outcome.good)
 
     def _release_failed(self, job: JobRecord) -> None:
         """Hand back the slots of a job that failed as a whole."""
@@ -493,6 +505,7 @@ class TieringManager:
         else:
             self.primary.complete_load(job.keys)
             self.backpressure[job.tier_index].cancelled()
+        self._job_ended(job, ())
         job.released = True
 
     def _remember_failures(
@@ -500,6 +513,11 @@ class TieringManager:
     ) -> None:
         if request_id is not None and keys:
             self._failed[request_id].update((index, key) for key in keys)
+
+    def _job_ended(self, job: JobRecord, held: Sequence[ChunkKey]) -> None:
+        if job.followed:
+            job.followed = False
+            self.residency.job_ended(job.tier_index, job.keys, held)
 
     @staticmethod
     def _call(tier: SecondaryTier, method: str, *args: object) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
@@ -24,6 +25,11 @@ from kvtier.keys import ChunkKey
 if TYPE_CHECKING:
     from kvtier.layout import KVLayout
     from kvtier.primary import PrimaryTier
+
+logger = logging.getLogger(__name__)
+
+#: Told the keys a tier no longer holds (see :meth:`SecondaryTier.report_removed`).
+RemovalListener = Callable[[Sequence[ChunkKey]], None]
 
 
 class TierSpec(Protocol):
@@ -238,6 +244,8 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         self.options = cast(OptionsT, _validated(self.Options, options, handed))
         self.stats = TierStats()
         self._stats_lock = threading.Lock()
+        #: Observers of the chunks the tier drops (:meth:`report_removed`).
+        self.removal_listeners: list[RemovalListener] = []
 
     @property
     def slot_bytes(self) -> int:
@@ -342,6 +350,24 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         Must be cheap and must not block: it runs on the scraper's thread.
         """
         return ()
+
+    def report_removed(self, keys: Sequence[ChunkKey]) -> None:
+        """Tell :attr:`removal_listeners` that the tier no longer holds ``keys``.
+
+        A tier calls it, from any thread, for chunks it drops by its own
+        eviction, finds deleted by another process, or deletes as corrupt, so
+        that whoever announces where chunks live (KV events for routers) can
+        announce the removal. Chunks a backend drops unseen (a server's own
+        eviction) are reported when a load finds them gone, as ``vanished``.
+        A listener that raises is logged.
+        """
+        if not keys:
+            return
+        for listener in self.removal_listeners:
+            try:
+                listener(keys)
+            except Exception:
+                logger.exception("tier %s: removal listener %r raised", self.tier_type, listener)
 
     def count(self, **deltas: int) -> None:
         """Add to :attr:`stats` from any thread."""

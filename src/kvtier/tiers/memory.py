@@ -59,15 +59,16 @@ class MemoryTier(ThreadedTier[MemoryTierOptions]):
         with self._chunks_lock:
             old = self._chunks.pop(key, None)
             self._held_bytes -= len(old) if old is not None else 0
-            evicted = 0
+            evicted = []
             while self._held_bytes + len(value) > self.max_bytes:
-                _, victim = self._chunks.popitem(last=False)
+                victim_key, victim = self._chunks.popitem(last=False)
                 self._held_bytes -= len(victim)
-                evicted += 1
+                evicted.append(victim_key)
             self._chunks[key] = value
             self._held_bytes += len(value)
         if evicted:
-            self.count(evictions=evicted)
+            self.count(evictions=len(evicted))
+            self.report_removed(evicted)
 
     def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
         with self._chunks_lock:

@@ -294,6 +294,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
             self._discard(key)
         except Exception:
             logger.exception("tier %s: could not discard corrupt chunk", self.tier_type)
+        self.report_removed([key])
 
     def _run_check(self, keys: list[ChunkKey]) -> Callable[[], None]:
         def check() -> None:

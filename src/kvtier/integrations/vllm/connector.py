@@ -8,8 +8,10 @@ report, and the primary tier's slots in named shared memory.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
@@ -23,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.facade import KVCache
 from kvtier.metrics import KVTierMetrics
 
+from .events import tier_events
 from .logs import follow_vllm_logging
 from .metadata import KVTierConnectorMetadata, KVTierHandshake
 from .scheduler import SchedulerSide
@@ -63,6 +66,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 options.kvtier_model_id,
                 full_read=options.kvtier_weights_identity == "full",
             )
+            # Before any tier starts: a misnamed medium is a start-up error.
+            events = tier_events(options, config, vllm_config, kv_cache_config, shape)
             remove_stale_buffers()
             config = with_shared_memory(config, transfer.engine_id)
             # KVCache builds the tiers and kvtier's own Prometheus metrics
@@ -77,6 +82,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 trace_recorder=kv.trace_recorder,
                 lookup_timeout_s=options.kvtier_lookup_timeout_s,
                 stats_file=options.kvtier_stats_file,
+                events=events,
             )
             if transfer.kv_load_failure_policy != "recompute":
                 logger.warning(
@@ -132,6 +138,15 @@ class KVTierConnector(KVConnectorBase_V1):
         # free the blocks right away.
         self._sched().request_finished(request)
         return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """What kvtier's tiers stored or dropped since the last step.
+
+        vLLM's scheduler calls it once per step and publishes the events with
+        its own (see docs/vllm.md). Every change happens on the scheduler
+        side, so the workers' ``get_kv_connector_kv_cache_events`` has none.
+        """
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """What kvtier counted since the last call, for vLLM's own stats logging."""

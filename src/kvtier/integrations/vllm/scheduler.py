@@ -23,6 +23,7 @@ from kvtier.manager import TieringManager
 from kvtier.primary import SlotBuffer
 from kvtier.recording import TraceRecorder
 
+from .events import TierEvents
 from .metadata import (
     KVTierConnectorMetadata,
     KVTierHandshake,
@@ -123,12 +124,17 @@ class SchedulerSide:
         *,
         lookup_timeout_s: float,
         stats_file: str | None = None,
+        events: TierEvents | None = None,
         clock: Callable[[], float] = time.monotonic,
         trace_recorder: TraceRecorder | None = None,
     ) -> None:
         self.manager = manager
         #: Where each request's keys are recorded once (the cache's ``trace_recording``).
         self.trace_recorder = trace_recorder
+        #: vLLM KV-cache events of kvtier's tiers, when vLLM publishes events.
+        self.events = events
+        if events is not None:
+            manager.residency.listeners.append(events.changed)
         self.layout = layout
         self.shape = shape
         self.lookup_timeout_s = lookup_timeout_s
@@ -183,6 +189,9 @@ class SchedulerSide:
             now = self.clock()
             if state.waiting_since is None:
                 state.waiting_since = now
+                if self.events is not None:  # promotions: their stores will be announced
+                    first_pending = first + result.hit_chunks
+                    self.events.remember(state.request, range(first_pending, usable), state.keys)
             if now - state.waiting_since < self.lookup_timeout_s:
                 return None, False  # promotions in flight: vLLM asks again next step
             self.counters.promotion_timeouts += 1
@@ -278,6 +287,9 @@ class SchedulerSide:
         if reserved is None:
             self.counters.store_drops += len(keys)
             return
+        if self.events is not None:
+            new = [chunk for chunk, key in zip(chunks, keys, strict=True) if key in reserved]
+            self.events.remember(state.request, new, state.keys)
         for chunk, key in zip(chunks, keys, strict=True):
             slot = reserved.get(key)
             if slot is None:
@@ -325,6 +337,10 @@ class SchedulerSide:
                 self.counters.chunks_stored += len(work.stores)
             else:
                 self.counters.store_failures += len(work.stores)
+
+    def take_events(self) -> list[Any]:
+        """vLLM KV-cache events of what kvtier's tiers stored or dropped since the last call."""
+        return self.events.take() if self.events is not None else []
 
     def request_finished(self, request: Any) -> None:
         if self._requests.pop(request.request_id, None) is not None:
@@ -384,6 +400,7 @@ class SchedulerSide:
             "tiers": [
                 {"type": tier.tier_type, **tier.stats.as_dict()} for tier in self.manager.tiers
             ],
+            "kv_events": vars(self.events.counters).copy() if self.events is not None else None,
         }
 
     def _write_stats(self) -> None:

@@ -51,6 +51,23 @@ class ConnectorOptions(BaseModel):
     kvtier_stats_file: str | None = None
     """Write the connector's and every tier's counters here (JSON) at shutdown."""
 
+    kvtier_kv_events: bool = True
+    """Publish every chunk a kvtier tier stores or drops as a vLLM KV-cache event
+    (``BlockStored`` / ``BlockRemoved``), when vLLM's ``kv_events_config`` turns
+    KV-cache events on."""
+
+    kvtier_kv_events_media: dict[str, str] = Field(default_factory=dict)
+    """The ``medium`` of a tier's events, by tier: ``cpu`` (the primary tier), a
+    secondary tier's type, or ``type:n`` where a type repeats. Unnamed tiers
+    are ``kvtier:<tier>``."""
+
+    kvtier_kv_events_max_chunks: int = Field(default=16384, ge=1)
+    """Chunks whose vLLM block hashes are remembered, to announce their removal
+    (about 1.8 KB each for 256-token chunks)."""
+
+    kvtier_kv_events_max_queued: int = Field(default=65536, ge=1)
+    """Tier changes held between two engine steps; more are dropped and counted."""
+
 
 @dataclass(frozen=True)
 class VllmGeometry:

@@ -288,12 +288,11 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     def _forget_evicted(self, victims: Iterable[bytes]) -> None:
         """Chunks this process evicted through the shared index (which deleted
         their files)."""
-        evicted = 0
-        for key in victims:
-            self._keys.discard(key)
-            evicted += 1
+        evicted = [ChunkKey(key) for key in victims]
+        self._keys.difference_update(evicted)
         if evicted:
-            self.count(evictions=evicted)
+            self.count(evictions=len(evicted))
+            self.report_removed(evicted)
 
     def _poll_evictions(self, bound: SharedIndex) -> None:
         """Drop keys other processes evicted from the local set, so that
@@ -305,7 +304,11 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         if evicted is None:  # too far behind: rely on the filesystem instead
             self._keys.clear()
         else:
+            # Those still held here: the index also lists this process's own
+            # evictions, reported when they were made.
+            held = [ChunkKey(key) for key in evicted if key in self._keys]
             self._keys.difference_update(evicted)
+            self.report_removed(held)
 
     # ThreadedTier hooks (worker threads) ----------------------------------------
 
