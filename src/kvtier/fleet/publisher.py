@@ -1,7 +1,7 @@
 """Publishing what a node holds to the cluster index, off the request path.
 
-The primary tier and the manager report changes (chunks made ready, evicted,
-stored in a secondary tier) to :class:`IndexPublisher`, which only records
+The manager's residency feed reports changes (chunks made ready, evicted,
+stored in or dropped by a secondary tier) to :class:`IndexPublisher`, which only records
 them under a lock of its own: nothing on an engine's path waits for the
 index. Its thread sends them in batches, renews the node's lease with every
 batch (and at least every third of the lease), and while the index fails it
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.fleet.base import INCARNATION_CHARS, PRIMARY_MEDIUM, ClusterIndex, NodeLease
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import JobResult, TierMetric
+from kvtier.tiers.base import TierMetric
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +36,15 @@ class IndexPublisher:
         index: ClusterIndex,
         *,
         held: Callable[[], Iterable[ChunkKey]],
-        tier_media: Sequence[str],
         p2p_address: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``held``: the keys the primary tier holds now (for republishing);
-        ``tier_media``: the medium of each secondary tier, by index."""
+        """``held``: the keys the primary tier holds now (for republishing)."""
         options = index.options
         self.index = index
         self.incarnation = secrets.token_hex(INCARNATION_CHARS // 2)
         self.lease = NodeLease(options.node_name(), options.p2p_address or p2p_address)
         self._media = frozenset(options.media)
-        self._tier_media = list(tier_media)
         self._held = held
         self._clock = clock
         self._lock = threading.Lock()
@@ -67,17 +64,13 @@ class IndexPublisher:
 
     # Reported changes (any thread, under others' locks: record only) ------------
 
-    def primary_changed(self, added: Iterable[ChunkKey], removed: Iterable[ChunkKey]) -> None:
-        if PRIMARY_MEDIUM in self._media:
-            self._record(added, removed, PRIMARY_MEDIUM)
-
-    def job_finished(self, tier_index: int, loading: bool, result: JobResult) -> None:
-        """A manager job listener: a secondary tier's stored chunks."""
-        if loading or not result.succeeded or tier_index >= len(self._tier_media):
-            return
-        medium = self._tier_media[tier_index]
+    def residency_changed(self, tier: str, keys: Sequence[ChunkKey], stored: bool) -> None:
+        """A :attr:`~kvtier.residency.ResidencyFeed.listeners` callback: ``tier``
+        (``cpu``, or a secondary tier's name) took ``keys`` in or dropped them.
+        A secondary tier's medium is its type (``fs:2`` publishes as ``fs``)."""
+        medium = tier.partition(":")[0]
         if medium in self._media:
-            self._record(result.succeeded, (), medium)
+            self._record(keys if stored else (), () if stored else keys, medium)
 
     def _record(self, added: Iterable[ChunkKey], removed: Iterable[ChunkKey], medium: str) -> None:
         with self._lock:

@@ -88,7 +88,6 @@ class TieringSpec(OffloadingSpec):
         publisher = IndexPublisher(
             index,
             held=manager.primary.ready_keys,
-            tier_media=[tier.tier_type for tier in manager.tiers],
             p2p_address=next((address for address in advertised if address), None),
         )
         serving = any(getattr(tier, "address", None) for tier in manager.tiers)
@@ -98,8 +97,7 @@ class TieringSpec(OffloadingSpec):
                 "peers asking the index cannot find it: set index.p2p_address"
             )
         manager.attachments.append(publisher)
-        manager.primary.watchers.append(publisher.primary_changed)
-        manager.job_listeners.append(publisher.job_finished)
+        manager.residency.listeners.append(publisher.residency_changed)
         finder = PeerFinder(index)
         for tier in manager.tiers:
             tier.use_holder_index(finder)
