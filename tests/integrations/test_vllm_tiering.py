@@ -318,3 +318,25 @@ def test_vllms_backpressure_detector_reaches_the_tier(
     engine.store(keys)
     engine.evict_primary()
     assert list(engine.load(keys)) == keys
+
+
+def test_the_tiers_own_evictions_are_announced_as_removals(
+    tmp_path: Any, engines: Callable[..., Engine]
+) -> None:
+    # Room for about three chunk files: the second three evict the first.
+    tier = {"type": "fs", "root_dir": str(tmp_path), "max_bytes": 3 * ROW_BYTES + 3 * 8192}
+    engine = engines(tier, events=True, options={"enable_kv_events": True})
+    first, second = offload_keys(3), offload_keys(3, start=3)
+    engine.store(first)
+    engine.store(second)
+    engine.step()
+    removed = {k for e in engine.events if e.removed and e.medium is Medium.STORAGE for k in e.keys}
+    stored = {
+        k for e in engine.events if not e.removed and e.medium is Medium.STORAGE for k in e.keys
+    }
+    assert stored == set(first) | set(second)
+    assert removed and removed <= set(first)
+    # What is announced as held is what the tier holds.
+    held = stored - removed
+    assert engine.adapter.tier.stats.evictions == len(removed)
+    assert set(engine.load(second)) == set(second) & held

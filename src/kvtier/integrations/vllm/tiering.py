@@ -266,8 +266,14 @@ class KVTierSecondaryTier(SecondaryTierManager):
                     "off; the tier announces nothing",
                     path,
                 )
-        #: Chunks announced as stored, so that their removal is announced too.
-        self._announced: collections.OrderedDict[OffloadKey, None] = collections.OrderedDict()
+        #: Chunks announced as stored (kvtier's key to vLLM's), so that their
+        #: removal is announced too.
+        self._announced: collections.OrderedDict[ChunkKey, OffloadKey] = collections.OrderedDict()
+        #: Chunks the tier dropped itself (evicted, deleted as corrupt), reported
+        #: from its workers; announced at the next :meth:`take_events`.
+        self._dropped: collections.deque[Sequence[ChunkKey]] = collections.deque()
+        if self._events is not None:
+            self.tier.removal_listeners.append(self._dropped.append)
         self._jobs: dict[int, _Job] = {}
         self._failed: list[VllmJobResult] = []
         #: Per request, chunks whose load failed: misses for the rest of it.
@@ -397,6 +403,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
         return bool(self._jobs) or bool(self._failed)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        while self._dropped:
+            self._forget_own(self._dropped.popleft())
         if self._events:
             events, self._events = self._events, []
             yield from events
@@ -437,20 +445,23 @@ class KVTierSecondaryTier(SecondaryTierManager):
         if self._events is None or not keys:
             return
         for key in keys:
-            self._announced[key] = None
-            self._announced.move_to_end(key)
+            own = self.chunk_key(key)
+            self._announced[own] = key
+            self._announced.move_to_end(own)
         while len(self._announced) > _ANNOUNCED_LIMIT:
             self._announced.popitem(last=False)
         self._events.append(self._event(list(keys), removed=False))
 
     def _forget(self, keys: Sequence[OffloadKey]) -> None:
         """Announce as removed the chunks announced as stored that the tier no
-        longer serves (evicted, deleted as corrupt, or gone from a shared store)."""
+        longer serves (found missing, or gone at their load)."""
+        if self._events is not None:
+            self._forget_own([self.chunk_key(key) for key in keys])
+
+    def _forget_own(self, own_keys: Sequence[ChunkKey]) -> None:
         if self._events is None:
             return
-        gone = [key for key in keys if key in self._announced]
-        for key in gone:
-            del self._announced[key]
+        gone = [self._announced.pop(own) for own in own_keys if own in self._announced]
         if gone:
             self._events.append(self._event(gone, removed=True))
 
