@@ -175,6 +175,57 @@ def reuse_chances(requests: list[Request], ages: tuple[int, ...], window: int) -
     return chances
 
 
+#: Chat shapes leaf-lru was never tuned on.
+CHAT_VARIANTS = {
+    "chat": DEFAULT_CHAT,
+    "chat, long conversations (mean_turns=12)": ChatShape(mean_turns=12.0),
+    "chat, short ones, many prompts (mean_turns=2, system_prompts=64)": ChatShape(
+        mean_turns=2.0, system_prompts=64
+    ),
+    "chat, prompts under a block (system_tokens=50-200)": ChatShape(system_tokens=(50, 200)),
+}
+
+
+def leaf_against_lru() -> str:
+    """leaf-lru against lru on traces and shapes it was never tuned on, at five
+    capacities, one request at a time and in engine steps."""
+    percents = (5, 10, 20, 30, 50)
+    variants: list[tuple[str, list[list[Request]]]] = []
+    whole = mooncake()
+    half = len(whole) // 2
+    variants.append(("Mooncake, first half", [whole[:half]]))
+    variants.append(("Mooncake, second half", [whole[half:]]))
+    for name, shape in CHAT_VARIANTS.items():
+        variants.append((f"{name}, seeds 1-3", [chat(seed, shape) for seed in (1, 2, 3)]))
+    rows = []
+    for name, traces in variants:
+        for batch in (1, ENGINE_STEP):
+            differences, closed = [], []
+            for requests in traces:
+                report = run(
+                    requests,
+                    ("lru", "leaf-lru"),
+                    slots_of(requests, percents),
+                    progress=False,
+                    batch=batch,
+                )
+                for cell in report["capacities"]:
+                    lru, leaf = (cell["policies"][p] for p in ("lru", "leaf-lru"))
+                    differences.append(leaf["hit_ratio"] - lru["hit_ratio"])
+                    if leaf["gap_closed"] is not None:
+                        closed.append(leaf["gap_closed"])
+            rows.append(
+                [
+                    name,
+                    str(batch),
+                    f"{min(differences):+.4f}".replace("-", "−"),
+                    f"{_pct(min(closed))} to {_pct(max(closed))}",
+                ]
+            )
+    header = ["trace", "batch", "leaf-lru − lru, least", "gap closed"]
+    return markdown(header, rows)
+
+
 def policy_lab(batch: int) -> Callable[[], str]:
     def table() -> str:
         from policy_lab.run import gap_table, traces
@@ -199,6 +250,7 @@ TABLES: dict[str, Table] = {
     "simulate-chat": Table(simulate_chat, True),
     "simulate-secondary": Table(simulate_secondary, True),
     "reuse-by-age": Table(reuse_by_age, True),
+    "leaf-against-lru": Table(leaf_against_lru, False),
     "policy-lab-1": Table(policy_lab(1), False),
     f"policy-lab-{ENGINE_STEP}": Table(policy_lab(ENGINE_STEP), False),
 }

@@ -17,4 +17,5 @@ python -m pip install --quiet -e '.[vllm,test]'
 python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 python -c "import vllm, kvtier.integrations.vllm; print('vllm', vllm.__version__)"
 
-pytest -q tests/integrations/test_vllm.py tests/integrations/test_vllm_trace_recording.py
+pytest -q tests/integrations/test_vllm.py tests/integrations/test_vllm_trace_recording.py \
+    tests/integrations/test_seed_benchmark.py
