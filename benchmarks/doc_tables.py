@@ -301,7 +301,8 @@ def main() -> None:
     if not (args.check or args.write):
         parser.error("give a table NAME, --check or --write")
     drifted = []
-    for placed in placed_tables():
+    for index in range(len(placed_tables())):
+        placed = placed_tables()[index]  # found again: a rewrite above may move it
         table = TABLES.get(placed.name)
         if table is None:
             sys.exit(f"{placed.page.name}: unknown table {placed.name!r}")

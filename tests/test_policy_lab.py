@@ -40,3 +40,18 @@ class TestChainBonus(PolicyContractTests):
 class TestSessionRoot(PolicyContractTests):
     policy_name = "SessionRoot"
     module_path = "policy_lab.chains"
+
+
+class TestWTinyLFU(PolicyContractTests):
+    policy_name = "WTinyLFU"
+    module_path = "policy_lab.tinylfu"
+
+
+class TestHitDensity(PolicyContractTests):
+    policy_name = "HitDensity"
+    module_path = "policy_lab.hit_density"
+
+
+class TestHazardClasses(PolicyContractTests):
+    policy_name = "HazardClasses"
+    module_path = "policy_lab.hazard"

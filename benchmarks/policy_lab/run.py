@@ -32,7 +32,10 @@ from kvtier.sim.synthetic import ChatShape, chat_trace
 from kvtier.sim.trace import Request, distinct_blocks, parse_records, read_trace
 from policy_lab.chains import ChainBonus, SessionRoot
 from policy_lab.classes import FrequencyClasses, SegmentedLRU
+from policy_lab.hazard import HazardClasses
+from policy_lab.hit_density import HitDensity
 from policy_lab.recency import LRFU, BimodalInsertion
+from policy_lab.tinylfu import WTinyLFU
 
 Build = Callable[[int], CachePolicy]
 
@@ -59,6 +62,10 @@ EXPERIMENTS: dict[str, Build] = {
         ChainBonus, bonus="shallow", requests=100
     ),
     "session root seen before, kept longer": _seeded(SessionRoot),
+    "hit density by class and age (LHD-like), 64 samples": _seeded(HitDensity),
+    "hazard by use class, ghosts = slots": _seeded(HazardClasses),
+    "W-TinyLFU, window 1 %": _seeded(WTinyLFU, window_share=0.01),
+    "W-TinyLFU, window 20 %": _seeded(WTinyLFU, window_share=0.2),
 }
 
 CAPACITIES = (0.05, 0.10)
