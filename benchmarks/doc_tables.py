@@ -313,6 +313,7 @@ def main() -> None:
         except TraceMissing as missing:
             print(f"{placed.name}: skipped, {missing} not found", file=sys.stderr)
             continue
+        placed = placed_tables()[index]  # where it is now, after the minutes it may take
         if made == current(placed):
             continue
         drifted.append(f"{placed.page.relative_to(ROOT)}: {placed.name}")

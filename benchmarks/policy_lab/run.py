@@ -117,7 +117,8 @@ def markdown(columns: list[str], closed: dict[str, list[float]]) -> str:
         "| --- |" + " --- |" * len(columns),
     ]
     for name, values in closed.items():
-        lines.append(f"| {name} | " + " | ".join(f"{100 * v:+.1f} %" for v in values) + " |")
+        cells = (f"{100 * v:+.1f} %".replace("-", "−") for v in values)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

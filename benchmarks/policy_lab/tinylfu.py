@@ -14,11 +14,12 @@ Queue = OrderedDict[ChunkKey, None]
 
 class WTinyLFU(CachePolicy):
     """A window LRU of ``window_share`` of the slots in front of a segmented
-    LRU (probation, then a protected segment of 80 % of the rest). When the
-    window overflows, its least recent chunk is admitted to the main segments
-    only if it was used more often than the chunk probation would give up;
-    the loser is evicted. Use counts are exact, kept for evicted chunks too,
-    and halved every ``10 × capacity`` uses (TinyLFU's aging).
+    LRU (probation, then a protected segment of 80 % of the rest). When room
+    is needed and the window is full, its least recent chunk is admitted to
+    the main segments only if it was used more often than the chunk
+    probation would give up; the loser is evicted. Use counts are exact,
+    kept for evicted chunks too, and halved every ``10 × capacity`` uses
+    (TinyLFU's aging).
     """
 
     def __init__(self, capacity: int, *, window_share: float = 0.01, **kwargs: Any) -> None:
@@ -54,6 +55,11 @@ class WTinyLFU(CachePolicy):
         self._count(key)
         if key not in self:
             self.window[key] = None
+            # The window's overflow moves on to probation: the tier made room
+            # for the insert (the contest happened in evict), so main has it.
+            while len(self.window) > self.window_slots:
+                oldest, _ = self.window.popitem(last=False)
+                self.probation[oldest] = None
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
         for key in keys:
@@ -99,7 +105,7 @@ class WTinyLFU(CachePolicy):
         while len(victims) < n:
             candidate: ChunkKey | None = None
             loser: ChunkKey | None
-            if len(self.window) > self.window_slots:
+            if len(self.window) >= self.window_slots:  # an insert will push one out
                 candidate = self._oldest(self.window, protected, exhausted)
             victim = self._oldest(self.probation, protected, exhausted)
             if victim is None:
