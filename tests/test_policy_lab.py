@@ -55,3 +55,30 @@ class TestHitDensity(PolicyContractTests):
 class TestHazardClasses(PolicyContractTests):
     policy_name = "HazardClasses"
     module_path = "policy_lab.hazard"
+
+
+def test_the_lab_command_replays_every_experiment_on_small_traces() -> None:
+    import os
+    import subprocess
+
+    from policy_lab.run import EXPERIMENTS
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "KVTIER_TRACES": str(ROOT / "none")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/policy_lab/run.py"), "--quick", "--batch", "4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Mooncake's synthetic trace not found" in done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| policy | chat 1 5 % | chat 1 10 % |"
+    assert rows[1] == "| --- | --- | --- |"
+    assert [row.split(" | ")[0][2:] for row in rows[2:]] == list(EXPERIMENTS)
+    # Every cell a signed share of the gap.
+    cells = [cell for row in rows[2:] for cell in row[2:-2].split(" | ")[1:]]
+    assert len(cells) == 2 * len(EXPERIMENTS)
+    assert all(cell[0] in "+−" and cell.endswith(" %") for cell in cells)
