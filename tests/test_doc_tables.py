@@ -68,3 +68,16 @@ def test_reuse_chances_count_only_windows_inside_the_trace() -> None:
     # Age 2 (uses at 0-4 idle since): block 1 at 1 (used at 5, within 2 more),
     # block 2 at 0 (never).
     assert chances[1] == pytest.approx(1 / 2)
+
+
+def test_the_trace_is_found_by_its_digest_or_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import traces
+
+    monkeypatch.setenv("KVTIER_TRACES", str(tmp_path))
+    assert traces.mooncake_trace() is None
+    impostor = tmp_path / traces.MOONCAKE_FILE
+    impostor.write_text('{"hash_ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match="not Mooncake's synthetic trace"):
+        traces.mooncake_trace()
