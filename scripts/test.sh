@@ -42,7 +42,7 @@ mypy
 # The package's layers (pyproject.toml [tool.importlinter]): no import circle.
 lint-imports
 mypy examples/acme-kvtier/src examples/acme-kvtier/tests
-mypy benchmarks/*.py
+mypy benchmarks/*.py benchmarks/policy_lab
 # The peers' environments, for benchmarks/bench_peers.py's drivers, which the
 # fast suite runs in their quick mode (tests/test_benchmarks.py): here none of
 # them may be missing.

@@ -25,7 +25,7 @@ from kvtier.policies.factory import CachePolicyFactory, policy_registry
 from kvtier.sim.cascade import CascadeResult, replay_cascade
 from kvtier.sim.plot import load_matplotlib, plot_format, plot_report
 from kvtier.sim.replay import CellResult, belady_min, replay
-from kvtier.sim.synthetic import chat_trace
+from kvtier.sim.synthetic import ChatShape, chat_trace, parse_chat_shape
 from kvtier.sim.trace import (
     DEFAULT_BLOCK_SIZE,
     Request,
@@ -35,7 +35,7 @@ from kvtier.sim.trace import (
     read_trace,
 )
 
-DEFAULT_POLICIES = ("lru", "arc", "s3fifo")
+DEFAULT_POLICIES = ("lru", "leaf-lru", "arc", "s3fifo")
 DEFAULT_CAPACITIES = ("5%", "10%", "20%")
 
 
@@ -79,6 +79,24 @@ _BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
     "--chat-seed",
     type=int,
     help="Replay a generated multi-turn chat trace (this seed) instead of a file.",
+)
+@click.option(
+    "--chat-shape",
+    "chat_shape",
+    multiple=True,
+    metavar="FIELD=VALUE",
+    help="With --chat-seed, change one field of the generated chat's shape, e.g. "
+    "mean_turns=12 or system_tokens=100-400 (repeatable; see the fields in "
+    "'kvtier simulate' of the CLI reference).",
+)
+@click.option(
+    "-b",
+    "--batch",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Replay requests in engine steps of N, as vLLM's scheduler does: N lookups, "
+    "then N stores (a request never hits what its own step stores).",
 )
 @click.option(
     "-p",
@@ -141,6 +159,8 @@ _BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 def simulate(
     trace: Path | None,
     chat_seed: int | None,
+    chat_shape: tuple[str, ...],
+    batch: int,
     policies: tuple[str, ...],
     capacities: tuple[str, ...],
     block_size: int,
@@ -162,11 +182,26 @@ def simulate(
     also the hits each tier serves when an LRU-evicting secondary tier sits
     behind the primary one (every transfer done before the next request).
     With --plot, also draws hit ratio against capacity to an SVG or PNG file.
-    With --replicas, routes the trace across replicas instead and prints each
+    With --batch N, requests are replayed N to an engine step. With
+    --replicas, routes the trace across replicas instead and prints each
     router's hit ratio and load.
     """
     if (trace is None) == (chat_seed is None):
         raise click.UsageError("give a TRACE file or --chat-seed, not both or neither")
+    if chat_shape and chat_seed is None:
+        raise click.UsageError("--chat-shape shapes a generated trace: give --chat-seed too")
+    if replica_counts and batch > 1:
+        raise click.UsageError(
+            "--replicas replays one request at a time: it cannot be combined with --batch"
+        )
+    if secondary is not None and batch > 1:
+        raise click.UsageError(
+            "--secondary replays one request at a time: it cannot be combined with --batch"
+        )
+    try:
+        shape = parse_chat_shape(chat_shape)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--chat-shape") from None
     if block_size < 1 or (limit is not None and limit < 1):
         raise click.BadParameter("--block-size and --limit must be positive")
     if replica_counts and (len(policies) > 1 or len(capacities) > 1 or plot_path is not None):
@@ -180,7 +215,7 @@ def simulate(
     if plot_path is not None:
         _check_plotting(plot_path)
     try:
-        requests = _load(trace, chat_seed, block_size, limit)
+        requests = _load(trace, chat_seed, shape, block_size, limit)
     except TraceFormatError as exc:
         click.echo(f"kvtier simulate: {exc}", err=True)
         sys.exit(2)
@@ -201,8 +236,10 @@ def simulate(
             progress=not as_json,
         )
     else:
-        report = run(requests, policies, slots, progress=not as_json, secondary=secondary_slots)
-    report["trace"] = str(trace) if trace is not None else f"chat seed {chat_seed}"
+        report = run(
+            requests, policies, slots, progress=not as_json, secondary=secondary_slots, batch=batch
+        )
+    report["trace"] = str(trace) if trace is not None else _chat_name(chat_seed, chat_shape)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -245,13 +282,21 @@ def _chunk_bytes(text: str | None) -> int | None:
     return size
 
 
+def _chat_name(seed: int | None, shape: tuple[str, ...]) -> str:
+    return f"chat seed {seed}" + "".join(f", {field}" for field in shape)
+
+
 def _load(
-    trace: Path | None, chat_seed: int | None, block_size: int, limit: int | None
+    trace: Path | None,
+    chat_seed: int | None,
+    shape: ChatShape,
+    block_size: int,
+    limit: int | None,
 ) -> list[Request]:
     if trace is not None:
         return read_trace(trace, block_size=block_size, limit=limit)
     assert chat_seed is not None
-    records = chat_trace(chat_seed)  # each names its own block size
+    records = chat_trace(chat_seed, shape)  # each names its own block size
     return parse_records(enumerate(records, 1), f"chat trace (seed {chat_seed})", limit=limit)
 
 
@@ -262,9 +307,13 @@ def run(
     *,
     progress: bool,
     secondary: int | None = None,
+    batch: int = 1,
 ) -> dict[str, Any]:
     """Every policy and MIN at every capacity (and with a ``secondary`` tier of that
-    many chunks behind the primary): the report ``--json`` prints."""
+    many chunks behind the primary), in engine steps of ``batch`` requests: the
+    report ``--json`` prints."""
+    if secondary is not None and batch > 1:
+        raise ValueError("the cascade replays one request at a time: batch must be 1")
     distinct = distinct_blocks(requests)
     bar = Progress(
         TextColumn("{task.description}"),
@@ -284,13 +333,14 @@ def run(
             bar.advance(task)
 
         for capacity in slots:
-            optimum = belady_min(requests, capacity, advance)
+            optimum = belady_min(requests, capacity, advance, batch=batch)
             results = [
                 replay(
                     requests,
                     CachePolicyFactory.create_cache_policy(name, capacity),
                     name,
                     advance,
+                    batch=batch,
                 )
                 for name in policies
             ]
@@ -310,6 +360,7 @@ def run(
         "requests": len(requests),
         "chunks": sum(len(request.blocks) for request in requests),
         "distinct_chunks": distinct,
+        "batch": batch,
         "capacities": cells,
     }
 
@@ -352,6 +403,8 @@ def _table(report: dict[str, Any]) -> Table:
         f"kvtier simulate {report['trace']}: {report['requests']} requests, "
         f"{report['chunks']} chunks, {report['distinct_chunks']} distinct"
     )
+    if report.get("batch", 1) > 1:
+        title += f", {report['batch']} requests a step"
     columns = ["slots", "share", "policy", "hit ratio", "of MIN", "LRU-to-MIN gap closed"]
     first_cell = report["capacities"][0]["policies"]
     secondary = next(iter(first_cell.values())).get("with_secondary")

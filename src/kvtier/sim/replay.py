@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 from array import array
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
@@ -64,6 +65,13 @@ class PrimaryReplay:
     (``load`` pins them without another touch), and ``store`` evicts what the chunks it lacks
     need (never a chunk of the request itself), then inserts them in order.
     A test replays traces through a real ``KVCache`` to hold this to it.
+
+    :meth:`step` replays a batch as vLLM's scheduler drives the manager in one
+    engine step: every request's lookup first (each pins its hits until the
+    step ends), then every request's store, whose chunks are written during
+    the step and handed to the policy only when it ends. A request therefore
+    never hits what another request of its step stores, and no eviction of
+    the step takes a chunk the step loads or writes.
     """
 
     def __init__(self, policy: CachePolicy) -> None:
@@ -73,51 +81,107 @@ class PrimaryReplay:
 
     def request(self, blocks: Sequence[int]) -> int:
         """Replay one request; returns its leading resident chunks."""
+        return self.step([blocks])[0]
+
+    def step(self, batch: Sequence[Sequence[int]]) -> list[int]:
+        """Replay one engine step of requests; returns each one's leading resident chunks."""
         policy, resident = self.policy, self.resident
-        keys: list[ChunkKey] = blocks  # type: ignore[assignment]  # any hashable will do
-        hits = 0
-        for block in blocks:
-            if block not in resident:
-                break
-            hits += 1
-        if hits:
-            leading = keys[:hits]
-            policy.touch(leading)  # the lookup; a load pins without touching
-        self.store(blocks)
-        return hits
+        hits_of: list[int] = []
+        pinned: set[int] = set()
+        for blocks in batch:
+            hits = 0
+            for block in blocks:
+                if block not in resident:
+                    break
+                hits += 1
+            if hits:
+                leading: list[ChunkKey] = blocks[:hits]  # type: ignore[assignment]  # any hashable
+                policy.touch(leading)  # the lookup; a load pins without touching
+                if len(batch) > 1:
+                    pinned.update(blocks[:hits])
+            hits_of.append(hits)
+        writing: dict[int, None] = {}
+        for blocks in batch:
+            self._reserve(blocks, pinned, writing)
+        for block in writing:
+            resident.add(block)
+            policy.insert(block)  # type: ignore[arg-type]
+        return hits_of
 
     def store(self, blocks: Sequence[int]) -> list[int]:
         """``KVCache.store`` of a request: returns the chunks written (none if no room)."""
+        writing: dict[int, None] = {}
+        self._reserve(blocks, set(), writing)
+        for block in writing:
+            self.resident.add(block)
+            self.policy.insert(block)  # type: ignore[arg-type]
+        return list(writing)
+
+    def _reserve(self, blocks: Sequence[int], pinned: set[int], writing: dict[int, None]) -> None:
+        """``prepare_store`` of one request: adds the chunks it writes to ``writing``.
+
+        Chunks being written are not yet the policy's; pinned ones and the
+        request's own are never its victims.
+        """
         policy, resident = self.policy, self.resident
         stored = blocks[: self.slots]
 
         def make_room(shortfall: int) -> bool:
-            victims = policy.evict(shortfall, set(stored))  # type: ignore[arg-type]
+            spared = pinned.union(stored) if pinned else set(stored)
+            victims = policy.evict(shortfall, spared)  # type: ignore[arg-type]
             if victims is None:  # the request alone fills the tier: it stores nothing
                 return False
             resident.difference_update(victims)
             return True
 
-        new = store_step(stored, resident, self.slots, make_room)
-        if new is None:
-            return []
-        for block in new:
-            resident.add(block)
-            policy.insert(block)  # type: ignore[arg-type]
-        return new
+        held = _Held(resident, writing) if writing else resident
+        new = store_step(stored, held, self.slots, make_room)
+        for block in new or ():
+            writing[block] = None
+
+
+class _Held(Collection[int]):
+    """The chunks a tier holds mid-step: the ready ones and those being written."""
+
+    def __init__(self, ready: set[int], writing: dict[int, None]) -> None:
+        self.ready, self.writing = ready, writing
+
+    def __contains__(self, block: object) -> bool:
+        return block in self.ready or block in self.writing
+
+    def __len__(self) -> int:
+        return len(self.ready) + len(self.writing)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain(self.ready, self.writing)
+
+
+def batches(requests: Sequence[Request], size: int) -> Iterator[Sequence[Request]]:
+    """``requests`` in engine steps of ``size`` (the last one maybe smaller)."""
+    if size < 1:
+        raise ValueError(f"batch size must be positive, got {size}")
+    for start in range(0, len(requests), size):
+        yield requests[start : start + size]
 
 
 def replay(
-    requests: Sequence[Request], policy: CachePolicy, name: str, advance: Advance | None = None
+    requests: Sequence[Request],
+    policy: CachePolicy,
+    name: str,
+    advance: Advance | None = None,
+    *,
+    batch: int = 1,
 ) -> CellResult:
-    """Hit count of ``policy`` (fresh, at its own capacity) over ``requests``."""
+    """Hit count of ``policy`` (fresh, at its own capacity) over ``requests``,
+    replayed in engine steps of ``batch`` requests (see :meth:`PrimaryReplay.step`)."""
     primary = PrimaryReplay(policy)
     hits = chunks = 0
-    for request in requests:
-        hits += primary.request(request.blocks)
-        chunks += len(request.blocks)
+    for step in batches(requests, batch):
+        hits += sum(primary.step([request.blocks for request in step]))
+        chunks += sum(len(request.blocks) for request in step)
         if advance is not None:
-            advance()
+            for _ in step:
+                advance()
     return CellResult(name, policy.capacity, hits, chunks)
 
 
@@ -125,39 +189,43 @@ def _evict_furthest(
     heap: list[tuple[int, int, int]],
     resident: dict[int, int],
     depth_of: dict[int, int],
-    own: set[int],
+    own: Collection[int],
     shortfall: int,
 ) -> bool:
     """MIN's victims: the chunks, none in ``own``, whose next use is furthest away.
 
-    Never short of them: a request's own chunks fit the capacity.
+    ``False``, and nothing evicted, when fewer than ``shortfall`` lie outside
+    ``own`` (a step that pins and writes nearly the whole tier).
     """
     kept: list[tuple[int, int, int]] = []
-    while shortfall > 0:
+    victims: list[tuple[int, int, int]] = []
+    while len(victims) < shortfall and heap:
         entry = heapq.heappop(heap)
-        _, _, block = entry
-        if resident.get(block) != -entry[0]:
+        if resident.get(entry[2]) != -entry[0]:
             continue  # stale: the block was used again or evicted since
-        if block in own:
-            kept.append(entry)
-            continue
+        (kept if entry[2] in own else victims).append(entry)
+    enough = len(victims) == shortfall
+    for entry in kept if enough else kept + victims:
+        heapq.heappush(heap, entry)
+    if not enough:
+        return False
+    for _, _, block in victims:
         del resident[block]
         del depth_of[block]
-        shortfall -= 1
-    for entry in kept:
-        heapq.heappush(heap, entry)
     return True
 
 
 def belady_min(
-    requests: Sequence[Request], capacity: int, advance: Advance | None = None
+    requests: Sequence[Request], capacity: int, advance: Advance | None = None, *, batch: int = 1
 ) -> CellResult:
     """Belady's MIN: evict the chunk whose next use is furthest away.
 
     Same admissions as :class:`PrimaryReplay` (every chunk of a request is
-    stored, none of them is a victim for it); only the choice of victim knows
-    the future. Among chunks never used again, the deepest goes first.
-    O(log n) a chunk with a lazily pruned heap.
+    stored, none of them is a victim for it; in steps of ``batch`` requests,
+    every lookup of a step before its stores, and no chunk the step loads or
+    writes a victim); only the choice of victim knows the future. Among
+    chunks never used again, the deepest goes first. O(log n) a chunk with a
+    lazily pruned heap.
     """
     never = len(requests) + 1
     # next_use[offset[r] + i]: the request after r that next holds requests[r].blocks[i].
@@ -179,29 +247,39 @@ def belady_min(
     # Max-heap on (next use, depth) as negated tuples; stale entries are skipped.
     heap: list[tuple[int, int, int]] = []
     hits = chunks = 0
-    for request in requests:
-        blocks = request.blocks
-        start = chunks
-        chunks += len(blocks)
-        for block in blocks:
-            if block not in resident:
-                break
-            hits += 1
-        stored = blocks[:capacity]
-
-        evict = functools.partial(_evict_furthest, heap, resident, depth_of, set(stored))
-        store_step(stored, resident, capacity, evict)
-        # Every stored chunk, new or not, gets its next use (MIN's "touch").
-        for depth, block in enumerate(stored):
-            upcoming_use = next_use[start + depth]
-            if resident.get(block) != upcoming_use:
-                resident[block] = upcoming_use
-                depth_of[block] = depth
-                heapq.heappush(heap, (-upcoming_use, -depth, block))
+    for step in batches(requests, batch):
+        starts = []
+        busy: set[int] = set()  # loaded or written in this step: no victims
+        for request in step:
+            blocks = request.blocks
+            starts.append(chunks)
+            chunks += len(blocks)
+            for block in blocks:
+                if block not in resident:
+                    break
+                hits += 1
+                if batch > 1:
+                    busy.add(block)
+        for request, start in zip(step, starts, strict=True):
+            stored = request.blocks[:capacity]
+            own = busy.union(stored) if busy else set(stored)
+            evict = functools.partial(_evict_furthest, heap, resident, depth_of, own)
+            if store_step(stored, resident, capacity, evict) is None:
+                stored = tuple(block for block in stored if block in resident)
+            # Every stored chunk, new or not, gets its next use (MIN's "touch").
+            for depth, block in enumerate(stored):
+                upcoming_use = next_use[start + depth]
+                if resident.get(block) != upcoming_use:
+                    resident[block] = upcoming_use
+                    depth_of[block] = depth
+                    heapq.heappush(heap, (-upcoming_use, -depth, block))
+            if batch > 1:
+                busy.update(stored)
         if len(heap) > 2 * len(resident) + 1024:
             # Mostly stale entries: rebuild, so the heap stays bounded by the capacity.
             heap = [(-use, -depth_of[block], block) for block, use in resident.items()]
             heapq.heapify(heap)
         if advance is not None:
-            advance()
+            for _ in step:
+                advance()
     return CellResult("min", capacity, hits, chunks)

@@ -10,8 +10,11 @@ conversations interleave in time.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import math
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -29,6 +32,38 @@ class ChatShape:
     #: Mean seconds between conversations opening, and between a reply and the next turn.
     arrival_s: float = 0.5
     think_s: float = 40.0
+
+
+def parse_chat_shape(fields: Iterable[str], base: ChatShape = ChatShape()) -> ChatShape:
+    """``base`` with fields changed by ``FIELD=VALUE`` texts (``system_tokens=300-3000``).
+
+    Raises ``ValueError`` naming the text for an unknown field (listing the
+    valid ones), a value of the wrong kind, or one out of range.
+    """
+    types = {field.name: type(getattr(base, field.name)) for field in dataclasses.fields(base)}
+    changes: dict[str, object] = {}
+    for text in fields:
+        name, sep, value = text.partition("=")
+        name = name.strip()
+        if not sep or name not in types:
+            raise ValueError(
+                f"{text!r} is not FIELD=VALUE with FIELD one of {', '.join(sorted(types))}"
+            )
+        try:
+            if types[name] is tuple:
+                low, high = (int(part) for part in value.split("-"))
+                if not 0 < low <= high:
+                    raise ValueError
+                changes[name] = (low, high)
+            else:
+                number = types[name](value)
+                if not 0 < number < math.inf:
+                    raise ValueError
+                changes[name] = number
+        except ValueError:
+            kind = "LOW-HIGH, 0 < LOW <= HIGH" if types[name] is tuple else "a positive number"
+            raise ValueError(f"{text!r}: {name} must be {kind}") from None
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
 def chat_trace(seed: int, shape: ChatShape = ChatShape()) -> list[dict[str, object]]:
