@@ -73,14 +73,14 @@ def main() -> None:
             # and, behind it, the secondary tier) as the first request of a chat would.
             expected = greedy_generate(model, prompt, 1).tokens
             kv.generate(workload.system, 1)
-            kv.manager.drain()
+            kv.kv.drain()
             for _ in range(args.rounds):
                 full = greedy_generate(model, prompt, 1)
                 times["full"].append(full.ttft_s)
                 hit = kv.generate(prompt, 1, store=False)
                 times["CPU"].append(hit.ttft_s)
                 _expect(hit.reused_tokens == PREFIX_TOKENS, "the CPU tier missed the prefix")
-                kv.manager.reset()
+                kv.kv.reset()
                 fetched = kv.generate(prompt, 1, store=False)
                 times["secondary"].append(fetched.ttft_s)
                 _expect(
