@@ -24,6 +24,8 @@ from pydantic import (
     ValidationError,
 )
 
+from kvtier.codecs import CodecConfig, codec_registry
+from kvtier.codecs.factory import split_codec_entry
 from kvtier.config_model import KVTierConfig, TierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.policies.factory import policy_registry
@@ -121,8 +123,12 @@ def _validate_tier(raw: Any, path: str, problems: Problems) -> TierConfig | None
     options = dict(raw)
     tier_type = options.pop("type", None)
     module_path = options.pop("module_path", None)
+    raw_codec = options.pop("codec", None)
     if not isinstance(tier_type, str) or not tier_type:
         problems.append((f"{path}.type", "required: the tier's registered name or class name"))
+        return None
+    codec = None if raw_codec is None else _validate_codec(raw_codec, f"{path}.codec", problems)
+    if raw_codec is not None and codec is None:
         return None
     if module_path is not None and not isinstance(module_path, str):
         problems.append((f"{path}.module_path", "expected a module name string"))
@@ -135,9 +141,32 @@ def _validate_tier(raw: Any, path: str, problems: Problems) -> TierConfig | None
     try:
         validated = cls.Options.model_validate(options)
     except ValidationError as exc:
+        problems.extend(
+            _problems_from(exc, cls.Options, path, extra_keys=("type", "module_path", "codec"))
+        )
+        return None
+    return TierConfig(tier_type, module_path, cls, validated, codec)
+
+
+def _validate_codec(raw: Any, path: str, problems: Problems) -> CodecConfig | None:
+    """A tier's ``codec`` entry resolved and its options validated, or ``None``
+    with the problems noted under ``path`` (``secondary_tiers[0].codec.bits``)."""
+    try:
+        codec_type, module_path, options = split_codec_entry(raw, path)
+    except ValueError as exc:
+        problems.append((path, str(exc)))
+        return None
+    try:
+        cls = codec_registry.resolve(codec_type, module_path, entry=path)
+    except (KVTierError, TypeError) as exc:
+        problems.append((f"{path}.type", str(exc).removeprefix(f"{path}: ")))
+        return None
+    try:
+        validated = cls.Options.model_validate(options)
+    except ValidationError as exc:
         problems.extend(_problems_from(exc, cls.Options, path, extra_keys=("type", "module_path")))
         return None
-    return TierConfig(tier_type, module_path, cls, validated)
+    return CodecConfig(codec_type, module_path, cls, validated)
 
 
 def _resolve_or_note(
