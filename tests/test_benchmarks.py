@@ -183,3 +183,16 @@ def test_bench_peers_check_refuses_a_wrong_or_missing_chunk() -> None:
         check_chunks("peer", chunks, [chunks[0], flipped, chunks[2]])
     with pytest.raises(RuntimeError, match="first: chunk 2"):
         check_chunks("peer", chunks, [chunks[0], chunks[1], None])
+
+
+def test_bench_codecs_reports_every_codec_and_tier_on_demo_kv() -> None:
+    out = run_quick("bench_codecs.py")
+    rows = {row["codec"]: row for row in out["codecs"]}
+    assert {"lossless", "fp8", "int8", "int4"} <= set(rows)
+    assert rows["lossless"]["exact"] and not rows["int4"]["exact"]
+    assert rows["int4"]["ratio"] > rows["fp8"]["ratio"] > 1
+    for row in out["codecs"]:
+        assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
+    tiers = {(row["tier"], row["codec"]) for row in out["tiers"]}
+    assert ("fs", "none") in tiers and ("fs", "int4") in tiers
+    assert all(row["store_gbps"] > 0 and row["load_gbps"] > 0 for row in out["tiers"])

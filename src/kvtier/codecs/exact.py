@@ -19,6 +19,8 @@ from kvtier.errors import MissingDependencyError
 from kvtier.layout import KVLayout
 
 _RAW, _PACKED = 0, 1
+#: The unsigned word of each element width.
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
 class NoneCodec(Codec):
@@ -78,8 +80,13 @@ class LosslessCodec(Codec):
         return 1 + self.layout.slot_bytes
 
     def _planes(self, chunk: memoryview) -> np.ndarray:
-        elements = np.frombuffer(chunk, np.uint8).reshape(-1, self._width)
-        return np.ascontiguousarray(elements.T)
+        """Byte ``i`` of every element, for each ``i``, one plane after the other."""
+        # Shifts over whole words, not a strided transpose: several times faster.
+        words = np.frombuffer(chunk, _WORDS[self._width])
+        planes = np.empty((self._width, len(words)), np.uint8)
+        for index in range(self._width):
+            planes[index] = words >> (8 * index)
+        return planes
 
     def encode(self, chunk: memoryview, out: memoryview) -> int:
         planes = self._planes(chunk) if self._width > 1 else np.frombuffer(chunk, np.uint8)
@@ -108,7 +115,14 @@ class LosslessCodec(Codec):
         planes = np.frombuffer(self._decompress(body, len(out)), np.uint8)
         if len(planes) != len(out):
             raise ValueError(f"decoded to {len(planes)} bytes, a chunk is {len(out)}")
-        target.reshape(-1, self._width)[:] = planes.reshape(self._width, -1).T
+        if self._width == 1:
+            target[:] = planes
+            return
+        planes = planes.reshape(self._width, -1)
+        words = np.frombuffer(out, _WORDS[self._width])
+        words[:] = planes[0]
+        for index in range(1, self._width):
+            words |= planes[index].astype(words.dtype) << (8 * index)
 
     def _compress(self, data: np.ndarray) -> bytes:
         options = self._opts

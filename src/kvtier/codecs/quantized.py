@@ -69,10 +69,14 @@ class _QuantizedCodec(Codec):
     def _store(self, values: np.ndarray, out: memoryview) -> None:
         """Write float32 ``values`` into ``out`` in the layout's dtype."""
         target = np.frombuffer(out, self.layout.numpy_dtype)
-        if self._bf16 is not None:
-            target = target.view(self._bf16)
         if len(target) != values.size:
             raise ValueError(f"{values.size} values for a slot of {len(target)}")
+        if self._bf16 is not None:
+            # Round to nearest even by hand: several times faster than the
+            # generic cast, and the same bits for the finite values decoded here.
+            bits = np.ascontiguousarray(values, np.float32).reshape(-1).view(np.uint32)
+            target[:] = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return
         target[:] = values.reshape(-1)
 
 
@@ -130,12 +134,14 @@ class Fp8Codec(_PerVectorCodec):
     def __init__(self, layout: KVLayout, options: CodecOptions | None = None, **kwargs: Any):
         super().__init__(layout, options, **kwargs)
         self._e4m3 = _ml_dtypes().float8_e4m3fn
+        # Each of the 256 codes' value: a table look-up decodes faster than a cast.
+        self._table = np.arange(256, dtype=np.uint8).view(self._e4m3).astype(np.float32)
 
     def _quantize(self, scaled: np.ndarray) -> np.ndarray:
         return np.clip(scaled, -448.0, 448.0).astype(self._e4m3)
 
     def _dequantize(self, codes: np.ndarray) -> np.ndarray:
-        return codes.view(self._e4m3).astype(np.float32)
+        return self._table[codes]
 
 
 class Int8Codec(_PerVectorCodec):
