@@ -215,3 +215,39 @@ def test_fs_stores_fixed_size_encoded_files(tmp_path: Path) -> None:
         files = list(tier.dir.path.glob("*/*.kvc"))
         assert len(files) == 2 and all(f.stat().st_size == tier.file_bytes for f in files)
         assert tier.file_bytes < LAYOUT.slot_bytes
+
+
+def test_check_bench_and_inspect_show_each_tiers_codec(tmp_path: Path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from kvtier.cli import cli
+
+    config = tmp_path / "kvtier.yaml"
+    config.write_text(
+        "chunk_tokens: 16\nsecondary_tiers:\n"
+        f"  - {{type: fs, root_dir: {tmp_path / 'fs'}, codec: int4}}\n"
+        "  - {type: memory, codec: lossless}\n"
+    )
+    wide = {"COLUMNS": "200"}
+    checked = CliRunner().invoke(cli, ["check", str(config), "--chunk-kib", "64"], env=wide)
+    assert checked.exit_code == 0, checked.output
+    assert "as its lossy codec decodes them" in checked.output  # fs, int4
+    assert "int4 (lossy) {'group_size': 32}" in checked.output
+    assert "byte-exact" in checked.output  # memory, lossless
+    benched = CliRunner().invoke(
+        cli, ["bench", str(config), "--chunk-kib", "64", "--chunks", "4", "--json"]
+    )
+    assert benched.exit_code == 0, benched.output
+    report = json.loads(benched.output[benched.output.index("{") :])
+    codecs = [entry["codec"] for entry in report["tiers"]]
+    assert [c["codec"] for c in codecs] == ["int4", "lossless"]
+    assert codecs[0]["ratio"] > 2.5 and codecs[1]["bytes_out"] < codecs[1]["bytes_in"]
+    assert all(c["failures"] == 0 for c in codecs)
+    with _engine(tmp_path / "fs", "int4") as engine:
+        engine.store(TOKENS, _kv(4))
+        engine.drain()
+    inspected = CliRunner().invoke(cli, ["inspect", str(tmp_path / "fs")], env=wide)
+    assert inspected.exit_code == 0, inspected.output
+    assert "codec int4 {'group_size': 32}" in inspected.output

@@ -130,6 +130,15 @@ class CodecStage:
             return self.stored_bytes
         return self._header_bytes + written
 
+    def round_trip(self, chunk: bytes | memoryview) -> bytes:
+        """What a tier of this codec serves for ``chunk`` (``chunk`` itself
+        unless the codec is lossy): for tools that check what they load."""
+        buffer = self.scratch(1)[0]
+        length = self.encode(memoryview(chunk), buffer)
+        out = bytearray(self.layout.slot_bytes)
+        self.decode(buffer[:length], memoryview(out))
+        return bytes(out)
+
     def check_header(self, payload: memoryview) -> memoryview:
         """The encoded bytes of ``payload`` once its header says this codec wrote it.
 
