@@ -132,3 +132,19 @@ def test_a_job_larger_than_the_secondary_tier_leaves_its_last_chunks_and_evicts_
     # the skipped 11, and only the job's last three remain.
     cascade.request([11, 20, 21, 22, 23])
     assert list(cascade.secondary) == [21, 22, 23]
+
+
+def test_simulate_sets_a_codecs_ratio_against_the_same_bytes_without() -> None:
+    result = CliRunner().invoke(
+        cli,
+        ["simulate", "--chat-seed", "2", "--limit", "600", "-p", "lru", "-c", "5%",
+         "--chunk-bytes", "1MiB", "--secondary", "64MiB", "--codec-ratio", "3.2", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    policy = json.loads(result.stdout)["capacities"][0]["policies"]["lru"]
+    plain, coded = policy["with_secondary"], policy["with_codec"]
+    assert plain["secondary_slots"] == 64 and coded["secondary_slots"] == int(64 * 3.2)
+    assert coded["codec_ratio"] == 3.2
+    assert coded["hit_ratio"] > plain["hit_ratio"]
+    alone = CliRunner().invoke(cli, ["simulate", "--chat-seed", "2", "--codec-ratio", "2"])
+    assert alone.exit_code == 2 and "--secondary" in alone.output

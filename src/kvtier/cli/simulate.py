@@ -110,6 +110,13 @@ _BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
     help="Also replay each policy with one evicting secondary tier of this capacity behind "
     "the primary (same units as --capacity), and report hits per tier.",
 )
+@click.option(
+    "--codec-ratio",
+    type=click.FloatRange(min=1.0),
+    help="With --secondary: also replay with that tier's chunks stored by a codec of this "
+    "compression ratio (e.g. 1.6 for lossless, 3.2 for int4; see docs/codecs.md), so the "
+    "same bytes hold that many times the chunks, and report both hit ratios.",
+)
 @click.option("--limit", type=int, help="Replay only the first N requests.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option(
@@ -127,6 +134,7 @@ def simulate(
     block_size: int,
     chunk_bytes: str | None,
     secondary: str | None,
+    codec_ratio: float | None,
     limit: int | None,
     as_json: bool,
     plot_path: Path | None,
@@ -152,6 +160,8 @@ def simulate(
             policy_registry.resolve(name, None, entry="--policy")
         except KVTierError as exc:
             raise click.BadParameter(str(exc), param_hint="--policy") from None
+    if codec_ratio is not None and secondary is None:
+        raise click.UsageError("--codec-ratio applies to the --secondary tier: give one")
     if plot_path is not None:
         _check_plotting(plot_path)
     try:
@@ -165,7 +175,14 @@ def simulate(
     secondary_slots = (
         None if secondary is None else parse_capacity(secondary, distinct, chunk, "--secondary")
     )
-    report = run(requests, policies, slots, progress=not as_json, secondary=secondary_slots)
+    report = run(
+        requests,
+        policies,
+        slots,
+        progress=not as_json,
+        secondary=secondary_slots,
+        codec_ratio=codec_ratio,
+    )
     report["trace"] = str(trace) if trace is not None else f"chat seed {chat_seed}"
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -226,9 +243,11 @@ def run(
     *,
     progress: bool,
     secondary: int | None = None,
+    codec_ratio: float | None = None,
 ) -> dict[str, Any]:
     """Every policy and MIN at every capacity (and with a ``secondary`` tier of that
-    many chunks behind the primary): the report ``--json`` prints."""
+    many chunks behind the primary, and again with ``codec_ratio`` times as many:
+    the same bytes under a codec): the report ``--json`` prints."""
     distinct = distinct_blocks(requests)
     bar = Progress(
         TextColumn("{task.description}"),
@@ -241,7 +260,8 @@ def run(
     )
     cells: list[dict[str, Any]] = []
     with bar:
-        runs = len(slots) * (len(policies) * (1 if secondary is None else 2) + 1)
+        tiers = 1 + (secondary is not None) + (codec_ratio is not None)
+        runs = len(slots) * (len(policies) * tiers + 1)
         task = bar.add_task("replaying", total=len(requests) * runs)
 
         def advance() -> None:
@@ -269,6 +289,17 @@ def run(
                         advance,
                     )
                     cell["policies"][name]["with_secondary"] = _cascade_entry(cascade)
+                    if codec_ratio is not None:
+                        coded = replay_cascade(
+                            requests,
+                            CachePolicyFactory.create_cache_policy(name, capacity),
+                            name,
+                            int(secondary * codec_ratio),
+                            advance,
+                        )
+                        entry = _cascade_entry(coded)
+                        entry["codec_ratio"] = codec_ratio
+                        cell["policies"][name]["with_codec"] = entry
             cells.append(cell)
     return {
         "requests": len(requests),
@@ -320,8 +351,17 @@ def _table(report: dict[str, Any]) -> Table:
     first_cell = report["capacities"][0]["policies"]
     secondary = next(iter(first_cell.values())).get("with_secondary")
     if secondary is not None:
-        title += f"; with a secondary tier of {secondary['secondary_slots']} chunks:"
+        title += f"; with a secondary tier of {secondary['secondary_slots']} chunks"
         columns += ["CPU hits", "secondary hits", "both"]
+    coded = next(iter(first_cell.values())).get("with_codec")
+    if coded is not None:
+        title += (
+            f" and the same bytes under a codec of ratio {coded['codec_ratio']:g} "
+            f"({coded['secondary_slots']} chunks)"
+        )
+        columns += ["both, codec"]
+    if secondary is not None:
+        title += ":"
     table = Table(title=title)
     for column in columns:
         table.add_column(column, justify="left" if column == "policy" else "right")
@@ -350,6 +390,9 @@ def _table(report: dict[str, Any]) -> Table:
                         f"{tiers['hit_ratio']:.3f}",
                     ]
                 )
+            if coded is not None:
+                with_codec = entry.get("with_codec")
+                row.append("-" if with_codec is None else f"{with_codec['hit_ratio']:.3f}")
             table.add_row(*row)
             first = False
         table.add_section()
