@@ -28,6 +28,7 @@ from pydantic import BaseModel, ByteSize
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from kvtier.codecs import Codec, codec_registry
 from kvtier.config import KVTierConfig
 from kvtier.plugins import PluginRegistry
 from kvtier.policies.factory import policy_registry
@@ -40,7 +41,12 @@ ENTRY_KEYS = {
     "type": "The tier's registered name, entry point name, or class name (with ``module_path``).",
     "module_path": "Module to import an out-of-tree tier class from; configuration that names "
     "one is trusted input (see ``KVTIER_ALLOWED_MODULES``).",
+    "codec": "How the tier stores each chunk: a codec name (``lossless``, ``fp8``...) or a "
+    "mapping ``{type: NAME, ...options}``; unset is ``none``, the chunk's bytes "
+    "(see Chunk codecs below).",
 }
+
+_ENTRY_TYPES = {"type": "str", "module_path": "str or null", "codec": "str, mapping or null"}
 
 _UNITS = ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)
 _BOUNDS = (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
@@ -188,7 +194,8 @@ def plugin_docs(registry: PluginRegistry[Any], *, installed: bool = False) -> li
             error = f"{type(cause).__name__}: {cause}"
             docs.append(PluginDoc(name, target, origin.strip(), None, error))
             continue
-        options = getattr(cls, "Options", None) if issubclass(cls, SecondaryTier) else None
+        typed = issubclass(cls, (SecondaryTier, Codec))
+        options = getattr(cls, "Options", None) if typed else None
         docs.append(PluginDoc(name, target, origin + _summary(cls), options))
     return docs
 
@@ -207,10 +214,10 @@ def config_reference(heading_level: int = 2, *, installed: bool = False) -> str:
         options_table(top),
         f"{h2} Secondary tiers",
         "`secondary_tiers` is a list of tier entries, looked up in order. Every entry "
-        "takes these two keys, and the keys of its type below:",
+        "takes these keys, and the keys of its type below:",
         options_table(
             [
-                OptionRow(key, "str" if key == "type" else "str or null", d, _cell(text))
+                OptionRow(key, _ENTRY_TYPES[key], d, _cell(text))
                 for key, text in ENTRY_KEYS.items()
                 for d in ["required" if key == "type" else "unset"]
             ]
@@ -222,6 +229,20 @@ def config_reference(heading_level: int = 2, *, installed: bool = False) -> str:
         if doc.error is not None:
             parts.append(f"It does not import here, so its options are not listed: "
                          f"{_cell(doc.error)}")  # fmt: skip
+        elif doc.options is None or not doc.options.model_fields:
+            parts.append("No options.")
+        else:
+            parts.append(options_table(option_rows(doc.options)))
+    parts.append(f"{h2} Chunk codecs")
+    parts.append(
+        "Values of a tier's `codec` (its `type`), each with the options a mapping may "
+        "give it. Lossy codecs are an opt-in per tier: see the Chunk codecs guide."
+    )
+    for doc in plugin_docs(codec_registry, installed=installed):
+        parts.append(f"{h3} `{doc.name}`")
+        parts.append(f"Class `{doc.target}`." + (f" {doc.summary}" if doc.summary else ""))
+        if doc.error is not None:
+            parts.append(f"It does not import here: {_cell(doc.error)}")
         elif doc.options is None or not doc.options.model_fields:
             parts.append("No options.")
         else:
