@@ -37,6 +37,9 @@ from kvtier.codecs import CodecStage, codec_config
 from kvtier.layout import KVLayout
 from kvtier.testing import TierHarness
 
+#: Tiers that store values of any size, so take the lossless codec.
+VARIABLE_SIZE_TIERS = ("memory", "redis")
+
 CODECS: list[Any] = [
     "lossless",
     {"type": "lossless", "compressor": "lz4"},
@@ -187,6 +190,14 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--root", type=Path, default=None, help="directory for the fs tier")
+    parser.add_argument(
+        "--tier",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='another tier entry to measure, e.g. \'{"type": "redis", "url": "redis://..."}\' '
+        "(repeatable); it gets no codec, each fixed-size one, and lossless where it takes it",
+    )
     parser.add_argument("--quick", action="store_true", help="256 tokens, one round")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -197,11 +208,13 @@ def main() -> None:
         tiers = [
             {"type": "memory", "max_bytes": "1GiB"},
             {"type": "fs", "root_dir": root, "shared": False},
+            *(json.loads(entry) for entry in args.tier),
         ]
         tier_rows = [
             measure_tier(tier, codec, layout, chunks, repeat)
             for tier in tiers
-            for codec in (None, "fp8", "int8", "int4")
+            for codec in (None, "lossless", "fp8", "int8", "int4")
+            if codec != "lossless" or tier["type"] in VARIABLE_SIZE_TIERS
         ]
     report = {
         "kv": {

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.codecs import CodecLayoutError, codec_registry
 from kvtier.config import load_config
@@ -171,3 +173,73 @@ def test_fixed_size_tiers_refuse_variable_size_codecs(tmp_path: Path) -> None:
     }
     with pytest.raises(ValueError, match="varying size"):
         KVCache(config, _layout())
+
+
+def test_tiers_that_store_no_chunks_of_their_own_refuse_a_codec() -> None:
+    from kvtier import KVCache
+
+    config = {
+        "chunk_tokens": 32,
+        "secondary_tiers": [
+            {"type": "p2p", "secret": "s" * 32, "listen": None, "codec": "lossless"}
+        ],
+    }
+    with pytest.raises(ValueError, match="does not take a codec"):
+        KVCache(config, _layout())
+    example = {"chunk_tokens": 32, "secondary_tiers": [{"type": "example", "codec": "int8"}]}
+    with pytest.raises(ValueError, match="does not take a codec"):
+        KVCache(example, _layout())
+    # The none codec is what every tier does already: any tier takes it.
+    with KVCache(
+        {"chunk_tokens": 32, "secondary_tiers": [{"type": "example", "codec": "none"}]}, _layout()
+    ):
+        pass
+
+
+TINY = KVLayout("m", 1, 1, 8, "float16", 4)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    chunk=st.binary(min_size=TINY.slot_bytes, max_size=TINY.slot_bytes),
+    compressor=st.sampled_from(["zstd", "lz4"]),
+)
+def test_lossless_gives_back_any_bytes(chunk: bytes, compressor: str) -> None:
+    from kvtier.codecs import CodecStage, codec_config
+
+    stage = CodecStage(
+        codec_config({"type": "lossless", "compressor": compressor}).build(TINY), TINY
+    )
+    assert stage.round_trip(chunk) == chunk
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=st.lists(
+        st.floats(min_value=-1e4, max_value=1e4, width=32),
+        min_size=TINY.slot_bytes // 2,
+        max_size=TINY.slot_bytes // 2,
+    ),
+    codec=st.sampled_from(["fp8", "int8", "int4"]),
+)
+def test_lossy_codecs_stay_within_their_step_of_any_finite_values(
+    values: list[float], codec: str
+) -> None:
+    import numpy as np
+
+    from kvtier.codecs import CodecStage, codec_config
+
+    stage = CodecStage(
+        codec_config({"type": "int4", "group_size": 4} if codec == "int4" else codec).build(TINY),
+        TINY,
+    )
+    exact = np.asarray(values, np.float16)
+    decoded = np.frombuffer(stage.round_trip(exact.tobytes()), np.float16).astype(np.float32)
+    assert np.isfinite(decoded).all()
+    # No value moves by more than its group's range over the code's levels
+    # (4-bit: 15 steps; 8-bit: 127 steps of the largest magnitude; e4m3: 2**-3
+    # of the value's magnitude), plus float16's own rounding.
+    exact32 = exact.astype(np.float32)
+    scale = float(np.abs(exact32).max()) or 1.0
+    bound = {"fp8": 2 * scale / 16, "int8": scale / 127, "int4": 2 * scale / 15}[codec]
+    assert np.abs(decoded - exact32).max() <= bound + 1e-3 * scale
