@@ -196,3 +196,18 @@ def test_bench_codecs_reports_every_codec_and_tier_on_demo_kv() -> None:
     tiers = {(row["tier"], row["codec"]) for row in out["tiers"]}
     assert ("fs", "none") in tiers and ("fs", "int4") in tiers
     assert all(row["store_gbps"] > 0 and row["load_gbps"] > 0 for row in out["tiers"])
+
+
+def test_bench_codec_quality_trains_once_and_rates_every_codec_against_exact(
+    tmp_path: Path,
+) -> None:
+    first = run_quick("bench_codec_quality.py", "--cache-dir", str(tmp_path))
+    rows = {row["codec"]: row for row in first["results"]}
+    assert {"none", "lossless", "fp8", "int8", "int4"} <= set(rows)
+    for exact in ("none", "lossless"):  # the same KV: the same outputs
+        assert rows[exact]["kl_nats"] == 0 and rows[exact]["greedy_agreement"] == 1
+        assert rows[exact]["perplexity"] == rows["none"]["perplexity"]
+    assert all(row["kl_nats"] >= 0 for row in rows.values())
+    assert len(list(tmp_path.glob("model-*.pt"))) == 1
+    again = run_quick("bench_codec_quality.py", "--cache-dir", str(tmp_path))
+    assert again["model"] == first["model"]  # the cached model, not a second training
