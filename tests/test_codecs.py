@@ -243,3 +243,17 @@ def test_lossy_codecs_stay_within_their_step_of_any_finite_values(
     scale = float(np.abs(exact32).max()) or 1.0
     bound = {"fp8": 2 * scale / 16, "int8": scale / 127, "int4": 2 * scale / 15}[codec]
     assert np.abs(decoded - exact32).max() <= bound + 1e-3 * scale
+
+
+def test_a_codec_named_plainly_or_with_its_defaults_shares_one_namespace() -> None:
+    from kvtier.codecs import CodecStage, codec_config
+
+    layout = _layout()
+
+    def namespace(entry: Any) -> bytes:
+        return CodecStage(codec_config(entry).build(layout), layout).namespace(layout.namespace)
+
+    assert namespace("int4") == namespace({"type": "int4", "group_size": 32})
+    assert namespace("int4") != namespace({"type": "int4", "group_size": 16})
+    assert namespace("none") == layout.namespace
+    assert len({namespace(name) for name in ("none", "lossless", "fp8", "int8", "int4")}) == 5
