@@ -245,6 +245,10 @@ def test_check_bench_and_inspect_show_each_tiers_codec(tmp_path: Path) -> None:
     assert [c["codec"] for c in codecs] == ["int4", "lossless"]
     assert codecs[0]["ratio"] > 2.5 and codecs[1]["bytes_out"] < codecs[1]["bytes_in"]
     assert all(c["failures"] == 0 for c in codecs)
+    assert all(c["decode_mb_per_s"] > 0 and c["pays_below_mb_per_s"] > 0 for c in codecs)
+    table = CliRunner().invoke(cli, ["bench", str(config), "--chunk-kib", "64", "--chunks", "4"])
+    assert table.exit_code == 0, table.output
+    assert "codec int4 decodes" in table.output and "speeds up loads only" in table.output
     with _engine(tmp_path / "fs", "int4") as engine:
         engine.store(TOKENS, _kv(4))
         engine.drain()

@@ -33,7 +33,14 @@ from rich.table import Table
 
 from kvtier.cli.memory import refuse_beyond_memory
 from kvtier.cli.options import POSITIVE, Seconds
-from kvtier.cli.probe import PHASES, bench_tier, codec_facts, needs_floats, probe_layout
+from kvtier.cli.probe import (
+    PHASES,
+    bench_tier,
+    codec_facts,
+    codec_speed,
+    needs_floats,
+    probe_layout,
+)
 from kvtier.config import load_config
 from kvtier.errors import KVTierError, describe_error
 from kvtier.specs.factory import OffloadingSpecFactory
@@ -171,14 +178,17 @@ def bench(
                     entry.update({name: p.summary(baseline) for name, p in phases.items()})
                     failed = failed or any(p.failures for p in phases.values())
                 if not tier.codec_stage.identity:
-                    entry["codec"] = codec_facts(tier)
+                    entry["codec"] = {**codec_facts(tier), **codec_speed(tier, layout)}
                 report["tiers"].append(entry)
     finally:
         manager.shutdown()
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        Console().print(_table(report))
+        console = Console()
+        console.print(_table(report))
+        for line in _codec_verdicts(report):
+            console.print(line)
     sys.exit(1 if failed else 0)
 
 
@@ -187,6 +197,25 @@ def _advancer(progress: Progress, tasks: dict[str, TaskID]) -> Callable[[str, in
         progress.advance(tasks[phase], done)
 
     return advance
+
+
+def _codec_verdicts(report: dict[str, Any]) -> list[str]:
+    """One line per tier with a codec: whether it pays on that tier's loads."""
+    lines = []
+    for entry in report["tiers"]:
+        codec = entry.get("codec")
+        if codec is None or "load" not in entry:
+            continue
+        pays = codec["pays_below_mb_per_s"]
+        loaded = entry["load"]["mb_per_s"]
+        lines.append(
+            f"tier {entry['tier']} {entry['tier_type']}: codec {codec['codec']} decodes "
+            f"{codec['decode_mb_per_s']:.0f} MB/s per core, so it speeds up loads only on a "
+            f"tier moving under {pays:.0f} MB/s per decoding worker; this tier loaded "
+            f"{loaded:.0f} MB/s through it"
+            + ("" if pays > 0 else " (it does not shrink these chunks)")
+        )
+    return lines
 
 
 def _codec_label(codec: dict[str, Any]) -> str:

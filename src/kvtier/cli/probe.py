@@ -61,6 +61,34 @@ def codec_facts(tier: SecondaryTier) -> dict[str, Any]:
     return facts
 
 
+def codec_speed(tier: SecondaryTier, layout: KVLayout, chunks: int = 4) -> dict[str, float]:
+    """The tier's codec on one thread, on probe chunks: MB/s of raw KV decoded,
+    and the tier speed (MB/s per decoding worker) below which it pays on loads:
+    ``decode * (1 - 1/ratio)``."""
+    stage = tier.codec_stage
+    rng = np.random.default_rng()
+    samples = [kv_like(layout, int(seed)) for seed in rng.integers(0, 2**31, chunks)]
+    if layout.dtype == "uint8":
+        samples = [rng.integers(0, 256, layout.slot_bytes, dtype=np.uint8).tobytes()]
+    buffer = stage.scratch(1)[0]
+    out = memoryview(bytearray(layout.slot_bytes))
+    # Once untimed: the first call pays for the coder's set-up and page faults.
+    stage.decode(buffer[: stage.encode(memoryview(samples[0]), buffer)], out)
+    encoded = decode_s = 0.0
+    for sample in samples:
+        length = stage.encode(memoryview(sample), buffer)
+        encoded += length
+        started = time.perf_counter()
+        stage.decode(buffer[:length], out)
+        decode_s += time.perf_counter() - started
+    raw = len(samples) * layout.slot_bytes
+    decode = raw / decode_s / 1e6
+    return {
+        "decode_mb_per_s": round(decode, 1),
+        "pays_below_mb_per_s": round(decode * (1 - encoded / raw), 1),
+    }
+
+
 PHASES = ("store", "lookup", "load")
 #: Bytes at the start of each chunk that carry its index, so loads are checked.
 _STAMP = 8
