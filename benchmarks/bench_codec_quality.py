@@ -121,7 +121,17 @@ def kv_layout(model: Any, chunk_tokens: int) -> KVLayout:
     )
 
 
-def through_codec(cache: Any, stage: CodecStage | None, layout: KVLayout) -> Any:
+class Tally:
+    """Bytes a codec was given and made, and whether it gave every byte back."""
+
+    def __init__(self) -> None:
+        self.raw = self.encoded = 0
+        self.exact = True
+
+
+def through_codec(
+    cache: Any, stage: CodecStage | None, layout: KVLayout, tally: Tally | None = None
+) -> Any:
     """A copy of ``cache`` whose KV went through ``stage`` chunk by chunk."""
     from transformers import DynamicCache
 
@@ -134,7 +144,15 @@ def through_codec(cache: Any, stage: CodecStage | None, layout: KVLayout) -> Any
         out = np.empty_like(raw)
         for start in range(0, tokens, layout.chunk_tokens):
             chunk = np.ascontiguousarray(raw[:, :, start : start + layout.chunk_tokens])
-            decoded = np.frombuffer(stage.round_trip(chunk.tobytes()), np.int16)
+            buffer = stage.scratch(1)[0]
+            length = stage.encode(memoryview(chunk.tobytes()), buffer)
+            decoded_bytes = bytearray(layout.slot_bytes)
+            stage.decode(buffer[:length], memoryview(decoded_bytes))
+            decoded = np.frombuffer(decoded_bytes, np.int16)
+            if tally is not None:
+                tally.raw += chunk.nbytes
+                tally.encoded += length
+                tally.exact = tally.exact and bytes(decoded_bytes) == chunk.tobytes()
             out[:, :, start : start + layout.chunk_tokens] = decoded.reshape(chunk.shape)
         kv = torch.from_numpy(out).view(torch.bfloat16)
     rebuilt = DynamicCache()
@@ -203,6 +221,7 @@ def main() -> None:
     totals: dict[str, dict[str, float]] = {
         name: {"nll": 0.0, "kl": 0.0, "agree": 0.0} for name in stages
     }
+    tallies = {name: Tally() for name in stages}
     positions = 0
     for window in windows:
         ids = torch.tensor([list(window)])
@@ -215,7 +234,9 @@ def main() -> None:
             log_probs, tokens = (
                 (exact_lp, exact_tokens)
                 if stage is None
-                else evaluate(model, inputs, through_codec(cache, stage, layout), args.greedy)
+                else evaluate(
+                    model, inputs, through_codec(cache, stage, layout, tallies[name]), args.greedy
+                )
             )
             totals[name]["nll"] -= float(log_probs.gather(1, targets[:, None]).sum())
             totals[name]["kl"] += float((exact_lp.exp() * (exact_lp - log_probs)).sum())
@@ -227,6 +248,11 @@ def main() -> None:
             "perplexity": round(math.exp(t["nll"] / positions), 4),
             "kl_nats": round(t["kl"] / positions, 6),
             "greedy_agreement": round(t["agree"] / len(windows), 4),
+            # Of the prefixes' KV, as the tier would store it (codec header included).
+            "ratio": round(tallies[name].raw / tallies[name].encoded, 3)
+            if tallies[name].encoded
+            else 1.0,
+            "byte_exact": tallies[name].exact,
         }
         for name, t in totals.items()
     ]
@@ -249,11 +275,11 @@ def main() -> None:
         print()
         return
     print(f"model: {report['model']}; {len(windows)} held-out files")
-    print(f"{'codec':24} {'perplexity':>10} {'KL nats':>10} {'greedy agree':>12}")
+    print(f"{'codec':24} {'ratio':>6} {'perplexity':>10} {'KL nats':>10} {'greedy agree':>12}")
     for row in results:
         print(
-            f"{row['codec']:24} {row['perplexity']:10.4f} {row['kl_nats']:10.6f} "
-            f"{row['greedy_agreement']:12.3f}"
+            f"{row['codec']:24} {row['ratio']:6.2f} {row['perplexity']:10.4f} "
+            f"{row['kl_nats']:10.6f} {row['greedy_agreement']:12.3f}"
         )
 
 

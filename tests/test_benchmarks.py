@@ -207,6 +207,8 @@ def test_bench_codec_quality_trains_once_and_rates_every_codec_against_exact(
     for exact in ("none", "lossless"):  # the same KV: the same outputs
         assert rows[exact]["kl_nats"] == 0 and rows[exact]["greedy_agreement"] == 1
         assert rows[exact]["perplexity"] == rows["none"]["perplexity"]
+        assert rows[exact]["byte_exact"]
+    assert not rows["int4"]["byte_exact"] and rows["int4"]["ratio"] > rows["int8"]["ratio"] > 1
     assert all(row["kl_nats"] >= 0 for row in rows.values())
     assert len(list(tmp_path.glob("model-*.pt"))) == 1
     again = run_quick("bench_codec_quality.py", "--cache-dir", str(tmp_path))
