@@ -142,7 +142,9 @@ def unframe_into(
 
     The payload is verified *before* the copy, so a corrupt value never
     touches the slot. With ``exact_size`` false, a payload shorter than
-    ``out`` goes to its start (a variable-size codec's chunk).
+    ``out`` goes to its start and the rest of ``out`` is zeroed, so that a
+    reader of ``out`` finds only this chunk's verified bytes there (a
+    variable-size codec's chunk, in a buffer reused chunk after chunk).
     """
     view = memoryview(value)
     header = unpack_header(
@@ -151,6 +153,8 @@ def unframe_into(
     payload = view[HEADER_BYTES:]
     header.verify(payload)
     copy_bytes(out[: len(payload)], payload)
+    if len(payload) < len(out):
+        np.frombuffer(out, np.uint8)[len(payload) :] = 0
 
 
 def copy_bytes(out: memoryview, data: bytes | memoryview) -> None:
