@@ -202,11 +202,21 @@ def main() -> None:
         help='another tier entry to measure, e.g. \'{"type": "redis", "url": "redis://..."}\' '
         "(repeatable); it gets no codec, each fixed-size one, and lossless where it takes it",
     )
+    parser.add_argument(
+        "--save-kv",
+        type=Path,
+        help="also save the KV chunks as .npy (for kvtier simulate --codec NAME --kv PATH)",
+    )
     parser.add_argument("--quick", action="store_true", help="256 tokens, one round")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     tokens, repeat = (256, 1) if args.quick else (args.tokens, args.repeat)
     layout, chunks = demo_kv(tokens, args.chunk_tokens)
+    if args.save_kv is not None:
+        import ml_dtypes
+
+        shape = (len(chunks), *layout.chunk_shape)
+        np.save(args.save_kv, chunks.view(ml_dtypes.bfloat16).reshape(shape))
     codecs = [measure_codec(codec, layout, chunks, repeat) for codec in CODECS]
     with tempfile.TemporaryDirectory(dir=args.root) as root:
         tiers = [

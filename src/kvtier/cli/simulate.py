@@ -117,6 +117,19 @@ _BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
     "compression ratio (e.g. 1.6 for lossless, 3.2 for int4; see docs/codecs.md), so the "
     "same bytes hold that many times the chunks, and report both hit ratios.",
 )
+@click.option(
+    "--codec",
+    "codec_entry",
+    help="With --secondary and --kv: measure this codec's ratio (a name, or its entry as "
+    "JSON) on the KV in --kv, and replay with it as --codec-ratio.",
+)
+@click.option(
+    "--kv",
+    "kv_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A .npy of KV chunks, shaped (chunks, layers, 2, tokens, kv_heads, head_dim), "
+    "float16, float32 or bfloat16 (benchmarks/bench_codecs.py --save-kv writes one).",
+)
 @click.option("--limit", type=int, help="Replay only the first N requests.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option(
@@ -135,6 +148,8 @@ def simulate(
     chunk_bytes: str | None,
     secondary: str | None,
     codec_ratio: float | None,
+    codec_entry: str | None,
+    kv_path: Path | None,
     limit: int | None,
     as_json: bool,
     plot_path: Path | None,
@@ -160,6 +175,10 @@ def simulate(
             policy_registry.resolve(name, None, entry="--policy")
         except KVTierError as exc:
             raise click.BadParameter(str(exc), param_hint="--policy") from None
+    if codec_entry is not None or kv_path is not None:
+        if codec_entry is None or kv_path is None or codec_ratio is not None:
+            raise click.UsageError("give --codec with --kv (instead of --codec-ratio)")
+        codec_ratio = measured_ratio(codec_entry, kv_path)
     if codec_ratio is not None and secondary is None:
         raise click.UsageError("--codec-ratio applies to the --secondary tier: give one")
     if plot_path is not None:
@@ -234,6 +253,35 @@ def _load(
     assert chat_seed is not None
     records = chat_trace(chat_seed)  # each names its own block size
     return parse_records(enumerate(records, 1), f"chat trace (seed {chat_seed})", limit=limit)
+
+
+def measured_ratio(codec_entry: str, kv_path: Path) -> float:
+    """The ratio ``codec_entry`` gets on the KV chunks in ``kv_path``."""
+    import numpy as np
+
+    from kvtier.codecs import CodecStage, codec_config
+    from kvtier.layout import KVLayout
+
+    try:
+        entry: Any = (
+            json.loads(codec_entry) if codec_entry.lstrip().startswith("{") else codec_entry
+        )
+        chunks = np.load(kv_path)
+        if chunks.ndim != 6 or chunks.shape[2] != 2:
+            raise ValueError(
+                f"KV of shape {chunks.shape}: expected (chunks, layers, 2, tokens, heads, dim)"
+            )
+        _, layers, _, tokens, heads, dim = chunks.shape
+        # numpy saves bfloat16 (an extension dtype) as 2-byte records.
+        bf16 = chunks.dtype.kind == "V" and chunks.dtype.itemsize == 2
+        dtype = "bfloat16" if bf16 else chunks.dtype.name
+        layout = KVLayout("kvtier-simulate", layers, heads, dim, dtype, tokens)
+        stage = CodecStage(codec_config(entry, entry="--codec").build(layout), layout)
+    except (ValueError, TypeError, KVTierError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--codec/--kv") from None
+    buffer = stage.scratch(1)[0]
+    encoded = sum(stage.encode(memoryview(chunk.tobytes()), buffer) for chunk in chunks)
+    return chunks.nbytes / encoded
 
 
 def run(
