@@ -217,3 +217,33 @@ def test_bench_request_path_finds_the_same_hits_through_kvtier_and_the_minimal_c
         low, high = row["vs_minimal_range"]
         assert low <= row["vs_minimal"] <= high
     assert rows["minimal"]["vs_minimal"] == pytest.approx(1.0)
+
+
+def test_bench_codecs_reports_every_codec_and_tier_on_demo_kv() -> None:
+    out = run_quick("bench_codecs.py")
+    rows = {row["codec"]: row for row in out["codecs"]}
+    assert {"lossless", "fp8", "int8", "int4"} <= set(rows)
+    assert rows["lossless"]["exact"] and not rows["int4"]["exact"]
+    assert rows["int4"]["ratio"] > rows["fp8"]["ratio"] > 1
+    for row in out["codecs"]:
+        assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
+    tiers = {(row["tier"], row["codec"]) for row in out["tiers"]}
+    assert ("fs", "none") in tiers and ("fs", "int4") in tiers
+    assert all(row["store_gbps"] > 0 and row["load_gbps"] > 0 for row in out["tiers"])
+
+
+def test_bench_codec_quality_trains_once_and_rates_every_codec_against_exact(
+    tmp_path: Path,
+) -> None:
+    first = run_quick("bench_codec_quality.py", "--cache-dir", str(tmp_path))
+    rows = {row["codec"]: row for row in first["results"]}
+    assert {"none", "lossless", "fp8", "int8", "int4"} <= set(rows)
+    for exact in ("none", "lossless"):  # the same KV: the same outputs
+        assert rows[exact]["kl_nats"] == 0 and rows[exact]["greedy_agreement"] == 1
+        assert rows[exact]["perplexity"] == rows["none"]["perplexity"]
+        assert rows[exact]["byte_exact"]
+    assert not rows["int4"]["byte_exact"] and rows["int4"]["ratio"] > rows["int8"]["ratio"] > 1
+    assert all(row["kl_nats"] >= 0 for row in rows.values())
+    assert len(list(tmp_path.glob("model-*.pt"))) == 1
+    again = run_quick("bench_codec_quality.py", "--cache-dir", str(tmp_path))
+    assert again["model"] == first["model"]  # the cached model, not a second training

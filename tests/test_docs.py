@@ -51,7 +51,7 @@ def test_every_top_level_key_is_in_the_reference() -> None:
     assert {"backpressure.max_inflight_stores", "metrics.port"} <= expected
     assert expected <= documented_keys(section(reference, "## Top-level keys"))
     entry = documented_keys(section(reference, "## Secondary tiers"))
-    assert entry == {"type", "module_path"}
+    assert entry == {"type", "module_path", "codec"}
 
 
 def test_every_key_of_the_redis_cluster_index_is_in_the_reference() -> None:
@@ -201,3 +201,13 @@ def test_a_missing_extra_names_the_command_for_a_checkout_and_for_a_release() ->
     message = str(MissingDependencyError("redis", "redis"))
     assert "pip install 'kvtier[redis]'" in message
     assert "pip install '.[redis]'" in message
+
+
+def test_every_built_in_codec_and_its_options_are_in_the_reference() -> None:
+    from kvtier.codecs import codec_registry
+
+    reference = config_reference()
+    for name in codec_registry.registered_names():
+        assert f"### `{name}`" in reference
+    assert {"group_size"} == documented_keys(section(reference, "### `int4`"))
+    assert {"compressor", "level"} == documented_keys(section(reference, "### `lossless`"))

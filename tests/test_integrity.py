@@ -55,3 +55,12 @@ def test_a_corrupt_value_never_touches_the_output() -> None:
     with pytest.raises(CorruptChunkError):
         unframe_into(bytes(value), memoryview(out), namespace=NS, key=KEY)
     assert out == b"\xaa" * len(PAYLOAD)
+
+
+def test_a_shorter_payload_leaves_nothing_of_an_earlier_one_in_the_buffer() -> None:
+    namespace, key = b"n" * 32, b"k" * 32
+    out = memoryview(bytearray(b"\xee" * 64))
+    unframe_into(frame(namespace, key, b"abc"), out, namespace=namespace, key=key, exact_size=False)
+    assert bytes(out) == b"abc" + bytes(61)
+    with pytest.raises(CorruptChunkError):  # a slot-sized read takes only its own size
+        unframe_into(frame(namespace, key, b"abc"), out, namespace=namespace, key=key)

@@ -4,6 +4,7 @@ replayed hit for hit against a real ``KVCache`` with a ``memory`` tier behind it
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -132,3 +133,46 @@ def test_a_job_larger_than_the_secondary_tier_leaves_its_last_chunks_and_evicts_
     # the skipped 11, and only the job's last three remain.
     cascade.request([11, 20, 21, 22, 23])
     assert list(cascade.secondary) == [21, 22, 23]
+
+
+def test_simulate_sets_a_codecs_ratio_against_the_same_bytes_without() -> None:
+    result = CliRunner().invoke(
+        cli,
+        ["simulate", "--chat-seed", "2", "--limit", "600", "-p", "lru", "-c", "5%",
+         "--chunk-bytes", "1MiB", "--secondary", "64MiB", "--codec-ratio", "3.2", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    policy = json.loads(result.stdout)["capacities"][0]["policies"]["lru"]
+    plain, coded = policy["with_secondary"], policy["with_codec"]
+    assert plain["secondary_slots"] == 64 and coded["secondary_slots"] == int(64 * 3.2)
+    assert coded["codec_ratio"] == 3.2
+    assert coded["hit_ratio"] > plain["hit_ratio"]
+    alone = CliRunner().invoke(cli, ["simulate", "--chat-seed", "2", "--codec-ratio", "2"])
+    assert alone.exit_code == 2 and "--secondary" in alone.output
+
+
+def test_simulate_measures_a_named_codecs_ratio_on_the_kv_it_is_given(tmp_path: Path) -> None:
+    import numpy as np
+
+    from kvtier.codecs.samples import kv_like
+    from kvtier.layout import KVLayout
+
+    layout = KVLayout("m", 2, 2, 64, "float16", 32)
+    chunks = np.stack(
+        [
+            np.frombuffer(kv_like(layout, seed), np.float16).reshape(layout.chunk_shape)
+            for seed in range(3)
+        ]
+    )
+    kv = tmp_path / "kv.npy"
+    np.save(kv, chunks)
+    base = ["simulate", "--chat-seed", "2", "--limit", "300", "-p", "lru", "-s", "5%", "--json"]
+    result = CliRunner().invoke(cli, [*base, "--codec", '{"type": "int4"}', "--kv", str(kv)])
+    assert result.exit_code == 0, result.output
+    coded = json.loads(result.stdout)["capacities"][0]["policies"]["lru"]["with_codec"]
+    assert 3.0 < coded["codec_ratio"] < 3.3  # 4 bits and group parameters for 16
+    np.save(kv, chunks[:, 0])  # not chunks of KV
+    bad = CliRunner().invoke(cli, [*base, "--codec", "int4", "--kv", str(kv)])
+    assert bad.exit_code == 2 and "expected (chunks, layers, 2, tokens, heads, dim)" in bad.output
+    alone = CliRunner().invoke(cli, [*base, "--codec", "int4"])
+    assert alone.exit_code == 2 and "--kv" in alone.output

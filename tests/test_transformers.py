@@ -346,3 +346,37 @@ def test_trace_recording_records_each_prefill_and_replays(tmp_path: Path) -> Non
     assert [len(r.blocks) for r in requests] == [len(t) // CHUNK for t in turns]
     assert requests[0].blocks[:3] == requests[1].blocks[:3]
     assert requests[0].blocks[3] != requests[1].blocks[3]
+
+
+# Codecs ---------------------------------------------------------------------
+
+
+def test_a_lossless_tier_gives_the_same_generation_from_its_reloaded_chunks() -> None:
+    model = tiny_model("llama")
+    tokens = prompt(3 * CHUNK + 2)
+    expected = greedy_generate(model, tokens, 6).tokens
+    tier = {"type": "memory", "max_bytes": "64MiB", "codec": "lossless"}
+    with PrefixCache(model, kv_config(tier=tier)) as kv:
+        kv.generate(tokens, 6)
+        kv.manager.reset()  # the primary tier forgets: the prefix comes back through the codec
+        result = kv.generate(tokens, 6)
+        stats = kv.manager.tiers[0].stats
+    assert result.reused_tokens == 3 * CHUNK and stats.chunks_loaded == 3
+    assert stats.codec_bytes_out < stats.codec_bytes_in
+    assert result.tokens == expected
+
+
+def test_lossy_chunks_of_a_shared_root_serve_only_models_with_the_opt_in(
+    shared_tier: dict[str, Any],
+) -> None:
+    tokens = prompt(4 * CHUNK + 1)
+    lossy = {**shared_tier, "codec": "int8"}
+    with PrefixCache(tiny_model("llama"), kv_config(tier=lossy)) as kv:
+        kv.prefill(tokens)
+    with PrefixCache(tiny_model("llama"), kv_config(tier=shared_tier)) as exact:
+        _, reused = exact.prefill(tokens, store=False)
+        assert reused.hit_tokens == 0 and exact.manager.tiers[0].stats.chunks_loaded == 0
+    with PrefixCache(tiny_model("llama"), kv_config(tier=lossy)) as same:
+        _, reused = same.prefill(tokens, store=False)
+        assert reused.hit_tokens == 4 * CHUNK
+        assert same.manager.tiers[0].stats.chunks_loaded == 4

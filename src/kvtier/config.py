@@ -24,6 +24,8 @@ from pydantic import (
     ValidationError,
 )
 
+from kvtier.codecs import CodecConfig, codec_registry
+from kvtier.codecs.factory import split_codec_entry
 from kvtier.config_model import IndexConfig, KVTierConfig, TierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.fleet.factory import index_registry
@@ -133,8 +135,14 @@ def validate_tier(raw: Any, path: str) -> TierConfig:
 
 
 def _validate_tier(raw: Any, path: str, problems: Problems) -> TierConfig | None:
-    plugin = _validate_plugin(raw, path, problems, tier_registry, "tier")
-    return TierConfig(*plugin) if plugin is not None else None
+    codec = None
+    if isinstance(raw, Mapping) and "codec" in raw:
+        raw = dict(raw)
+        codec = _validate_codec(raw.pop("codec"), f"{path}.codec", problems)
+        if codec is None:
+            return None
+    plugin = _validate_plugin(raw, path, problems, tier_registry, "tier", ("codec",))
+    return TierConfig(*plugin, codec) if plugin is not None else None
 
 
 def _validate_index(raw: Any, problems: Problems) -> IndexConfig | None:
@@ -143,10 +151,16 @@ def _validate_index(raw: Any, problems: Problems) -> IndexConfig | None:
 
 
 def _validate_plugin(
-    raw: Any, path: str, problems: Problems, registry: PluginRegistry[Any], what: str
+    raw: Any,
+    path: str,
+    problems: Problems,
+    registry: PluginRegistry[Any],
+    what: str,
+    other_keys: tuple[str, ...] = (),
 ) -> tuple[str, str | None, type, Any] | None:
     """An entry's ``(type, module_path, class, validated options)``, or ``None``
-    with its problems noted: a ``secondary_tiers`` entry, the ``index`` section."""
+    with its problems noted: a ``secondary_tiers`` entry, the ``index`` section.
+    ``other_keys``: keys of the entry taken before (offered as suggestions)."""
     if not isinstance(raw, Mapping):
         problems.append((path, f"expected a mapping with 'type', got {type(raw).__name__}"))
         return None
@@ -167,9 +181,32 @@ def _validate_plugin(
     try:
         validated = cls.Options.model_validate(options)
     except ValidationError as exc:
-        problems.extend(_problems_from(exc, cls.Options, path, extra_keys=("type", "module_path")))
+        problems.extend(
+            _problems_from(exc, cls.Options, path, extra_keys=("type", "module_path", *other_keys))
+        )
         return None
     return plugin_type, module_path, cls, validated
+
+
+def _validate_codec(raw: Any, path: str, problems: Problems) -> CodecConfig | None:
+    """A tier's ``codec`` entry resolved and its options validated, or ``None``
+    with the problems noted under ``path`` (``secondary_tiers[0].codec.bits``)."""
+    try:
+        codec_type, module_path, options = split_codec_entry(raw, path)
+    except ValueError as exc:
+        problems.append((path, str(exc)))
+        return None
+    try:
+        cls = codec_registry.resolve(codec_type, module_path, entry=path)
+    except (KVTierError, TypeError) as exc:
+        problems.append((f"{path}.type", str(exc).removeprefix(f"{path}: ")))
+        return None
+    try:
+        validated = cls.Options.model_validate(options)
+    except ValidationError as exc:
+        problems.extend(_problems_from(exc, cls.Options, path, extra_keys=("type", "module_path")))
+        return None
+    return CodecConfig(codec_type, module_path, cls, validated)
 
 
 def _resolve_or_note(

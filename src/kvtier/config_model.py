@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
+from kvtier.codecs import CodecConfig
 from kvtier.fleet.base import ClusterIndex, IndexOptions
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.factory import policy_registry
@@ -27,6 +28,8 @@ class TierConfig:
     module_path: str | None
     tier_class: type[SecondaryTier]
     options: TierOptions
+    #: The entry's ``codec``; ``None``: chunks stored as they are (``none``).
+    codec: CodecConfig | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The entry as a factory takes it (options in their validated form)."""
@@ -36,6 +39,8 @@ class TierConfig:
         }
         if self.module_path is not None:
             entry["module_path"] = self.module_path
+        if self.codec is not None:
+            entry["codec"] = self.codec.as_dict()
         return entry
 
 

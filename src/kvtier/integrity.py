@@ -74,11 +74,18 @@ class ChunkHeader:
 
 
 def unpack_header(
-    raw: bytes | memoryview, *, namespace: bytes, key: bytes, payload_bytes: int
+    raw: bytes | memoryview,
+    *,
+    namespace: bytes,
+    key: bytes,
+    payload_bytes: int,
+    exact_size: bool = True,
 ) -> ChunkHeader:
     """Parse and check a header against what the reader expects to find.
 
-    ``payload_bytes`` is the slot size: a chunk of any other size is foreign.
+    ``payload_bytes`` is the stored payload's size: a chunk of any other size
+    is foreign; with ``exact_size`` false (a variable-size codec), its
+    largest size.
     """
     if len(raw) < HEADER_BYTES:
         raise CorruptChunkError(f"chunk header truncated to {len(raw)} bytes")
@@ -91,7 +98,7 @@ def unpack_header(
         raise CorruptChunkError("chunk belongs to another namespace")
     if stored_key != key:
         raise CorruptChunkError("chunk stored under another key")
-    if length != payload_bytes:
+    if length > payload_bytes or (exact_size and length != payload_bytes):
         raise CorruptChunkError(f"chunk holds {length} bytes, a slot holds {payload_bytes}")
     return ChunkHeader(version, length, digest, stored_ns, stored_key)
 
@@ -123,18 +130,31 @@ def frame_into(
 
 
 def unframe_into(
-    value: bytes | memoryview, out: memoryview, *, namespace: bytes, key: bytes
+    value: bytes | memoryview,
+    out: memoryview,
+    *,
+    namespace: bytes,
+    key: bytes,
+    exact_size: bool = True,
 ) -> None:
-    """Verify a framed value and copy its payload into ``out`` (a primary slot).
+    """Verify a framed value and copy its payload into ``out`` (a primary slot,
+    or a buffer a codec decodes from).
 
     The payload is verified *before* the copy, so a corrupt value never
-    touches the slot.
+    touches the slot. With ``exact_size`` false, a payload shorter than
+    ``out`` goes to its start and the rest of ``out`` is zeroed, so that a
+    reader of ``out`` finds only this chunk's verified bytes there (a
+    variable-size codec's chunk, in a buffer reused chunk after chunk).
     """
     view = memoryview(value)
-    header = unpack_header(view, namespace=namespace, key=key, payload_bytes=len(out))
+    header = unpack_header(
+        view, namespace=namespace, key=key, payload_bytes=len(out), exact_size=exact_size
+    )
     payload = view[HEADER_BYTES:]
     header.verify(payload)
-    copy_bytes(out, payload)
+    copy_bytes(out[: len(payload)], payload)
+    if len(payload) < len(out):
+        np.frombuffer(out, np.uint8)[len(payload) :] = 0
 
 
 def copy_bytes(out: memoryview, data: bytes | memoryview) -> None:

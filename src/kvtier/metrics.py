@@ -55,6 +55,12 @@ STAT_HELP = {
     "corrupt_chunks": "Stored chunks found corrupt, torn or foreign: never served, deleted.",
     "evictions": "Chunks the tier evicted to stay within its bounds.",
     "backpressure_drops": "Chunks not cascaded to the tier because it was falling behind.",
+    "codec_bytes_in": "Chunk bytes the tier's codec encoded for stores (before encoding).",
+    "codec_bytes_out": "Payload bytes the tier's codec made of them (their ratio: the codec's).",
+    "codec_failures": "Chunks the tier's codec failed to encode (not stored) or decode (not "
+    "served, deleted).",
+    "codec_refused": "Chunks loaded that another codec or other codec parameters wrote: "
+    "never served, deleted.",
 }
 
 #: Buckets of the transfer histograms, in seconds: 100 µs to 30 s.

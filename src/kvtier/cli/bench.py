@@ -33,7 +33,14 @@ from rich.table import Table
 
 from kvtier.cli.memory import refuse_beyond_memory
 from kvtier.cli.options import POSITIVE, Seconds
-from kvtier.cli.probe import PHASES, bench_tier, probe_layout
+from kvtier.cli.probe import (
+    PHASES,
+    bench_tier,
+    codec_facts,
+    codec_speed,
+    needs_floats,
+    probe_layout,
+)
 from kvtier.config import load_config
 from kvtier.errors import KVTierError, describe_error
 from kvtier.specs.factory import OffloadingSpecFactory
@@ -105,7 +112,7 @@ def bench(
         "the chunks it moves, which a memory tier keeps in this process, or three batches "
         "of slots if more",
     )
-    layout = probe_layout(settings.chunk_tokens, chunk_kib)
+    layout = probe_layout(settings.chunk_tokens, chunk_kib, floats=needs_floats(settings))
     # A primary tier of exactly the slots the bench uses, private to this
     # process whatever the configuration says about shared memory.
     settings = settings.model_copy(
@@ -170,13 +177,18 @@ def bench(
                 else:
                     entry.update({name: p.summary(baseline) for name, p in phases.items()})
                     failed = failed or any(p.failures for p in phases.values())
+                if not tier.codec_stage.identity:
+                    entry["codec"] = {**codec_facts(tier), **codec_speed(tier, layout)}
                 report["tiers"].append(entry)
     finally:
         manager.shutdown()
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        Console().print(_table(report))
+        console = Console()
+        console.print(_table(report))
+        for line in _codec_verdicts(report):
+            console.print(line)
     sys.exit(1 if failed else 0)
 
 
@@ -187,12 +199,37 @@ def _advancer(progress: Progress, tasks: dict[str, TaskID]) -> Callable[[str, in
     return advance
 
 
+def _codec_verdicts(report: dict[str, Any]) -> list[str]:
+    """One line per tier with a codec: whether it pays on that tier's loads."""
+    lines = []
+    for entry in report["tiers"]:
+        codec = entry.get("codec")
+        if codec is None or "load" not in entry:
+            continue
+        pays = codec["pays_below_mb_per_s"]
+        loaded = entry["load"]["mb_per_s"]
+        lines.append(
+            f"tier {entry['tier']} {entry['tier_type']}: codec {codec['codec']} decodes "
+            f"{codec['decode_mb_per_s']:.0f} MB/s per core, so it speeds up loads only on a "
+            f"tier moving under {pays:.0f} MB/s per decoding worker; this tier loaded "
+            f"{loaded:.0f} MB/s through it"
+            + ("" if pays > 0 else " (it does not shrink these chunks)")
+        )
+    return lines
+
+
+def _codec_label(codec: dict[str, Any]) -> str:
+    ratio = codec["ratio"]
+    return f" {codec['codec']}×{ratio:.2f}" if ratio else f" {codec['codec']}"
+
+
 def _table(report: dict[str, Any]) -> Table:
     table = Table(
         title=f"kvtier bench {report['config']}: {report['chunks']} chunks of "
         f"{report['chunk_bytes'] // 1024} KiB, {report['batch']} per job; "
         f"slot copy {report['copy_mb_per_s']:.0f} MB/s",
-        caption="p50, p90, p99: latency of one job in ms; ×copy: MB/s over the slot copy's",
+        caption="p50, p90, p99: latency of one job in ms; ×copy: MB/s over the slot copy's; "
+        "TYPE CODEC×R: the tier's codec and the ratio it stored chunks at (MB/s of raw KV)",
         box=box.SIMPLE_HEAD,
         collapse_padding=True,
         pad_edge=False,
@@ -211,12 +248,13 @@ def _table(report: dict[str, Any]) -> Table:
                 str(entry["tier"]), entry["tier_type"], "[red]error[/red]", entry["error"]
             )
             continue
+        codec = entry.get("codec")
         for phase in PHASES:
             result = entry[phase]
             latency = result["latency_ms"]
             table.add_row(
                 str(entry["tier"]),
-                entry["tier_type"],
+                entry["tier_type"] + (_codec_label(codec) if codec else ""),
                 phase,
                 f"{result['chunks_per_s']:.0f}",
                 f"{result['mb_per_s']:.0f}" if phase != "lookup" else "-",

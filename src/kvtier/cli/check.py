@@ -17,7 +17,7 @@ from rich.table import Table
 
 from kvtier.cli.memory import refuse_beyond_memory
 from kvtier.cli.options import POSITIVE, Seconds
-from kvtier.cli.probe import PHASES, bench_tier, probe_layout
+from kvtier.cli.probe import PHASES, bench_tier, codec_facts, needs_floats, probe_layout
 from kvtier.config import load_config
 from kvtier.errors import KVTierError, describe_error
 from kvtier.keys import chunk_keys
@@ -59,7 +59,8 @@ def round_trip(
             return _Outcome(False, f"{name} failed for {phases[name].failures}/{chunks} chunks")
     moved = [phases["store"], phases["load"]]
     seconds = sum(phase.seconds for phase in moved)
-    return _Outcome(True, "byte-exact", sum(phase.nbytes for phase in moved) / seconds / 1e6)
+    served = "as its lossy codec decodes them" if tier.codec_stage.lossy else "byte-exact"
+    return _Outcome(True, served, sum(phase.nbytes for phase in moved) / seconds / 1e6)
 
 
 def _readable(name: str, value: object) -> object:
@@ -134,7 +135,7 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
         chunk_kib,
         "its primary tier holds each chunk twice: stored from, and loaded into",
     )
-    layout = probe_layout(settings.chunk_tokens, chunk_kib)
+    layout = probe_layout(settings.chunk_tokens, chunk_kib, floats=needs_floats(settings))
     # Only the slots the probe needs (stores read one half, loads land in the
     # other), private whatever the configuration says about shared memory: a
     # check must never map a running engine's slots.
@@ -166,6 +167,18 @@ def check(config: Path, chunks: int, chunk_kib: int, timeout: float) -> None:
                 f", {outcome.mb_per_s:,.0f} MB/s" if outcome.mb_per_s else ""
             )
             rows.append(("round trip", outcome.ok, detail))
+            if not tier.codec_stage.identity:
+                codec = codec_facts(tier)
+                rows.append(
+                    (
+                        "codec",
+                        not codec["failures"],
+                        f"{codec['codec']}{' (lossy)' if codec['lossy'] else ''} "
+                        f"{codec['params']}: {format_bytes(codec['bytes_in'])} stored as "
+                        f"{format_bytes(codec['bytes_out'])}, ratio {codec['ratio']}, "
+                        f"{codec['failures']} codec failures",
+                    )
+                )
             for name, ok, text in rows:
                 failures += not ok
                 result = "[green]ok[/green]" if ok else "[red]FAILED[/red]"

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ByteSize
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from kvtier.codecs import codec_registry
 from kvtier.config import KVTierConfig
 from kvtier.fleet.factory import index_registry
 from kvtier.plugins import PluginRegistry
@@ -40,7 +41,12 @@ ENTRY_KEYS = {
     "type": "The tier's registered name, entry point name, or class name (with ``module_path``).",
     "module_path": "Module to import an out-of-tree tier class from; configuration that names "
     "one is trusted input (see ``KVTIER_ALLOWED_MODULES``).",
+    "codec": "How the tier stores each chunk: a codec name (``lossless``, ``fp8``...) or a "
+    "mapping ``{type: NAME, ...options}``; unset is ``none``, the chunk's bytes "
+    "(see Chunk codecs below).",
 }
+
+_ENTRY_TYPES = {"type": "str", "module_path": "str or null", "codec": "str, mapping or null"}
 
 _UNITS = ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)
 _BOUNDS = (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
@@ -209,10 +215,10 @@ def config_reference(heading_level: int = 2, *, installed: bool = False) -> str:
         options_table(top),
         f"{h2} Secondary tiers",
         "`secondary_tiers` is a list of tier entries, looked up in order. Every entry "
-        "takes these two keys, and the keys of its type below:",
+        "takes these keys, and the keys of its type below:",
         options_table(
             [
-                OptionRow(key, "str" if key == "type" else "str or null", d, _cell(text))
+                OptionRow(key, _ENTRY_TYPES[key], d, _cell(text))
                 for key, text in ENTRY_KEYS.items()
                 for d in ["required" if key == "type" else "unset"]
             ]
@@ -226,6 +232,12 @@ def config_reference(heading_level: int = 2, *, installed: bool = False) -> str:
         "(as for tiers), and the keys of its type:",
     ]
     parts += _plugin_sections(index_registry, h3, installed)
+    parts.append(f"{h2} Chunk codecs")
+    parts.append(
+        "Values of a tier's `codec` (its `type`), each with the options a mapping may "
+        "give it. Lossy codecs are an opt-in per tier: see the Chunk codecs guide."
+    )
+    parts += _plugin_sections(codec_registry, h3, installed)
     for title, key, registry in (
         ("Eviction policies", "eviction_policy", policy_registry),
         ("Offloading specs", "spec_name", spec_registry),

@@ -74,6 +74,9 @@ def _read_record(directory: NamespaceDir) -> tuple[str, int | None]:
         model = f"{layout['model_id']} {layout['dtype']} x{layout['chunk_tokens']} tokens"
     except (KeyError, TypeError, IndexError):
         model = f"({NAMESPACE_FILE} incomplete)"
+    codec = record.get("codec") if isinstance(record, dict) else None
+    if isinstance(codec, dict):  # chunks encoded on their way in (see docs/codecs.md)
+        model += f", codec {codec.get('type')} {codec.get('params', {})}"
     try:
         sizes = [record["chunk_file"][name] for name in ("payload_bytes", "trailer_bytes")]
     except (KeyError, TypeError, IndexError):

@@ -10,24 +10,83 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.codecs.samples import kv_like
+from kvtier.config_model import KVTierConfig
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import JobResult, Lookup, SecondaryTier, TransferJob
 from kvtier.tiers.drive import resolve_lookup, run_job
 
 
-def probe_layout(chunk_tokens: int, slot_kib: int) -> KVLayout:
-    """A synthetic layout whose chunks are ``slot_kib`` KiB (for tools without an engine)."""
-    # uint8, one layer, one head: K and V take 2 bytes per token per head_dim unit.
-    per_token = max(1, slot_kib * 1024 // chunk_tokens // 2)
+def probe_layout(chunk_tokens: int, slot_kib: int, *, floats: bool = False) -> KVLayout:
+    """A synthetic layout whose chunks are ``slot_kib`` KiB (for tools without an engine).
+
+    ``floats``: bf16 KV, as codecs that quantise need, instead of raw bytes.
+    """
+    # One layer, one head: K and V take 2 elements per token per head_dim unit.
+    width = 2 if floats else 1
+    per_token = max(1, slot_kib * 1024 // chunk_tokens // 2 // width)
     return KVLayout(
         model_id="kvtier-probe",
         num_layers=1,
         num_kv_heads=1,
         head_dim=per_token,
-        dtype="uint8",
+        dtype="bfloat16" if floats else "uint8",
         chunk_tokens=chunk_tokens,
     )
+
+
+def needs_floats(settings: KVTierConfig) -> bool:
+    """Whether any tier has a codec: probe chunks are then bf16 KV, which every
+    built-in codec takes (raw bytes are no valid input to a quantising one)."""
+    return any(tier.codec is not None for tier in settings.secondary_tiers)
+
+
+def codec_facts(tier: SecondaryTier) -> dict[str, Any]:
+    """The tier's codec and what it made of the chunks it stored so far."""
+    stage = tier.codec_stage
+    stats = tier.stats
+    facts: dict[str, Any] = {
+        "codec": stage.name,
+        "lossy": stage.lossy,
+        "params": stage.codec.params(),
+        "bytes_in": stats.codec_bytes_in,
+        "bytes_out": stats.codec_bytes_out,
+        "ratio": round(stats.codec_bytes_in / stats.codec_bytes_out, 3)
+        if stats.codec_bytes_out
+        else None,
+        "failures": stats.codec_failures,
+        "refused": stats.codec_refused,
+    }
+    return facts
+
+
+def codec_speed(tier: SecondaryTier, layout: KVLayout, chunks: int = 4) -> dict[str, float]:
+    """The tier's codec on one thread, on probe chunks: MB/s of raw KV decoded,
+    and the tier speed (MB/s per decoding worker) below which it pays on loads:
+    ``decode * (1 - 1/ratio)``."""
+    stage = tier.codec_stage
+    rng = np.random.default_rng()
+    samples = [kv_like(layout, int(seed)) for seed in rng.integers(0, 2**31, chunks)]
+    if layout.dtype == "uint8":
+        samples = [rng.integers(0, 256, layout.slot_bytes, dtype=np.uint8).tobytes()]
+    buffer = stage.scratch(1)[0]
+    out = memoryview(bytearray(layout.slot_bytes))
+    # Once untimed: the first call pays for the coder's set-up and page faults.
+    stage.decode(buffer[: stage.encode(memoryview(samples[0]), buffer)], out)
+    encoded = decode_s = 0.0
+    for sample in samples:
+        length = stage.encode(memoryview(sample), buffer)
+        encoded += length
+        started = time.perf_counter()
+        stage.decode(buffer[:length], out)
+        decode_s += time.perf_counter() - started
+    raw = len(samples) * layout.slot_bytes
+    decode = raw / decode_s / 1e6
+    return {
+        "decode_mb_per_s": round(decode, 1),
+        "pays_below_mb_per_s": round(decode * (1 - encoded / raw), 1),
+    }
 
 
 PHASES = ("store", "lookup", "load")
@@ -81,7 +140,12 @@ def bench_tier(
     rng = np.random.default_rng()
     tokens = rng.integers(0, 2**31, chunks * layout.chunk_tokens)
     keys = chunk_keys(layout.namespace, tokens, layout.chunk_tokens)
-    base = rng.integers(0, 256, (batch, slots.shape[1]), dtype=np.uint8)
+    stage = tier.codec_stage
+    if stage.identity or layout.dtype == "uint8":
+        base = rng.integers(0, 256, (batch, slots.shape[1]), dtype=np.uint8)
+    else:  # values a quantising codec takes: finite floats, shaped like KV
+        seeds = rng.integers(0, 2**31, batch)
+        base = np.stack([np.frombuffer(kv_like(layout, int(s)), np.uint8) for s in seeds])
     phases = {name: Phase() for name in PHASES}
     batches = [list(range(start, min(start + batch, chunks))) for start in range(0, chunks, batch)]
 
@@ -89,6 +153,12 @@ def bench_tier(
         row = base[index % batch].copy()
         row[:_STAMP] = np.frombuffer(index.to_bytes(_STAMP, "little"), dtype=np.uint8)
         return row
+
+    def served(index: int) -> np.ndarray:
+        """What a load must give: the stored bytes, as the tier's codec decodes them."""
+        if not stage.lossy:
+            return stamped(index)
+        return np.frombuffer(stage.round_trip(stamped(index).tobytes()), np.uint8)
 
     def timed_job(
         phase: Phase, job_keys: list[ChunkKey], job_slots: list[int], loading: bool
@@ -132,9 +202,7 @@ def bench_tier(
         slots[targets] = 0
         result = timed_job(load, [keys[i] for i in indexes], targets, loading=True)
         for index, target in zip(indexes, targets, strict=True):
-            if keys[index] in result.succeeded and not np.array_equal(
-                slots[target], stamped(index)
-            ):
+            if keys[index] in result.succeeded and not np.array_equal(slots[target], served(index)):
                 load.failures += 1  # bytes differ: counted, never trusted
                 load.chunks -= 1
                 load.nbytes -= slots.shape[1]

@@ -147,6 +147,26 @@ _BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
     help="With --replicas: kvtier routing's load cap, the share above an even split "
     "a replica may take of recent requests.",
 )
+@click.option(
+    "--codec-ratio",
+    type=click.FloatRange(min=1.0),
+    help="With --secondary: also replay with that tier's chunks stored by a codec of this "
+    "compression ratio (e.g. 1.6 for lossless, 3.2 for int4; see docs/codecs.md), so the "
+    "same bytes hold that many times the chunks, and report both hit ratios.",
+)
+@click.option(
+    "--codec",
+    "codec_entry",
+    help="With --secondary and --kv: measure this codec's ratio (a name, or its entry as "
+    "JSON) on the KV in --kv, and replay with it as --codec-ratio.",
+)
+@click.option(
+    "--kv",
+    "kv_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A .npy of KV chunks, shaped (chunks, layers, 2, tokens, kv_heads, head_dim), "
+    "float16, float32 or bfloat16 (benchmarks/bench_codecs.py --save-kv writes one).",
+)
 @click.option("--limit", type=int, help="Replay only the first N requests.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option(
@@ -168,6 +188,9 @@ def simulate(
     secondary: str | None,
     replica_counts: tuple[int, ...],
     slack: float,
+    codec_ratio: float | None,
+    codec_entry: str | None,
+    kv_path: Path | None,
     limit: int | None,
     as_json: bool,
     plot_path: Path | None,
@@ -212,6 +235,12 @@ def simulate(
             policy_registry.resolve(name, None, entry="--policy")
         except KVTierError as exc:
             raise click.BadParameter(str(exc), param_hint="--policy") from None
+    if codec_entry is not None or kv_path is not None:
+        if codec_entry is None or kv_path is None or codec_ratio is not None:
+            raise click.UsageError("give --codec with --kv (instead of --codec-ratio)")
+        codec_ratio = measured_ratio(codec_entry, kv_path)
+    if codec_ratio is not None and secondary is None:
+        raise click.UsageError("--codec-ratio applies to the --secondary tier: give one")
     if plot_path is not None:
         _check_plotting(plot_path)
     try:
@@ -237,7 +266,13 @@ def simulate(
         )
     else:
         report = run(
-            requests, policies, slots, progress=not as_json, secondary=secondary_slots, batch=batch
+            requests,
+            policies,
+            slots,
+            progress=not as_json,
+            secondary=secondary_slots,
+            batch=batch,
+            codec_ratio=codec_ratio,
         )
     report["trace"] = str(trace) if trace is not None else _chat_name(chat_seed, chat_shape)
     if as_json:
@@ -300,6 +335,35 @@ def _load(
     return parse_records(enumerate(records, 1), f"chat trace (seed {chat_seed})", limit=limit)
 
 
+def measured_ratio(codec_entry: str, kv_path: Path) -> float:
+    """The ratio ``codec_entry`` gets on the KV chunks in ``kv_path``."""
+    import numpy as np
+
+    from kvtier.codecs import CodecStage, codec_config
+    from kvtier.layout import KVLayout
+
+    try:
+        entry: Any = (
+            json.loads(codec_entry) if codec_entry.lstrip().startswith("{") else codec_entry
+        )
+        chunks = np.load(kv_path)
+        if chunks.ndim != 6 or chunks.shape[2] != 2:
+            raise ValueError(
+                f"KV of shape {chunks.shape}: expected (chunks, layers, 2, tokens, heads, dim)"
+            )
+        _, layers, _, tokens, heads, dim = chunks.shape
+        # numpy saves bfloat16 (an extension dtype) as 2-byte records.
+        bf16 = chunks.dtype.kind == "V" and chunks.dtype.itemsize == 2
+        dtype = "bfloat16" if bf16 else chunks.dtype.name
+        layout = KVLayout("kvtier-simulate", layers, heads, dim, dtype, tokens)
+        stage = CodecStage(codec_config(entry, entry="--codec").build(layout), layout)
+    except (ValueError, TypeError, KVTierError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--codec/--kv") from None
+    buffer = stage.scratch(1)[0]
+    encoded = sum(stage.encode(memoryview(chunk.tobytes()), buffer) for chunk in chunks)
+    return chunks.nbytes / encoded
+
+
 def run(
     requests: list[Request],
     policies: tuple[str, ...],
@@ -308,9 +372,11 @@ def run(
     progress: bool,
     secondary: int | None = None,
     batch: int = 1,
+    codec_ratio: float | None = None,
 ) -> dict[str, Any]:
     """Every policy and MIN at every capacity (and with a ``secondary`` tier of that
-    many chunks behind the primary), in engine steps of ``batch`` requests: the
+    many chunks behind the primary, and again with ``codec_ratio`` times as many:
+    the same bytes under a codec), in engine steps of ``batch`` requests: the
     report ``--json`` prints."""
     if secondary is not None and batch > 1:
         raise ValueError("the cascade replays one request at a time: batch must be 1")
@@ -326,7 +392,8 @@ def run(
     )
     cells: list[dict[str, Any]] = []
     with bar:
-        runs = len(slots) * (len(policies) * (1 if secondary is None else 2) + 1)
+        tiers = 1 + (secondary is not None) + (codec_ratio is not None)
+        runs = len(slots) * (len(policies) * tiers + 1)
         task = bar.add_task("replaying", total=len(requests) * runs)
 
         def advance() -> None:
@@ -355,6 +422,17 @@ def run(
                         advance,
                     )
                     cell["policies"][name]["with_secondary"] = _cascade_entry(cascade)
+                    if codec_ratio is not None:
+                        coded = replay_cascade(
+                            requests,
+                            CachePolicyFactory.create_cache_policy(name, capacity),
+                            name,
+                            int(secondary * codec_ratio),
+                            advance,
+                        )
+                        entry = _cascade_entry(coded)
+                        entry["codec_ratio"] = codec_ratio
+                        cell["policies"][name]["with_codec"] = entry
             cells.append(cell)
     return {
         "requests": len(requests),
@@ -409,8 +487,17 @@ def _table(report: dict[str, Any]) -> Table:
     first_cell = report["capacities"][0]["policies"]
     secondary = next(iter(first_cell.values())).get("with_secondary")
     if secondary is not None:
-        title += f"; with a secondary tier of {secondary['secondary_slots']} chunks:"
+        title += f"; with a secondary tier of {secondary['secondary_slots']} chunks"
         columns += ["CPU hits", "secondary hits", "both"]
+    coded = next(iter(first_cell.values())).get("with_codec")
+    if coded is not None:
+        title += (
+            f" and the same bytes under a codec of ratio {coded['codec_ratio']:g} "
+            f"({coded['secondary_slots']} chunks)"
+        )
+        columns += ["both, codec"]
+    if secondary is not None:
+        title += ":"
     table = Table(title=title)
     for column in columns:
         table.add_column(column, justify="left" if column == "policy" else "right")
@@ -439,6 +526,9 @@ def _table(report: dict[str, Any]) -> Table:
                         f"{tiers['hit_ratio']:.3f}",
                     ]
                 )
+            if coded is not None:
+                with_codec = entry.get("with_codec")
+                row.append("-" if with_codec is None else f"{with_codec['hit_ratio']:.3f}")
             table.add_row(*row)
             first = False
         table.add_section()

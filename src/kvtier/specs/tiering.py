@@ -55,6 +55,7 @@ class TieringSpec(OffloadingSpec):
                         buffer.view,
                         self,
                         entry=f"secondary_tiers[{index}]",
+                        codec=tier_config.codec,
                     )
                 )
         except BaseException:

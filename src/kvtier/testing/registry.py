@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvtier.codecs import codec_registry
 from kvtier.policies.factory import policy_registry
 from kvtier.specs.factory import spec_registry
 from kvtier.tiers.factory import tier_registry
 
-_REGISTRIES = (tier_registry, policy_registry, spec_registry)
+_REGISTRIES = (tier_registry, policy_registry, spec_registry, codec_registry)
 
 
 @contextmanager

@@ -71,7 +71,12 @@ class TierHarness:
             self.tier: SecondaryTier = self.guard(
                 "__init__",
                 lambda: SecondaryTierFactory.build_secondary_tier(
-                    entry.tier_class, entry.tier_type, entry.options, self.buffer.view, self.spec
+                    entry.tier_class,
+                    entry.tier_type,
+                    entry.options,
+                    self.buffer.view,
+                    self.spec,
+                    codec=entry.codec,
                 ),
             )
         except BaseException:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cas
 
 from pydantic import BaseModel, ConfigDict
 
+from kvtier.codecs import Codec, CodecStage
 from kvtier.keys import ChunkKey
 
 if TYPE_CHECKING:
@@ -128,6 +129,15 @@ class TierStats:
     corrupt_chunks: int = 0
     evictions: int = 0
     backpressure_drops: int = 0
+    #: Chunk bytes given to the tier's codec to store (before encoding).
+    codec_bytes_in: int = 0
+    #: Payload bytes the codec made of them (what the tier stores).
+    codec_bytes_out: int = 0
+    #: Chunks the codec failed to encode (not stored) or to decode (not served).
+    codec_failures: int = 0
+    #: Chunks loaded that another codec, or other parameters, wrote: never
+    #: decoded nor served (a lossy chunk reaching a tier without that opt-in).
+    codec_refused: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -211,7 +221,9 @@ class SecondaryTier(ABC, Generic[OptionsT]):
     """Base of every secondary tier, built-in or out-of-tree.
 
     Built by the factory as ``cls(spec=..., primary_kv_view=..., tier_type=...,
-    **options)``; ``options`` are validated against :attr:`Options`.
+    **options)``; ``options`` are validated against :attr:`Options`. A tier
+    entry with a ``codec`` also passes ``codec=`` (a built
+    :class:`~kvtier.codecs.Codec`), which only tiers with :attr:`takes_codecs` accept.
     """
 
     #: The typed options this tier accepts.
@@ -219,6 +231,14 @@ class SecondaryTier(ABC, Generic[OptionsT]):
     #: ``False`` for a tier that never keeps what it is given to store (``p2p``
     #: pulls chunks from peers instead): tools then probe it with lookups only.
     holds_stores: ClassVar[bool] = True
+    #: Whether chunks pass through :attr:`codec_stage` on their way (the
+    #: threaded runtime's tiers); others refuse a ``codec`` at start.
+    takes_codecs: ClassVar[bool] = False
+    #: Whether stored values may differ in size (a variable-size codec such
+    #: as ``lossless`` needs it); tiers of fixed-size values refuse those.
+    variable_payloads: ClassVar[bool] = False
+    #: Stored payloads of a fixed-size codec are padded to a multiple of this.
+    payload_align: ClassVar[int] = 1
 
     def __init__(
         self,
@@ -226,6 +246,7 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         spec: TierSpec,
         primary_kv_view: memoryview,
         tier_type: str,
+        codec: Codec | None = None,
         **options: Any,
     ) -> None:
         if primary_kv_view.ndim != 2:
@@ -246,6 +267,21 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         self._stats_lock = threading.Lock()
         #: Observers of the chunks the tier drops (:meth:`report_removed`).
         self.removal_listeners: list[RemovalListener] = []
+        if codec is not None and not getattr(codec, "identity", False):
+            if not self.takes_codecs:
+                raise ValueError(
+                    f"{tier_type}: {type(self).__name__} does not take a codec "
+                    f"(it does not store chunks through the tier runtime)"
+                )
+            if not codec.fixed_size and not self.variable_payloads:
+                raise ValueError(
+                    f"{tier_type}: codec {codec.name!r} gives chunks of varying size and "
+                    f"{type(self).__name__} stores fixed-size values; use a fixed-size "
+                    "codec (fp8, int8, int4) here, or this codec on memory or redis"
+                )
+        #: Encodes chunks on their way to the tier, decodes them on promotion.
+        self.codec_stage = CodecStage(codec, spec.layout, align=self.payload_align)
+        self._namespace = self.codec_stage.namespace(spec.layout.namespace)
 
     @property
     def slot_bytes(self) -> int:
@@ -264,8 +300,15 @@ class SecondaryTier(ABC, Generic[OptionsT]):
 
     @property
     def namespace(self) -> bytes:
-        """Digest of the layout the chunks belong to; stored beside every chunk."""
-        return self.spec.layout.namespace
+        """Digest of the layout the chunks belong to (mixed with the codec's
+        name and parameters, under any codec but ``none``); stored beside
+        every chunk."""
+        return self._namespace
+
+    @property
+    def stored_bytes(self) -> int:
+        """Payload bytes of one stored chunk (at most, under a variable-size codec)."""
+        return self.codec_stage.stored_bytes
 
     @abstractmethod
     def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:

@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from kvtier.codecs import CodecConfig, codec_config
 from kvtier.errors import BackendUnavailableError
 from kvtier.plugins import PluginFactory, PluginRegistry
 from kvtier.tiers.base import SecondaryTier, TierOptions, TierSpec, constructor_arguments
@@ -63,8 +64,12 @@ class SecondaryTierFactory(PluginFactory[SecondaryTier]):
         tier_type = options.pop("type")
         # A loading hint only: it never reaches the constructor.
         options.pop("module_path", None)
+        raw_codec = options.pop("codec", None)
+        codec = None
+        if raw_codec is not None:
+            codec = codec_config(raw_codec, entry=f"{entry or 'secondary tier'}.codec")
         return SecondaryTierFactory.build_secondary_tier(
-            cls, tier_type, options, primary_kv_view, spec, entry=entry
+            cls, tier_type, options, primary_kv_view, spec, entry=entry, codec=codec
         )
 
     @staticmethod
@@ -76,12 +81,20 @@ class SecondaryTierFactory(PluginFactory[SecondaryTier]):
         spec: TierSpec,
         *,
         entry: str = "",
+        codec: CodecConfig | None = None,
     ) -> SecondaryTier:
         """Construct a tier whose class was resolved already (a validated
         configuration holds it): errors say ``entry``, the class is not
         looked up again. ``options`` validated already (an instance of
-        ``cls.Options``) are not validated again."""
+        ``cls.Options``) are not validated again. ``codec``: the entry's
+        codec, built here for the spec's layout (refused at once if it
+        cannot encode it); the tier gets it as ``codec=``."""
         try:
+            # Only a configured codec is passed: tiers of earlier releases
+            # take no such argument.
+            extra: dict[str, Any] = {}
+            if codec is not None:
+                extra["codec"] = codec.build(spec.layout)
             if isinstance(options, TierOptions):
                 if type(options) is not cls.Options:
                     raise TypeError(
@@ -95,10 +108,18 @@ class SecondaryTierFactory(PluginFactory[SecondaryTier]):
                     else {name: getattr(options, name) for name in options.model_fields_set}
                 )
                 return cls(
-                    spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **arguments
+                    spec=spec,
+                    primary_kv_view=primary_kv_view,
+                    tier_type=tier_type,
+                    **extra,
+                    **arguments,
                 )
             return cls(
-                spec=spec, primary_kv_view=primary_kv_view, tier_type=tier_type, **dict(options)
+                spec=spec,
+                primary_kv_view=primary_kv_view,
+                tier_type=tier_type,
+                **extra,
+                **dict(options),
             )
         except BackendUnavailableError as exc:
             if not entry or exc.entry:

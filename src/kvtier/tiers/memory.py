@@ -34,6 +34,7 @@ class MemoryTier(ThreadedTier[MemoryTierOptions]):
     """Chunks in a dict, least recently used evicted beyond ``max_bytes``."""
 
     Options: ClassVar[type[TierOptions]] = MemoryTierOptions
+    variable_payloads: ClassVar[bool] = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -76,7 +77,13 @@ class MemoryTier(ThreadedTier[MemoryTierOptions]):
             if value is None:
                 raise ChunkVanishedError("chunk evicted")
             self._chunks.move_to_end(key)
-        integrity.unframe_into(value, out, namespace=self.namespace, key=key)
+        integrity.unframe_into(
+            value,
+            out,
+            namespace=self.namespace,
+            key=key,
+            exact_size=self.codec_stage.fixed_size,
+        )
 
     def _discard(self, key: ChunkKey) -> None:
         with self._chunks_lock:

@@ -144,6 +144,8 @@ class RedisTier(RemoteTier[RedisTierOptions]):
     #: Most chunks per pipeline: enough to hide the round trip of small
     #: chunks, few enough that a job's batches spread over the workers.
     io_batch: ClassVar[int] = 8
+    #: Values are read into buffers of the largest size, so any shorter one fits.
+    variable_payloads: ClassVar[bool] = True
     #: Payload bytes per pipeline, which caps it for large chunks: a worker
     #: verifies a value while it is still in cache, and the server serves
     #: many workers' short pipelines at once rather than a few long ones
@@ -184,7 +186,7 @@ class RedisTier(RemoteTier[RedisTierOptions]):
             ) from exc
 
     def _batch_chunks(self) -> int:
-        return self.batch_chunks(self.slot_bytes)
+        return self.batch_chunks(self.stored_bytes)
 
     def _pipeline(self) -> Any:
         return self._client.pipeline(transaction=False)

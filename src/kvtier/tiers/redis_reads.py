@@ -139,13 +139,14 @@ def _value(replies: _Replies, out: memoryview, error_class: type[Exception]) -> 
         length = int(rest)
         if length < 0:
             return None
-        if length != len(out):
+        if length > len(out):  # shorter ones are left to the integrity check
             replies.skip(length)
             replies.end_of_value()
-            return CorruptChunkError(f"the value is {length} bytes, a chunk {len(out)}")
-        replies.into(out)
+            return CorruptChunkError(f"the value is {length} bytes, a chunk at most {len(out)}")
+        value = out[:length]
+        replies.into(value)
         replies.end_of_value()
-        return out
+        return value
     if kind == b"_":  # RESP3's null
         return None
     if kind in (b"-", b"!"):  # an error, simple or (RESP3) with a length

@@ -84,6 +84,11 @@ class FramedValue(NamedTuple):
 T = TypeVar("T")
 
 
+def _fitted(buffer: ValueBuffer, size: int) -> ValueBuffer:
+    """``buffer`` itself when ``size`` fills it, else a view of its start."""
+    return buffer if len(buffer) == size else memoryview(buffer)[:size]
+
+
 class BackendSkipped(ConnectionError):
     """A call not sent because the backend is known to be down (breaker open)."""
 
@@ -215,8 +220,9 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
 
     @property
     def value_bytes(self) -> int:
-        """Length of one stored value: header and one slot's payload."""
-        return integrity.HEADER_BYTES + self.slot_bytes
+        """Length of one stored value: header and one chunk's stored payload
+        (the most, under a variable-size codec)."""
+        return integrity.HEADER_BYTES + self.stored_bytes
 
     # Backend hooks: blocking, batched, called on worker threads ----------
 
@@ -456,18 +462,22 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         self._outcome_of(found)
         return [None if isinstance(f, BaseException) else bool(f) for f in found]
 
-    def _transfer(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+    def _transfer(
+        self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
+    ) -> list[bool]:
         if not self._sending():
             return [False] * len(keys)
         try:
             if state.loading:
-                return self._load(state, keys, slots)
-            return self._store(state, keys, slots)
+                return self._load(state, keys, payloads)
+            return self._store(state, keys, payloads)
         except Exception as exc:
             self._outcome(len(keys), len(keys), exc)
             return [False] * len(keys)
 
-    def _store(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+    def _store(
+        self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
+    ) -> list[bool]:
         names = [self.store_name(k) for k in keys]
         held = [False] * len(names)
         if self._skip_existing:
@@ -485,15 +495,20 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 # ever serves it.
                 framed = []
                 for i in todo:
-                    payload = self.slot(slots[i])
+                    payload = payloads[i]
                     header = integrity.pack_header(self.namespace, keys[i], payload)
                     framed.append(FramedValue(header, payload))
                 send = functools.partial(self._put_framed, todo_names, framed)
             else:
-                values = self._scratch(len(todo))
-                for value, i in zip(values, todo, strict=False):
-                    integrity.frame_into(value, self.namespace, keys[i], self.slot(slots[i]))
-                send = functools.partial(self._put_many, todo_names, values[: len(todo)])
+                # A backend's own buffer type where a value fills it (some
+                # clients take bytearray, not memoryview; those take fixed sizes).
+                values = [
+                    _fitted(value, integrity.HEADER_BYTES + len(payloads[i]))
+                    for value, i in zip(self._scratch(len(todo)), todo, strict=False)
+                ]
+                for value, i in zip(values, todo, strict=True):
+                    integrity.frame_into(value, self.namespace, keys[i], payloads[i])
+                send = functools.partial(self._put_many, todo_names, values)
         errors = send()  # outside the guard: the network is slow
         if len(todo) < len(names):
             self._refresh_many([n for n, present in zip(names, held, strict=True) if present])
@@ -503,7 +518,9 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             ok[index] = error is None
         return ok
 
-    def _load(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+    def _load(
+        self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
+    ) -> list[bool]:
         values = self._get_many([self.store_name(k) for k in keys])
         self._outcome_of(values)
         ok = [False] * len(keys)
@@ -511,7 +528,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         with state.slots_guard:
             if state.reported:  # answered at its deadline: the slots may be another's now
                 return ok
-            for index, (key, value, slot) in enumerate(zip(keys, values, slots, strict=True)):
+            for index, (key, value, out) in enumerate(zip(keys, values, payloads, strict=True)):
                 if value is None:
                     self._vanished(key)  # evicted or expired since the lookup
                     continue
@@ -521,7 +538,11 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                     if isinstance(value, CorruptChunkError):
                         raise value
                     integrity.unframe_into(
-                        value, self.slot(slot), namespace=self.namespace, key=key
+                        value,
+                        out,
+                        namespace=self.namespace,
+                        key=key,
+                        exact_size=self.codec_stage.fixed_size,
                     )
                     ok[index] = True
                 except CorruptChunkError as exc:

@@ -5,7 +5,9 @@ blocking code (``_contains``, ``_store_chunk``, ``_load_chunk``...) and get the
 whole non-blocking contract for free: batched existence checks that answer
 PENDING until they resolve, store and load jobs split into backend batches,
 loads served before stores, per-job results with partial success, corrupt
-chunks discarded and counted, clean drain.
+chunks discarded and counted, clean drain; and chunks through the tier's
+codec (:class:`~kvtier.codecs.CodecStage`): encoded on the worker that
+stores them, decoded on the worker that loads them, before a slot is written.
 
 :class:`ThreadedBatchTier` is that machinery with one hook for moving a batch
 of a job (``_transfer``), for tiers that move whole batches their own way
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import Field
 
+from kvtier.codecs import CodecMismatchError
 from kvtier.errors import ChunkVanishedError, CorruptChunkError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import (
@@ -85,6 +88,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
     #: Existence checks of one key that may fail (backend error: "unknown")
     #: before its lookup answers MISS instead of checking again.
     check_attempts: ClassVar[int] = 3
+    takes_codecs: ClassVar[bool] = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -367,14 +371,84 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         return self.io_batch
 
     @abstractmethod
-    def _transfer(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+    def _transfer(
+        self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
+    ) -> list[bool]:
         """Move one batch of ``state``'s job (a load when ``state.loading``)
-        between ``keys`` and their primary ``slots``; whether each key made it.
+        between ``keys`` and their ``payloads``; whether each key made it.
 
-        Tiers that answer jobs before their batches end (at a deadline) touch
-        slots only under ``state.slots_guard`` and only while
-        ``state.reported`` is false.
+        A payload is the key's primary slot, or, under a codec, a buffer of
+        the worker holding the encoded chunk (a store) or taking it (a load:
+        :attr:`stored_bytes` long; a tier of :attr:`variable_payloads` fills
+        its start). Tiers that answer jobs before their batches end (at a
+        deadline) touch payloads only under ``state.slots_guard`` and only
+        while ``state.reported`` is false.
         """
+
+    def _move(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+        """:meth:`_transfer` one batch, through the codec unless it is ``none``."""
+        stage = self.codec_stage
+        if stage.identity:
+            return self._transfer(state, keys, [self.slot(slot) for slot in slots])
+        buffers = stage.scratch(len(keys))
+        if state.loading:
+            ok = self._transfer(state, keys, buffers)
+            return self._decode(state, keys, slots, buffers, ok)
+        payloads: list[memoryview] = []
+        encoded: list[int] = []
+        raw_bytes = 0
+        with state.slots_guard:
+            if state.reported:
+                return [False] * len(keys)
+            for index, (slot, buffer) in enumerate(zip(slots, buffers, strict=True)):
+                try:
+                    length = stage.encode(self.slot(slot), buffer)
+                except Exception as exc:  # the codec's failure costs this chunk only
+                    self.count(codec_failures=1)
+                    logger.warning(
+                        "tier %s: codec %s failed to encode: %r", self.tier_type, stage.name, exc
+                    )
+                    continue
+                payloads.append(buffer[:length])
+                encoded.append(index)
+                raw_bytes += self.slot_bytes
+        self.count(codec_bytes_in=raw_bytes, codec_bytes_out=sum(map(len, payloads)))
+        ok = [False] * len(keys)
+        if encoded:
+            sent = self._transfer(state, [keys[i] for i in encoded], payloads)
+            for index, good in zip(encoded, sent, strict=True):
+                ok[index] = good
+        return ok
+
+    def _decode(
+        self,
+        state: _JobState,
+        keys: list[ChunkKey],
+        slots: list[int],
+        buffers: list[memoryview],
+        loaded: Sequence[bool],
+    ) -> list[bool]:
+        """Decode the chunks loaded into ``buffers`` into their slots."""
+        ok = [False] * len(keys)
+        refused: list[tuple[ChunkKey, CorruptChunkError]] = []
+        with state.slots_guard:
+            if state.reported:  # answered at its deadline: the slots may be another's now
+                return ok
+            for index, (key, slot, buffer) in enumerate(zip(keys, slots, buffers, strict=True)):
+                if not loaded[index]:
+                    continue
+                try:
+                    self.codec_stage.decode(buffer, self.slot(slot))
+                    ok[index] = True
+                except CorruptChunkError as exc:
+                    refused.append((key, exc))
+        for key, error in refused:  # deletes are backend calls: outside the guard
+            if isinstance(error, CodecMismatchError):
+                self.count(codec_refused=1)
+            else:
+                self.count(codec_failures=1)
+            self._discard_corrupt(key, error)
+        return ok
 
     def _threaded_run_batch(
         self, state: _JobState, batch: list[tuple[ChunkKey, int]]
@@ -384,7 +458,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
             ok = [False] * len(keys)
             if not state.reported:  # else answered already: nothing left to do
                 try:
-                    ok = list(self._transfer(state, keys, [slot for _, slot in batch]))
+                    ok = list(self._move(state, keys, [slot for _, slot in batch]))
                     if len(ok) != len(keys):
                         raise ValueError(f"{len(ok)} answers for a batch of {len(keys)} chunks")
                 # Even a BaseException (a CancelledError, a SystemExit) fails
@@ -459,11 +533,12 @@ class ThreadedTier(ThreadedBatchTier[ThreadedOptionsT]):
         Default: one at a time."""
         return [self._attempt(self._load_chunk, k, o) for k, o in zip(keys, outs, strict=True)]
 
-    def _transfer(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
-        views = [self.slot(slot) for slot in slots]
+    def _transfer(
+        self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
+    ) -> list[bool]:
         if state.loading:
-            return self._load_batch(keys, views)
-        return self._store_batch(keys, views)
+            return self._load_batch(keys, payloads)
+        return self._store_batch(keys, payloads)
 
     def _attempt(
         self, operation: Callable[[ChunkKey, memoryview], None], key: ChunkKey, view: memoryview

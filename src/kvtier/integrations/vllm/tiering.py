@@ -250,6 +250,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
             rows,
             _Spec(self._layout),
             entry=f"{path}.tier",
+            codec=tier_config.codec,
         )
         self.medium = Medium.CPU if tier_config.tier_type in _CPU_TIERS else Medium.STORAGE
         self.cache_hit_source = (

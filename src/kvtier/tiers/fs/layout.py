@@ -107,7 +107,13 @@ class NamespaceDir:
         is found and removed like the temp file of a chunk write."""
         return _temp_name(self._base, what)
 
-    def create(self, layout: KVLayout, trailer_bytes: int) -> None:
+    def create(
+        self,
+        layout: KVLayout,
+        trailer_bytes: int,
+        payload_bytes: int | None = None,
+        codec: dict[str, object] | None = None,
+    ) -> None:
         """Make the namespace directory, its 256 buckets and ``NAMESPACE.json``,
         unless that file says an earlier start did (it is written last,
         atomically; concurrent creators agree). A restart costs one ``stat``."""
@@ -123,12 +129,14 @@ class NamespaceDir:
             "layout": layout.describe(),
             "chunk_file": {
                 "path": "ab/<64 hex key>.kvc (ab: the key's first byte)",
-                "payload_bytes": layout.slot_bytes,
+                "payload_bytes": layout.slot_bytes if payload_bytes is None else payload_bytes,
                 "trailer_bytes": trailer_bytes,
                 "trailer": "after the payload: magic KVTC, format version, payload "
                 "length, xxh3-128 checksum, namespace, key; zero-padded to trailer_bytes",
             },
         }
+        if codec is not None:  # the directory name mixes the codec into the digest
+            record["codec"] = codec
         temp = self.probe_path("NAMESPACE")
         with open(temp, "w") as handle:
             json.dump(record, handle, indent=2, sort_keys=True)

@@ -101,6 +101,8 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     Options: ClassVar[type[TierOptions]] = FilesystemTierOptions
     #: Most chunks one I/O task moves (see :meth:`_split`).
     io_batch: ClassVar[int] = 8
+    #: Chunk files have one size per namespace; ``O_DIRECT`` needs whole pages.
+    payload_align: ClassVar[int] = DIRECT_ALIGN
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -118,14 +120,18 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         self.root_dir = options.root_dir.expanduser().absolute()
         self.dir = NamespaceDir(self.root_dir, self.namespace)
         try:
-            self.dir.create(self.spec.layout, TRAILER_BLOCK)
+            stage = self.codec_stage
+            codec: dict[str, object] | None = None
+            if not stage.identity:
+                codec = {"type": stage.name, "params": stage.codec.params()}
+            self.dir.create(self.spec.layout, TRAILER_BLOCK, self.stored_bytes, codec)
             for path, kind in self.dir.repair_buckets():
                 logger.warning("tier %s: replaced %s at bucket %s", self.tier_type, kind, path)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"{self.tier_type}: cannot use root_dir {self.root_dir}: {exc.strerror}"
             ) from exc
-        self.file_bytes = self.slot_bytes + TRAILER_BLOCK
+        self.file_bytes = self.stored_bytes + TRAILER_BLOCK
         self.max_bytes = None if options.max_bytes is None else int(options.max_bytes)
         if self.max_bytes is not None and self.max_bytes < self.file_bytes:
             raise ValueError(
@@ -191,8 +197,8 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         if wanted == "off":
             return False, "direct_io: off"
         why_not = probe_direct_io(self.dir.probe_path("direct-io-probe"))
-        if why_not is None and self.slot_bytes % DIRECT_ALIGN:
-            why_not = f"slot_bytes={self.slot_bytes} is not a multiple of {DIRECT_ALIGN}"
+        if why_not is None and self.stored_bytes % DIRECT_ALIGN:
+            why_not = f"stored_bytes={self.stored_bytes} is not a multiple of {DIRECT_ALIGN}"
         if why_not is None:
             address = int(np.frombuffer(self._flat_view, dtype=np.uint8).ctypes.data)
             if address % DIRECT_ALIGN:

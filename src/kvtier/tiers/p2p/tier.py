@@ -230,6 +230,8 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
 
     Options: ClassVar[type[TierOptions]] = PeerTierOptions
     holds_stores: ClassVar[bool] = False
+    #: Peers serve their primary tier's exact chunks: there is nothing to decode.
+    takes_codecs: ClassVar[bool] = False
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
