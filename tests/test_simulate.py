@@ -359,6 +359,7 @@ def test_simulate_replays_in_engine_steps_and_shaped_chat() -> None:
         (["--chat-shape", "system_tokens=9-3"], "LOW-HIGH, 0 < LOW <= HIGH"),
         (["--batch", "0"], "--batch"),
         (["--batch", "4", "--secondary", "30%"], "cannot be combined with --batch"),
+        (["--batch", "4", "--replicas", "4"], "cannot be combined with --batch"),
     ],
 )
 def test_simulate_rejects_bad_steps_and_shapes(args: list[str], message: str) -> None:
