@@ -358,11 +358,11 @@ def test_a_lossless_tier_gives_the_same_generation_from_its_reloaded_chunks() ->
     tier = {"type": "memory", "max_bytes": "64MiB", "codec": "lossless"}
     with PrefixCache(model, kv_config(tier=tier)) as kv:
         kv.generate(tokens, 6)
-        kv.manager.reset()  # the primary tier forgets: the prefix comes back through the codec
+        kv.kv.reset()  # the primary tier forgets: the prefix comes back through the codec
         result = kv.generate(tokens, 6)
-        stats = kv.manager.tiers[0].stats
-    assert result.reused_tokens == 3 * CHUNK and stats.chunks_loaded == 3
-    assert stats.codec_bytes_out < stats.codec_bytes_in
+        stats = kv.kv.status.tiers[0].stats
+    assert result.reused_tokens == 3 * CHUNK and stats["chunks_loaded"] == 3
+    assert stats["codec_bytes_out"] < stats["codec_bytes_in"]
     assert result.tokens == expected
 
 
@@ -375,8 +375,8 @@ def test_lossy_chunks_of_a_shared_root_serve_only_models_with_the_opt_in(
         kv.prefill(tokens)
     with PrefixCache(tiny_model("llama"), kv_config(tier=shared_tier)) as exact:
         _, reused = exact.prefill(tokens, store=False)
-        assert reused.hit_tokens == 0 and exact.manager.tiers[0].stats.chunks_loaded == 0
+        assert reused.hit_tokens == 0 and exact.kv.status.tiers[0].stats["chunks_loaded"] == 0
     with PrefixCache(tiny_model("llama"), kv_config(tier=lossy)) as same:
         _, reused = same.prefill(tokens, store=False)
         assert reused.hit_tokens == 4 * CHUNK
-        assert same.manager.tiers[0].stats.chunks_loaded == 4
+        assert same.kv.status.tiers[0].stats["chunks_loaded"] == 4
