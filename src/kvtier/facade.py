@@ -42,6 +42,10 @@ from kvtier.specs.factory import OffloadingSpecFactory
 
 __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
 
+#: Longest a lookup waiting for promotions sleeps between looks when every
+#: tier announces its progress: a change none announced is seen this late.
+_UNANNOUNCED_S = 0.05
+
 
 class KVCache:
     """A kvtier manager plus the key bookkeeping an engine needs. Thread-safe."""
@@ -122,21 +126,37 @@ class KVCache:
             recorder.record(keys, len(array))
         owned = request_id is None
         request = f"kvtier-{uuid.uuid4().hex}" if request_id is None else request_id
+        manager = self.manager
         deadline = time.monotonic() + timeout
         slots: list[int] = []
+        waited = False
         try:
             while True:
                 with self.lifecycle.running():
+                    if waited:  # the results that woke it, before it looks again
+                        manager.collect()
+                    # Taken after that collect: results applied from here on
+                    # (by this pass's step too) move it, so none is missed.
+                    mark = manager.progress_mark
                     rest = keys[len(slots) :]
-                    result = self.manager.lookup(rest, request)
-                    pinned = self.manager.pin_prefix(rest[: result.hit_chunks])
+                    result = manager.lookup(rest, request)
+                    pinned = manager.pin_prefix(rest[: result.hit_chunks])
                     slots += pinned
                     # Fewer pinned than found: evicted in between; look again.
-                    pending = result.pending or len(pinned) < result.hit_chunks
-                    if not pending or time.monotonic() >= deadline:
-                        return HeldPrefix(self, keys[: len(slots)], slots, pending)
-                    self.manager.step()
-                time.sleep(poll_s)
+                    evicted = len(pinned) < result.hit_chunks
+                    left = deadline - time.monotonic()
+                    if not (result.pending or evicted) or left <= 0:
+                        return HeldPrefix(
+                            self, keys[: len(slots)], slots, result.pending or evicted
+                        )
+                    manager.step()  # submits the promotions this lookup started
+                waited = True
+                if evicted or not manager.announces_progress:
+                    time.sleep(poll_s)
+                else:
+                    # Woken by the tiers when a job ends or a check answers;
+                    # the bound only covers a change nobody announced.
+                    manager.wait_for_progress(mark, min(left, max(poll_s, _UNANNOUNCED_S)))
         except BaseException:
             self._unpin(keys[: len(slots)])
             raise

@@ -143,8 +143,42 @@ class TieringManager:
         self.job_listeners: list[JobListener] = []
         #: Where the engine side records each request's keys (``trace_recording``); closed here.
         self.trace_recorder: TraceRecorder | None = None
+        # Bumped whenever a lookup's answer may have changed, so that callers
+        # waiting for promotions sleep until then instead of polling.
+        self._progress = threading.Condition(threading.Lock())
+        self._progress_mark = 0
         for tier in self.tiers:
             self._call(tier, "on_attach", primary)
+        #: Whether every tier announces its progress (else waiters poll).
+        self.announces_progress = all(self._listens(tier) for tier in self.tiers)
+
+    # Waiting for promotions -------------------------------------------------
+
+    def _listens(self, tier: SecondaryTier) -> bool:
+        try:
+            return tier.set_progress_listener(self._progressed) is True
+        except Exception:
+            logger.exception("tier %s: set_progress_listener raised", tier.tier_type)
+            return False
+
+    def _progressed(self) -> None:
+        with self._progress:
+            self._progress_mark += 1
+            self._progress.notify_all()
+
+    @property
+    def progress_mark(self) -> int:
+        """Changes whenever a lookup's answer may have changed (a tier's job
+        ended or a check answered, a store completed): take it before a
+        lookup, then :meth:`wait_for_progress` past it."""
+        return self._progress_mark
+
+    def wait_for_progress(self, mark: int, timeout: float) -> bool:
+        """Block until :attr:`progress_mark` moves past ``mark`` or ``timeout``
+        seconds pass; whether it moved. Tiers that do not announce their
+        progress (:attr:`announces_progress`) never move it: poll them."""
+        with self._progress:
+            return self._progress.wait_for(lambda: self._progress_mark != mark, timeout)
 
     # Scheduler side -------------------------------------------------------
 
@@ -250,11 +284,15 @@ class TieringManager:
     def complete_store(self, keys: Sequence[ChunkKey], success: bool = True) -> None:
         """The engine finished writing ``keys``; on success they cascade to the tiers."""
         written = [k for k in dict.fromkeys(keys) if self.primary.is_writing(k)]
-        if not success:
-            self.primary.complete_store(written, success=False)
-            return
-        targets = self._admit(range(len(self.tiers)), len(written)) if written else []
-        self._cascade(self.primary.complete_store(written, pins=len(targets)), targets)
+        try:
+            if not success:
+                self.primary.complete_store(written, success=False)
+                return
+            targets = self._admit(range(len(self.tiers)), len(written)) if written else []
+            self._cascade(self.primary.complete_store(written, pins=len(targets)), targets)
+        finally:
+            if written:
+                self._progressed()  # for lookups that found them being written
 
     @_serialised
     def touch(self, keys: Sequence[ChunkKey]) -> None:
@@ -394,6 +432,7 @@ class TieringManager:
                 raise
 
     def _collect(self) -> None:
+        applied = False
         for index, tier in enumerate(self.tiers):
             try:
                 results = tier.get_finished_jobs()
@@ -415,6 +454,9 @@ class TieringManager:
                     )
                     continue
                 self._finish(job, result)
+                applied = True
+        if applied:
+            self._progressed()  # chunks became ready, or their promotions failed
 
     def _finish(self, job: _Job, result: JobResult) -> None:
         """Apply one finished job in isolation: a result that cannot be applied
