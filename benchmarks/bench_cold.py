@@ -27,7 +27,8 @@ machine is shared), then the median (p50) over runs, with the spread
 
 * ``construct``: ``KVCache(...)``; ``populate``: from construction until
   the primary buffer's memory is mapped (in the background; the lookup
-  starts after it, as an engine's first request comes after its start-up);
+  starts after it, as an engine's first request comes after its start-up,
+  or at once with ``--immediate``);
   ``reindex``: from construction until the fs tier's background re-index of
   the root finished (it may overlap the lookup: ``index_ready`` says whether
   it had finished when the lookup began);
@@ -121,7 +122,9 @@ class Probe:
         setattr(owner, attribute, timed)
 
 
-def measure_cold(root: str, size: int, chunk: int, seed: int, threads: int) -> dict[str, Any]:
+def measure_cold(
+    root: str, size: int, chunk: int, seed: int, threads: int, immediate: bool
+) -> dict[str, Any]:
     import numpy as np
 
     from kvtier import KVCache, integrity
@@ -158,7 +161,7 @@ def measure_cold(root: str, size: int, chunk: int, seed: int, threads: int) -> d
         # comes once the primary buffer is mapped (kvtier versions that map
         # it on first use have nothing to wait for).
         buffer = cache.manager.primary.buffer
-        if hasattr(buffer, "wait_populated"):
+        if hasattr(buffer, "wait_populated") and not immediate:
             buffer.wait_populated()
             populate_s = time.perf_counter() - started
         tier: Any = cache.manager.tiers[0]  # the fs tier
@@ -228,7 +231,7 @@ def child_command(
         env["PYTHONPATH"] = str(src)
     command = [sys.executable, str(Path(__file__).resolve()), "--child", str(root)]
     command += ["--size", str(args.size), "--chunk", str(chunk), "--seed", str(seed)]
-    command += ["--threads", str(args.threads)]
+    command += ["--threads", str(args.threads)] + (["--immediate"] if args.immediate else [])
     return command, env
 
 
@@ -368,13 +371,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="leave LMCache out")
     parser.add_argument("--peer-envs", type=Path, default=BENCHMARKS.parent)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--immediate",
+        action="store_true",
+        help="look the prefix up right after construction, not once the buffer is mapped",
+    )
     parser.add_argument("--quick", action="store_true", help="8 MiB, one run, no peer")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", metavar="ROOT", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.child:
-        chunk = args.chunk[0]
-        print(json.dumps(measure_cold(args.child, args.size, chunk, args.seed, args.threads)))
+        chunk, root = args.chunk[0], args.child
+        figures = measure_cold(root, args.size, chunk, args.seed, args.threads, args.immediate)
+        print(json.dumps(figures))
         return 0
     if args.quick:
         args.size, args.runs, args.no_peer = parse_size("8MiB"), 1, True
