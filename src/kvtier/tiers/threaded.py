@@ -139,7 +139,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         """Hand out a job's result that a subclass settled without the workers."""
         with self._threaded_lock:
             self._threaded_finished.append(result)
-        self._progressed()
+            self._progressed()  # before a collector can see the result, as for the workers' jobs
 
     def _progressed(self) -> None:
         """Tell the listener a lookup's answer may have changed. Called with
