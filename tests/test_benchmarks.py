@@ -96,6 +96,27 @@ def test_bench_promotion_promotes_every_chunk_of_each_size() -> None:
     assert rows[0]["promotion_vs_smallest"] == pytest.approx(1.0)
 
 
+def test_bench_cold_verifies_the_prefix_and_breaks_its_time_down(tmp_path: Path) -> None:
+    # The checkout's own src as the baseline: the driver runs both alike.
+    out = run_quick("bench_cold.py", "--root", str(tmp_path), "--baseline-src", str(ROOT / "src"))
+    assert [r["chunk"] for r in out["results"]] == [256 << 10, 2 << 20]
+    for result in out["results"]:
+        for name in ("kvtier", "baseline"):
+            row = result[name]
+            assert row["verified_chunks"] == [out["size"] // result["chunk"]]
+            assert row["gbps"]["p50"] > 0 and row["store_gbps"]["p50"] > 0
+            parts = row["breakdown"]
+            assert parts["io_s"] > 0 and parts["jobs"] >= 1 and parts["lookups"] >= 1
+            # The parts the caller's thread spends add up to the cold prefix
+            # (one run: no medians in between, only the report's rounding).
+            caller = parts["lookup_s"] + parts["step_s"] + parts["waits_s"]
+            assert caller == pytest.approx(parts["prefix_s"], abs=1e-3)
+        assert result["kvtier"]["vs_baseline"]["p50"] > 0
+        # fio is the ceiling where it is installed; otherwise the run says why not.
+        assert ("fio" in result) != ("fio" in out["skipped"])
+    assert out["skipped"]["lmcache-disk-odirect"] == "--no-peer"
+
+
 # The peers' drivers run in the peers' own environments (scripts/peer-envs.sh);
 # where one is missing its systems skip, saying so. CI builds them all and sets
 # KVTIER_REQUIRE_PEER_ENVS, which turns such a skip into a failure.

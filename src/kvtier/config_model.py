@@ -83,6 +83,12 @@ class KVTierConfig(BaseModel):
     shared_memory_name: str | None = None
     """Put the primary tier in ``/dev/shm/NAME`` so another process can map its slots."""
 
+    populate_primary: bool = True
+    """Map all of the primary tier's memory at start, on a background thread,
+    instead of on first use: promotions then read into slots already mapped
+    (faulting them in on the I/O threads cut cold-prefix speed tenfold).
+    ``false`` leaves memory the engine has not used yet uncommitted."""
+
     secondary_tiers: tuple[TierConfig, ...] = ()
     """Tiers behind the primary one, looked up in this order."""
 

@@ -47,6 +47,10 @@ __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
 #: Ids of the lookups made without a ``request_id``: unique in the process
 #: (``next`` on a counter is atomic), and cheaper than a UUID per lookup.
 _anonymous_requests = map(f"kvtier-{uuid.uuid4().hex[:12]}-{{}}".format, itertools.count())
+#: Longest a lookup waiting for promotions sleeps between looks when every
+#: tier announces its progress: a change none announced (a chunk evicted
+#: between its lookup and its pin) is seen this late.
+_UNANNOUNCED_S = 0.05
 
 
 class KVCache:
@@ -165,19 +169,32 @@ class KVCache:
         deadline = time.monotonic() + timeout
         slots: list[int] = []
         manager = self.manager
+        waited = False
         try:
             while True:
                 with self.lifecycle.running():
+                    if waited:  # the results that woke it, before it looks again
+                        manager.collect()
+                    # Taken after that collect: results applied from here on
+                    # (by this pass's step too) move it, so none is missed.
+                    mark = manager.progress_mark
                     pinned, pending = manager.lookup_pinned(
                         keys[len(slots) :], request, end_request=owned
                     )
                     slots += pinned
-                    if not pending or time.monotonic() >= deadline:
+                    left = deadline - time.monotonic()
+                    if not pending or left <= 0:
                         if owned and pending:
                             manager.on_request_finished(request)
                         return HeldPrefix(self, keys[: len(slots)], slots, pending)
-                    manager.step()
-                time.sleep(poll_s)
+                    manager.step()  # submits the promotions this lookup started
+                waited = True
+                if manager.announces_progress:
+                    # Woken by the tiers when a job ends or a check answers;
+                    # the bound only covers a change nobody announced.
+                    manager.wait_for_progress(mark, min(left, max(poll_s, _UNANNOUNCED_S)))
+                else:
+                    time.sleep(poll_s)
         except BaseException:
             self._unpin(keys[: len(slots)])
             if owned:

@@ -122,14 +122,48 @@ class TieringManager:
         self.job_listeners: list[JobListener] = []
         #: Services closed, in order, at :meth:`shutdown` (after the drain, before the tiers).
         self.attachments: list[Attachment] = []
+        # Bumped whenever a lookup's answer may have changed, so that callers
+        # waiting for promotions sleep until then instead of polling.
+        self._progress = threading.Condition(threading.Lock())
+        self._progress_mark = 0
         for tier in self.tiers:
             self._call(tier, "on_attach", primary)
+        #: Whether every tier announces its progress (else waiters poll).
+        self.announces_progress = all(self._listens(tier) for tier in self.tiers)
         #: Which tier holds which chunk, as it changes (KV events for routers):
         #: add observers to ``residency.listeners``.
         self.residency = ResidencyFeed([tier.tier_type for tier in self.tiers])
         primary.watchers.append(self.residency.primary_changed)
         for index, tier in enumerate(self.tiers):
             tier.removal_listeners.append(functools.partial(self.residency.removed, index))
+
+    # Waiting for promotions -------------------------------------------------
+
+    def _listens(self, tier: SecondaryTier) -> bool:
+        try:
+            return tier.set_progress_listener(self._progressed) is True
+        except Exception:
+            logger.exception("tier %s: set_progress_listener raised", tier.tier_type)
+            return False
+
+    def _progressed(self) -> None:
+        with self._progress:
+            self._progress_mark += 1
+            self._progress.notify_all()
+
+    @property
+    def progress_mark(self) -> int:
+        """Changes whenever a lookup's answer may have changed (a tier's job
+        ended or a check answered, a store completed): take it before a
+        lookup, then :meth:`wait_for_progress` past it."""
+        return self._progress_mark
+
+    def wait_for_progress(self, mark: int, timeout: float) -> bool:
+        """Block until :attr:`progress_mark` moves past ``mark`` or ``timeout``
+        seconds pass; whether it moved. Tiers that do not announce their
+        progress (:attr:`announces_progress`) never move it: poll them."""
+        with self._progress:
+            return self._progress.wait_for(lambda: self._progress_mark != mark, timeout)
 
     # Scheduler side -------------------------------------------------------
 
@@ -257,18 +291,22 @@ class TieringManager:
     @_serialised
     def complete_store(self, keys: Sequence[ChunkKey], success: bool = True) -> None:
         """The engine finished writing ``keys``; on success they cascade to the tiers."""
-        if not success:
-            self.primary.complete_store(keys, success=False)
-            return
-        # Which tiers take a store job is known before the chunks are ready
-        # (admission only reads the backpressure), so that they come ready
-        # already pinned once per tier, with no pass over the keys of its own.
-        targets = [index for index, pressure in enumerate(self.backpressure) if pressure.admit()]
-        ready = self.primary.complete_store(keys, pins=len(targets))
-        if ready and len(targets) < len(self.tiers):
-            for index in set(range(len(self.tiers))).difference(targets):
-                self.tiers[index].count(backpressure_drops=len(ready))
-        self._cascade(ready, targets)
+        try:
+            if not success:
+                self.primary.complete_store(keys, success=False)
+                return
+            # Which tiers take a store job is known before the chunks are ready
+            # (admission only reads the backpressure), so that they come ready
+            # already pinned once per tier, with no pass over the keys of its own.
+            targets = [i for i, pressure in enumerate(self.backpressure) if pressure.admit()]
+            ready = self.primary.complete_store(keys, pins=len(targets))
+            if ready and len(targets) < len(self.tiers):
+                for index in set(range(len(self.tiers))).difference(targets):
+                    self.tiers[index].count(backpressure_drops=len(ready))
+            self._cascade(ready, targets)
+        finally:
+            if keys:
+                self._progressed()  # for lookups that found them being written
 
     @_serialised
     def touch(self, keys: Sequence[ChunkKey]) -> None:
@@ -415,6 +453,7 @@ class TieringManager:
                 raise
 
     def _collect(self) -> None:
+        applied = False
         for index, tier in enumerate(self.tiers):
             try:
                 results = tier.get_finished_jobs()
@@ -436,6 +475,9 @@ class TieringManager:
                     )
                     continue
                 self._finish(job, result)
+                applied = True
+        if applied:
+            self._progressed()  # chunks became ready, or their promotions failed
 
     def _finish(self, job: JobRecord, result: JobResult) -> None:
         """Apply one finished job in isolation: a result that cannot be applied

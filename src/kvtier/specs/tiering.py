@@ -40,6 +40,8 @@ class TieringSpec(OffloadingSpec):
                 ]
             )
         buffer = SlotBuffer(num_slots, slot_bytes, shared_name=self.config.shared_memory_name)
+        if self.config.populate_primary:
+            buffer.populate_in_background()
         policy = self.config.policy_class()(num_slots)
         tiers: list[SecondaryTier] = []
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -223,6 +224,23 @@ class TierContractTests:
         harness.buffer.array[:8] = 0
         assert harness.load(keys, list(range(8, 16))).success
         np.testing.assert_array_equal(harness.buffer.array[8:16], expected)
+
+    def test_a_tier_that_announces_progress_announces_each_finished_job(
+        self, harness: TierHarness
+    ) -> None:
+        announced = threading.Event()
+        if not harness.guard(
+            "set_progress_listener", lambda: harness.tier.set_progress_listener(announced.set)
+        ):
+            return  # polled instead: nothing promised
+        keys = harness.keys(2)
+        harness.fill([0, 1])
+        assert harness.store(keys, [0, 1]).success
+        # A lookup waiting for a promotion is woken by this, not by a poll.
+        assert announced.is_set()
+        announced.clear()
+        assert harness.load(keys, [2, 3]).success
+        assert announced.is_set()
 
     def test_rejects_unknown_options(self) -> None:
         from kvtier.errors import ConfigError

@@ -349,6 +349,16 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         ready chunk with ``primary.prepare_load``, read it, ``complete_load``.
         """
 
+    def set_progress_listener(self, listener: Callable[[], None]) -> bool:
+        """Whether this tier calls ``listener`` (from any thread, quickly, holding
+        nothing the manager may wait for) whenever a lookup's answer may have
+        changed: a job ended, an existence check answered.
+
+        Callers waiting for promotions then wake when there is something new
+        instead of polling. Default: ``False``, and the tier is polled.
+        """
+        return False
+
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         """The engine used these chunks: a hint for the tier's own eviction."""
 

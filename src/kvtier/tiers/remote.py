@@ -375,6 +375,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             self.breaker.record_success()
         finally:
             done.set()
+            self._progressed()  # lookups answered PENDING for the probe: ask again
 
     def _answer_at_deadline(self, job_id: int, waiting_since: float | None = None) -> None:
         """Answer a job still running with what it has; ``waiting_since``:

@@ -126,6 +126,8 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         #: before any worker can call a hook, and a constructor that raises
         #: leaves no thread behind.
         self._threaded_workers: list[threading.Thread] = []
+        #: Called when a lookup's answer may have changed (see :meth:`set_progress_listener`).
+        self._threaded_progress: Callable[[], None] | None = None
 
     @property
     def io_threads(self) -> int:
@@ -141,6 +143,18 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         """Hand out a job's result that a subclass settled without the workers."""
         with self._threaded_lock:
             self._threaded_finished.append(result)
+            self._progressed()  # before a collector can see the result, as for the workers' jobs
+
+    def _progressed(self) -> None:
+        """Tell the listener a lookup's answer may have changed. Called with
+        no lock of the tier's held or with :attr:`_threaded_lock` only (the
+        listener takes none of the tier's locks)."""
+        listener = self._threaded_progress
+        if listener is not None:
+            try:
+                listener()
+            except Exception:  # a waiter then finds out by its own bounded poll
+                logger.exception("tier %s: progress listener raised", self.tier_type)
 
     # Backend hooks: blocking, called on worker threads -------------------
 
@@ -190,6 +204,10 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
                 self._threaded_to_check.append(key)
         return Lookup.PENDING
 
+    def set_progress_listener(self, listener: Callable[[], None]) -> bool:
+        self._threaded_progress = listener
+        return True
+
     def on_attach(self, primary: PrimaryTier) -> None:
         # Started now, not by the first request's promotion: starting dozens
         # of threads would otherwise sit on that request's time to first token.
@@ -200,8 +218,14 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
     def on_step_end(self) -> None:
         with self._threaded_lock:
             batch, self._threaded_to_check = self._threaded_to_check, []
-        for start in range(0, len(batch), self.check_batch):
-            self._threaded_enqueue(_CHECK, self._run_check(batch[start : start + self.check_batch]))
+        if not batch:
+            return
+        # Spread over the idle workers (check_batch keys at most each): a
+        # prefix's checks then answer in parallel, and its first keys first.
+        idle = max(1, self.io_threads - self._backlog())
+        size = min(self.check_batch, max(1, -(-len(batch) // idle)))
+        for start in range(0, len(batch), size):
+            self._threaded_enqueue(_CHECK, self._run_check(batch[start : start + size]))
 
     def submit_store(self, job: TransferJob) -> None:
         self._submit(job, loading=False)
@@ -328,6 +352,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
                     if excess > 0:
                         for stale in list(itertools.islice(answers, excess)):
                             del answers[stale]
+            self._progressed()
 
         return check
 
@@ -336,6 +361,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         MISS from now on, for every request, until the check ends."""
         with self._threaded_lock:
             self._threaded_overdue.update(key for key in keys if key in self._threaded_checking)
+        self._progressed()
 
     def _submit(self, job: TransferJob, *, loading: bool) -> None:
         state = _JobState(job, loading, remaining=0, started=time.perf_counter())
@@ -504,6 +530,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         )
         if not self._threaded_jobs:  # what drain() waits for: no wake-up per job
             self._threaded_idle.notify_all()
+        self._progressed()
 
 
 class ThreadedTier(ThreadedBatchTier[ThreadedOptionsT]):

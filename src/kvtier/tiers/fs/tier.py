@@ -243,6 +243,9 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
                     # size is fixed by the namespace: any other size is damage.
                     if entry.size == self.file_bytes:
                         found.append(entry)
+                        # Known from now on: a restarted engine's lookups stop
+                        # checking the disk for it before the whole scan ends.
+                        self._keys.add(entry.key)
                     else:
                         broken.append(entry.path)
                 elif entry.key is not None:
@@ -259,7 +262,6 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
                     strays[0].path,
                     strays[0].kind,
                 )
-            self._keys.update(chunk.key for chunk in found)
             if self._bound is not None:
                 self._forget_evicted(self._bound.reconcile(found, self._stopping.is_set))
             logger.info(
@@ -352,7 +354,19 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         return True
 
     def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        return [key in self._keys or self._on_disk(key) for key in keys]
+        # Every key the index does not know is looked at in one system-call
+        # run (one GIL release); only those not found complete are examined
+        # one by one, for what is there instead (damage is discarded).
+        unknown = [key for key in keys if key not in self._keys]
+        paths = [self.dir.chunk_path(key) for key in unknown]
+        complete = dict(zip(unknown, chunk_io.complete_files(paths, self.file_bytes), strict=True))
+        found = []
+        for key in keys:
+            present = complete.get(key, True) or self._on_disk(key)
+            if present:
+                self._keys.add(key)
+            found.append(present)
+        return found
 
     def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
         # While workers are idle a job goes one chunk per task, so that its

@@ -1,0 +1,447 @@
+"""A cold prefix from ``fs``: a fresh ``KVCache`` brings back what another process left.
+
+Each measurement runs in a process of its own, as a restart does: it stores
+one prefix (``--size`` bytes of chunks) through a ``KVCache`` with an ``fs``
+tier into a fresh root, closes it, syncs and drops the page cache
+(``drop_caches`` when permitted, else ``posix_fadvise(DONTNEED)`` per file:
+the report says which), then builds a fresh ``KVCache`` on the same root and
+times ``cached_prefix`` + ``load`` of the whole prefix. Every byte loaded is
+checked against the bytes stored.
+
+In the same run, interleaved with it (each run starting with the next
+system in turn):
+
+* ``fio``: the disk's ceiling, ``O_DIRECT``, 4 jobs, sequential reads of the
+  chunk size (``psync``), over files of the same total size;
+* ``lmcache-disk-odirect``: LMCache 0.5.6's ``LocalDiskBackend`` with
+  ``use_odirect`` storing and loading the same number of chunks of the same
+  size, its page cache dropped before its load (``benchmarks/peers/``;
+  skipped, with the reason, when ``.venv-lmcache`` is missing);
+* ``baseline``: with ``--baseline-src DIR``, the same measurement with the
+  kvtier package under ``DIR`` (an older checkout's ``src``), for before
+  and after figures in the same runs.
+
+Figures are GB/s (1e9 bytes/s); each ratio is taken within a run (the
+machine is shared), then the median (p50) over runs, with the spread
+(max - min) / p50. The breakdown of kvtier's cold prefix (medians):
+
+* ``construct``: ``KVCache(...)``; ``populate``: from construction until
+  the primary buffer's memory is mapped (in the background; the lookup
+  starts after it, as an engine's first request comes after its start-up,
+  or at once with ``--immediate``);
+  ``reindex``: from construction until the fs tier's background re-index of
+  the root finished (it may overlap the lookup: ``index_ready`` says whether
+  it had finished when the lookup began);
+* ``lookup``, ``step``: the caller's thread inside the manager's lookups
+  (tier lookups, reservations) and steps (collecting results, submitting
+  promotions), with their counts;
+* ``checks``: existence checks on the tier's workers (keys, summed seconds);
+* ``first_submit``: from ``cached_prefix`` until the first promotion was
+  submitted, and the number of promotion jobs;
+* ``io``: seconds inside the chunk-file reads on the I/O threads (the read
+  and, in the compiled code, the checksum in the same pass), summed, and
+  from the first read's start to the last read's end (``io_span``);
+* ``tail``: from the last read's end until ``cached_prefix`` returned (the
+  results reaching the caller); ``waits``: the caller's thread neither in a
+  lookup nor a step;
+* ``checksum``: one thread hashing the prefix in memory, the CPU the
+  in-pass verification costs; ``copies``: ``load``, slots to the output.
+
+    python benchmarks/bench_cold.py --root /var/tmp/kvtier-cold --runs 5
+
+``--quick`` (8 MiB, one run, no peer) checks the driver, as the test suite does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack, closing
+from pathlib import Path
+from typing import Any
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+
+from bench_fs import clear_directory, parse_size  # noqa: E402
+from physical import drop_caches  # noqa: E402
+
+#: Bytes of one token across the layout's layers (4 layers, 2 KV heads, 64 dims, fp16, K and V).
+TOKEN_BYTES = 2 * 4 * 2 * 64 * 2
+PEER = "lmcache-disk-odirect"
+
+
+# One measurement, in its own process -----------------------------------------
+
+
+def layout_for(chunk: int) -> Any:
+    from kvtier import KVLayout
+
+    if chunk % TOKEN_BYTES:
+        raise SystemExit(f"--chunk must be a multiple of {TOKEN_BYTES} bytes, got {chunk}")
+    return KVLayout("bench-cold", 4, 2, 64, "float16", chunk // TOKEN_BYTES)
+
+
+class Probe:
+    """Wraps the cold path's steps to time them; every wrapper only adds a clock read."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+
+    def add(self, name: str, started: float, ended: float, count: int = 1) -> None:
+        with self.lock:
+            self.sums[name] = self.sums.get(name, 0.0) + ended - started
+            self.counts[name] = self.counts.get(name, 0) + count
+            self.first[name] = min(self.first.get(name, started), started)
+            self.last[name] = max(self.last.get(name, ended), ended)
+
+    def wrap(
+        self, owner: Any, attribute: str, name: str, count: Callable[..., int] | None = None
+    ) -> None:
+        real = getattr(owner, attribute)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.add(name, started, time.perf_counter(), count(*args) if count else 1)
+
+        setattr(owner, attribute, timed)
+
+
+def measure_cold(
+    root: str, size: int, chunk: int, seed: int, threads: int, immediate: bool
+) -> dict[str, Any]:
+    import numpy as np
+
+    from kvtier import KVCache, integrity
+    from kvtier.tiers.fs import io as chunk_io
+
+    layout = layout_for(chunk)
+    chunks = size // chunk
+    config = {
+        "chunk_tokens": layout.chunk_tokens,
+        "cpu_bytes_to_use": chunks * layout.slot_bytes,
+        "secondary_tiers": [{"type": "fs", "root_dir": root, "io_threads": threads}],
+    }
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 2**31, chunks * layout.chunk_tokens)
+    expected = rng.integers(0, 256, (chunks, layout.slot_bytes), dtype=np.uint8)
+    with KVCache(config, layout) as writer:
+        mapped = getattr(writer.manager.primary.buffer, "wait_populated", None)
+        if mapped is not None and not immediate:
+            mapped()  # an engine stores once it is up, as it looks up (see below)
+        started = time.perf_counter()
+        if writer.store(tokens, expected) != chunks:
+            raise SystemExit("the prefix was not stored whole")
+        writer.drain()
+        os.sync()
+        store_s = time.perf_counter() - started
+    cold = drop_caches(root)
+    out = np.ones_like(expected)  # the engine's memory: allocated and touched before
+
+    probe = Probe()
+    probe.wrap(chunk_io, "_load_file", "io")
+    started = time.perf_counter()
+    cache = KVCache(config, layout)
+    construct_s = time.perf_counter() - started
+    populate_s = None
+    try:
+        # As in service, where kvtier starts with the engine: the request
+        # comes once the primary buffer is mapped (kvtier versions that map
+        # it on first use have nothing to wait for).
+        buffer = cache.manager.primary.buffer
+        if hasattr(buffer, "wait_populated") and not immediate:
+            buffer.wait_populated()
+            populate_s = time.perf_counter() - started
+        tier: Any = cache.manager.tiers[0]  # the fs tier
+        reindexed: list[float] = []
+        watcher = threading.Thread(
+            target=lambda: reindexed.append(tier.wait_index(60) and time.perf_counter())
+        )
+        watcher.start()
+        index_ready = tier.index_ready
+        manager = cache.manager
+        probe.wrap(tier, "_contains", "checks", count=len)
+        probe.wrap(tier, "submit_load", "submit")
+        probe.wrap(manager, "lookup", "lookup")
+        probe.wrap(manager, "step", "step")
+        begin = time.perf_counter()
+        found = cache.cached_prefix(tokens)
+        prefix_s = time.perf_counter() - begin
+        loaded = cache.load(tokens, found, out)
+        load_s = time.perf_counter() - begin - prefix_s
+        if loaded != len(tokens) or not np.array_equal(out, expected):
+            raise SystemExit(f"loaded {loaded} of {len(tokens)} tokens, or wrong bytes")
+        watcher.join()
+    finally:
+        cache.close()
+    hashed = time.perf_counter()
+    for row in expected:
+        integrity.checksum(row)
+    checksum_s = time.perf_counter() - hashed
+    sums, counts = probe.sums, probe.counts
+    io_end = probe.last.get("io", begin)
+    return {
+        "store_s": store_s,
+        "cold": cold,
+        "verified_chunks": chunks,
+        "total_s": prefix_s + load_s,
+        "prefix_s": prefix_s,
+        "construct_s": construct_s,
+        "populate_s": populate_s,
+        "reindex_s": reindexed[0] - started if reindexed and reindexed[0] else None,
+        "index_ready": index_ready,
+        "lookup_s": sums.get("lookup", 0.0),
+        "lookups": counts.get("lookup", 0),
+        "step_s": sums.get("step", 0.0),
+        "steps": counts.get("step", 0),
+        "checks_s": sums.get("checks", 0.0),
+        "checked_keys": counts.get("checks", 0),
+        "first_submit_s": probe.first.get("submit", begin) - begin,
+        "jobs": counts.get("submit", 0),
+        "io_s": sums.get("io", 0.0),
+        "io_span_s": io_end - probe.first.get("io", begin),
+        "io_threads": threads,
+        "tail_s": begin + prefix_s - io_end,
+        "waits_s": prefix_s - sums.get("lookup", 0.0) - sums.get("step", 0.0),
+        "checksum_s": checksum_s,
+        "copies_s": load_s,
+    }
+
+
+# The run -------------------------------------------------------------------------
+
+
+def child_command(
+    src: Path | None, args: argparse.Namespace, root: Path, chunk: int, seed: int
+) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = str(src)
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", str(root)]
+    command += ["--size", str(args.size), "--chunk", str(chunk), "--seed", str(seed)]
+    command += ["--threads", str(args.threads)] + (["--immediate"] if args.immediate else [])
+    return command, env
+
+
+def run_kvtier(
+    src: Path | None, args: argparse.Namespace, root: Path, chunk: int, seed: int
+) -> dict[str, Any]:
+    clear_directory(root, args.root)
+    command, env = child_command(src, args, root, chunk, seed)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    shutil.rmtree(root, ignore_errors=True)
+    if done.returncode != 0:
+        raise SystemExit(f"cold measurement failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout)
+    result["gbps"] = args.size / result["total_s"] / 1e9
+    result["store_gbps"] = args.size / result["store_s"] / 1e9
+    return result
+
+
+def run_fio(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
+    """The disk's ceiling: fio, O_DIRECT, 4 jobs of sequential chunk-sized reads."""
+    directory = args.root / "fio"
+    directory.mkdir(parents=True, exist_ok=True)
+    jobs = 4
+    command = [
+        "fio",
+        "--name=ceiling",
+        f"--directory={directory}",
+        f"--size={max(1, args.size // jobs)}",
+        f"--numjobs={jobs}",
+        "--rw=read",
+        f"--bs={chunk}",
+        "--direct=1",
+        "--ioengine=psync",
+        "--group_reporting",
+        "--output-format=json",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"fio failed: {done.stderr[-2000:]}")
+    read = json.loads(done.stdout)["jobs"][0]["read"]
+    return {"gbps": read["bw_bytes"] / 1e9}
+
+
+def spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / statistics.median(values) if values else 0.0
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    return {
+        "p50": round(statistics.median(values), 3),
+        "spread": round(spread(values), 3),
+        "runs": [round(v, 3) for v in values],
+    }
+
+
+def measure_chunk(
+    args: argparse.Namespace, chunk: int, systems: dict[str, Callable[[int, Path], Any]]
+) -> dict[str, Any]:
+    names = list(systems)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for index in range(args.runs):
+        for name in names[index % len(names) :] + names[: index % len(names)]:
+            runs[name].append(systems[name](index, args.root / f"{chunk}-{index}-{name}"))
+    result: dict[str, Any] = {"chunk": chunk, "chunks": args.size // chunk}
+    for name, rounds in runs.items():
+        row: dict[str, Any] = {"gbps": summary([r["gbps"] for r in rounds])}
+        if "fio" in runs and name != "fio":
+            ceiling = [r["gbps"] / f["gbps"] for r, f in zip(rounds, runs["fio"], strict=True)]
+            row["vs_fio"] = summary(ceiling)
+        if name.startswith("kvtier") or name == "baseline":
+            row["store_gbps"] = summary([r["store_gbps"] for r in rounds])
+            row["cold"] = rounds[0]["cold"]
+            row["verified_chunks"] = [r["verified_chunks"] for r in rounds]
+            keys = [k for k in rounds[0] if k.endswith("_s") or k in ("lookups", "steps", "jobs")]
+            row["breakdown"] = {
+                k: round(statistics.median(r[k] for r in rounds), 4)
+                for k in keys
+                if all(isinstance(r[k], int | float) for r in rounds)
+            }
+            row["breakdown"]["checked_keys"] = rounds[0]["checked_keys"]
+            row["breakdown"]["index_ready"] = [r["index_ready"] for r in rounds]
+            # Without load's copy into the engine's rows: what a peer whose
+            # load hands back its own buffers (LMCache's) is measured doing.
+            promotion = [r["gbps"] * r["total_s"] / r["prefix_s"] for r in rounds]
+            row["promotion_gbps"] = summary(promotion)
+            for other in ("baseline", PEER):
+                if other in runs and other != name:
+                    paired = [
+                        r["gbps"] / o["gbps"] for r, o in zip(rounds, runs[other], strict=True)
+                    ]
+                    row[f"vs_{other}"] = summary(paired)
+            if PEER in runs:
+                paired = [p / o["gbps"] for p, o in zip(promotion, runs[PEER], strict=True)]
+                row[f"promotion_vs_{PEER}"] = summary(paired)
+        result[name] = row
+    return result
+
+
+def peer_system(args: argparse.Namespace, stack: ExitStack) -> tuple[Any, str | None]:
+    """LMCache's disk backend in its own environment, or why not."""
+    from bench_peers import PeerProcess, peer_python
+
+    python = peer_python(PEER, args.peer_envs)
+    if isinstance(python, str):
+        return None, python
+    options = ["--threads", str(args.peer_threads)]
+    return stack.enter_context(closing(PeerProcess(PEER, python, options))), None
+
+
+def systems_for(
+    args: argparse.Namespace, chunk: int, peer: Any, notes: dict[str, str]
+) -> dict[str, Callable[[int, Path], dict[str, Any]]]:
+    """Each system's run ``(run index, fresh root) -> figures`` for one chunk size."""
+
+    def kvtier(src: Path | None) -> Callable[[int, Path], dict[str, Any]]:
+        return lambda index, root: run_kvtier(src, args, root, chunk, args.seed + index)
+
+    systems = {"kvtier": kvtier(None)}
+    if "fio" not in notes:
+        systems["fio"] = lambda index, root: run_fio(args, chunk)
+    if args.baseline_src is not None:
+        systems["baseline"] = kvtier(args.baseline_src.absolute())
+    if peer is not None:
+
+        def peer_run(index: int, root: Path) -> dict[str, Any]:
+            clear_directory(root, args.root)
+            answer = peer.round(str(root), args.seed + index, chunk, args.size // chunk)
+            shutil.rmtree(root, ignore_errors=True)
+            return {"gbps": args.size / answer["load_s"] / 1e9, **answer}
+
+        systems[PEER] = peer_run
+    return systems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=Path("kvtier-bench-cold"))
+    parser.add_argument("--size", type=parse_size, default=parse_size("512MiB"))
+    parser.add_argument("--chunk", type=parse_size, action="append", help="repeatable")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=32, help="the fs tier's io_threads")
+    parser.add_argument("--peer-threads", type=int, default=16, help="LMCache's disk_io_threads")
+    parser.add_argument("--baseline-src", type=Path, help="an older kvtier's src, run alike")
+    parser.add_argument("--no-peer", action="store_true", help="leave LMCache out")
+    parser.add_argument("--peer-envs", type=Path, default=BENCHMARKS.parent)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--immediate",
+        action="store_true",
+        help="look the prefix up right after construction, not once the buffer is mapped",
+    )
+    parser.add_argument("--quick", action="store_true", help="8 MiB, one run, no peer")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--child", metavar="ROOT", help=argparse.SUPPRESS)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.child:
+        chunk, root = args.chunk[0], args.child
+        figures = measure_cold(root, args.size, chunk, args.seed, args.threads, args.immediate)
+        print(json.dumps(figures))
+        return 0
+    if args.quick:
+        args.size, args.runs, args.no_peer = parse_size("8MiB"), 1, True
+    chunks = args.chunk or [parse_size("256KiB"), parse_size("2MiB")]
+    if args.runs < 1 or any(args.size < c for c in chunks):
+        parser.error("need --runs >= 1 and --size of at least one chunk")
+    args.root = args.root.absolute()
+    args.root.mkdir(parents=True, exist_ok=True)
+    notes: dict[str, str] = {}
+    results = []
+    with ExitStack() as stack:
+        peer, why_not = (None, "--no-peer") if args.no_peer else peer_system(args, stack)
+        if why_not:
+            notes[PEER] = why_not
+        if shutil.which("fio") is None:
+            notes["fio"] = "fio is not installed (Debian: apt-get install fio)"
+        for chunk in chunks:
+            systems = systems_for(args, chunk, peer, notes)
+            results.append(measure_chunk(args, chunk, systems))
+        shutil.rmtree(args.root / "fio", ignore_errors=True)
+    report(args, results, notes)
+    return 0
+
+
+def report(args: argparse.Namespace, results: list[dict[str, Any]], notes: dict[str, str]) -> None:
+    out = {"size": args.size, "runs": args.runs, "results": results, "skipped": notes}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"cold prefix of {args.size} bytes, {args.runs} runs; GB/s p50 (spread)")
+    for result in results:
+        print(f"\nchunk {result['chunk']} B ({result['chunks']} chunks)")
+        for name, row in result.items():
+            if not isinstance(row, dict):
+                continue
+            line = f"  {name:<22} {row['gbps']['p50']:6.2f} ({row['gbps']['spread']:.0%})"
+            for key in ("vs_fio", "vs_baseline", f"vs_{PEER}", f"promotion_vs_{PEER}"):
+                if key in row:
+                    line += f"  {key} {row[key]['p50']:.2f}x ({row[key]['spread']:.0%})"
+            if "store_gbps" in row:
+                line += f"  store {row['store_gbps']['p50']:.2f}"
+            print(line)
+            if "breakdown" in row:
+                parts = ", ".join(f"{k} {v}" for k, v in row["breakdown"].items())
+                print(f"    {parts}")
+    for name, why in notes.items():
+        print(f"skipped {name}: {why}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

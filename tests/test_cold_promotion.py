@@ -1,0 +1,223 @@
+"""A cold prefix: a fresh ``KVCache`` brings back chunks another one left in ``fs``.
+
+The lookup sleeps until a tier announces progress (a job ended, a check
+answered) instead of polling, and the primary buffer is mapped ahead. None
+of it may weaken what a cold load guarantees: a corrupt, torn or foreign
+chunk is a miss (deleted, counted), a chunk gone between the check and the
+read is a miss, and a stalled tier costs one bounded wait.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier import KVCache
+from kvtier.manager import TieringManager
+from kvtier.primary import SlotBuffer
+from kvtier.testing import small_layout
+from kvtier.tiers.fs import FilesystemTier
+from kvtier.tiers.fs import io as chunk_io
+
+LAYOUT = small_layout(chunk_tokens=4)
+CHUNKS = 6
+TOKENS = list(range(100, 100 + CHUNKS * 4))
+#: Long enough that a lookup relying on it, not on a wake-up, is caught.
+POLL_S = 5.0
+
+
+def config(root: Path, **tier: Any) -> dict[str, Any]:
+    return {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 2 * CHUNKS * LAYOUT.slot_bytes,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "io_threads": 4, **tier}],
+    }
+
+
+@pytest.fixture
+def data() -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 256, (CHUNKS, LAYOUT.slot_bytes), dtype=np.uint8)
+
+
+@pytest.fixture
+def root(tmp_path: Path, data: np.ndarray) -> Path:
+    """An fs root holding the prefix, left by a cache that is closed."""
+    with KVCache(config(tmp_path), LAYOUT) as writer:
+        assert writer.store(TOKENS, data) == CHUNKS
+        writer.drain()
+    return tmp_path
+
+
+def fs_tier(cache: KVCache) -> FilesystemTier:
+    tier = cache.manager.tiers[0]
+    assert isinstance(tier, FilesystemTier)
+    return tier
+
+
+def chunk_file(cache: KVCache, index: int) -> str:
+    return fs_tier(cache).dir.chunk_path(cache.keys(TOKENS)[index])
+
+
+class Waits:
+    """Records how each of the manager's waits for progress ended."""
+
+    def __init__(self, manager: TieringManager) -> None:
+        self.woken: list[bool] = []
+        real = manager.wait_for_progress
+
+        def wait(mark: int, timeout: float) -> bool:
+            moved = real(mark, timeout)
+            self.woken.append(moved)
+            return moved
+
+        manager.wait_for_progress = wait  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def cold(root: Path) -> Iterator[KVCache]:
+    with KVCache(config(root), LAYOUT) as cache:
+        yield cache
+
+
+def test_a_cold_prefix_comes_back_whole_woken_by_the_tier_not_by_polling(
+    cold: KVCache, data: np.ndarray
+) -> None:
+    assert cold.manager.announces_progress
+    waits = Waits(cold.manager)
+    with cold.lookup(TOKENS, poll_s=POLL_S) as found:
+        out = np.zeros_like(data)
+        assert found.load(out) == len(TOKENS)
+    assert np.array_equal(out, data)
+    # Every wait ended because something happened, none by running out.
+    assert waits.woken and all(waits.woken)
+    assert fs_tier(cold).stats.chunks_loaded == CHUNKS
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "torn", "foreign"])
+def test_a_damaged_chunk_of_a_cold_prefix_is_a_miss_deleted_and_counted(
+    root: Path, data: np.ndarray, damage: str
+) -> None:
+    with KVCache(config(root), LAYOUT) as probe:
+        paths = [chunk_file(probe, i) for i in range(CHUNKS)]
+    if damage == "corrupt":  # one payload byte flipped
+        with open(paths[3], "r+b") as f:
+            byte = f.read(1)
+            f.seek(0)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "torn":  # cut short, as by a crash mid-copy
+        os.truncate(paths[3], LAYOUT.slot_bytes // 2)
+    else:  # another chunk's whole, valid file under this chunk's name
+        os.replace(paths[4], paths[3])
+    with KVCache(config(root), LAYOUT) as cache:
+        tier = fs_tier(cache)
+        waits = Waits(cache.manager)
+        found = cache.cached_prefix(TOKENS, poll_s=POLL_S)
+        assert found == 3 * 4  # the chunks before the damaged one
+        out = np.zeros_like(data)
+        assert cache.load(TOKENS, found, out) == found
+        assert np.array_equal(out[:3], data[:3])
+        assert tier.stats.corrupt_chunks == 1
+        assert not os.path.exists(paths[3])
+        assert all(waits.woken)
+
+
+def test_a_chunk_deleted_between_the_check_and_the_read_is_a_miss(cold: KVCache) -> None:
+    tier = fs_tier(cold)
+    gone = chunk_file(cold, 2)
+    submit = tier.submit_load
+
+    def delete_then_submit(job: Any) -> None:
+        # Found by the lookup, removed (by another process, say) before its read.
+        if os.path.exists(gone):
+            os.unlink(gone)
+        submit(job)
+
+    tier.submit_load = delete_then_submit  # type: ignore[method-assign]
+    waits = Waits(cold.manager)
+    assert cold.cached_prefix(TOKENS, poll_s=POLL_S) == 2 * 4
+    assert tier.vanished_chunks == 1
+    # A miss, not a failure: nothing was wrong with what was there.
+    assert tier.stats.load_failures == 0 and tier.stats.corrupt_chunks == 0
+    assert all(waits.woken)
+
+
+def test_a_stalled_tier_costs_one_bounded_wait(
+    cold: KVCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    read = chunk_io._load_file
+
+    def stalled(*args: Any) -> Any:
+        release.wait()
+        return read(*args)
+
+    monkeypatch.setattr(chunk_io, "_load_file", stalled)
+    try:
+        with cold.lookup(TOKENS, timeout=0.2, poll_s=POLL_S) as found:
+            # The lookup gave up at its timeout, saying more may come.
+            assert found.num_tokens == 0 and found.pending
+    finally:
+        release.set()
+    # Once the tier answers, the same prefix is there.
+    assert cold.cached_prefix(TOKENS, poll_s=POLL_S) == len(TOKENS)
+
+
+def test_a_tier_that_does_not_announce_progress_is_polled(root: Path, data: np.ndarray) -> None:
+    inner = config(root)["secondary_tiers"][0]
+    wrapped = {"type": "FaultyTier", "module_path": "kvtier.testing.faults", "inner": inner}
+    settings = {**config(root), "secondary_tiers": [wrapped]}
+    with KVCache(settings, LAYOUT) as cache:
+        assert not cache.manager.announces_progress
+        out = np.zeros_like(data)
+        found = cache.cached_prefix(TOKENS)
+        assert cache.load(TOKENS, found, out) == len(TOKENS)
+        assert np.array_equal(out, data)
+
+
+def test_existence_checks_are_spread_over_the_idle_workers(root: Path) -> None:
+    with KVCache(config(root, shared=True), LAYOUT) as cache:
+        tier = fs_tier(cache)
+        assert tier.wait_index(30)
+        tier._keys.clear()  # as if another process had stored every chunk
+        batches: list[int] = []
+        contains = tier._contains
+
+        def counted(keys: Any) -> list[bool]:
+            batches.append(len(keys))
+            return contains(keys)
+
+        tier._contains = counted  # type: ignore[method-assign]
+        assert cache.cached_prefix(TOKENS, poll_s=POLL_S) == len(TOKENS)
+        # Six keys over four idle workers: checks of two keys each, in
+        # parallel, instead of one check of all six.
+        assert batches == [2, 2, 2]
+
+
+def test_the_primary_buffer_is_mapped_ahead_keeping_what_it_holds() -> None:
+    buffer = SlotBuffer(4, 1 << 20)
+    try:
+        buffer.array[1] = 7  # a slot in use before the populating thread gets to it
+        buffer.populate_in_background()
+        assert buffer.wait_populated(30)
+        assert (buffer.array[1] == 7).all() and not buffer.array[[0, 2, 3]].any()
+    finally:
+        buffer.close()
+
+
+def test_closing_a_buffer_while_it_is_mapped_ahead_stops_that_first(tmp_path: Path) -> None:
+    settings = {**config(tmp_path), "cpu_bytes_to_use": 64 << 20}
+    with KVCache(settings, LAYOUT) as cache:
+        buffer = cache.manager.primary.buffer
+    # close() waited for the populating thread: nothing of it runs on.
+    assert buffer.wait_populated(0)
+
+
+def test_populate_primary_false_maps_nothing_ahead(tmp_path: Path) -> None:
+    with KVCache({**config(tmp_path), "populate_primary": False}, LAYOUT) as cache:
+        assert cache.manager.primary.buffer._populator is None
