@@ -27,51 +27,15 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import xxhash
-from physical import drop_caches  # beside this script
+from peer_vllm_fs import offloading_spec  # beside this script
+from physical import drop_caches
 
 MiB = 1 << 20
 TIERS = ("vllm-fs", "kvtier-fs")
-
-
-def spec(model: str = "kvtier-bench") -> Any:
-    """What a secondary tier reads of vLLM's offloading spec."""
-    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("layer.0",), 0),),
-        worker_kv_bytes_per_block=0,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id="bench",
-        model=OffloadingModelConfig(name=model, dtype="uint8"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
-    events = OffloadingKVEventsConfig(enable_kv_cache_events=False, self_describing_kv_events=False)
-    return SimpleNamespace(config=config, blocks_per_chunk=1, kv_events_config=events)
 
 
 def build(kind: str, view: memoryview, root: str, threads: int, max_bytes: int = 0) -> Any:
@@ -96,7 +60,7 @@ def build(kind: str, view: memoryview, root: str, threads: int, max_bytes: int =
             "module_path": "kvtier.integrations.vllm.tiering",
             "tier": tier,
         }
-    return SecondaryTierFactory.create_secondary_tier(entry, view, spec())
+    return SecondaryTierFactory.create_secondary_tier(entry, view, offloading_spec(16))
 
 
 class Buffer:

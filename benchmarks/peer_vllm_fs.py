@@ -17,13 +17,15 @@ import mmap
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import xxhash
 from physical import drop_caches, segments_per_slot  # beside this script
 
 
-def _spec(tokens_per_block: int) -> object:
+def offloading_spec(tokens_per_block: int) -> Any:
+    """A vLLM ``OffloadingSpec`` of one layer group: what a secondary tier reads of it."""
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
@@ -78,7 +80,7 @@ def main() -> int:
     rng = np.random.default_rng(1)
     array[:] = rng.integers(0, 256, array.shape, dtype=np.uint8)
     digests = [xxhash.xxh3_64_digest(row.data) for row in array]
-    spec = _spec(256)
+    spec = offloading_spec(256)
     segments = segments_per_slot(array, chunk)
     print(json.dumps({"ready": True, "segments_per_slot": segments}), flush=True)
     job_ids = iter(range(1, 1 << 30))
