@@ -177,7 +177,9 @@ def measure_cold(
         manager = cache.manager
         probe.wrap(tier, "_contains", "checks", count=len)
         probe.wrap(tier, "submit_load", "submit")
-        probe.wrap(manager, "lookup", "lookup")
+        # KVCache enters the manager once per look (lookup_pinned); older ones, by lookup.
+        entry = "lookup_pinned" if hasattr(manager, "lookup_pinned") else "lookup"
+        probe.wrap(manager, entry, "lookup")
         probe.wrap(manager, "step", "step")
         begin = time.perf_counter()
         found = cache.cached_prefix(tokens)
