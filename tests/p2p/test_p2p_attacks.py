@@ -90,7 +90,9 @@ def test_trickled_handshakes_do_not_starve_an_honest_peer(victim: PeerProcess) -
     with Trickler(victim, count=64, source="127.0.0.3") as attack:
         wait_until(lambda: "stuck in authentication" in victim.log(), "the attack to bite")
         share = honest_share(victim)
-        assert attack.closed_by_node > 0
+        # The node logged its closes; the attacker's own thread sees them at
+        # its next read, later on a loaded machine.
+        wait_until(lambda: attack.closed_by_node > 0, "the attacker to see the node close it")
     assert share >= 0.95, (share, victim.log()[-3000:])
     assert attack.welcomed == 0  # no trickled handshake got through
     assert victim.alive()
