@@ -13,9 +13,10 @@ python3 -m venv .venv-vllm
 . .venv-vllm/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e '.[vllm,test,redis,obj,mooncake]'
+python -m pip install --quiet -e '.[vllm,test,redis,obj,mooncake,codecs]'
 python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 python -c "import vllm, kvtier.integrations.vllm; print('vllm', vllm.__version__)"
 pytest -q tests/integrations/test_vllm.py tests/integrations/test_vllm_trace_recording.py \
     tests/integrations/test_vllm_tiering.py tests/integrations/test_vllm_page_layouts.py \
-    tests/integrations/test_vllm_events.py tests/integrations/test_seed_benchmark.py
+    tests/integrations/test_vllm_events.py tests/integrations/test_seed_benchmark.py \
+    tests/integrations/test_vllm_codecs.py
