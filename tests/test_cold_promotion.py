@@ -69,14 +69,14 @@ class Waits:
 
     def __init__(self, manager: TieringManager) -> None:
         self.woken: list[bool] = []
-        real = manager.wait_for_progress
+        real = manager.progress.wait
 
         def wait(mark: int, timeout: float) -> bool:
             moved = real(mark, timeout)
             self.woken.append(moved)
             return moved
 
-        manager.wait_for_progress = wait  # type: ignore[method-assign]
+        manager.progress.wait = wait  # type: ignore[method-assign]
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def cold(root: Path) -> Iterator[KVCache]:
 def test_a_cold_prefix_comes_back_whole_woken_by_the_tier_not_by_polling(
     cold: KVCache, data: np.ndarray
 ) -> None:
-    assert cold.manager.announces_progress
+    assert cold.manager.progress.announced
     waits = Waits(cold.manager)
     with cold.lookup(TOKENS, poll_s=POLL_S) as found:
         out = np.zeros_like(data)
@@ -173,7 +173,7 @@ def test_a_tier_that_does_not_announce_progress_is_polled(root: Path, data: np.n
     wrapped = {"type": "FaultyTier", "module_path": "kvtier.testing.faults", "inner": inner}
     settings = {**config(root), "secondary_tiers": [wrapped]}
     with KVCache(settings, LAYOUT) as cache:
-        assert not cache.manager.announces_progress
+        assert not cache.manager.progress.announced
         out = np.zeros_like(data)
         found = cache.cached_prefix(TOKENS)
         assert cache.load(TOKENS, found, out) == len(TOKENS)

@@ -177,7 +177,7 @@ class KVCache:
                         manager.collect()
                     # Taken after that collect: results applied from here on
                     # (by this pass's step too) move it, so none is missed.
-                    mark = manager.progress_mark
+                    mark = manager.progress.mark
                     pinned, pending = manager.lookup_pinned(
                         keys[len(slots) :], request, end_request=owned
                     )
@@ -189,10 +189,10 @@ class KVCache:
                         return HeldPrefix(self, keys[: len(slots)], slots, pending)
                     manager.step()  # submits the promotions this lookup started
                 waited = True
-                if manager.announces_progress:
+                if manager.progress.announced:
                     # Woken by the tiers when a job ends or a check answers;
                     # the bound only covers a change nobody announced.
-                    manager.wait_for_progress(mark, min(left, max(poll_s, _UNANNOUNCED_S)))
+                    manager.progress.wait(mark, min(left, max(poll_s, _UNANNOUNCED_S)))
                 else:
                     time.sleep(poll_s)
         except BaseException:

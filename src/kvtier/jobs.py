@@ -1,13 +1,26 @@
-"""What the manager keeps of each job a tier runs, and a tier's result checked against it."""
+"""The jobs the manager hands its secondary tiers, from submission to applied result."""
 
 from __future__ import annotations
 
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvtier.backpressure import Backpressure
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import JobResult
+from kvtier.primary import PrimaryTier
+from kvtier.progress import Progress
+from kvtier.residency import ResidencyFeed
+from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
 
-__all__ = ["JobOutcome", "JobRecord"]
+__all__ = ["JobBook", "JobListener", "JobOutcome", "JobRecord"]
+
+logger = logging.getLogger(__name__)
+
+#: Called with ``(tier_index, loading, result)`` for every finished job (see
+#: :attr:`JobBook.listeners`).
+JobListener = Callable[[int, bool, JobResult], None]
 
 
 @dataclass
@@ -50,3 +63,203 @@ class JobOutcome:
             seconds=float(result.seconds),
             gone=[key for key in bad if key in vanished] if vanished else [],
         )
+
+
+class JobBook:
+    """Hands jobs to the tiers, applies their results and gives their slots
+    back. Not locked itself: the manager calls it under its lock."""
+
+    def __init__(
+        self,
+        primary: PrimaryTier,
+        tiers: Sequence[SecondaryTier],
+        backpressure: Sequence[Backpressure],
+        residency: ResidencyFeed,
+        progress: Progress,
+    ) -> None:
+        self.primary = primary
+        self.tiers = tiers
+        self.backpressure = backpressure
+        self.residency = residency
+        self.progress = progress
+        #: Jobs handed to a tier whose results are not applied yet, by (tier index, job id).
+        self.running: dict[tuple[int, int], JobRecord] = {}
+        #: Promotions that failed, per request, so a request never retries a bad
+        #: chunk; forgotten when the request finishes. Anonymous lookups retry.
+        self.failed: dict[str, set[tuple[int, ChunkKey]]] = defaultdict(set)
+        # Tiers whose get_finished_jobs raised at the last collect (logged once).
+        self._collect_failing: set[int] = set()
+        #: Results a tier reported that could not be applied (each failed its job).
+        self.unapplied_results = 0
+        #: Observers of finished jobs (metrics, engine statistics). Called under
+        #: the manager's lock once a result is applied; an observer that raises
+        #: is logged and never disturbs the manager.
+        self.listeners: list[JobListener] = []
+
+    def fail_unreported(self) -> None:
+        """After a drain: a drained tier no longer touches the slots; if it still
+        cannot report its jobs it is broken, and they count as failed so the
+        slots come back."""
+        for (index, job_id), job in list(self.running.items()):
+            tier = self.tiers[index]
+            logger.error("tier %s: job %d unreported after drain; failed", tier.tier_type, job_id)
+            del self.running[(index, job_id)]
+            self._finish(job, JobResult(job_id, False, frozenset(), 0, 0.0))
+
+    def _admit(self, tier_indexes: range, num_keys: int) -> list[int]:
+        """The tiers among ``tier_indexes`` whose backpressure takes a store job now."""
+        admitted = []
+        for index in tier_indexes:
+            if self.backpressure[index].admit():
+                admitted.append(index)
+            else:
+                self.tiers[index].count(backpressure_drops=num_keys)
+        return admitted
+
+    def cascade(self, ready: Mapping[ChunkKey, int], tier_indexes: Sequence[int]) -> None:
+        """Write-through: copy ready chunks (``{key: slot}``) out to tiers, pinned
+        until each job ends.
+
+        The chunks come pinned once per tier (:meth:`PrimaryTier.complete_store`
+        pinned them as they became ready); a job that cannot start unpins its share.
+        """
+        if not ready:
+            return
+        keys, slots = tuple(ready), tuple(ready.values())
+        for done, index in enumerate(tier_indexes, 1):
+            self.backpressure[index].started()
+            try:
+                self.submit(index, TransferJob(keys, slots), loading=False)
+            except BaseException:
+                for _ in tier_indexes[done:]:  # the shares of the tiers not reached
+                    self.primary.complete_load(keys)
+                raise
+
+    def submit(self, index: int, job: TransferJob, *, loading: bool) -> None:
+        """Hand ``job`` to tier ``index``; if the tier raises, the job fails and
+        its slots come back (a ``BaseException`` then goes on up)."""
+        tier = self.tiers[index]
+        # Recorded before the tier sees it: a fast tier may report the job
+        # before submit returns, and its result must find the job.
+        record = JobRecord(job.job_id, index, loading, job.keys, job.request_id)
+        record.followed = self.residency.job_started(index, job.keys)
+        self.running[(index, job.job_id)] = record
+        try:
+            (tier.submit_load if loading else tier.submit_store)(job)
+        except BaseException as error:
+            logger.exception("tier %s: submit raised; job %d failed", tier.tier_type, job.job_id)
+            # Unless it reported the job before raising: that result stands.
+            if self.running.pop((index, job.job_id), None) is not None:
+                tier.count(**{"load_failures" if loading else "store_failures": len(job.keys)})
+                self._release_failed(record)
+            if not isinstance(error, Exception):
+                raise
+
+    def collect(self) -> None:
+        applied = False
+        for index, tier in enumerate(self.tiers):
+            try:
+                results = tier.get_finished_jobs()
+            except Exception:
+                # Once until it answers again: lookups waiting for a promotion
+                # collect every poll (0.5 ms), a traceback each would flood the log.
+                if index not in self._collect_failing:
+                    self._collect_failing.add(index)
+                    logger.exception("tier %s: get_finished_jobs raised", tier.tier_type)
+                continue
+            if index in self._collect_failing:
+                self._collect_failing.discard(index)
+                logger.warning("tier %s: get_finished_jobs answers again", tier.tier_type)
+            for result in results:
+                job = self.running.pop((index, result.job_id), None)
+                if job is None:
+                    logger.warning(
+                        "tier %s: result for unknown job %d", tier.tier_type, result.job_id
+                    )
+                    continue
+                self._finish(job, result)
+                applied = True
+        if applied:
+            self.progress.announce()  # chunks became ready, or their promotions failed
+
+    def _finish(self, job: JobRecord, result: JobResult) -> None:
+        """Apply one finished job in isolation: a result that cannot be applied
+        fails its own job (counted, logged once), and its slots come back."""
+        tier = self.tiers[job.tier_index]
+        try:
+            self._apply(tier, job, JobOutcome.of(job, result))
+        except Exception:
+            logger.exception(
+                "tier %s: the result of job %d could not be applied; the job failed",
+                tier.tier_type,
+                job.job_id,
+            )
+            self.unapplied_results += 1
+            self._job_ended(job, ())
+            if job.released:
+                return  # only its bookkeeping was lost
+            try:
+                self._release_failed(job)
+            except Exception:
+                logger.exception("tier %s: job %d: slots not released", tier.tier_type, job.job_id)
+            tier.count(**{"load_failures" if job.loading else "store_failures": len(job.keys)})
+            result = JobResult(job.job_id, False, frozenset(), 0, 0.0)
+        for listener in self.listeners:
+            try:
+                listener(job.tier_index, job.loading, result)
+            except Exception:
+                logger.exception("job listener %r raised", listener)
+
+    def _apply(self, tier: SecondaryTier, job: JobRecord, outcome: JobOutcome) -> None:
+        if job.loading:
+            # Slower tiers' hits warm the faster tiers in front of them; the
+            # chunks are pinned for that as they become ready.
+            targets = self._admit(range(job.tier_index), len(outcome.good)) if outcome.good else []
+            loaded = self.primary.complete_store(outcome.good, pins=len(targets))
+            self.primary.complete_store(outcome.bad, success=False)
+            job.released = True
+            self._remember_failures(job.request_id, job.tier_index, outcome.bad)
+            tier.count(
+                chunks_loaded=len(outcome.good),
+                bytes_loaded=outcome.nbytes,
+                # A chunk evicted since the lookup (by another process, say) is
+                # a miss: the request recomputes it, and nothing failed.
+                load_failures=len(outcome.bad) - len(outcome.gone),
+            )
+            self.residency.removed(job.tier_index, outcome.gone)
+            self._job_ended(job, outcome.good)
+            self.cascade(loaded, targets)
+        else:
+            self.primary.complete_load(job.keys)
+            job.released = True
+            pressure = self.backpressure[job.tier_index]
+            pressure.finished(outcome.seconds / max(1, len(job.keys)))
+            tier.count(
+                chunks_stored=len(outcome.good),
+                bytes_stored=outcome.nbytes,
+                store_failures=len(outcome.bad),
+            )
+            self._job_ended(job, outcome.good)
+
+    def _release_failed(self, job: JobRecord) -> None:
+        """Hand back the slots of a job that failed as a whole."""
+        if job.loading:
+            # Keys already ready stay (their bytes are whole); the rest are freed.
+            self.primary.complete_store(job.keys, success=False)
+            self._remember_failures(job.request_id, job.tier_index, job.keys)
+        else:
+            self.primary.complete_load(job.keys)
+            self.backpressure[job.tier_index].cancelled()
+        self._job_ended(job, ())
+        job.released = True
+
+    def _remember_failures(
+        self, request_id: str | None, index: int, keys: Sequence[ChunkKey]
+    ) -> None:
+        if request_id is not None and keys:
+            self.failed[request_id].update((index, key) for key in keys)
+
+    def _job_ended(self, job: JobRecord, held: Sequence[ChunkKey]) -> None:
+        if job.followed:
+            job.followed = False
+            self.residency.job_ended(job.tier_index, job.keys, held)

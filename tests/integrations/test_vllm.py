@@ -1231,3 +1231,23 @@ def test_kvtier_log_records_go_through_vllm_handlers() -> None:
     finally:
         ours.handlers, ours.level, ours.propagate = saved[0], saved[1], saved[2]
         theirs.handlers, theirs.level = saved[3], saved[4]
+
+
+def test_the_connector_step_benchmark_drives_every_scheduler_hook() -> None:
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_connector_step.py"), "--quick", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root / "src")},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    # vLLM's real scheduler kept the batch full and sent kvtier hits and stores.
+    assert result["running"] == 8 and result["scheduled_per_step"] == 8
+    assert result["hit_tokens"] > 0 and result["chunks_loaded"] > 0 and result["chunks_stored"] > 0
+    for hook in ("get_num_new_matched_tokens", "update_state_after_alloc", "request_finished"):
+        assert result["calls_per_step"][hook] > 0, hook
+    assert result["calls_per_step"]["build_connector_meta"] == 1
+    assert result["connector_ms"] > 0 and result["vllm_ms"] > 0
