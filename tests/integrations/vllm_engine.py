@@ -53,7 +53,8 @@ def make_model(out: str | Path, *, layers: int = 2, hidden: int = 64) -> Path:
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    # transformers types ``to`` as a decorator; a dtype is what it takes at run time.
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)  # type: ignore[arg-type]
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     vocab.update({f"w{i}": i for i in range(4, VOCAB)})
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
