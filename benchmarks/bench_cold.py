@@ -49,6 +49,10 @@ machine is shared), then the median (p50) over runs, with the spread
 
     python benchmarks/bench_cold.py --root /var/tmp/kvtier-cold --runs 5
 
+``--tier redis|obj|mooncake`` measures a cold prefix from that remote tier
+against its raw client instead (``bench_cold_remote.py``; ``--threads`` is
+then the tier's ``io_threads``, 4 by default, and the raw client's).
+
 ``--quick`` (8 MiB, one run, no peer) checks the driver, as the test suite does.
 """
 
@@ -301,11 +305,13 @@ def measure_chunk(
         for name in names[index % len(names) :] + names[: index % len(names)]:
             runs[name].append(systems[name](index, args.root / f"{chunk}-{index}-{name}"))
     result: dict[str, Any] = {"chunk": chunk, "chunks": args.size // chunk}
+    # The ceiling: the disk's (fio) for fs, the raw client's for a remote tier.
+    top = next((name for name in ("fio", "raw") if name in runs), None)
     for name, rounds in runs.items():
         row: dict[str, Any] = {"gbps": summary([r["gbps"] for r in rounds])}
-        if "fio" in runs and name != "fio":
-            ceiling = [r["gbps"] / f["gbps"] for r, f in zip(rounds, runs["fio"], strict=True)]
-            row["vs_fio"] = summary(ceiling)
+        if top is not None and name != top:
+            ceiling = [r["gbps"] / f["gbps"] for r, f in zip(rounds, runs[top], strict=True)]
+            row[f"vs_{top}"] = summary(ceiling)
         if name.startswith("kvtier") or name == "baseline":
             row["store_gbps"] = summary([r["store_gbps"] for r in rounds])
             row["cold"] = rounds[0]["cold"]
@@ -377,7 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=parse_size, default=parse_size("512MiB"))
     parser.add_argument("--chunk", type=parse_size, action="append", help="repeatable")
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=32, help="the fs tier's io_threads")
+    parser.add_argument(
+        "--tier",
+        default="fs",
+        choices=("fs", "redis", "obj", "mooncake"),
+        help="a remote tier: its server on loopback, against its raw client (bench_cold_remote)",
+    )
+    parser.add_argument("--threads", type=int, help="the tier's io_threads (fs: 32, else 4)")
     parser.add_argument("--peer-threads", type=int, default=16, help="LMCache's disk_io_threads")
     parser.add_argument("--baseline-src", type=Path, help="an older kvtier's src, run alike")
     parser.add_argument("--no-peer", action="store_true", help="leave LMCache out")
@@ -397,8 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         figures = measure_cold(root, args.size, chunk, args.seed, args.threads, args.immediate)
         print(json.dumps(figures))
         return 0
+    if args.threads is None:
+        args.threads = 32 if args.tier == "fs" else 4
     if args.quick:
         args.size, args.runs, args.no_peer = parse_size("8MiB"), 1, True
+    if args.tier != "fs":
+        return run_remote(args, parser)
     chunks = args.chunk or [parse_size("256KiB"), parse_size("2MiB")]
     if args.runs < 1 or any(args.size < c for c in chunks):
         parser.error("need --runs >= 1 and --size of at least one chunk")
@@ -420,21 +436,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """A cold prefix from a remote tier against its raw client (see ``bench_cold_remote``)."""
+    from bench_cold_remote import remote_server, remote_systems
+
+    chunks = args.chunk or [parse_size("256KiB"), parse_size("2MiB")]
+    if args.runs < 1 or any(args.size < c for c in chunks):
+        parser.error("need --runs >= 1 and --size of at least one chunk")
+    results = []
+    with remote_server(args.tier, args.threads, args.size) as (config, new_client):
+        for chunk in chunks:
+            systems = remote_systems(args, chunk, config, new_client)
+            results.append(measure_chunk(args, chunk, systems))
+    report(args, results, {})
+    return 0
+
+
 def report(args: argparse.Namespace, results: list[dict[str, Any]], notes: dict[str, str]) -> None:
-    out = {"size": args.size, "runs": args.runs, "results": results, "skipped": notes}
+    out = {"tier": args.tier, "io_threads": args.threads, "size": args.size, "runs": args.runs}
+    out |= {"results": results, "skipped": notes}
     if args.json:
         print(json.dumps(out, indent=2))
         return
-    print(f"cold prefix of {args.size} bytes, {args.runs} runs; GB/s p50 (spread)")
+    print(f"cold prefix of {args.size} bytes from {args.tier}, {args.runs} runs; GB/s p50 (spread)")
     for result in results:
         print(f"\nchunk {result['chunk']} B ({result['chunks']} chunks)")
         for name, row in result.items():
             if not isinstance(row, dict):
                 continue
             line = f"  {name:<22} {row['gbps']['p50']:6.2f} ({row['gbps']['spread']:.0%})"
-            for key in ("vs_fio", "vs_baseline", f"vs_{PEER}", f"promotion_vs_{PEER}"):
-                if key in row:
-                    line += f"  {key} {row[key]['p50']:.2f}x ({row[key]['spread']:.0%})"
+            for key in [k for k in row if k.startswith(("vs_", "promotion_vs_"))]:
+                line += f"  {key} {row[key]['p50']:.2f}x ({row[key]['spread']:.0%})"
             if "store_gbps" in row:
                 line += f"  store {row['store_gbps']['p50']:.2f}"
             print(line)

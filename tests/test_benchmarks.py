@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import need_redis_server
+from tests.conftest import need_mooncake, need_redis_server, need_s3_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,6 +115,30 @@ def test_bench_cold_verifies_the_prefix_and_breaks_its_time_down(tmp_path: Path)
         # fio is the ceiling where it is installed; otherwise the run says why not.
         assert ("fio" in result) != ("fio" in out["skipped"])
     assert out["skipped"]["lmcache-disk-odirect"] == "--no-peer"
+
+
+@pytest.mark.parametrize(
+    ("tier", "need"),
+    [("redis", need_redis_server), ("obj", need_s3_server), ("mooncake", need_mooncake)],
+)
+def test_bench_cold_remote_tier_verifies_the_prefix_against_its_raw_client(
+    tier: str, need: Any
+) -> None:
+    need()
+    out = run_quick("bench_cold.py", "--tier", tier)
+    assert out["tier"] == tier and out["skipped"] == {}
+    assert [r["chunk"] for r in out["results"]] == [256 << 10, 2 << 20]
+    for result in out["results"]:
+        assert set(result) == {"chunk", "chunks", "kvtier", "raw"}
+        row = result["kvtier"]
+        assert row["verified_chunks"] == [out["size"] // result["chunk"]]
+        parts = row["breakdown"]
+        # A fresh cache knows nothing of a remote store: every chunk is checked, then read.
+        assert parts["checked_keys"] == result["chunks"]
+        assert parts["io_s"] > 0 and parts["jobs"] >= 1 and parts["lookups"] >= 1
+        caller = parts["lookup_s"] + parts["step_s"] + parts["waits_s"]
+        assert caller == pytest.approx(parts["prefix_s"], abs=1e-3)
+        assert result["raw"]["gbps"]["p50"] > 0 and row["vs_raw"]["p50"] > 0
 
 
 # The peers' drivers run in the peers' own environments (scripts/peer-envs.sh);

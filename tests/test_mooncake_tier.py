@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import re
 import socket
 import sys
@@ -22,6 +23,7 @@ from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependenc
 from kvtier.integrity import frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import FakeClock, recover, wait_until
+from kvtier.tiers import mooncake as mooncake_module
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.mooncake import MooncakeTier
 from tests.conftest import need_mooncake
@@ -82,6 +84,31 @@ def test_workers_reuse_one_registered_buffer_each(
             np.testing.assert_array_equal(harness.buffer.array[16:32], data, err_msg=str(round_))
         # Registered once per worker, however many jobs: no registration per call.
         assert 1 <= len(tier._registered) <= 2
+    finally:
+        harness.close()
+
+
+def test_workers_map_their_buffers_before_registering_them(
+    mooncake_master: MooncakeMaster, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    populated: list[mmap.mmap] = []
+
+    def populate(region: mmap.mmap) -> bool:
+        populated.append(region)
+        return True
+
+    monkeypatch.setattr(mooncake_module, "populate_now", populate)
+    harness = TierHarness(pool_tier(mooncake_master, key_prefix, io_threads=2), small_layout())
+    tier = harness.tier
+    assert isinstance(tier, MooncakeTier)
+    try:
+        keys = harness.keys(8)
+        harness.fill(range(8))
+        assert harness.store(keys, list(range(8))).success
+        assert tier._registered
+        # Each registered mapping was populated first: a fresh worker's first
+        # reads then write pages already mapped (see populate_now).
+        assert {id(m) for m, _ in tier._registered} <= {id(r) for r in populated}
     finally:
         harness.close()
 

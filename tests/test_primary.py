@@ -1,6 +1,8 @@
 """The primary tier: page-aligned slots, reference counts, atomic stores."""
 
+import ctypes
 import mmap
+import os
 import subprocess
 import sys
 import uuid
@@ -10,6 +12,7 @@ import pytest
 
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.primary import WRITING, PrimaryTier, SlotBuffer, loops
+from kvtier.primary.buffer import populate_now
 from kvtier.testing.policy_suite import key
 
 
@@ -40,6 +43,38 @@ def test_buffer_is_page_aligned_and_shaped() -> None:
     assert address % mmap.PAGESIZE == 0
     assert buffer.slot(1).ctypes.data - address == 8192
     buffer.close()
+
+
+def resident_bytes(region: mmap.mmap) -> int:
+    """Bytes of the memory area holding ``region`` that are mapped in (``/proc/self/smaps``)."""
+    view = ctypes.c_char.from_buffer(region)
+    start = ctypes.addressof(view)
+    del view
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                low, high = (int(part, 16) for part in first.split("-"))
+                inside = low <= start < high
+            elif inside and first == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("the mapping is not in /proc/self/smaps")
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/smaps"), reason="mapped pages read from /proc/self/smaps"
+)
+def test_populate_now_maps_every_page_ahead_of_first_use() -> None:
+    region = mmap.mmap(-1, 8 << 20)
+    try:
+        before = resident_bytes(region)
+        if not populate_now(region):
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+        assert resident_bytes(region) - before >= 8 << 20
+        assert region[:16] == bytes(16)  # contents kept (zeros, as mapped)
+    finally:
+        region.close()
 
 
 def test_refcounts_follow_the_contract(primary: PrimaryTier) -> None:

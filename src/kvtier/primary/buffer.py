@@ -26,6 +26,18 @@ _POPULATE_PIECE = 2 << 20
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
+def populate_now(region: mmap.mmap) -> bool:
+    """Map every page of ``region`` writable now, contents kept; ``False``
+    where the kernel cannot (before Linux 5.14: pages map on first use)."""
+    if _POPULATE_WRITE is None:
+        return False
+    try:
+        region.madvise(_POPULATE_WRITE)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def _shm_path(name: str) -> str:
     if not _NAME.match(name) or name.startswith("."):
         raise ValueError(f"shared memory name {name!r}: use 1-200 letters, digits, '_', '-' or '.'")

@@ -1,0 +1,224 @@
+"""A cold prefix from a remote tier (``redis``, ``obj``, ``mooncake``) against its raw client.
+
+``bench_cold.py --tier redis|obj|mooncake`` runs this: the tier's server is
+started on loopback (``tests/servers.py``) for the whole run. In each run a
+``KVCache`` stores one prefix through the tier and closes; then, in turn
+(each run starting with the next one):
+
+* ``kvtier``: a fresh ``KVCache`` on the same server times ``cached_prefix``
+  + ``load`` of the whole prefix, every byte checked (existence checks,
+  promotion, verification, the copy into the engine's rows);
+* ``raw``: the tier's client library alone reads the very values kvtier
+  stored, under their names, with the tier's parallelism: ``io_threads``
+  threads, each moving batches of the tier's size (redis-py pipelines of
+  ``RedisTier.batch_chunks`` GETs, boto3 ``get_object`` per value, Mooncake
+  ``batch_get_into`` of ``io_batch`` values into a registered buffer), no
+  existence check, no verification, no copy. A client of its own each run,
+  set up before the clock starts (its connections and buffers made on first
+  use), as the fresh ``KVCache`` is built before its clock starts.
+
+Both run in this process; jobs get a 60 s deadline, so that the figure is
+the tier's rate, not its per-request deadline's (``deadline_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench_cold import Probe, layout_for
+
+#: A raw client of its own for one run, set up before the clock starts, as the
+#: fresh ``KVCache`` is: ``(its read of all the names, its close)``.
+RawClient = tuple[Callable[[list[str]], None], Callable[[], None]]
+#: ``chunk bytes -> RawClient``.
+NewRawClient = Callable[[int], RawClient]
+REMOTE_TIERS = ("redis", "obj", "mooncake")
+
+
+@contextmanager
+def remote_server(
+    tier: str, threads: int, size: int
+) -> Iterator[tuple[dict[str, Any], NewRawClient]]:
+    """The tier's server on loopback: yields the tier's config and a maker of raw clients."""
+    from bench_shared_tiers import WHOLE_JOBS, RawRedis, RawS3  # puts the checkout on sys.path
+    from tests.servers import MooncakeMaster, RedisServer, S3Server
+
+    if tier == "redis":
+        from kvtier.tiers.redis import RedisTier
+
+        with RedisServer() as redis_server:
+
+            def raw_redis(chunk: int) -> RawClient:
+                raw = RawRedis(redis_server.url, threads)
+                raw.batch = RedisTier.batch_chunks(chunk)  # the tier's pipeline depth
+                return raw.load, raw.client.close
+
+            yield {"type": "redis", "url": redis_server.url, **WHOLE_JOBS}, raw_redis
+    elif tier == "obj":
+        with S3Server() as s3_server:
+            bucket = s3_server.create_bucket("kvtier-bench-cold")
+
+            def raw_s3(chunk: int) -> RawClient:
+                raw = RawS3(s3_server, bucket, threads)
+                return raw.load, raw.client.close
+
+            yield {"type": "obj", **s3_server.tier_options(bucket), **WHOLE_JOBS}, raw_s3
+    elif tier == "mooncake":
+        from bench_mooncake import RawMooncake
+
+        from kvtier import integrity
+        from kvtier.tiers.mooncake import MooncakeTier
+
+        # Room for two prefixes at once (the last run's is removed before the
+        # next is stored) and the allocator's slack.
+        with MooncakeMaster(storage_bytes=2 * size + (64 << 20)) as master:
+
+            def raw_mooncake(chunk: int) -> RawClient:
+                value_bytes = integrity.HEADER_BYTES + chunk
+                raw = RawMooncake(master, threads, MooncakeTier.io_batch, value_bytes)
+                return raw.get, raw.close
+
+            yield {**master.tier_options(), "global_segment_size": 0, **WHOLE_JOBS}, raw_mooncake
+    else:
+        raise SystemExit(f"--tier must be fs or one of {', '.join(REMOTE_TIERS)}, got {tier!r}")
+
+
+class StoredPrefix:
+    """One run's prefix, stored through kvtier once for both systems of the run
+    (they share the run's seed), removed when the next run stores its own."""
+
+    def __init__(self, config: dict[str, Any], size: int, chunk: int) -> None:
+        self.config, self.size, self.chunk = config, size, chunk
+        self.seed: int | None = None
+        self.keys: list[Any] = []
+        self.names: list[str] = []
+        self.figures: dict[str, Any] = {}
+
+    def ensure(self, seed: int) -> tuple[Any, Any, Any]:
+        """``(layout, tokens, expected rows)`` of ``seed``'s prefix, stored."""
+        import numpy as np
+
+        from kvtier import KVCache
+
+        layout = layout_for(self.chunk)
+        chunks = self.size // self.chunk
+        rng = np.random.default_rng(seed)
+        tokens = rng.integers(0, 2**31, chunks * layout.chunk_tokens)
+        expected = rng.integers(0, 256, (chunks, layout.slot_bytes), dtype=np.uint8)
+        if seed == self.seed:
+            return layout, tokens, expected
+        with KVCache(self.cache_config(), layout) as writer:
+            tier: Any = writer.manager.tiers[0]
+            tier.discard(self.keys)  # the last run's values: room for this one's
+            writer.manager.primary.buffer.wait_populated()
+            started = time.perf_counter()
+            if writer.store(tokens, expected) != chunks:
+                raise SystemExit("the prefix was not stored whole")
+            writer.drain()
+            store_s = time.perf_counter() - started
+            self.keys = writer.keys(tokens)
+            self.names = [tier.store_name(key) for key in self.keys]
+        self.seed, self.figures = seed, {"store_s": store_s}
+        return layout, tokens, expected
+
+    def cache_config(self) -> dict[str, Any]:
+        return {
+            "chunk_tokens": layout_for(self.chunk).chunk_tokens,
+            "cpu_bytes_to_use": self.size // self.chunk * layout_for(self.chunk).slot_bytes,
+            "secondary_tiers": [self.config],
+        }
+
+
+def measure_kvtier(stored: StoredPrefix, seed: int) -> dict[str, Any]:
+    """A fresh ``KVCache`` brings the stored prefix back; every byte checked."""
+    import numpy as np
+
+    from kvtier import KVCache, integrity
+
+    layout, tokens, expected = stored.ensure(seed)
+    out = np.ones_like(expected)  # the engine's memory: allocated and touched before
+    started = time.perf_counter()
+    cache = KVCache(stored.cache_config(), layout)
+    construct_s = time.perf_counter() - started
+    probe = Probe()
+    try:
+        cache.manager.primary.buffer.wait_populated()  # as an engine's first request
+        populate_s = time.perf_counter() - started
+        tier: Any = cache.manager.tiers[0]
+        manager = cache.manager
+        probe.wrap(tier, "_contains", "checks", count=len)
+        probe.wrap(tier, "submit_load", "submit")
+        probe.wrap(tier, "_transfer", "io")
+        probe.wrap(manager, "lookup_pinned", "lookup")
+        probe.wrap(manager, "step", "step")
+        begin = time.perf_counter()
+        found = cache.cached_prefix(tokens)
+        prefix_s = time.perf_counter() - begin
+        loaded = cache.load(tokens, found, out)
+        load_s = time.perf_counter() - begin - prefix_s
+        if loaded != len(tokens) or not np.array_equal(out, expected):
+            raise SystemExit(f"loaded {loaded} of {len(tokens)} tokens, or wrong bytes")
+    finally:
+        cache.close()
+    hashed = time.perf_counter()
+    for row in expected:
+        integrity.checksum(row)
+    checksum_s = time.perf_counter() - hashed
+    sums, counts = probe.sums, probe.counts
+    io_end = probe.last.get("io", begin)
+    return {
+        **stored.figures,
+        "gbps": stored.size / (prefix_s + load_s) / 1e9,
+        "store_gbps": stored.size / stored.figures["store_s"] / 1e9,
+        "cold": "fresh KVCache",
+        "verified_chunks": len(expected),
+        "total_s": prefix_s + load_s,
+        "prefix_s": prefix_s,
+        "construct_s": construct_s,
+        "populate_s": populate_s,
+        "index_ready": None,
+        "lookup_s": sums.get("lookup", 0.0),
+        "lookups": counts.get("lookup", 0),
+        "step_s": sums.get("step", 0.0),
+        "steps": counts.get("step", 0),
+        "checks_s": sums.get("checks", 0.0),
+        "checked_keys": counts.get("checks", 0),
+        "checks_span_s": probe.last.get("checks", begin) - begin,
+        "first_submit_s": probe.first.get("submit", begin) - begin,
+        "jobs": counts.get("submit", 0),
+        "io_s": sums.get("io", 0.0),
+        "io_span_s": io_end - probe.first.get("io", begin),
+        "tail_s": begin + prefix_s - io_end,
+        "waits_s": prefix_s - sums.get("lookup", 0.0) - sums.get("step", 0.0),
+        "checksum_s": checksum_s,
+        "copies_s": load_s,
+    }
+
+
+def measure_raw(stored: StoredPrefix, new_client: NewRawClient, seed: int) -> dict[str, Any]:
+    """A fresh raw client reads the stored values (its connections and buffers
+    made on first use, as the fresh ``KVCache``'s are)."""
+    stored.ensure(seed)
+    read, close = new_client(stored.chunk)
+    try:
+        started = time.perf_counter()
+        read(stored.names)
+        return {"gbps": stored.size / (time.perf_counter() - started) / 1e9}
+    finally:
+        close()
+
+
+def remote_systems(
+    args: argparse.Namespace, chunk: int, config: dict[str, Any], new_client: NewRawClient
+) -> dict[str, Callable[[int, Path], dict[str, Any]]]:
+    """``bench_cold.measure_chunk``'s systems for a remote tier: kvtier and its raw client."""
+    stored = StoredPrefix({**config, "io_threads": args.threads}, args.size, chunk)
+    return {
+        "kvtier": lambda index, _: measure_kvtier(stored, args.seed + index),
+        "raw": lambda index, _: measure_raw(stored, new_client, args.seed + index),
+    }
