@@ -189,24 +189,17 @@ def _validate_plugin(
 
 
 def _validate_codec(raw: Any, path: str, problems: Problems) -> CodecConfig | None:
-    """A tier's ``codec`` entry resolved and its options validated, or ``None``
-    with the problems noted under ``path`` (``secondary_tiers[0].codec.bits``)."""
+    """A tier's ``codec`` entry (a name, or a mapping) resolved and its options
+    validated like any plugin's, or ``None`` with the problems noted under
+    ``path`` (``secondary_tiers[0].codec.bits``)."""
     try:
         codec_type, module_path, options = split_codec_entry(raw, path)
     except ValueError as exc:
         problems.append((path, str(exc)))
         return None
-    try:
-        cls = codec_registry.resolve(codec_type, module_path, entry=path)
-    except (KVTierError, TypeError) as exc:
-        problems.append((f"{path}.type", str(exc).removeprefix(f"{path}: ")))
-        return None
-    try:
-        validated = cls.Options.model_validate(options)
-    except ValidationError as exc:
-        problems.extend(_problems_from(exc, cls.Options, path, extra_keys=("type", "module_path")))
-        return None
-    return CodecConfig(codec_type, module_path, cls, validated)
+    entry = {"type": codec_type, "module_path": module_path, **options}
+    plugin = _validate_plugin(entry, path, problems, codec_registry, "codec")
+    return CodecConfig(*plugin) if plugin is not None else None
 
 
 def _resolve_or_note(
