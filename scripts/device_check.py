@@ -168,11 +168,13 @@ class PageCase:
     dtype: torch.dtype
     block_size: int
     tp: int
+    #: "direct" (DMA to and from slots registered with CUDA) or "staged" (pinned staging).
+    route: str = "staged"
 
     @property
     def label(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.layout.name} {dtype} block={self.block_size} tp={self.tp}"
+        return f"{self.layout.name} {dtype} block={self.block_size} tp={self.tp} {self.route}"
 
 
 class _Engine:
@@ -256,63 +258,79 @@ def check_pages(case: PageCase, sizes: PageSizes, device: torch.device, seed: in
             blocks_per_chunk=per_chunk,
         )
 
-    failures: list[str] = []
     slot_rows = _host_slots(num_slots * rows_per_slot, page_bytes)
     slot_rows.copy_(junk)
     transfers = Transfers(device)
     if device.type != "cpu" and not transfers.asynchronous:
         return [f"{case.label}: no copy stream on {device}: torch.{device.type} lacks streams"]
+    if case.route == "direct" and not transfers.attach(slot_rows):
+        return [f"{case.label}: the slots could not be registered with {device}"]
+    failures: list[str] = []
+    try:
+        # Store, as two steps in flight at once; the engine reuses the blocks at once.
+        half = slice(0, pages_moved // 2), slice(pages_moved // 2, None)
+        for rank, head_range in enumerate(rank_heads):
+            engine = _Engine(case, stored, head_range, device)
+            pages = engine.pages(num_blocks, page_bytes)
+            pending, reused = [], stored.clone()
+            for step in half:
+                pending.append(transfers.start_store(pages, index(rank, sources, step), slot_rows))
+                # The engine hands the stored blocks to the next request at once.
+                reused[:, sources[step]] = 0x5A
+                engine.write(reused)
+            if not all(p.finish() for p in pending):
+                failures.append(f"{case.label}: rank {rank}: a store reported failure")
+        wrong_rows = (slot_rows != expected).any(dim=1).nonzero().flatten().tolist()
+        for row in wrong_rows[:3]:
+            slot, inside = divmod(row, rows_per_slot)
+            rank, inside = divmod(inside, rows_per_part)
+            layer, position = divmod(inside, per_chunk)
+            failures.append(
+                f"{case.label}: store: slot {slot} rank {rank} layer {layer} position {position} "
+                f"holds the wrong bytes"
+            )
+        if len(wrong_rows) > 3:
+            failures.append(f"{case.label}: store: {len(wrong_rows)} wrong slot rows in all")
 
-    # Store, as two steps in flight at once; the engine reuses the blocks at once.
-    half = slice(0, pages_moved // 2), slice(pages_moved // 2, None)
-    for rank, head_range in enumerate(rank_heads):
-        engine = _Engine(case, stored, head_range, device)
-        pages = engine.pages(num_blocks, page_bytes)
-        pending, reused = [], stored.clone()
-        for step in half:
-            pending.append(transfers.start_store(pages, index(rank, sources, step), slot_rows))
-            # The engine hands the stored blocks to the next request at once.
-            reused[:, sources[step]] = 0x5A
-            engine.write(reused)
-        if not all(p.finish() for p in pending):
-            failures.append(f"{case.label}: rank {rank}: a store reported failure")
-    wrong_rows = (slot_rows != expected).any(dim=1).nonzero().flatten().tolist()
-    for row in wrong_rows[:3]:
-        slot, inside = divmod(row, rows_per_slot)
-        rank, inside = divmod(inside, rows_per_part)
-        layer, position = divmod(inside, per_chunk)
-        failures.append(
-            f"{case.label}: store: slot {slot} rank {rank} layer {layer} position {position} "
-            f"holds the wrong bytes"
-        )
-    if len(wrong_rows) > 3:
-        failures.append(f"{case.label}: store: {len(wrong_rows)} wrong slot rows in all")
-
-    # Load from slots holding the reference bytes, not what kvtier stored.
-    slot_rows.copy_(expected)
-    after_load = before_load.clone()
-    after_load[:, targets] = stored[:, sources]
-    for rank, head_range in enumerate(rank_heads):
-        engine = _Engine(case, before_load, head_range, device)
-        transfers.load(engine.pages(num_blocks, page_bytes), index(rank, targets), slot_rows)
-        # Read back on the compute stream, with no device-wide wait: only the
-        # load's event orders this read after the copy stream's writes.
-        for layer, wrong in enumerate(engine.wrong_bytes(after_load)):
-            if wrong:
-                failures.append(
-                    f"{case.label}: load: rank {rank} layer {layer}: {wrong} wrong bytes"
-                )
+        # Load from slots holding the reference bytes, not what kvtier stored.
+        slot_rows.copy_(expected)
+        after_load = before_load.clone()
+        after_load[:, targets] = stored[:, sources]
+        for rank, head_range in enumerate(rank_heads):
+            engine = _Engine(case, before_load, head_range, device)
+            loading = transfers.load(
+                engine.pages(num_blocks, page_bytes), index(rank, targets), slot_rows
+            )
+            # Read back on the compute stream, with no device-wide wait: only the
+            # load's event orders this read after the copy stream's writes.
+            for layer, wrong in enumerate(engine.wrong_bytes(after_load)):
+                if wrong:
+                    failures.append(
+                        f"{case.label}: load: rank {rank} layer {layer}: {wrong} wrong bytes"
+                    )
+            if not loading.finish():
+                failures.append(f"{case.label}: rank {rank}: a load reported failure")
+    finally:
+        transfers.close()  # before the slots' memory goes
     return failures
 
 
-def page_cases(block_sizes: Sequence[int] = (16, 64)) -> list[PageCase]:
+def page_cases(
+    block_sizes: Sequence[int] = (16, 64), routes: Sequence[str] = ("staged",)
+) -> list[PageCase]:
     return [
-        PageCase(layout, dtype, block_size, tp)
+        PageCase(layout, dtype, block_size, tp, route)
         for layout in LAYOUTS.values()
         for dtype in _dtypes()
         for block_size in block_sizes
         for tp in (1, 2)
+        for route in routes
     ]
+
+
+def routes_on(device: torch.device) -> tuple[str, ...]:
+    """The routes kvtier takes on ``device``: DMA to registered slots only on CUDA."""
+    return ("direct", "staged") if device.type == "cuda" else ("staged",)
 
 
 # Bandwidth ---------------------------------------------------------------------
@@ -321,6 +339,7 @@ def page_cases(block_sizes: Sequence[int] = (16, 64)) -> list[PageCase]:
 @dataclass(frozen=True)
 class Rate:
     layout: str
+    route: str
     mib: float
     store_gbps: float
     load_gbps: float
@@ -341,7 +360,12 @@ class Rate:
 
 
 def measure_bandwidth(
-    layout: Layout, sizes: PageSizes, block_size: int, device: torch.device, repeat: int
+    layout: Layout,
+    sizes: PageSizes,
+    block_size: int,
+    device: torch.device,
+    repeat: int,
+    route: str = "staged",
 ) -> Rate:
     """Best-of-``repeat`` GB/s of kvtier's store and load against plain pinned copies."""
     per_chunk = sizes.chunk_tokens // block_size
@@ -373,6 +397,8 @@ def measure_bandwidth(
         blocks_per_chunk=per_chunk,
     )
     transfers = Transfers(device)
+    if route == "direct" and not transfers.attach(slot_rows):
+        raise RuntimeError(f"the slots could not be registered with {device}")
     moved = sizes.layers * pages_moved * page_bytes
     pinned = device.type != "cpu"
     host = torch.empty(moved, dtype=torch.uint8, pin_memory=pinned)
@@ -393,18 +419,26 @@ def measure_bandwidth(
         if not transfers.start_store(pages, index, slot_rows).finish():
             raise RuntimeError("a store failed")
 
+    def load() -> None:
+        if not transfers.load(pages, index, slot_rows).finish():
+            raise RuntimeError("a load failed")
+
     words, rows = slot_rows.view(torch.int64), index.rows.flatten()
     staged = words.index_select(0, rows)
-    return Rate(
-        layout.name,
-        moved / 2**20,
-        store_gbps=best(store),
-        load_gbps=best(lambda: transfers.load(pages, index, slot_rows)),
-        copy_to_host_gbps=best(lambda: host.copy_(on_device)),
-        copy_to_device_gbps=best(lambda: on_device.copy_(host)),
-        slot_gather_gbps=best(lambda: words.index_select(0, rows)),
-        slot_scatter_gbps=best(lambda: words.index_copy_(0, rows, staged)),
-    )
+    try:
+        return Rate(
+            layout.name,
+            route,
+            moved / 2**20,
+            store_gbps=best(store),
+            load_gbps=best(load),
+            copy_to_host_gbps=best(lambda: host.copy_(on_device)),
+            copy_to_device_gbps=best(lambda: on_device.copy_(host)),
+            slot_gather_gbps=best(lambda: words.index_select(0, rows)),
+            slot_scatter_gbps=best(lambda: words.index_copy_(0, rows, staged)),
+        )
+    finally:
+        transfers.close()
 
 
 # The transformers integration --------------------------------------------------
@@ -533,7 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     failures: list[str] = []
     began = time.perf_counter()
-    cases = page_cases()
+    routes = routes_on(device)
+    cases = page_cases(routes=routes)
     sizes = QUICK_PAGES if quick else FULL_PAGES
     for number, case in enumerate(cases):
         failures += _guarded(case.label, failures, check_pages, case, sizes, device, number) or []
@@ -549,27 +584,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rates: list[Rate] = []
     for name in ("blocks-first", "LBNHC"):
-        rate = _guarded(
-            f"bandwidth {name}",
-            failures,
-            measure_bandwidth,
-            LAYOUTS[name],
-            QUICK_RATE if quick else FULL_RATE,
-            16,
-            device,
-            args.repeat,
-        )
-        rates += [rate] if rate is not None else []
+        for route in routes:
+            rate = _guarded(
+                f"bandwidth {name} {route}",
+                failures,
+                measure_bandwidth,
+                LAYOUTS[name],
+                QUICK_RATE if quick else FULL_RATE,
+                16,
+                device,
+                args.repeat,
+                route,
+            )
+            rates += [rate] if rate is not None else []
     print(f"bandwidth (best of {args.repeat}), GB/s, ratio to a plain pinned copy_:")
     for rate in rates:
         print(
-            f"  {rate.layout:13s} {rate.mib:7.1f} MiB  store {rate.store_gbps:6.2f} "
+            f"  {rate.layout:13s} {rate.route:6s} {rate.mib:7.1f} MiB  "
+            f"store {rate.store_gbps:6.2f} "
             f"({rate.store_ratio:.2f}x of {rate.copy_to_host_gbps:.2f})  load "
             f"{rate.load_gbps:6.2f} ({rate.load_ratio:.2f}x of {rate.copy_to_device_gbps:.2f})  "
             + _verdict(rate, device)
         )
         print(
-            f"  {'':13s} host side alone: rows out of the slots {rate.slot_gather_gbps:6.2f}, "
+            f"  {'':20s} host side alone: rows out of the slots {rate.slot_gather_gbps:6.2f}, "
             f"into them {rate.slot_scatter_gbps:6.2f}"
         )
 
@@ -643,6 +681,7 @@ def _covered(cases: Sequence[PageCase]) -> str:
             values(lambda c: str(c.dtype).removeprefix("torch.")),
             "blocks " + values(lambda c: c.block_size),
             "tp " + values(lambda c: c.tp),
+            values(lambda c: c.route),
         )
     )
 

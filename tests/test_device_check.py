@@ -84,8 +84,8 @@ def load_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loads alone put pages into the wrong blocks."""
     real = Transfers.load
 
-    def load(self: Transfers, layers: Any, index: CopyIndex, slots: Any) -> None:
-        real(self, layers, index._replace(block_ids=index.block_ids.roll(1)), slots)
+    def load(self: Transfers, layers: Any, index: CopyIndex, slots: Any) -> Any:
+        return real(self, layers, index._replace(block_ids=index.block_ids.roll(1)), slots)
 
     monkeypatch.setattr(Transfers, "load", load)
 
@@ -168,7 +168,7 @@ def test_a_mirrored_bug_makes_the_script_exit_non_zero(
     check: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     all_cases = check.page_cases()
-    monkeypatch.setattr(check, "page_cases", lambda: all_cases[:4])
+    monkeypatch.setattr(check, "page_cases", lambda **_: all_cases[:4])
     assert check.main(["--device", "cpu", "--quick", "--skip-model", "--repeat", "1"]) == 0
     mirrored(monkeypatch)
     assert check.main(["--device", "cpu", "--quick", "--skip-model", "--repeat", "1"]) == 1
@@ -180,7 +180,7 @@ def test_a_part_that_raises_fails_the_run_but_the_others_still_report(
     check: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     all_cases = check.page_cases()
-    monkeypatch.setattr(check, "page_cases", lambda: all_cases[:2])
+    monkeypatch.setattr(check, "page_cases", lambda **_: all_cases[:2])
 
     def broken(*args: Any) -> None:
         raise AttributeError("module 'torch' has no attribute 'xyz'")

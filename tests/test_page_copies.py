@@ -118,3 +118,36 @@ def test_runs_are_found_once_per_copy_not_once_per_layer(monkeypatch: pytest.Mon
     assert transfers.start_store(pages, index, slot_rows).finish()
     transfers.load(pages, index, slot_rows)
     assert calls == [3, 3]
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_slot_order_stages_every_page_where_its_run_of_slot_rows_takes_it(case: str) -> None:
+    """The direct route's plan (CUDA only), replayed with CPU tensors: staging
+    the pages in slot order and copying its runs gives each row its page."""
+    slots, positions, blocks = CASES[case]
+    kv = _cache(block_first=True)
+    pages = [LayerPages(f"layer{i}", t, NUM_BLOCKS, PAGE_BYTES) for i, t in enumerate(kv)]
+    index = _index(slots, positions, blocks)
+    order = page_copies.SlotOrder.of(index)
+
+    staging = torch.zeros(order.staged.numel(), PAGE_BYTES, dtype=torch.uint8)
+    for layer_pages, at in zip(pages, order.staged, strict=True):
+        staging.view(layer_pages.dtype).index_copy_(0, at, layer_pages.gather(index.block_ids))
+    slot_rows = torch.zeros(SLOTS * SLOT_BYTES, dtype=torch.uint8).view(-1, PAGE_BYTES)
+    for row, staged, count in order.runs:
+        slot_rows[row : row + count] = staging[staged : staged + count]
+    for layer in range(LAYERS):
+        for i, block in enumerate(blocks):
+            assert torch.equal(slot_rows[int(index.rows[layer, i])], _page(kv[layer], block, True))
+    # Every staged row is copied once, and a chunk's pages of every layer are one run.
+    assert sum(count for _, _, count in order.runs) == LAYERS * len(blocks)
+    whole_chunks = {s for s in slots if slots.count(s) == BLOCKS_PER_CHUNK}
+    assert len(order.runs) <= len(set(slots) - whole_chunks) * LAYERS + len(whole_chunks)
+
+
+def test_the_direct_route_needs_cuda_and_the_staged_one_stays_elsewhere() -> None:
+    transfers = Transfers(torch.device("cpu"))
+    slot_rows = torch.zeros(4, PAGE_BYTES, dtype=torch.uint8)
+    assert not transfers.attach(slot_rows)
+    assert not transfers.direct
+    transfers.close()  # nothing registered: nothing to undo

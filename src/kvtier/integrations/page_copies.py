@@ -7,17 +7,22 @@ slots and in the engine's cache move with one plain copy, straight between
 slot and page (a gather then a scatter would move every byte twice, through
 a temporary). On an accelerator (CUDA, or any torch device module with
 streams and events) every copy runs on a dedicated copy stream, ordered
-against the compute stream with events, and moves through pinned host
-memory, so the compute stream never waits on a host copy:
+against the compute stream with events, so the forward pass never waits on
+the host:
 
 * store: the copy stream waits for the forward pass that computed the
-  pages, gathers them on the device and copies them to pinned host memory;
-  the compute stream only waits (on the device) for the gather, so blocks
-  vLLM frees are not overwritten before they were read. The host rows are
-  written into the slots once the copy's event has fired.
-* load: the rows are gathered from the slots into pinned host memory, copied
-  to the device and scattered into the pages on the copy stream; the compute
-  stream waits (on the device) for that before the forward pass reads them.
+  pages and gathers them on the device; the compute stream only waits (on
+  the device) for the gather, so blocks vLLM frees are not overwritten
+  before they were read.
+* load: the copy stream fills the pages; the compute stream waits (on the
+  device) for that before the forward pass reads them.
+
+Between the device and the slots, bytes take one of two routes. Where CUDA
+can register the slots' memory (:meth:`Transfers.attach`), the device DMAs
+straight to and from the slots: pages are staged on the device in slot
+order, so a chunk's pages of every layer move as one copy (a chunk is one
+run of rows), and no host thread touches a byte. Elsewhere they go through
+pinned host memory and a host-side gather or scatter of rows.
 """
 
 from __future__ import annotations
@@ -150,18 +155,21 @@ def contiguous_runs(rows: list[int], blocks: list[int]) -> list[tuple[int, int, 
 
 
 @dataclass
-class PendingStore:
-    """A step's store: rows on their way to host memory, then into the slots."""
+class PendingCopy:
+    """A step's copies between the device and the slots, possibly still running.
+
+    The slots a copy reads or writes stay in use until :meth:`finish` returns.
+    """
 
     #: Whether the device copies have ended (always true on the CPU).
     ready: Callable[[], bool] = lambda: True
-    #: Waits for the device copies, then writes the rows into the slots.
+    #: Waits for the device copies, then lands what they brought (if anything).
     complete: Callable[[], None] = lambda: None
     failed_early: bool = False
     _result: bool | None = field(default=None, init=False)
 
     @classmethod
-    def failed(cls) -> PendingStore:
+    def failed(cls) -> PendingCopy:
         return cls(failed_early=True)
 
     def done(self) -> bool:
@@ -183,9 +191,36 @@ class PendingStore:
                     self.complete()
                     self._result = True
                 except Exception:
-                    logger.exception("kvtier: storing pages failed")
+                    logger.exception("kvtier: copying pages failed")
                     self._result = False
         return self._result
+
+
+class SlotOrder(NamedTuple):
+    """A copy's pages in slot-row order, for moving them as runs of rows.
+
+    Page ``i`` of layer ``l`` is staged at ``staged[l][i]``; staged rows
+    ``first_staged .. +count`` are slot rows ``first_row .. +count`` for each
+    ``(first_row, first_staged, count)`` in ``runs``.
+    """
+
+    staged: torch.Tensor
+    runs: list[tuple[int, int, int]]
+
+    @classmethod
+    def of(cls, index: CopyIndex) -> SlotOrder:
+        rows = index.rows.flatten()
+        order = torch.argsort(rows)
+        staged = torch.empty_like(order)
+        staged[order] = torch.arange(len(order))
+        # Runs found with tensor ops: a step moves thousands of pages.
+        ordered = rows[order]
+        starts = torch.cat(
+            (torch.zeros(1, dtype=torch.long), torch.nonzero(ordered.diff() != 1).flatten() + 1)
+        )[: len(ordered)]
+        counts = torch.diff(starts, append=torch.tensor([len(ordered)]))
+        runs = list(zip(ordered[starts].tolist(), starts.tolist(), counts.tolist(), strict=True))
+        return cls(staged.view(index.rows.shape), runs)
 
 
 class Transfers:
@@ -205,15 +240,63 @@ class Transfers:
             module = None
         self._module = module
         self._stream = module.Stream(device=device) if module is not None else None
+        #: The slots' (address, bytes) while the device may DMA to and from them.
+        self._registered: tuple[int, int] | None = None
 
     @property
     def asynchronous(self) -> bool:
         return self._stream is not None
 
-    def load(self, layers: list[LayerPages], index: CopyIndex, slot_rows: torch.Tensor) -> None:
+    @property
+    def direct(self) -> bool:
+        """Whether copies DMA straight between the device and registered slots."""
+        return self._registered is not None
+
+    def attach(self, slot_rows: torch.Tensor) -> bool:
+        """Register the slots' memory with CUDA so copies skip the host staging.
+
+        Pins every page of the slots (they are the CPU tier's memory, resident
+        anyway); done once, at start-up, since it takes a while on large
+        buffers. Whether it took: any other device, or a refusal, keeps the
+        staged route. Call :meth:`close` before the slots are unmapped.
+        """
+        if self._registered is not None or self.device.type != "cuda":
+            return self._registered is not None
+        address, size = slot_rows.data_ptr(), slot_rows.numel() * slot_rows.element_size()
+        cudart = torch.cuda.cudart()
+        error = cudart.cudaHostRegister(address, size, 0)
+        if error != cudart.cudaError.success:
+            logger.warning(
+                "kvtier: cannot register the slots with CUDA (%s); copies go through "
+                "pinned staging",
+                error,
+            )
+            return False
+        self._registered = (address, size)
+        return True
+
+    def close(self) -> None:
+        """Unregister the slots (every copy must have finished)."""
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered[0])
+            self._registered = None
+
+    def _on_slots(self, slot_rows: torch.Tensor) -> bool:
+        if self._registered is None:
+            return False
+        address, size = self._registered
+        begin = slot_rows.data_ptr()
+        return address <= begin and begin + slot_rows.numel() * slot_rows.element_size() <= (
+            address + size
+        )
+
+    def load(
+        self, layers: list[LayerPages], index: CopyIndex, slot_rows: torch.Tensor
+    ) -> PendingCopy:
         """Copy slot pages into engine blocks; on a device, the forward pass waits for them.
 
-        ``slot_rows`` is the primary buffer as host ``uint8`` rows of one page each.
+        ``slot_rows`` is the primary buffer as host ``uint8`` rows of one page
+        each; it is read until the returned copy has finished.
         """
         if self._stream is None:
             runs = index.runs()
@@ -221,56 +304,83 @@ class Transfers:
                 rows = slot_rows.view(pages.dtype)
                 for row, block, count in runs:
                     pages.read_run(block, rows[shift + row : shift + row + count])
-            return
+            return PendingCopy()
         module = self._module
         compute = module.current_stream(self.device)
-        # The slots are read here, on the host, so they may be unpinned as
-        # soon as this returns; pinned rows make the upload asynchronous.
-        layer_rows = index.rows
-        host_rows = [
-            slot_rows.view(pages.dtype).index_select(0, layer_rows[layer]).pin_memory()
-            for layer, pages in enumerate(layers)
-        ]
+        direct = self._on_slots(slot_rows)
+        # Staged: the slots are read here, on the host, and are free once this returns.
+        host_rows = None if direct else _gather_rows(layers, index, slot_rows)
         # Blocks just allocated may still be read by work queued before.
         self._stream.wait_stream(compute)
         with module.stream(self._stream):
             # Allocated on the copy stream, so freed memory is reused in its order.
-            device_ids = index.block_ids.pin_memory().to(self.device, non_blocking=True)
-            for pages, rows in zip(layers, host_rows, strict=True):
-                pages.scatter(device_ids, rows.to(self.device, non_blocking=True))
+            device_ids = self._to_device(index.block_ids)
+            if host_rows is None:
+                order = SlotOrder.of(index)
+                staging = self._staging(order, slot_rows)
+                for row, staged, count in order.runs:
+                    staging[staged : staged + count].copy_(
+                        slot_rows[row : row + count], non_blocking=True
+                    )
+                positions = self._to_device(order.staged)
+                for pages, at in zip(layers, positions, strict=True):
+                    pages.scatter(device_ids, staging.view(pages.dtype).index_select(0, at))
+            else:
+                for pages, rows in zip(layers, host_rows, strict=True):
+                    pages.scatter(device_ids, rows.to(self.device, non_blocking=True))
             loaded = module.Event()
             loaded.record(self._stream)
         compute.wait_event(loaded)
+        if not direct:
+            return PendingCopy()
+        return PendingCopy(ready=loaded.query, complete=loaded.synchronize)
 
     def start_store(
         self, layers: list[LayerPages], index: CopyIndex, slot_rows: torch.Tensor
-    ) -> PendingStore:
-        """Start copying engine blocks into slots; :meth:`PendingStore.finish` lands them."""
+    ) -> PendingCopy:
+        """Start copying engine blocks into slots; :meth:`PendingCopy.finish` lands them."""
         if self._stream is None:
             runs = index.runs()
             for pages, shift in zip(layers, index.layer_rows.tolist(), strict=True):
                 rows = slot_rows.view(pages.dtype)
                 for row, block, count in runs:
                     pages.write_run(block, rows[shift + row : shift + row + count])
-            return PendingStore()
+            return PendingCopy()
         module = self._module
         compute = module.current_stream(self.device)
+        direct = self._on_slots(slot_rows)
         self._stream.wait_stream(compute)  # the forward pass computed these pages
         with module.stream(self._stream):
-            device_ids = index.block_ids.pin_memory().to(self.device, non_blocking=True)
-            gathered = [pages.gather(device_ids) for pages in layers]
+            device_ids = self._to_device(index.block_ids)
+            if direct:
+                order = SlotOrder.of(index)
+                staging = self._staging(order, slot_rows)
+                positions = self._to_device(order.staged)
+                for pages, at in zip(layers, positions, strict=True):
+                    staging.view(pages.dtype).index_copy_(0, at, pages.gather(device_ids))
+            else:
+                gathered = [pages.gather(device_ids) for pages in layers]
             read = module.Event()
             read.record(self._stream)
-            host_rows = []
-            for rows in gathered:
-                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                host.copy_(rows, non_blocking=True)
-                host_rows.append(host)
+            if direct:
+                for row, staged, count in order.runs:
+                    slot_rows[row : row + count].copy_(
+                        staging[staged : staged + count], non_blocking=True
+                    )
+            else:
+                host_rows = [
+                    torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(
+                        rows, non_blocking=True
+                    )
+                    for rows in gathered
+                ]
             copied = module.Event()
             copied.record(self._stream)
         # The engine may hand the blocks to another request next step: its forward
         # pass must not overwrite them before the gather read them.
         compute.wait_event(read)
+        if direct:
+            return PendingCopy(ready=copied.query, complete=copied.synchronize)
 
         layer_rows = index.rows
 
@@ -279,4 +389,25 @@ class Transfers:
             for layer, rows in enumerate(host_rows):
                 slot_rows.view(rows.dtype).index_copy_(0, layer_rows[layer], rows)
 
-        return PendingStore(ready=copied.query, complete=complete)
+        return PendingCopy(ready=copied.query, complete=complete)
+
+    def _to_device(self, values: torch.Tensor) -> torch.Tensor:
+        return values.pin_memory().to(self.device, non_blocking=True)
+
+    def _staging(self, order: SlotOrder, slot_rows: torch.Tensor) -> torch.Tensor:
+        """Device rows for a copy's pages in slot order."""
+        return torch.empty(
+            (order.staged.numel(), slot_rows.shape[1]), dtype=torch.uint8, device=self.device
+        )
+
+
+def _gather_rows(
+    layers: list[LayerPages], index: CopyIndex, slot_rows: torch.Tensor
+) -> list[torch.Tensor]:
+    """Each layer's slot rows, gathered on the host straight into pinned memory."""
+    gathered = []
+    for rows, pages in zip(index.rows, layers, strict=True):
+        words = slot_rows.view(pages.dtype)
+        pinned = torch.empty((len(rows), words.shape[1]), dtype=pages.dtype, pin_memory=True)
+        gathered.append(torch.index_select(words, 0, rows, out=pinned))
+    return gathered

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from kvtier.integrations.page_copies import CopyIndex, LayerPages, PendingStore, Transfers
+from kvtier.integrations.page_copies import CopyIndex, LayerPages, PendingCopy, Transfers
 from kvtier.primary import SlotBuffer
 
 from .metadata import (
@@ -59,8 +59,8 @@ class WorkerSide:
         self._slots: torch.Tensor | None = None
         self._broken: str | None = None
         self._attached_reported = False
-        self._loads: dict[int, bool] = {}
-        self._stores: dict[int, PendingStore] = {}
+        self._loads: dict[int, PendingCopy] = {}
+        self._stores: dict[int, PendingCopy] = {}
         self._finished: dict[int, StepResult] = {}
         self._load_errors: set[int] = set()
 
@@ -106,17 +106,17 @@ class WorkerSide:
         self._load_errors.update(meta.failed_block_ids)
         if not meta.loads:
             return
-        ok = self._load(meta.buffer, meta.loads)
-        if not ok:
+        loading = self._load(meta.buffer, meta.loads)
+        if loading.failed_early:  # vLLM recomputes these blocks in this very step
             self._load_errors.update(meta.loads.block_ids)
-        self._loads[meta.step] = ok
+        self._loads[meta.step] = loading
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
         if not meta.stores:
             return
         slots = self._attach(meta.buffer)
         if slots is None or self._transfers is None:
-            self._stores[meta.step] = PendingStore.failed()
+            self._stores[meta.step] = PendingCopy.failed()
             return
         try:
             self._stores[meta.step] = self._transfers.start_store(
@@ -124,7 +124,7 @@ class WorkerSide:
             )
         except Exception:
             logger.exception("kvtier: store of %d pages failed", len(meta.stores))
-            self._stores[meta.step] = PendingStore.failed()
+            self._stores[meta.step] = PendingCopy.failed()
 
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
         self._collect(wait_for_older_than=max(self._stores, default=-1))
@@ -140,12 +140,14 @@ class WorkerSide:
         return errors
 
     def finish_stores(self) -> None:
-        """Wait until every store started so far has landed in the slots."""
-        self._collect(wait_for_older_than=max(self._stores, default=-1) + 1)
+        """Wait until every copy started so far has ended (stores landed in the slots)."""
+        self._collect(wait_for_older_than=max([*self._stores, *self._loads, -1]) + 1)
 
     def shutdown(self) -> None:
         # Copies still in flight read or write the slots: end them first.
         self.finish_stores()
+        if self._transfers is not None:
+            self._transfers.close()
         self._slots = None
         if self._buffer is not None:
             self._buffer.close()
@@ -154,29 +156,31 @@ class WorkerSide:
     # Machinery ---------------------------------------------------------------
 
     def _collect(self, wait_for_older_than: int) -> None:
-        """Move ended steps to ``_finished``; stores of earlier steps are waited for.
+        """Move ended steps to ``_finished``; copies of earlier steps are waited for.
 
-        A step's stores end on the copy stream while the next step computes,
-        so they are reported one step late at most.
+        A step's copies end on the copy stream while the next step computes,
+        so they are reported one step late at most: until then the slots they
+        read or write stay pinned.
         """
         for step in sorted(set(self._loads) | set(self._stores)):
-            pending = self._stores.get(step)
-            if pending is not None and not pending.done() and step >= wait_for_older_than:
+            copies = [c for c in (self._loads.get(step), self._stores.get(step)) if c is not None]
+            if step >= wait_for_older_than and not all(c.done() for c in copies):
                 continue
-            stores_ok = pending.finish() if pending is not None else True
-            self._stores.pop(step, None)
-            self._finished[step] = StepResult(self._loads.pop(step, True), stores_ok)
+            load, store = self._loads.pop(step, None), self._stores.pop(step, None)
+            self._finished[step] = StepResult(
+                load.finish() if load is not None else True,
+                store.finish() if store is not None else True,
+            )
 
-    def _load(self, buffer: SharedBuffer, copies: PageCopies) -> bool:
+    def _load(self, buffer: SharedBuffer, copies: PageCopies) -> PendingCopy:
         slots = self._attach(buffer)
         if slots is None or self._transfers is None:
-            return False
+            return PendingCopy.failed()
         try:
-            self._transfers.load(self._layers, self._index(copies), slots)
+            return self._transfers.load(self._layers, self._index(copies), slots)
         except Exception:
             logger.exception("kvtier: load of %d pages failed", len(copies))
-            return False
-        return True
+            return PendingCopy.failed()
 
     def _disable(self, reason: str) -> None:
         self._broken = reason
@@ -214,6 +218,8 @@ class WorkerSide:
         self._buffer = mapped
         flat = torch.frombuffer(mapped.view.cast("B"), dtype=torch.uint8)
         self._slots = flat.view(-1, self.shape.page_bytes)
+        if self._transfers is not None:
+            self._transfers.attach(self._slots)  # DMA straight to the slots where CUDA can
 
     def _index(self, copies: PageCopies) -> CopyIndex:
         """Slot rows of this rank's pages: its part of each slot, ``[layer][position]``."""
