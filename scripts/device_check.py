@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import statistics
 import sys
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 import torch
 
 from kvtier.integrations.page_copies import CopyIndex, LayerPages, Transfers
+from kvtier.primary import SlotBuffer
 
 # Layouts ---------------------------------------------------------------------
 #
@@ -144,9 +145,10 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _host_slots(num_rows: int, row_bytes: int) -> torch.Tensor:
-    """Slots in pageable memory outside torch's allocator, as the engine's shared memory is."""
-    region = mmap.mmap(-1, num_rows * row_bytes)
-    return torch.frombuffer(region, dtype=torch.uint8).view(num_rows, row_bytes)
+    """Slots in named shared memory, as vLLM's scheduler makes them and its workers map them."""
+    slots = SlotBuffer(num_rows, row_bytes, shared_name=f"kvtier-device-check-{uuid.uuid4().hex}")
+    slots.unlink()  # the mapping stays valid; nothing is left behind in /dev/shm
+    return torch.frombuffer(slots.view.cast("B"), dtype=torch.uint8).view(num_rows, row_bytes)
 
 
 # Page copies -------------------------------------------------------------------
