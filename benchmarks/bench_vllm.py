@@ -15,6 +15,7 @@ tail: A, B, C, D.
   promoted into the CPU tier, then copied into vLLM's cache), C hits vLLM's
   own cache in the same engine (``native (same)``), then vLLM's cache is
   emptied and D loads the prefix from kvtier's CPU tier (``kvtier-cpu``).
+  B ÷ D, round by round, is what a restart costs over a warm CPU tier.
 
 ``vs native`` compares each kvtier hit with the native hit of the same
 round in the same engine (median and range of the per-round ratios; 1.00x is
@@ -187,6 +188,13 @@ def _measure(
             ]
         else:
             row["ttft_vs_native"] = row["ttft_s_median"] / native
+    # A restarted engine's first reuse from fs against the same prefix from
+    # kvtier's CPU tier, round by round in one engine (goal: 1.2x at most).
+    restart = [
+        f / c
+        for f, c in zip(rows["kvtier-fs"]["ttft_s"], rows["kvtier-cpu"]["ttft_s"], strict=True)
+    ]
+    rows["kvtier-fs"]["vs_cpu_tier_same_round"] = restart
     return rows
 
 
@@ -348,6 +356,11 @@ def report(result: dict[str, Any]) -> str:
                 f"{spread:<17} {min(row['cached_tokens']):>6} "
                 f"{row['speedup_vs_vllm']:>7.2f}x {versus:>22}"
             )
+        restart = tables["engines"]["kvtier-fs"]["vs_cpu_tier_same_round"]
+        lines.append(
+            f"TP={parallel[2:]} restart: kvtier-fs / kvtier-cpu of the same round "
+            f"{statistics.median(restart):.2f}x (rounds {min(restart):.2f}-{max(restart):.2f})"
+        )
         floor = tables["floor"]
         extra = tables["engines"]["kvtier-fs"]["extra_over_native_s"]
         lines.append(

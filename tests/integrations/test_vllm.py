@@ -930,6 +930,45 @@ def test_worker_round_trips_pages_through_shared_slots(page_shape: Any, tmp_path
         owner.close()
 
 
+def test_worker_reports_a_load_once_its_copy_ended_so_its_slots_stay_pinned_until_then() -> None:
+    """On CUDA a load reads the slots after start_load_kv returned (direct DMA):
+    the step is reported, and the scheduler unpins its slots, only once it ended."""
+    import uuid
+
+    import torch
+
+    from kvtier.integrations.page_copies import PendingCopy
+    from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer, StepResult
+    from kvtier.integrations.vllm.settings import VllmGeometry
+    from kvtier.integrations.vllm.worker import WorkerSide
+    from kvtier.primary import SlotBuffer
+
+    shape = VllmGeometry(("l0",), 32, 1, 2 * 32 * 64 * 4, 8)
+    name = f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    owner = SlotBuffer(2, shape.page_bytes, shared_name=name)
+    try:
+        worker = WorkerSide(shape)
+        worker.register_kv_caches({"l0": torch.zeros(8, 2, 32, 64)})
+        ended, landed = [False], []
+        assert worker._transfers is not None
+        worker._transfers.load = lambda *args: PendingCopy(  # type: ignore[method-assign]
+            ready=lambda: ended[0], complete=lambda: landed.append(True)
+        )
+        meta = KVTierConnectorMetadata(0, SharedBuffer(name, 2, shape.page_bytes))
+        meta.loads.add(1, 0, 3)
+        worker.start_load_kv(meta)
+        assert worker.take_load_errors() == set()
+        report = worker.build_worker_meta()
+        assert report is None or 0 not in report.finished  # still copying: not reported
+        ended[0] = True
+        report = worker.build_worker_meta()
+        assert report is not None and report.finished == {0: StepResult(True, True)}
+        assert landed == [True]
+        worker.shutdown()
+    finally:
+        owner.close()
+
+
 def test_worker_reports_loads_it_cannot_do_as_load_errors() -> None:
     import torch
 
