@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.config_model import KVTierConfig
+from kvtier.config.model import KVTierConfig
 from kvtier.layout import KVLayout
 from kvtier.plugins import PluginFactory, PluginRegistry
 from kvtier.specs.base import OffloadingSpec
