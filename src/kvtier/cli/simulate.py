@@ -17,6 +17,7 @@ import click
 from pydantic import ByteSize, TypeAdapter, ValidationError
 from rich.console import Console
 
+from kvtier.cli.options import EXISTING_FILE
 from kvtier.cli.policy_report import policy_table, run
 from kvtier.cli.routing_report import routing_table, run_routing
 from kvtier.errors import KVTierError, MissingDependencyError
@@ -160,7 +161,7 @@ _BYTES: TypeAdapter[ByteSize] = TypeAdapter(ByteSize)
 @click.option(
     "--kv",
     "kv_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=EXISTING_FILE,
     help="A .npy of KV chunks, shaped (chunks, layers, 2, tokens, kv_heads, head_dim), "
     "float16, float32 or bfloat16 (benchmarks/bench_codecs.py --save-kv writes one).",
 )

@@ -39,6 +39,7 @@ from pydantic import ByteSize, Field, FilePath, SecretStr, field_validator, mode
 
 from kvtier.errors import CorruptChunkError, KVTierError
 from kvtier.keys import ChunkKey
+from kvtier.tiers.addresses import is_loopback
 from kvtier.tiers.base import (
     HealthCheck,
     HolderIndex,
@@ -299,7 +300,7 @@ class PeerTier(ThreadedTier[PeerTierOptions]):
             tls=self._server_tls,
         )
         where = protocol.format_address(*server.address)
-        if protocol.is_loopback(host) or self._server_tls is not None:
+        if is_loopback(host) or self._server_tls is not None:
             logger.info(
                 "p2p: peer service bound to %s%s", where, " (TLS)" if self._server_tls else ""
             )
