@@ -126,12 +126,73 @@ class Probe:
         setattr(owner, attribute, timed)
 
 
+def probe_lookup_path(probe: Probe, cache: Any, tier: Any) -> None:
+    """Time the caller's lookups and steps, the tier's existence checks and submits."""
+    manager = cache.manager
+    probe.wrap(tier, "_contains", "checks", count=len)
+    probe.wrap(tier, "submit_load", "submit")
+    # KVCache enters the manager once per look (lookup_pinned); older ones, by lookup.
+    entry = "lookup_pinned" if hasattr(manager, "lookup_pinned") else "lookup"
+    probe.wrap(manager, entry, "lookup")
+    probe.wrap(manager, "step", "step")
+
+
+def bring_back(cache: Any, tokens: Any, expected: Any, out: Any) -> tuple[float, float, float]:
+    """``cached_prefix`` + ``load`` of ``tokens`` into ``out``, every byte checked
+    against ``expected``: ``(begin, prefix_s, load_s)``."""
+    import numpy as np
+
+    begin = time.perf_counter()
+    found = cache.cached_prefix(tokens)
+    prefix_s = time.perf_counter() - begin
+    loaded = cache.load(tokens, found, out)
+    load_s = time.perf_counter() - begin - prefix_s
+    if loaded != len(tokens) or not np.array_equal(out, expected):
+        raise SystemExit(f"loaded {loaded} of {len(tokens)} tokens, or wrong bytes")
+    return begin, prefix_s, load_s
+
+
+def breakdown(
+    probe: Probe, begin: float, prefix_s: float, load_s: float, expected: Any
+) -> dict[str, Any]:
+    """The figures of one cold prefix (see the module's header) from its probe,
+    and the time one thread takes to checksum the prefix in memory."""
+    from kvtier import integrity
+
+    hashed = time.perf_counter()
+    for row in expected:
+        integrity.checksum(row)
+    checksum_s = time.perf_counter() - hashed
+    sums, counts = probe.sums, probe.counts
+    io_end = probe.last.get("io", begin)
+    return {
+        "verified_chunks": len(expected),
+        "total_s": prefix_s + load_s,
+        "prefix_s": prefix_s,
+        "lookup_s": sums.get("lookup", 0.0),
+        "lookups": counts.get("lookup", 0),
+        "step_s": sums.get("step", 0.0),
+        "steps": counts.get("step", 0),
+        "checks_s": sums.get("checks", 0.0),
+        "checked_keys": counts.get("checks", 0),
+        "checks_span_s": probe.last.get("checks", begin) - begin,
+        "first_submit_s": probe.first.get("submit", begin) - begin,
+        "jobs": counts.get("submit", 0),
+        "io_s": sums.get("io", 0.0),
+        "io_span_s": io_end - probe.first.get("io", begin),
+        "tail_s": begin + prefix_s - io_end,
+        "waits_s": prefix_s - sums.get("lookup", 0.0) - sums.get("step", 0.0),
+        "checksum_s": checksum_s,
+        "copies_s": load_s,
+    }
+
+
 def measure_cold(
     root: str, size: int, chunk: int, seed: int, threads: int, immediate: bool
 ) -> dict[str, Any]:
     import numpy as np
 
-    from kvtier import KVCache, integrity
+    from kvtier import KVCache
     from kvtier.tiers.fs import io as chunk_io
 
     layout = layout_for(chunk)
@@ -178,54 +239,20 @@ def measure_cold(
         )
         watcher.start()
         index_ready = tier.index_ready
-        manager = cache.manager
-        probe.wrap(tier, "_contains", "checks", count=len)
-        probe.wrap(tier, "submit_load", "submit")
-        # KVCache enters the manager once per look (lookup_pinned); older ones, by lookup.
-        entry = "lookup_pinned" if hasattr(manager, "lookup_pinned") else "lookup"
-        probe.wrap(manager, entry, "lookup")
-        probe.wrap(manager, "step", "step")
-        begin = time.perf_counter()
-        found = cache.cached_prefix(tokens)
-        prefix_s = time.perf_counter() - begin
-        loaded = cache.load(tokens, found, out)
-        load_s = time.perf_counter() - begin - prefix_s
-        if loaded != len(tokens) or not np.array_equal(out, expected):
-            raise SystemExit(f"loaded {loaded} of {len(tokens)} tokens, or wrong bytes")
+        probe_lookup_path(probe, cache, tier)
+        begin, prefix_s, load_s = bring_back(cache, tokens, expected, out)
         watcher.join()
     finally:
         cache.close()
-    hashed = time.perf_counter()
-    for row in expected:
-        integrity.checksum(row)
-    checksum_s = time.perf_counter() - hashed
-    sums, counts = probe.sums, probe.counts
-    io_end = probe.last.get("io", begin)
     return {
+        **breakdown(probe, begin, prefix_s, load_s, expected),
         "store_s": store_s,
         "cold": cold,
-        "verified_chunks": chunks,
-        "total_s": prefix_s + load_s,
-        "prefix_s": prefix_s,
         "construct_s": construct_s,
         "populate_s": populate_s,
         "reindex_s": reindexed[0] - started if reindexed and reindexed[0] else None,
         "index_ready": index_ready,
-        "lookup_s": sums.get("lookup", 0.0),
-        "lookups": counts.get("lookup", 0),
-        "step_s": sums.get("step", 0.0),
-        "steps": counts.get("step", 0),
-        "checks_s": sums.get("checks", 0.0),
-        "checked_keys": counts.get("checks", 0),
-        "first_submit_s": probe.first.get("submit", begin) - begin,
-        "jobs": counts.get("submit", 0),
-        "io_s": sums.get("io", 0.0),
-        "io_span_s": io_end - probe.first.get("io", begin),
         "io_threads": threads,
-        "tail_s": begin + prefix_s - io_end,
-        "waits_s": prefix_s - sums.get("lookup", 0.0) - sums.get("step", 0.0),
-        "checksum_s": checksum_s,
-        "copies_s": load_s,
     }
 
 

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench_cold import Probe, layout_for
+from bench_cold import Probe, breakdown, bring_back, layout_for, probe_lookup_path
 
 #: A raw client of its own for one run, set up before the clock starts, as the
 #: fresh ``KVCache`` is: ``(its read of all the names, its close)``.
@@ -138,7 +138,7 @@ def measure_kvtier(stored: StoredPrefix, seed: int) -> dict[str, Any]:
     """A fresh ``KVCache`` brings the stored prefix back; every byte checked."""
     import numpy as np
 
-    from kvtier import KVCache, integrity
+    from kvtier import KVCache
 
     layout, tokens, expected = stored.ensure(seed)
     out = np.ones_like(expected)  # the engine's memory: allocated and touched before
@@ -150,53 +150,20 @@ def measure_kvtier(stored: StoredPrefix, seed: int) -> dict[str, Any]:
         cache.manager.primary.buffer.wait_populated()  # as an engine's first request
         populate_s = time.perf_counter() - started
         tier: Any = cache.manager.tiers[0]
-        manager = cache.manager
-        probe.wrap(tier, "_contains", "checks", count=len)
-        probe.wrap(tier, "submit_load", "submit")
+        probe_lookup_path(probe, cache, tier)
         probe.wrap(tier, "_transfer", "io")
-        probe.wrap(manager, "lookup_pinned", "lookup")
-        probe.wrap(manager, "step", "step")
-        begin = time.perf_counter()
-        found = cache.cached_prefix(tokens)
-        prefix_s = time.perf_counter() - begin
-        loaded = cache.load(tokens, found, out)
-        load_s = time.perf_counter() - begin - prefix_s
-        if loaded != len(tokens) or not np.array_equal(out, expected):
-            raise SystemExit(f"loaded {loaded} of {len(tokens)} tokens, or wrong bytes")
+        begin, prefix_s, load_s = bring_back(cache, tokens, expected, out)
     finally:
         cache.close()
-    hashed = time.perf_counter()
-    for row in expected:
-        integrity.checksum(row)
-    checksum_s = time.perf_counter() - hashed
-    sums, counts = probe.sums, probe.counts
-    io_end = probe.last.get("io", begin)
     return {
         **stored.figures,
+        **breakdown(probe, begin, prefix_s, load_s, expected),
         "gbps": stored.size / (prefix_s + load_s) / 1e9,
         "store_gbps": stored.size / stored.figures["store_s"] / 1e9,
         "cold": "fresh KVCache",
-        "verified_chunks": len(expected),
-        "total_s": prefix_s + load_s,
-        "prefix_s": prefix_s,
         "construct_s": construct_s,
         "populate_s": populate_s,
         "index_ready": None,
-        "lookup_s": sums.get("lookup", 0.0),
-        "lookups": counts.get("lookup", 0),
-        "step_s": sums.get("step", 0.0),
-        "steps": counts.get("step", 0),
-        "checks_s": sums.get("checks", 0.0),
-        "checked_keys": counts.get("checks", 0),
-        "checks_span_s": probe.last.get("checks", begin) - begin,
-        "first_submit_s": probe.first.get("submit", begin) - begin,
-        "jobs": counts.get("submit", 0),
-        "io_s": sums.get("io", 0.0),
-        "io_span_s": io_end - probe.first.get("io", begin),
-        "tail_s": begin + prefix_s - io_end,
-        "waits_s": prefix_s - sums.get("lookup", 0.0) - sums.get("step", 0.0),
-        "checksum_s": checksum_s,
-        "copies_s": load_s,
     }
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from traces import ROOT, mooncake_trace
 
-from kvtier.cli.simulate import run
+from kvtier.cli.policy_report import run
 from kvtier.sim.synthetic import ChatShape, chat_trace
 from kvtier.sim.trace import Request, distinct_blocks, parse_records, read_trace
 

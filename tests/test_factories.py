@@ -518,6 +518,29 @@ def test_a_new_kind_of_plugin_is_a_factory_over_a_registry_of_its_own() -> None:
     assert str(error.value).startswith("codec: unknown codec 'zstd'")
 
 
+def test_built_ins_given_to_a_registry_are_registered_lazily_and_uniquely() -> None:
+    from kvtier.plugins import PluginRegistry
+
+    registry = PluginRegistry(
+        kind="secondary tier",
+        base=SecondaryTier,
+        entry_point_group="kvtier.tiers",
+        builtins=[("mem", "kvtier.tiers.memory", "MemoryTier")],
+    )
+    assert registry.name_key == "type" and registry.module_key == "module_path"
+    assert registry.registered_target("mem") == "kvtier.tiers.memory.MemoryTier"
+    assert registry.resolve("mem") is MemoryTier
+    with pytest.raises(ValueError, match="'mem' is already registered"):
+        registry.register("mem", "kvtier.tiers.memory", "MemoryTier")
+    with pytest.raises(ValueError, match="'twice' is already registered"):
+        PluginRegistry(
+            kind="secondary tier",
+            base=SecondaryTier,
+            entry_point_group="kvtier.tiers",
+            builtins=[("twice", "a", "A"), ("twice", "b", "B")],
+        )
+
+
 class NamedOptionsTier(MemoryTier):
     """Names its options in its own signature (no ``**kwargs`` to pass on)."""
 

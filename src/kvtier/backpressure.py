@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.settings import BackpressureConfig
+from kvtier.config.sections import BackpressureConfig
 
 
 class Backpressure:

@@ -25,12 +25,12 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from kvtier.backpressure import Backpressure
+from kvtier.config.sections import BackpressureConfig
 from kvtier.jobs import JobBook, JobListener
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
 from kvtier.progress import Progress
 from kvtier.residency import ResidencyFeed
-from kvtier.settings import BackpressureConfig
 from kvtier.tiers.base import Lookup, LookupContext, SecondaryTier, TierMetric, TransferJob
 
 logger = logging.getLogger(__name__)

@@ -29,9 +29,9 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, s
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.config.sections import MetricsConfig
 from kvtier.manager import TieringManager
 from kvtier.recording import TraceRecorder
-from kvtier.settings import MetricsConfig
 from kvtier.tiers.base import JobResult, SecondaryTier, TierMetric
 
 logger = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, Generic, TypeVar, cast
@@ -74,10 +75,13 @@ class PluginRegistry(Generic[T]):
         *,
         kind: str,
         base: type[Any],
-        name_key: str,
-        module_key: str,
         entry_point_group: str,
+        name_key: str = "type",
+        module_key: str = "module_path",
+        builtins: Iterable[tuple[str, str, str]] = (),
     ) -> None:
+        """``builtins``: ``(name, module_path, class_name)`` of each built-in,
+        registered as :meth:`register` would (imported on first use)."""
         self.kind = kind
         self.base = base
         self.name_key = name_key
@@ -90,6 +94,8 @@ class PluginRegistry(Generic[T]):
         # one came from: each use is logged as a load is, and a module path
         # is checked against the allow-list again (which may have changed).
         self._resolved: dict[tuple[str, str | None], tuple[type[T], _LazyClass | None]] = {}
+        for name, module_path, class_name in builtins:
+            self.register(name, module_path, class_name)
 
     def register(self, name: str, module_path: str, class_name: str) -> None:
         """Make ``name`` resolve to ``module_path.class_name``, imported on first use."""

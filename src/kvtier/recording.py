@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
+from kvtier.config.sections import TraceRecordingConfig
 from kvtier.keys import ChunkKey
-from kvtier.settings import TraceRecordingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -373,12 +373,12 @@ def test_a_lora_adapter_retrained_under_its_launch_name_shares_nothing(
 ) -> None:
     """SGLang names an adapter of --lora-paths by its name and path: servers
     launched with other files there must not share pages."""
-    from kvtier.integrations.sglang import settings
+    from kvtier.integrations.sglang import engine_config
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     write_weights(adapter, bytes(64))
-    monkeypatch.setattr(settings, "launch_lora_paths", lambda _args: [f"tuned={adapter}"])
+    monkeypatch.setattr(engine_config, "launch_lora_paths", lambda _args: [f"tuned={adapter}"])
     found = found_before_and_after_a_change_in_place(tmp_path / "kv", adapter, 9)
     assert found == (len(TOKENS) // PAGE, 0)
 
@@ -390,11 +390,11 @@ def test_launch_arguments_that_change_the_kv_share_nothing(
     the KV the same files compute: such servers never read each other's pages."""
     from types import SimpleNamespace
 
-    from kvtier.integrations.sglang import settings
+    from kvtier.integrations.sglang import engine_config
 
     scales = tmp_path / "kv_scales.json"
     scales.write_text('{"k": 1.0}')
-    base = {name: None for name in settings.KV_SERVER_ARGS} | {"dtype": "auto"}
+    base = {name: None for name in engine_config.KV_SERVER_ARGS} | {"dtype": "auto"}
     launches = {
         "plain": base,
         "fp8 weights": base | {"quantization": "fp8"},
@@ -411,7 +411,7 @@ def test_launch_arguments_that_change_the_kv_share_nothing(
     }
 
     def launched(launch: dict[str, Any]) -> None:
-        monkeypatch.setattr(settings, "launch_server_args", lambda: SimpleNamespace(**launch))
+        monkeypatch.setattr(engine_config, "launch_server_args", lambda: SimpleNamespace(**launch))
 
     root, keys = tmp_path / "kv", page_hashes(TOKENS)
     pool = host_pool()
@@ -443,7 +443,7 @@ def test_the_launch_revision_and_download_dir_pick_the_snapshot_identified(
     not identify the weights."""
     from types import SimpleNamespace
 
-    from kvtier.integrations.sglang import settings
+    from kvtier.integrations.sglang import engine_config
     from kvtier.testing.hub import hub_snapshot
 
     cache = tmp_path / "hub"
@@ -454,19 +454,19 @@ def test_the_launch_revision_and_download_dir_pick_the_snapshot_identified(
         write_weights(files, values)
         hub_snapshot(cache, "org/tiny", files, commit)  # main: the last one, b
     branch = cache / "models--org--tiny" / "refs" / "v2"
-    launch = {name: None for name in settings.KV_SERVER_ARGS}
+    launch = {name: None for name in engine_config.KV_SERVER_ARGS}
     launch |= {"revision": "v2", "download_dir": str(cache)}
-    monkeypatch.setattr(settings, "launch_server_args", lambda: SimpleNamespace(**launch))
+    monkeypatch.setattr(engine_config, "launch_server_args", lambda: SimpleNamespace(**launch))
     storage = SimpleNamespace(model_name="org/tiny")
     facts = []
     for commit in ("a" * 40, "b" * 40):
         branch.write_text(commit)
-        facts.append(settings.model_facts(storage, SimpleNamespace(), None))
+        facts.append(engine_config.model_facts(storage, SimpleNamespace(), None))
     weights = [dict(fact.extra)["weights"] for fact in facts]
     assert weights[0] != weights[1]
-    main = {name: None for name in settings.KV_SERVER_ARGS} | {"download_dir": str(cache)}
-    monkeypatch.setattr(settings, "launch_server_args", lambda: SimpleNamespace(**main))
-    on_main = settings.model_facts(storage, SimpleNamespace(), None)
+    main = {name: None for name in engine_config.KV_SERVER_ARGS} | {"download_dir": str(cache)}
+    monkeypatch.setattr(engine_config, "launch_server_args", lambda: SimpleNamespace(**main))
+    on_main = engine_config.model_facts(storage, SimpleNamespace(), None)
     assert dict(on_main.extra)["weights"] == weights[1]
 
 
@@ -478,14 +478,14 @@ def test_weights_loaded_from_elsewhere_than_files_need_kvtier_model_id(
     at the model path (another instance may have updated its own)."""
     from types import SimpleNamespace
 
-    from kvtier.integrations.sglang import settings
+    from kvtier.integrations.sglang import engine_config
 
-    launch = {name: None for name in settings.KV_SERVER_ARGS} | {"load_format": load_format}
-    monkeypatch.setattr(settings, "launch_server_args", lambda: SimpleNamespace(**launch))
+    launch = {name: None for name in engine_config.KV_SERVER_ARGS} | {"load_format": load_format}
+    monkeypatch.setattr(engine_config, "launch_server_args", lambda: SimpleNamespace(**launch))
     storage = SimpleNamespace(model_name=model_dir())
     with pytest.raises(ConfigError, match=f"kvtier_model_id.*--load-format {load_format}"):
-        settings.model_facts(storage, SimpleNamespace(), None)
-    declared = settings.model_facts(storage, SimpleNamespace(), "acme/tiny@1")
+        engine_config.model_facts(storage, SimpleNamespace(), None)
+    declared = engine_config.model_facts(storage, SimpleNamespace(), "acme/tiny@1")
     assert dict(declared.extra)["weights"] == "declared:acme/tiny@1"
 
 
@@ -494,38 +494,43 @@ def test_launch_adapters_are_read_in_every_form_sglang_takes_and_must_be_identif
 ) -> None:
     from types import SimpleNamespace
 
-    from kvtier.integrations.sglang import settings
+    from kvtier.integrations.sglang import engine_config
 
-    assert settings.launch_server_args() is None  # no server published its arguments here
-    assert settings.launch_lora_paths(None) is None
-    assert settings.launch_lora_paths(SimpleNamespace(enable_lora=False, lora_paths=["a"])) is None
+    assert engine_config.launch_server_args() is None  # no server published its arguments here
+    assert engine_config.launch_lora_paths(None) is None
+    assert (
+        engine_config.launch_lora_paths(SimpleNamespace(enable_lora=False, lora_paths=["a"]))
+        is None
+    )
     forms = [
         "a=/x/a",
         "/x/b",
         {"lora_name": "c", "lora_path": "/x/c"},
         SimpleNamespace(lora_name="d", lora_path="/x/d"),
     ]
-    assert settings.preloaded_adapters(forms) == [
+    assert engine_config.preloaded_adapters(forms) == [
         ("a", "/x/a"),
         ("/x/b", "/x/b"),
         ("c", "/x/c"),
         ("d", "/x/d"),
     ]
-    assert settings.preloaded_adapters({"e": "/x/e"}) == [("e", "/x/e")]
-    assert settings.adapter_facts(None) == settings.adapter_facts([]) == ()
+    assert engine_config.preloaded_adapters({"e": "/x/e"}) == [("e", "/x/e")]
+    assert engine_config.adapter_facts(None) == engine_config.adapter_facts([]) == ()
     # Two adapters whose files trade places are another launch, not the same one.
     first, second = tmp_path / "p1", tmp_path / "p2"
     for directory, values in ((first, bytes(64)), (second, bytes(range(64)))):
         directory.mkdir()
         write_weights(directory, values)
     launch = [f"x={first}", f"y={second}"]
-    before = settings.adapter_facts(launch)
+    before = engine_config.adapter_facts(launch)
     swapped = tmp_path / "swap"
     (first / "model.safetensors").rename(swapped)
     (second / "model.safetensors").rename(first / "model.safetensors")
     swapped.rename(second / "model.safetensors")
-    assert settings.adapter_facts(launch) != before
-    monkeypatch.setattr(settings, "launch_lora_paths", lambda _args: ["remote=org/not-downloaded"])
+    assert engine_config.adapter_facts(launch) != before
+    monkeypatch.setattr(
+        engine_config, "launch_lora_paths", lambda _args: ["remote=org/not-downloaded"]
+    )
     with pytest.raises(ConfigError, match="'remote'"):
         attach(host_pool(), extra_config(fs_config(tmp_path / "kv")))
 

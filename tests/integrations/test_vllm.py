@@ -553,7 +553,7 @@ def _engine_config(
 def test_layout_slot_is_layers_times_blocks_times_pages_and_names_the_page_format(
     model: Path,
 ) -> None:
-    from kvtier.integrations.vllm.settings import kv_layout
+    from kvtier.integrations.vllm.engine_config import kv_layout
 
     model_config = _model_config(model)
     layout, shape = kv_layout(*_engine_config(32, model_config=model_config), chunk_tokens=64)
@@ -570,7 +570,7 @@ def test_layout_slot_is_layers_times_blocks_times_pages_and_names_the_page_forma
 
 def test_chunk_tokens_must_be_whole_blocks(model: Path) -> None:
     from kvtier import ConfigError
-    from kvtier.integrations.vllm.settings import kv_layout
+    from kvtier.integrations.vllm.engine_config import kv_layout
 
     model_config = _model_config(model)
     with pytest.raises(ConfigError, match=r"chunk_tokens.*multiple of vLLM's block_size=32"):
@@ -583,7 +583,7 @@ def test_a_cache_that_drops_pages_outside_a_window_is_refused(model: Path, kind:
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
     from kvtier.errors import LayoutMismatchError
-    from kvtier.integrations.vllm.settings import kv_layout
+    from kvtier.integrations.vllm.engine_config import kv_layout
 
     vllm_config, kv_cache_config = _engine_config(32, model_config=_model_config(model))
     common = {"block_size": 32, "num_kv_heads": 2, "head_size": 32, "dtype": torch.float32}
@@ -604,7 +604,7 @@ def test_a_model_with_non_causal_layers_is_refused(model: Path) -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from kvtier.errors import LayoutMismatchError
-    from kvtier.integrations.vllm.settings import kv_layout
+    from kvtier.integrations.vllm.engine_config import kv_layout
 
     vllm_config, kv_cache_config = _engine_config(32, model_config=_model_config(model))
     kv_cache_config.kv_cache_groups[0].kv_cache_spec = FullAttentionSpec(
@@ -615,7 +615,7 @@ def test_a_model_with_non_causal_layers_is_refused(model: Path) -> None:
 
 
 def _namespace(model_config: Any, load_config: Any = None, **options: Any) -> bytes:
-    from kvtier.integrations.vllm.settings import kv_layout
+    from kvtier.integrations.vllm.engine_config import kv_layout
 
     engine = _engine_config(32, model_config=model_config, load_config=load_config)
     layout, _ = kv_layout(*engine, chunk_tokens=64, **options)
@@ -623,7 +623,7 @@ def _namespace(model_config: Any, load_config: Any = None, **options: Any) -> by
 
 
 def test_the_kv_cache_dtype_and_the_layers_it_skips_are_in_the_namespace(model: Path) -> None:
-    from kvtier.integrations.vllm.settings import kv_layout
+    from kvtier.integrations.vllm.engine_config import kv_layout
 
     namespaces = set()
     for cache_dtype, skipped in (("auto", []), ("fp8", []), ("fp8", ["0"]), ("fp8", ["0", "1"])):
@@ -749,7 +749,7 @@ def test_the_draft_model_of_speculative_decoding_is_in_the_namespace(
     import shutil
     from types import SimpleNamespace
 
-    from kvtier.integrations.vllm.settings import kv_layout
+    from kvtier.integrations.vllm.engine_config import kv_layout
 
     def namespace(method: str | None, draft: Any, **options: Any) -> bytes:
         vllm_config, kv_cache_config = _engine_config(32, model_config=_model_config(model))
@@ -799,7 +799,7 @@ def test_weights_kvtier_cannot_identify_need_a_declared_model_id(model: Path) ->
 
 
 def test_parallel_layout_holds_every_rank_part_and_enters_the_namespace(model: Path) -> None:
-    from kvtier.integrations.vllm.settings import kv_layout
+    from kvtier.integrations.vllm.engine_config import kv_layout
 
     two_layers = _model_config(model)
     four_layers = _model_config(model, hf_overrides={"num_hidden_layers": 4})
@@ -836,7 +836,7 @@ def test_parallel_layout_holds_every_rank_part_and_enters_the_namespace(model: P
 
 def test_connector_options_take_one_config_source() -> None:
     from kvtier import ConfigError
-    from kvtier.integrations.vllm.settings import connector_options, kvtier_config
+    from kvtier.integrations.vllm.engine_config import connector_options, kvtier_config
 
     options = connector_options({"kvtier": {"chunk_tokens": 64}, "kvtier_config_file": "x.yaml"})
     with pytest.raises(ConfigError, match="either 'kvtier'"):
@@ -857,7 +857,7 @@ def test_connector_options_take_one_config_source() -> None:
 )
 def test_unknown_connector_key_is_an_error_naming_the_nearest(typo: str, meant: str) -> None:
     from kvtier import ConfigError
-    from kvtier.integrations.vllm.settings import connector_options
+    from kvtier.integrations.vllm.engine_config import connector_options
 
     with pytest.raises(ConfigError) as error:
         connector_options({typo: "x"})
@@ -880,8 +880,8 @@ def test_worker_round_trips_pages_through_shared_slots(page_shape: Any, tmp_path
 
     import torch
 
+    from kvtier.integrations.vllm.engine_config import VllmGeometry
     from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer, StepResult
-    from kvtier.integrations.vllm.settings import VllmGeometry
     from kvtier.integrations.vllm.worker import WorkerSide
     from kvtier.primary import SlotBuffer
 
@@ -972,12 +972,12 @@ def test_worker_reports_a_load_once_its_copy_ended_so_its_slots_stay_pinned_unti
 def test_worker_reports_loads_it_cannot_do_as_load_errors() -> None:
     import torch
 
+    from kvtier.integrations.vllm.engine_config import VllmGeometry
     from kvtier.integrations.vllm.metadata import (
         KVTierConnectorMetadata,
         SharedBuffer,
         StepResult,
     )
-    from kvtier.integrations.vllm.settings import VllmGeometry
     from kvtier.integrations.vllm.worker import WorkerSide
 
     shape = VllmGeometry(("l0",), 32, 1, 2 * 32 * 64 * 4, 8)
@@ -993,12 +993,12 @@ def test_worker_reports_loads_it_cannot_do_as_load_errors() -> None:
 
 
 def test_worker_without_kv_caches_fails_stores_instead_of_offloading_empty_slots() -> None:
+    from kvtier.integrations.vllm.engine_config import VllmGeometry
     from kvtier.integrations.vllm.metadata import (
         KVTierConnectorMetadata,
         SharedBuffer,
         StepResult,
     )
-    from kvtier.integrations.vllm.settings import VllmGeometry
     from kvtier.integrations.vllm.worker import WorkerSide
 
     shape = VllmGeometry(("l0",), 32, 1, 2 * 32 * 64 * 4, 8)
@@ -1048,8 +1048,8 @@ def test_tensor_parallel_ranks_share_each_slot_in_disjoint_parts() -> None:
 
     import torch
 
+    from kvtier.integrations.vllm.engine_config import VllmGeometry
     from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer
-    from kvtier.integrations.vllm.settings import VllmGeometry
     from kvtier.integrations.vllm.worker import WorkerSide
     from kvtier.primary import SlotBuffer
 
@@ -1109,9 +1109,9 @@ def test_a_chunk_is_stored_only_when_every_rank_copied_its_part(
     from types import SimpleNamespace
 
     from kvtier import KVCache
+    from kvtier.integrations.vllm.engine_config import kv_layout
     from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata, StepResult
     from kvtier.integrations.vllm.scheduler import SchedulerSide
-    from kvtier.integrations.vllm.settings import kv_layout
 
     layout, shape = kv_layout(
         *_engine_config(32, tp=2, model_config=_model_config(model)), chunk_tokens=64
@@ -1172,9 +1172,9 @@ def test_slots_name_goes_once_every_worker_mapped_them_at_start_up(model: Path) 
 
     from kvtier import KVCache
     from kvtier.config import load_config
+    from kvtier.integrations.vllm.engine_config import kv_layout, with_shared_memory
     from kvtier.integrations.vllm.metadata import KVTierHandshake
     from kvtier.integrations.vllm.scheduler import SchedulerSide
-    from kvtier.integrations.vllm.settings import kv_layout, with_shared_memory
     from kvtier.integrations.vllm.worker import WorkerSide
 
     layout, shape = kv_layout(

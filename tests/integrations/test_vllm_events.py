@@ -177,8 +177,8 @@ def test_events_follow_vllms_setting_and_the_connector_option(
     from vllm.config import KVEventsConfig
 
     from kvtier.config import load_config
+    from kvtier.integrations.vllm.engine_config import VllmGeometry, connector_options
     from kvtier.integrations.vllm.events import tier_events
-    from kvtier.integrations.vllm.settings import VllmGeometry, connector_options
 
     config = load_config({"secondary_tiers": [{"type": "memory"}, {"type": "fs", "root_dir": "/x"},
                                                {"type": "fs", "root_dir": "/y"}]})  # fmt: skip
@@ -198,7 +198,7 @@ def test_events_follow_vllms_setting_and_the_connector_option(
 
 
 def test_a_misspelt_event_option_names_the_nearest_key() -> None:
-    from kvtier.integrations.vllm.settings import connector_options
+    from kvtier.integrations.vllm.engine_config import connector_options
 
     with pytest.raises(ConfigError, match="did you mean 'kvtier_kv_events_media'"):
         connector_options({"kvtier_kv_event_media": {}})

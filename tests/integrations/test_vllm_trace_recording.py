@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
 
 from kvtier import KVCache
+from kvtier.integrations.vllm.engine_config import VllmGeometry
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.settings import VllmGeometry
 from kvtier.sim.trace import read_trace
 from kvtier.testing import small_layout
 

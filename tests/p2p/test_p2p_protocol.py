@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvtier.errors import PeerAuthError, PeerProtocolError
 from kvtier.layout import KEY_BYTES
+from kvtier.tiers.addresses import is_loopback
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.flow import ByteBudget, SendPacer
 from kvtier.tiers.p2p.protocol import MessageType
@@ -116,10 +117,10 @@ def test_address_parser_reads_hosts_and_ports(text: str, expected: tuple[str, in
 
 
 def test_loopback_detection() -> None:
-    assert protocol.is_loopback("127.0.0.1") and protocol.is_loopback("::1")
-    assert protocol.is_loopback("localhost")
-    assert not protocol.is_loopback("0.0.0.0") and not protocol.is_loopback("10.1.2.3")
-    assert not protocol.is_loopback("node-a")
+    assert is_loopback("127.0.0.1") and is_loopback("::1")
+    assert is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    assert not is_loopback("node-a")
 
 
 def test_byte_budget_holds_back_what_does_not_fit() -> None:

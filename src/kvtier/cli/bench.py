@@ -32,7 +32,7 @@ from rich.progress import (
 from rich.table import Table
 
 from kvtier.cli.memory import refuse_beyond_memory
-from kvtier.cli.options import POSITIVE, Seconds
+from kvtier.cli.options import POSITIVE, Seconds, config_argument
 from kvtier.cli.probe import (
     PHASES,
     bench_tier,
@@ -57,7 +57,7 @@ def copy_baseline(slots: np.ndarray, batch: int, rounds: int) -> float:
 
 
 @click.command()
-@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@config_argument
 @click.option(
     "--chunks", type=POSITIVE, default=128, show_default=True, help="Chunks to move per tier."
 )

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtier.cli.memory import refuse_beyond_memory
-from kvtier.cli.options import POSITIVE, Seconds
+from kvtier.cli.options import POSITIVE, Seconds, config_argument
 from kvtier.cli.probe import PHASES, bench_tier, codec_facts, needs_floats, probe_layout
 from kvtier.config import load_config
 from kvtier.errors import KVTierError, describe_error
@@ -95,7 +95,7 @@ def _abandon(message: str) -> NoReturn:
 
 
 @click.command()
-@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@config_argument
 @click.option(
     "--chunks",
     type=POSITIVE,

@@ -18,6 +18,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from kvtier.cli.options import EXISTING_FILE
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import KVTierError, MissingDependencyError, describe_error
 from kvtier.units import format_bytes
@@ -43,7 +44,7 @@ def default_config(directory: Path, chunk_tokens: int) -> dict[str, Any]:
 @click.option(
     "--config",
     "config_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=EXISTING_FILE,
     help="kvtier configuration to run the workload on [default: a CPU tier and an "
     "fs tier under --dir].",
 )

@@ -1,8 +1,9 @@
-"""Option types shared by the commands."""
+"""Option and argument types shared by the commands."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import click
@@ -25,3 +26,9 @@ class Seconds(click.FloatRange):
 
 #: Counts and sizes that must be at least one.
 POSITIVE = click.IntRange(min=1)
+
+#: A file that must exist when the command starts.
+EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+
+#: The kvtier configuration file a command runs on.
+config_argument = click.argument("config", type=EXISTING_FILE)

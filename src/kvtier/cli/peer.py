@@ -8,19 +8,15 @@ a fleet can be tried, tested and benchmarked with no engine at all.
 
 from __future__ import annotations
 
-import json
-import signal
 import sys
-import threading
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
 import click
 import numpy as np
 
-from kvtier.cli.options import POSITIVE
+from kvtier.cli.options import POSITIVE, config_argument
 from kvtier.cli.probe import probe_layout
+from kvtier.cli.serving import layout_option, read_layout, stop_on_signals
 from kvtier.config import load_config
 from kvtier.errors import KVTierError, describe_error
 from kvtier.facade import KVCache
@@ -43,27 +39,9 @@ def synthetic_chunks(layout: KVLayout, count: int, seed: int) -> tuple[np.ndarra
     return tokens, data
 
 
-def read_layout(path: Path) -> KVLayout:
-    """A :class:`KVLayout` from a JSON object of its fields."""
-    try:
-        fields: dict[str, Any] = json.loads(path.read_text())
-        if not isinstance(fields, dict):
-            raise TypeError("expected a JSON object of KVLayout fields")
-        if isinstance(fields.get("extra"), dict):
-            fields["extra"] = tuple(sorted(fields["extra"].items()))
-        return KVLayout(**fields)
-    except (OSError, ValueError, TypeError) as exc:
-        raise click.BadParameter(f"{path}: {exc}", param_hint="--layout") from None
-
-
 @click.command()
-@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option(
-    "--layout",
-    "layout_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSON object of the KVLayout fields of the engine whose chunks this node shares.",
-)
+@config_argument
+@layout_option("JSON object of the KVLayout fields of the engine whose chunks this node shares.")
 @click.option(
     "--chunk-kib",
     type=POSITIVE,
@@ -102,13 +80,7 @@ def peer(
     except Exception as exc:  # a port in use, a backend down: the node cannot start
         click.echo(f"cannot start the node: {describe_error(exc)}", err=True)
         sys.exit(1)
-    stop = threading.Event()
-
-    def request_stop(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    stop = stop_on_signals()
     try:
         addresses = [
             tier.address

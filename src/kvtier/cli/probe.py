@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.codecs.samples import kv_like
-from kvtier.config_model import KVTierConfig
+from kvtier.config.model import KVTierConfig
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers.base import JobResult, Lookup, SecondaryTier, TransferJob

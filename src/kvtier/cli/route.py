@@ -6,39 +6,32 @@ will do). See :mod:`kvtier.fleet.service` for the requests it answers.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
-from types import FrameType
 
 import click
 
-from kvtier.cli.peer import read_layout
+from kvtier.cli.options import EXISTING_FILE, config_argument
+from kvtier.cli.serving import layout_option, read_layout, stop_on_signals
 from kvtier.config import load_config
 from kvtier.errors import KVTierError
 from kvtier.fleet.factory import build_index
 from kvtier.fleet.routing import FleetIndex
 from kvtier.fleet.service import RouteService
+from kvtier.tiers.addresses import is_loopback
 
 TOKEN_ENV = "KVTIER_ROUTE_TOKEN"
 
 
 @click.command()
-@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option(
-    "--layout",
-    "layout_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSON object of the engines' KVLayout fields: lets requests send token ids.",
-)
+@config_argument
+@layout_option("JSON object of the engines' KVLayout fields: lets requests send token ids.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8780, show_default=True, type=click.IntRange(0, 65535))
 @click.option(
     "--token-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=EXISTING_FILE,
     help=f"File holding the bearer token requests must carry (or set {TOKEN_ENV}).",
 )
 @click.option(
@@ -73,7 +66,7 @@ def route(
     if token is None and not no_auth:
         click.echo(f"set {TOKEN_ENV} or --token-file (or --no-auth on loopback)", err=True)
         sys.exit(2)
-    if token is None and not _is_loopback(host):
+    if token is None and not is_loopback(host):
         click.echo("--no-auth is refused on a non-loopback --host", err=True)
         sys.exit(2)
     layout = read_layout(layout_path) if layout_path else None
@@ -85,13 +78,7 @@ def route(
     service = RouteService(
         fleet, host=host, port=port, token=token, max_body_bytes=max_body_bytes
     ).start()
-    stop = threading.Event()
-
-    def request_stop(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    stop = stop_on_signals()
     bound_host, bound_port = service.address
     click.echo(f"listening on {bound_host}:{bound_port}")
     sys.stdout.flush()
@@ -110,12 +97,3 @@ def _token(token_file: Path | None) -> str | None:
             raise click.BadParameter(f"{token_file} is empty", param_hint="--token-file")
         return token
     return os.environ.get(TOKEN_ENV) or None
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvtier.cli.replay_bar import replay_bar
 from kvtier.policies.factory import CachePolicyFactory
 from kvtier.sim.routing import ROUTERS, RoutingResult, replay_routed
 from kvtier.sim.trace import Request
@@ -25,15 +24,7 @@ def run_routing(
     progress: bool,
 ) -> dict[str, Any]:
     """Every router at every replica count: the report ``--json`` prints."""
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=not progress,
-        transient=True,
-    )
+    bar = replay_bar(progress)
     rows: list[dict[str, Any]] = []
     with bar:
         task = bar.add_task("routing", total=len(requests) * len(replica_counts) * len(routers))

@@ -19,18 +19,15 @@ from kvtier.plugins import PluginRegistry
 codec_registry: PluginRegistry[Codec] = PluginRegistry(
     kind="codec",
     base=Codec,
-    name_key="type",
-    module_key="module_path",
     entry_point_group="kvtier.codecs",
+    builtins=[
+        ("none", "kvtier.codecs.exact", "NoneCodec"),
+        ("lossless", "kvtier.codecs.exact", "LosslessCodec"),
+        ("fp8", "kvtier.codecs.quantized", "Fp8Codec"),
+        ("int8", "kvtier.codecs.quantized", "Int8Codec"),
+        ("int4", "kvtier.codecs.quantized", "Int4Codec"),
+    ],
 )
-for _name, _module, _cls in [
-    ("none", "kvtier.codecs.exact", "NoneCodec"),
-    ("lossless", "kvtier.codecs.exact", "LosslessCodec"),
-    ("fp8", "kvtier.codecs.quantized", "Fp8Codec"),
-    ("int8", "kvtier.codecs.quantized", "Int8Codec"),
-    ("int4", "kvtier.codecs.quantized", "Int4Codec"),
-]:
-    codec_registry.register(_name, _module, _cls)
 
 
 def register_codec(name: str, module_path: str, class_name: str) -> None:

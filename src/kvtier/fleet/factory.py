@@ -12,11 +12,11 @@ from kvtier.plugins import PluginRegistry
 index_registry: PluginRegistry[ClusterIndex] = PluginRegistry(
     kind="cluster index",
     base=ClusterIndex,
-    name_key="type",
-    module_key="module_path",
     entry_point_group="kvtier.indexes",
+    builtins=[
+        ("redis", "kvtier.fleet.redis", "RedisIndex"),
+    ],
 )
-index_registry.register("redis", "kvtier.fleet.redis", "RedisIndex")
 
 
 def register_index(index_type: str, module_path: str, class_name: str) -> None:

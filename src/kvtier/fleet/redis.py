@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field
 
 from kvtier.fleet.base import (
     INCARNATION_CHARS,
@@ -35,30 +35,14 @@ from kvtier.fleet.base import (
 )
 from kvtier.keys import ChunkKey
 from kvtier.tiers.addresses import parse_host_port
-from kvtier.tiers.redis import redis_client, redis_url_problem
+from kvtier.tiers.redis import RedisServerOptions, redis_client
 
 _MAX_LEASE_BYTES = 4096
 
 
-class RedisIndexOptions(IndexOptions):
-    url: str | None = None
-    """``redis://[user[:password]@]host:port/db`` (``rediss://`` for TLS); with
-    ``cluster: true``, any one node of the cluster."""
-
-    cluster: bool = False
-    """Talk to a Redis Cluster (seeded by ``url``) instead of a single server."""
-
-    startup_nodes: tuple[str, ...] = ()
-    """``host:port`` seed nodes of a Redis Cluster, instead of ``url``; implies ``cluster``."""
-
+class RedisIndexOptions(IndexOptions, RedisServerOptions):
     key_prefix: str = "kvtier:index:"
     """Prepended to every key of the index."""
-
-    username: str | None = None
-    """ACL user, if not in ``url``."""
-
-    password: SecretStr | None = None
-    """Password, if not in ``url``."""
 
     max_connections: int = Field(default=8, ge=2, le=1024)
     """Connection pool size (per node in cluster mode)."""
@@ -72,30 +56,6 @@ class RedisIndexOptions(IndexOptions):
     @property
     def socket_timeout_s(self) -> float:
         return self.timeout_s
-
-    @property
-    def is_cluster(self) -> bool:
-        return self.cluster or bool(self.startup_nodes)
-
-    @field_validator("url")
-    @classmethod
-    def _check_url(cls, url: str | None) -> str | None:
-        if url is not None:
-            problem = redis_url_problem(url)
-            if problem:
-                raise ValueError(f"{problem}; write it as redis://[user[:password]@]host:port/db")
-        return url
-
-    @model_validator(mode="after")
-    def _check_target(self) -> RedisIndexOptions:
-        if (self.url is None) == (not self.startup_nodes):
-            raise ValueError("set exactly one of 'url' and 'startup_nodes'")
-        for node in self.startup_nodes:
-            try:
-                parse_host_port(node)
-            except ValueError as exc:
-                raise ValueError(f"startup_nodes: {exc}") from None
-        return self
 
 
 class RedisIndex(ClusterIndex):

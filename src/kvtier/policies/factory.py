@@ -13,11 +13,13 @@ policy_registry: PluginRegistry[CachePolicy] = PluginRegistry(
     name_key="eviction_policy",
     module_key="cache_policy_module_path",
     entry_point_group="kvtier.policies",
+    builtins=[
+        ("lru", "kvtier.policies.lru", "LRUCachePolicy"),
+        ("arc", "kvtier.policies.arc", "ARCCachePolicy"),
+        ("s3fifo", "kvtier.policies.s3fifo", "S3FIFOCachePolicy"),
+        ("leaf-lru", "kvtier.policies.leaf_lru", "LeafFirstLRUCachePolicy"),
+    ],
 )
-policy_registry.register("lru", "kvtier.policies.lru", "LRUCachePolicy")
-policy_registry.register("arc", "kvtier.policies.arc", "ARCCachePolicy")
-policy_registry.register("s3fifo", "kvtier.policies.s3fifo", "S3FIFOCachePolicy")
-policy_registry.register("leaf-lru", "kvtier.policies.leaf_lru", "LeafFirstLRUCachePolicy")
 
 
 class CachePolicyFactory(PluginFactory[CachePolicy]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from kvtier.config_model import KVTierConfig
+from kvtier.config.model import KVTierConfig
 from kvtier.errors import LayoutMismatchError
 from kvtier.layout import KVLayout
 

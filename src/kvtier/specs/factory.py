@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.config_model import KVTierConfig
+from kvtier.config.model import KVTierConfig
 from kvtier.layout import KVLayout
 from kvtier.plugins import PluginFactory, PluginRegistry
 from kvtier.specs.base import OffloadingSpec
@@ -13,8 +13,10 @@ spec_registry: PluginRegistry[OffloadingSpec] = PluginRegistry(
     name_key="spec_name",
     module_key="spec_module_path",
     entry_point_group="kvtier.specs",
+    builtins=[
+        ("tiering", "kvtier.specs.tiering", "TieringSpec"),
+    ],
 )
-spec_registry.register("tiering", "kvtier.specs.tiering", "TieringSpec")
 
 
 class OffloadingSpecFactory(PluginFactory[OffloadingSpec]):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.config_model import IndexConfig
+from kvtier.config.model import IndexConfig
 from kvtier.errors import ConfigError
 from kvtier.fleet.factory import build_index
 from kvtier.fleet.publisher import IndexPublisher

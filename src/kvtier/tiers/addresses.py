@@ -81,3 +81,13 @@ def parse_host_port(text: str, *, allow_port_zero: bool = False) -> tuple[str, i
     if not (0 if allow_port_zero else 1) <= port <= 65535:
         raise ValueError(f"{text!r}: port {port} out of range")
     return host, port
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost`` or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -15,20 +15,17 @@ from kvtier.tiers.base import SecondaryTier, TierOptions, TierSpec, constructor_
 tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
     kind="secondary tier",
     base=SecondaryTier,
-    name_key="type",
-    module_key="module_path",
     entry_point_group="kvtier.tiers",
+    builtins=[
+        ("example", "kvtier.tiers.example", "ExampleTier"),
+        ("memory", "kvtier.tiers.memory", "MemoryTier"),
+        ("fs", "kvtier.tiers.fs", "FilesystemTier"),
+        ("redis", "kvtier.tiers.redis", "RedisTier"),
+        ("obj", "kvtier.tiers.obj", "ObjectStoreTier"),
+        ("p2p", "kvtier.tiers.p2p", "PeerTier"),
+        ("mooncake", "kvtier.tiers.mooncake", "MooncakeTier"),
+    ],
 )
-for _name, _module, _cls in [
-    ("example", "kvtier.tiers.example", "ExampleTier"),
-    ("memory", "kvtier.tiers.memory", "MemoryTier"),
-    ("fs", "kvtier.tiers.fs", "FilesystemTier"),
-    ("redis", "kvtier.tiers.redis", "RedisTier"),
-    ("obj", "kvtier.tiers.obj", "ObjectStoreTier"),
-    ("p2p", "kvtier.tiers.p2p", "PeerTier"),
-    ("mooncake", "kvtier.tiers.mooncake", "MooncakeTier"),
-]:
-    tier_registry.register(_name, _module, _cls)
 
 
 class SecondaryTierFactory(PluginFactory[SecondaryTier]):

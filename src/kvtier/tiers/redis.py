@@ -34,9 +34,9 @@ from __future__ import annotations
 import functools
 import urllib.parse
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, Self
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from kvtier.errors import (
     BackendUnavailableError,
@@ -63,7 +63,12 @@ _URL_SCHEMES = ("redis", "rediss", "unix")
 MAX_TTL_S = 10 * 365 * 86400.0
 
 
-class RedisTierOptions(RemoteTierOptions):
+class RedisServerOptions(BaseModel):
+    """Where the Redis or Valkey server (or cluster) is and how to log in:
+    the options the tier and the cluster index share."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
     url: str | None = None
     """``redis://[user[:password]@]host:port/db`` (``rediss://`` for TLS); with
     ``cluster: true``, any one node of the cluster."""
@@ -74,17 +79,49 @@ class RedisTierOptions(RemoteTierOptions):
     startup_nodes: tuple[str, ...] = ()
     """``host:port`` seed nodes of a Redis Cluster, instead of ``url``; implies ``cluster``."""
 
-    key_prefix: str = "kvtier:"
-    """Prepended to every key, before the namespace and chunk digests."""
-
-    ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
-    """Expire chunks this many seconds after they were last stored or read; none if unset."""
-
     username: str | None = None
     """ACL user, if not in ``url``."""
 
     password: SecretStr | None = None
     """Password, if not in ``url``."""
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.cluster or bool(self.startup_nodes)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            problem = redis_url_problem(url)
+            if problem:
+                raise ValueError(
+                    f"{problem}; write it as redis://[user[:password]@]host:port/db "
+                    "(rediss:// for TLS, unix:///path/to.sock for a socket)"
+                )
+        return url
+
+    @model_validator(mode="after")
+    def _check_target(self) -> Self:
+        if (self.url is None) == (not self.startup_nodes):
+            raise ValueError(
+                "set exactly one of 'url' (a server, or a cluster node with cluster: true) "
+                "and 'startup_nodes' (cluster seeds as host:port)"
+            )
+        for node in self.startup_nodes:
+            try:
+                parse_host_port(node)
+            except ValueError as exc:
+                raise ValueError(f"startup_nodes: {exc}") from None
+        return self
+
+
+class RedisTierOptions(RemoteTierOptions, RedisServerOptions):
+    key_prefix: str = "kvtier:"
+    """Prepended to every key, before the namespace and chunk digests."""
+
+    ttl_s: float | None = Field(default=None, gt=0, le=MAX_TTL_S)
+    """Expire chunks this many seconds after they were last stored or read; none if unset."""
 
     max_connections: int = Field(default=16, ge=1)
     """Connection pool size (per node in cluster mode); at least ``io_threads``."""
@@ -101,40 +138,14 @@ class RedisTierOptions(RemoteTierOptions):
     io_threads: int = Field(default=4, ge=1, le=64)
     """Worker threads, each running one pipeline at a time."""
 
-    @field_validator("url")
-    @classmethod
-    def _check_url(cls, url: str | None) -> str | None:
-        if url is not None:
-            problem = redis_url_problem(url)
-            if problem:
-                raise ValueError(
-                    f"{problem}; write it as redis://[user[:password]@]host:port/db "
-                    "(rediss:// for TLS, unix:///path/to.sock for a socket)"
-                )
-        return url
-
     @model_validator(mode="after")
-    def _check_target(self) -> RedisTierOptions:
-        if (self.url is None) == (not self.startup_nodes):
-            raise ValueError(
-                "set exactly one of 'url' (a server, or a cluster node with cluster: true) "
-                "and 'startup_nodes' (cluster seeds as host:port)"
-            )
-        for node in self.startup_nodes:
-            try:
-                parse_host_port(node)
-            except ValueError as exc:
-                raise ValueError(f"startup_nodes: {exc}") from None
+    def _check_connections(self) -> RedisTierOptions:
         if self.max_connections < self.io_threads:
             raise ValueError(
                 f"max_connections={self.max_connections} is below io_threads={self.io_threads}: "
                 "every worker needs a connection"
             )
         return self
-
-    @property
-    def is_cluster(self) -> bool:
-        return self.cluster or bool(self.startup_nodes)
 
 
 class RedisTier(RemoteTier[RedisTierOptions]):

@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageE
 from kvtier.facade import HeldPrefix, KVCache
 from kvtier.keys import ChunkKey, chain_key
 
-from .settings import (
+from .engine_config import (
     kvtier_config,
     model_facts,
     page_layout,
@@ -48,7 +48,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     Configured by SGLang's storage backend extra config: ``{"kvtier": {...}}``
     holds a kvtier configuration inline, or ``{"kvtier_config_file": PATH}``
-    names one; see :class:`~kvtier.integrations.sglang.settings.StorageOptions`
+    names one; see :class:`~kvtier.integrations.sglang.engine_config.StorageOptions`
     for the other keys. Both of SGLang's page interfaces work: ``get`` /
     ``set`` / ``batch_*`` with page tensors, and, with ``"interface_v1": 1``,
     ``batch_get_v1`` / ``batch_set_v1`` with host pool indices.

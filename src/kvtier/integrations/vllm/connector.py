@@ -25,11 +25,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.facade import KVCache
 from kvtier.metrics import KVTierMetrics
 
+from .engine_config import connector_options, geometry, kv_layout, kvtier_config, with_shared_memory
 from .events import tier_events
 from .logs import follow_vllm_logging
 from .metadata import KVTierConnectorMetadata, KVTierHandshake
 from .scheduler import SchedulerSide
-from .settings import connector_options, geometry, kv_layout, kvtier_config, with_shared_memory
 from .shared_memory import remove_stale_buffers
 from .stats import KVTierConnectorStats, StatsDeltas, totals
 from .worker import WorkerSide
@@ -42,7 +42,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     ``{"kvtier": {...}}`` holds a kvtier configuration inline, or
     ``{"kvtier_config_file": "kvtier.yaml"}`` names one; see
-    :class:`~kvtier.integrations.vllm.settings.ConnectorOptions` for the
+    :class:`~kvtier.integrations.vllm.engine_config.ConnectorOptions` for the
     other keys.
     """
 

@@ -33,7 +33,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.residency import PRIMARY_TIER_NAME, tier_names
 
-from .settings import ConnectorOptions, VllmGeometry
+from .engine_config import ConnectorOptions, VllmGeometry
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from kvtier.manager import TieringManager
 from kvtier.primary import SlotBuffer
 from kvtier.recording import TraceRecorder
 
+from .engine_config import VllmGeometry
 from .events import TierEvents
 from .metadata import (
     KVTierConnectorMetadata,
@@ -32,7 +33,6 @@ from .metadata import (
     SharedBuffer,
     StepResult,
 )
-from .settings import VllmGeometry
 from .shared_memory import NameGuard
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Runs in each of vLLM's worker processes beside the model. A worker owns one
 part of every slot (its pipeline stage's layers, its tensor-parallel share
-of the heads, see :class:`~.settings.VllmGeometry`) and copies only there.
+of the heads, see :class:`~.engine_config.VllmGeometry`) and copies only there.
 Every copy is one gather and one scatter per layer over the step's pages,
 with torch ops, so the same code moves pages of CPU tensors and of
 accelerator tensors (see :mod:`kvtier.integrations.page_copies` for how the
@@ -18,6 +18,7 @@ import torch
 from kvtier.integrations.page_copies import CopyIndex, LayerPages, PendingCopy, Transfers
 from kvtier.primary import SlotBuffer
 
+from .engine_config import VllmGeometry
 from .metadata import (
     KVTierConnectorMetadata,
     KVTierHandshake,
@@ -26,7 +27,6 @@ from .metadata import (
     SharedBuffer,
     StepResult,
 )
-from .settings import VllmGeometry
 from .shared_memory import engine_buffer_names, map_existing
 
 logger = logging.getLogger(__name__)

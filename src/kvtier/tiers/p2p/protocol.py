@@ -56,7 +56,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import ipaddress
 import secrets
 import socket
 import struct
@@ -278,12 +277,3 @@ def parse_address(text: str, *, allow_port_zero: bool = False) -> tuple[str, int
 
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

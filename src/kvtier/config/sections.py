@@ -1,8 +1,8 @@
-"""The plain sections of the configuration: no plugin classes in them.
+"""The configuration's plain runtime sections: no plugin classes in them.
 
 The runtime (the manager, backpressure, metrics, trace recording) imports
-these, never :mod:`kvtier.config`, whose loader resolves tier and policy
-classes and so sits above the runtime. :mod:`kvtier.config` re-exports them.
+these, never the loader, which resolves tier and policy classes and so sits
+above the runtime.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The validated configuration's types, apart from the loader that builds them.
+"""The typed configuration model: what the loader builds and the runtime reads.
 
-:mod:`kvtier.config` (the loader) resolves tier, policy and spec classes, so
-it imports the specs; the specs and the runtime import these types from here.
-:mod:`kvtier.config` re-exports them.
+The loader (:mod:`kvtier.config.loader`) resolves tier, policy and spec
+classes, so it imports the specs; the specs and the runtime import these
+types from here, never the loader.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 from kvtier.codecs import CodecConfig
+from kvtier.config.sections import BackpressureConfig, MetricsConfig, TraceRecordingConfig
 from kvtier.fleet.base import ClusterIndex, IndexOptions
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.factory import policy_registry
-from kvtier.settings import BackpressureConfig, MetricsConfig, TraceRecordingConfig
 from kvtier.tiers.base import SecondaryTier, TierOptions
 
 

@@ -1,4 +1,4 @@
-"""One configuration document, validated completely before anything starts.
+"""The configuration's loader: one document, validated completely before anything starts.
 
 A document is a dict, or a JSON or YAML file. :func:`load_config` checks every
 key, resolves every tier, policy and spec class (out-of-tree ones included:
@@ -26,26 +26,15 @@ from pydantic import (
 
 from kvtier.codecs import CodecConfig, codec_registry
 from kvtier.codecs.factory import split_codec_entry
-from kvtier.config_model import IndexConfig, KVTierConfig, TierConfig
+from kvtier.config.model import IndexConfig, KVTierConfig, TierConfig
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.fleet.factory import index_registry
 from kvtier.plugins import PluginRegistry
 from kvtier.policies.factory import policy_registry
-from kvtier.settings import BackpressureConfig, MetricsConfig, TraceRecordingConfig
 from kvtier.specs.factory import spec_registry
 from kvtier.tiers.factory import tier_registry
 
-__all__ = [
-    "BackpressureConfig",
-    "IndexConfig",
-    "KVTierConfig",
-    "MetricsConfig",
-    "TierConfig",
-    "TraceRecordingConfig",
-    "load_config",
-    "validate_options",
-    "validate_tier",
-]
+__all__ = ["load_config", "validate_options", "validate_tier"]
 
 Problems = list[tuple[str, str]]
 T = TypeVar("T")
