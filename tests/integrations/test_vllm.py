@@ -938,8 +938,8 @@ def test_worker_reports_a_load_once_its_copy_ended_so_its_slots_stay_pinned_unti
     import torch
 
     from kvtier.integrations.page_copies import PendingCopy
+    from kvtier.integrations.vllm.engine_config import VllmGeometry
     from kvtier.integrations.vllm.metadata import KVTierConnectorMetadata, SharedBuffer, StepResult
-    from kvtier.integrations.vllm.settings import VllmGeometry
     from kvtier.integrations.vllm.worker import WorkerSide
     from kvtier.primary import SlotBuffer
 
