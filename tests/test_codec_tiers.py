@@ -4,6 +4,7 @@ damaged, foreign or failing chunk costs that chunk alone."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,9 +218,42 @@ def test_fs_stores_fixed_size_encoded_files(tmp_path: Path) -> None:
         assert tier.file_bytes < LAYOUT.slot_bytes
 
 
-def test_check_bench_and_inspect_show_each_tiers_codec(tmp_path: Path) -> None:
-    import json
+def test_fs_stores_lossless_files_at_their_own_size_bounded_and_across_restarts(
+    tmp_path: Path,
+) -> None:
+    from click.testing import CliRunner
 
+    from kvtier.cli import cli
+
+    layout = KVLayout("kvtier-codec-engines", 2, 2, 64, "bfloat16", 128)  # 128 KiB chunks
+    tokens = list(range(4 * layout.chunk_tokens))
+    data = np.stack([np.frombuffer(kv_like(layout, seed), np.uint8) for seed in range(4)])
+    tier = {"type": "fs", "root_dir": str(tmp_path), "codec": "lossless", "max_bytes": "4MiB"}
+    config = {"chunk_tokens": layout.chunk_tokens, "cpu_bytes_to_use": "2MiB"}
+    with KVCache({**config, "secondary_tiers": [tier]}, layout) as engine:
+        assert engine.store(tokens, data) == 4
+        engine.drain()
+        fs: Any = engine.manager.tiers[0]
+        sizes = sorted(f.stat().st_size for f in fs.dir.path.glob("*/*.kvc"))
+        assert len(sizes) == 4 and sizes[-1] < layout.slot_bytes < fs.file_bytes
+        assert all(size % 4096 == 0 for size in sizes)
+        # The bound counts each file at its own size, not at the largest.
+        assert fs.held_bytes == sum(sizes)
+    with KVCache({**config, "secondary_tiers": [tier]}, layout) as again:
+        assert again.manager.tiers[0].wait_index(30)  # type: ignore[attr-defined]
+        assert again.cached_prefix(tokens) == len(tokens)
+        out = np.zeros_like(data)
+        again.load(tokens, len(tokens), out)
+        np.testing.assert_array_equal(out, data)
+    record = json.loads(next(tmp_path.glob("*/NAMESPACE.json")).read_text())
+    assert "payload_bytes" not in record["chunk_file"]
+    assert record["chunk_file"]["payload_bytes_max"] + 4096 == fs.file_bytes
+    verified = CliRunner().invoke(cli, ["inspect", str(tmp_path), "--verify"])
+    assert verified.exit_code == 0, verified.output
+    assert "all checksums verified" in verified.output
+
+
+def test_check_bench_and_inspect_show_each_tiers_codec(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from kvtier.cli import cli

@@ -46,8 +46,10 @@ def _round_up(value: int, multiple: int) -> int:
 class CodecStage:
     """Encodes chunks for a tier and decodes what it loads, with one codec.
 
-    ``align``: stored payloads of a fixed-size codec are padded to a multiple
-    of it (a tier writing with ``O_DIRECT`` needs whole pages).
+    ``align``: stored payloads are padded with zeros to a multiple of it (a
+    tier writing with ``O_DIRECT`` needs whole pages); a variable-size
+    codec's payload is padded only as far as its own length needs, and its
+    header's encoded length says where the encoded bytes end.
     """
 
     def __init__(self, codec: Codec | None, layout: KVLayout, *, align: int = 1) -> None:
@@ -57,6 +59,7 @@ class CodecStage:
         self.identity = bool(getattr(self.codec, "identity", False))
         self.lossy = self.codec.lossy
         self.fixed_size = self.identity or self.codec.fixed_size
+        self._align = align
         self._local = threading.local()
         if self.identity:
             self.params = b""
@@ -124,11 +127,10 @@ class CodecStage:
         end = _FRAME.size + len(self.params)
         out[_FRAME.size : end] = self.params
         out[end : self._header_bytes] = bytes(self._header_bytes - end)
-        if self.fixed_size:
-            used = self._header_bytes + written
-            out[used : self.stored_bytes] = bytes(self.stored_bytes - used)
-            return self.stored_bytes
-        return self._header_bytes + written
+        used = self._header_bytes + written
+        length = self.stored_bytes if self.fixed_size else _round_up(used, self._align)
+        out[used:length] = bytes(length - used)
+        return length
 
     def round_trip(self, chunk: bytes | memoryview) -> bytes:
         """What a tier of this codec serves for ``chunk`` (``chunk`` itself

@@ -277,7 +277,7 @@ class SecondaryTier(ABC, Generic[OptionsT]):
                 raise ValueError(
                     f"{tier_type}: codec {codec.name!r} gives chunks of varying size and "
                     f"{type(self).__name__} stores fixed-size values; use a fixed-size "
-                    "codec (fp8, int8, int4) here, or this codec on memory or redis"
+                    "codec (fp8, int8, int4) here"
                 )
         #: Encodes chunks on their way to the tier, decodes them on promotion.
         self.codec_stage = CodecStage(codec, spec.layout, align=self.payload_align)
