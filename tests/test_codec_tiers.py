@@ -5,7 +5,9 @@ damaged, foreign or failing chunk costs that chunk alone."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -319,4 +321,81 @@ def test_remote_tiers_store_fixed_size_lossy_chunks_and_serve_what_the_codec_dec
         stats = harness.tier.stats
         assert stats.codec_bytes_out == 4 * harness.tier.stored_bytes < stats.codec_bytes_in
     finally:
+        harness.close()
+
+
+class HangingCodec(Int8Codec):
+    """Blocks in :meth:`encode` or :meth:`decode` (whichever :attr:`hang_in`
+    names) until :attr:`gate` opens, as a codec with a deadlock would."""
+
+    hang_in = ""
+    gate = threading.Event()
+
+    def encode(self, chunk: memoryview, out: memoryview) -> int:
+        if HangingCodec.hang_in == "encode":
+            HangingCodec.gate.wait()
+        return super().encode(chunk, out)
+
+    def decode(self, data: memoryview, out: memoryview) -> None:
+        if HangingCodec.hang_in == "decode":
+            HangingCodec.gate.wait()
+            out[:] = bytes(len(out))  # a late decode still writes: never into a slot
+        super().decode(data, out)
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for ``condition`` (a hang guard, not a speed check)."""
+    give_up = time.monotonic() + 30
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"still waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", ["memory", "fs"])
+def test_a_codec_that_hangs_costs_one_bounded_wait_and_a_miss(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier: dict[str, Any] = {"type": kind, "codec": "hanging", "codec_timeout_s": 0.2}
+    if kind == "fs":
+        tier["root_dir"] = str(tmp_path)
+    with restore_registries():
+        from kvtier.codecs import register_codec
+
+        register_codec("hanging", __name__, "HangingCodec")
+        harness = TierHarness(tier, LAYOUT, num_slots=8)
+    calls: Any = harness.tier._codec_calls  # type: ignore[attr-defined]
+    try:
+        keys = harness.keys(3)
+        harness.buffer.array[:3] = _kv(3)
+        # An encode that never returns: the store fails, nothing is stored.
+        monkeypatch.setattr(HangingCodec, "gate", threading.Event())
+        monkeypatch.setattr(HangingCodec, "hang_in", "encode")
+        stored = harness.store(keys, [0, 1, 2])
+        stats = harness.tier.stats
+        assert stored.succeeded == frozenset() and stats.codec_timeouts >= 1
+        assert stats.codec_failures >= stats.codec_timeouts
+        assert harness.lookup(keys[0]).value == "miss"
+        # Once it returns, the codec serves again.
+        HangingCodec.gate.set()
+        _until(lambda: calls.overdue == 0, "the hung encode to return")
+        monkeypatch.setattr(HangingCodec, "hang_in", "")
+        assert harness.store(keys, [0, 1, 2]).success
+        # A decode that never returns: a miss, the slot never written, the
+        # chunk kept (it is not damaged), even after the decode ends late.
+        monkeypatch.setattr(HangingCodec, "gate", threading.Event())
+        monkeypatch.setattr(HangingCodec, "hang_in", "decode")
+        timeouts = stats.codec_timeouts
+        harness.buffer.array[4] = 0x77
+        loaded = harness.load([keys[0]], [4])
+        assert not loaded.success and stats.codec_timeouts == timeouts + 1
+        HangingCodec.gate.set()
+        _until(lambda: calls.overdue == 0, "the hung decode to return")
+        assert (harness.buffer.array[4] == 0x77).all()
+        assert harness.lookup(keys[0]).value == "hit"
+        monkeypatch.setattr(HangingCodec, "hang_in", "")
+        assert harness.load([keys[0]], [4]).success
+        assert bytes(harness.buffer.array[4]) == _round_trip("int8", harness.buffer.array[0])
+    finally:
+        HangingCodec.gate.set()
         harness.close()

@@ -102,6 +102,21 @@ class CodecStage:
         self._local.buffers = buffers
         return [memoryview(b)[: self.stored_bytes] for b in buffers[:count]]
 
+    def decoded(self) -> memoryview:
+        """This thread's buffer of one whole chunk, to decode into before a
+        slot is written (so a decode left running past its bound writes
+        into this, never into a slot that is another chunk's by then)."""
+        buffer: mmap.mmap | None = getattr(self._local, "decoded", None)
+        if buffer is None:
+            buffer = self._local.decoded = mmap.mmap(-1, self.layout.slot_bytes)
+        return memoryview(buffer)
+
+    def abandon_buffers(self) -> None:
+        """Leave this thread's buffers to a codec call still running past its
+        bound: the next :meth:`scratch` and :meth:`decoded` are fresh ones."""
+        self._local.buffers = []
+        self._local.decoded = None
+
     def encode(self, chunk: memoryview, out: memoryview) -> int:
         """Header and encoded ``chunk`` into ``out``; the payload's length.
         (``none``: the chunk's bytes, which tiers store straight from the slot.)"""

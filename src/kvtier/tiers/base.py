@@ -138,6 +138,9 @@ class TierStats:
     #: Chunks loaded that another codec, or other parameters, wrote: never
     #: decoded nor served (a lossy chunk reaching a tier without that opt-in).
     codec_refused: int = 0
+    #: Of :attr:`codec_failures`: encodes or decodes that missed the codec
+    #: timeout (the tier waited no longer; see ``codec_timeout_s``).
+    codec_timeouts: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
