@@ -399,3 +399,25 @@ def test_a_codec_that_hangs_costs_one_bounded_wait_and_a_miss(
     finally:
         HangingCodec.gate.set()
         harness.close()
+
+
+def test_only_codecs_that_may_hang_pay_for_a_bounded_wait() -> None:
+    """kvtier's own codecs run on the worker itself; another codec (even one
+    built on theirs) is bounded, and ``codec_timeout_s`` bounds any."""
+    with restore_registries():
+        from kvtier.codecs import register_codec
+
+        register_codec("hanging", __name__, "HangingCodec")
+        cases = [("int8", None, False), ("hanging", None, True), ("lossless", 1.0, True)]
+        for codec, timeout, bounded in cases:
+            tier: dict[str, Any] = {"type": "memory", "codec": codec}
+            if timeout is not None:
+                tier["codec_timeout_s"] = timeout
+            harness = TierHarness(tier, LAYOUT, num_slots=2)
+            try:
+                calls = harness.tier._codec_calls  # type: ignore[attr-defined]
+                assert (calls is not None) == bounded, codec
+                if bounded:  # the tier's own bound: 5 s on memory unless set
+                    assert calls.timeout_s == (timeout or 5.0)
+            finally:
+                harness.close()

@@ -65,8 +65,9 @@ class ThreadedTierOptions(TierOptions):
     """Longest wait for the tier's codec to encode or decode one chunk: a
     chunk it takes longer on fails (a miss, counted), and while that call
     is still running every other chunk fails at once instead of waiting
-    again. Unset: the tier's ``deadline_s`` where it has one, else 5 s.
-    Unused under the ``none`` codec."""
+    again. Unset: kvtier's own codecs, which always return, are called
+    directly; any other is waited for the tier's ``deadline_s`` where it
+    has one, else 5 s. Set, it bounds every codec."""
 
 
 @dataclass
@@ -145,7 +146,13 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         self._threaded_progress: Callable[[], None] | None = None
         #: The codec's calls, each waited for at most the codec timeout.
         self._codec_calls: BoundedCalls | None = None
-        if not self.codec_stage.identity:
+        stage = self.codec_stage
+        # A helper thread and a copy per chunk cost loads up to a third of
+        # their speed (measured, docs/codecs.md): only where a codec may hang.
+        if not stage.identity and (
+            self.options.codec_timeout_s is not None
+            or not type(stage.codec).declares_prompt_return()
+        ):
             self._codec_calls = BoundedCalls(
                 f"kvtier-{self.tier_type}-codec", self._codec_timeout_s()
             )
@@ -503,10 +510,13 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
             if state.reported:  # answered at its deadline: the slots may be another's now
                 return ok
             stage = self.codec_stage
+            bounded = self._codec_calls is not None
             for index, (key, slot, buffer) in enumerate(zip(keys, slots, buffers, strict=True)):
                 if not loaded[index]:
                     continue
-                decoded = stage.decoded()
+                # A bounded decode writes into a buffer of this worker's, so
+                # that one past its bound never writes into a slot.
+                decoded = stage.decoded() if bounded else self.slot(slot)
                 try:
                     self._codec_call(functools.partial(stage.decode, buffer, decoded))
                 except CallTimeout as exc:  # not damage: the chunk stays stored
@@ -515,7 +525,8 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
                 except CorruptChunkError as exc:
                     refused.append((key, exc))
                     continue
-                copy_bytes(self.slot(slot), decoded)
+                if bounded:
+                    copy_bytes(self.slot(slot), decoded)
                 ok[index] = True
         for key, error in refused:  # deletes are backend calls: outside the guard
             if isinstance(error, CodecMismatchError):
