@@ -20,6 +20,7 @@ from kvtier.codecs.quantized import Int8Codec
 from kvtier.layout import KVLayout
 from kvtier.testing import TierContractTests, TierHarness, restore_registries
 from kvtier.testing.codec_suite import kv_like
+from kvtier.tiers.base import TransferJob
 from kvtier.tiers.memory import MemoryTier
 from tests.servers import RedisServer
 
@@ -421,3 +422,24 @@ def test_only_codecs_that_may_hang_pay_for_a_bounded_wait() -> None:
                     assert calls.timeout_s == (timeout or 5.0)
             finally:
                 harness.close()
+
+
+def test_a_tier_shuts_down_while_its_codec_hangs(monkeypatch: pytest.MonkeyPatch) -> None:
+    with restore_registries():
+        from kvtier.codecs import register_codec
+
+        register_codec("hanging", __name__, "HangingCodec")
+        harness = TierHarness(
+            {"type": "memory", "codec": "hanging", "codec_timeout_s": 0.2}, LAYOUT, num_slots=2
+        )
+    monkeypatch.setattr(HangingCodec, "gate", threading.Event())
+    monkeypatch.setattr(HangingCodec, "hang_in", "encode")
+    try:
+        harness.buffer.array[:1] = _kv(1)
+        harness.submit_store(TransferJob(tuple(harness.keys(1)), (0,)))
+        harness.shutdown()  # under the harness's hang guard
+        [result] = harness.finished_jobs()
+        assert not result.success and harness.tier.stats.codec_timeouts == 1
+    finally:
+        HangingCodec.gate.set()
+        harness.close()

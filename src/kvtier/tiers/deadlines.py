@@ -136,14 +136,16 @@ class BoundedCalls:
         return cast(T, value)
 
     def close(self) -> None:
-        """Stop the helpers, once the threads calling them are done (a
-        helper left in an overdue call ends when that call returns)."""
+        """Stop the helpers. One still in a call is waited for no longer
+        than that call's bound (a caller left behind at shutdown may not
+        have abandoned it yet); it ends when the call returns."""
         with self._lock:
             helpers, self._helpers = self._helpers, []
         for _, tasks in helpers:
             tasks.put(None)
+        give_up = time.monotonic() + self.timeout_s
         for thread, _ in helpers:
-            thread.join()
+            thread.join(max(0.0, give_up - time.monotonic()))
 
     def _serve(self, tasks: queue.SimpleQueue[_Call | None]) -> None:
         while True:
