@@ -5,17 +5,22 @@ The KV comes from the demo's Llama-family model (``kvtier.demo.model``,
 8 layers, 2 KV heads, head_dim 64) prefilling Python standard-library source
 text, cast to bf16 and cut into chunks of ``--chunk-tokens``. Each codec
 encodes and decodes every chunk on one thread (so GB/s are per core, of raw
-KV bytes). In the same run the ``fs`` and ``memory`` tiers store and load the
-same chunks, with no codec and with each fixed-size one, end to end through
+KV bytes). In the same run the ``fs`` and ``memory`` tiers (and each
+``--server`` tier, its server started on loopback for the run: Redis,
+moto's S3 server for ``obj``, ``mooncake_master`` for ``mooncake``) store and
+load the same chunks, with no codec and with each codec, end to end through
 a tier harness (raw KV GB/s: a codec that shrinks chunks moves more KV per
-second when the tier is the bottleneck). fs loads are served from the page
-cache here; ``--root`` picks the disk.
+second when the tier is the bottleneck), each against the same tier with no
+codec. fs loads are served from the page cache here; ``--root`` picks the disk.
+``memory-bounded`` rows bound every codec call (``codec_timeout_s``): what a
+codec that may hang costs, against kvtier's own codecs called directly.
 
 A codec pays on a tier's loads when decoding and moving fewer bytes beats
 moving all of them: ``1/decode + 1/(ratio*S) < 1/S``, i.e. below the tier
 speed ``S* = decode * (1 - 1/ratio)`` (per decoding core).
 
     python benchmarks/bench_codecs.py               # 2k tokens of KV
+    python benchmarks/bench_codecs.py --server redis --server obj --server mooncake
     python benchmarks/bench_codecs.py --quick --json
 """
 
@@ -28,6 +33,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +44,13 @@ from kvtier.codecs import CodecStage, codec_config
 from kvtier.layout import KVLayout
 from kvtier.testing import TierHarness
 
-#: Tiers that store values of any size, so take the lossless codec.
-VARIABLE_SIZE_TIERS = ("memory", "redis")
+#: Tiers whose server ``--server`` starts on loopback for the run.
+SERVED_TIERS = ("redis", "obj", "mooncake")
+#: Each tier's codecs, after none (its raw speed).
+TIER_CODECS = ("lossless", "fp8", "int8", "int4")
+#: A bench job moves far more than one request's chunks: let it finish, so
+#: the rate measured is the tier's, not its per-request deadline's.
+WHOLE_JOBS = {"deadline_s": 60}
 
 CODECS: list[Any] = [
     "lossless",
@@ -151,6 +163,8 @@ def measure_tier(
     tier: dict[str, Any], codec: Any, layout: KVLayout, chunks: np.ndarray, repeat: int
 ) -> dict[str, Any]:
     """Store then load every chunk through a tier; raw KV GB/s, best of ``repeat``."""
+    label = tier.get("label", tier["type"])
+    tier = {name: value for name, value in tier.items() if name != "label"}
     entry = dict(tier) if codec is None else {**tier, "codec": codec}
     store_s = load_s = float("inf")
     stored_bytes = 0
@@ -177,15 +191,44 @@ def measure_tier(
             # What the tier stored per chunk (a variable-size codec's average).
             encoded = harness.tier.stats.codec_bytes_out - encoded_before
             stored_bytes = encoded // len(chunks) if encoded else harness.tier.stored_bytes
+            harness.tier.discard(keys)  # a shared store keeps no round's chunks
         finally:
             harness.close()
     return {
-        "tier": tier["type"],
+        "tier": label,
         "codec": "none" if codec is None else codec_label(codec),
         "stored_bytes_per_chunk": stored_bytes,
         "store_gbps": round(chunks.nbytes / store_s / 1e9, 3),
         "load_gbps": round(chunks.nbytes / load_s / 1e9, 3),
     }
+
+
+def against_raw(rows: list[dict[str, Any]]) -> None:
+    """Each row's store and load speed as a fraction of its tier's with no codec."""
+    raw = {row["tier"]: row for row in rows if row["codec"] == "none"}
+    for row in rows:
+        base = raw[row["tier"]]
+        row["store_vs_none"] = round(row["store_gbps"] / base["store_gbps"], 3)
+        row["load_vs_none"] = round(row["load_gbps"] / base["load_gbps"], 3)
+
+
+@contextmanager
+def served_tier(kind: str) -> Iterator[dict[str, Any]]:
+    """A ``kind`` tier entry on its own server, started on loopback for the run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' servers
+    from tests.servers import MooncakeMaster, RedisServer, S3Server
+
+    if kind == "redis":
+        with RedisServer() as redis:
+            yield {"type": "redis", "url": redis.url, **WHOLE_JOBS}
+    elif kind == "obj":
+        with S3Server() as s3:
+            bucket = s3.create_bucket("kvtier-bench-codecs")
+            yield {"type": "obj", **s3.tier_options(bucket), **WHOLE_JOBS}
+    else:
+        with MooncakeMaster() as master:
+            # The tier lends the pool a segment that holds one round's chunks.
+            yield {**master.tier_options(), "global_segment_size": "256MiB", **WHOLE_JOBS}
 
 
 def main() -> None:
@@ -203,6 +246,13 @@ def main() -> None:
         "(repeatable); it gets no codec, each fixed-size one, and lossless where it takes it",
     )
     parser.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        choices=SERVED_TIERS,
+        help="also measure this tier on a server of its own, started on loopback (repeatable)",
+    )
+    parser.add_argument(
         "--save-kv",
         type=Path,
         help="also save the KV chunks as .npy (for kvtier simulate --codec NAME --kv PATH)",
@@ -218,18 +268,27 @@ def main() -> None:
         shape = (len(chunks), *layout.chunk_shape)
         np.save(args.save_kv, chunks.view(ml_dtypes.bfloat16).reshape(shape))
     codecs = [measure_codec(codec, layout, chunks, repeat) for codec in CODECS]
-    with tempfile.TemporaryDirectory(dir=args.root) as root:
+    with tempfile.TemporaryDirectory(dir=args.root) as root, ExitStack() as servers:
         tiers = [
             {"type": "memory", "max_bytes": "1GiB"},
+            # Every codec call on a helper thread, waited for at most 5 s
+            # (what a codec that may hang costs; kvtier's own are called directly).
+            {
+                "type": "memory",
+                "max_bytes": "1GiB",
+                "codec_timeout_s": 5,
+                "label": "memory-bounded",
+            },
             {"type": "fs", "root_dir": root, "shared": False},
             *(json.loads(entry) for entry in args.tier),
+            *(servers.enter_context(served_tier(kind)) for kind in args.server),
         ]
         tier_rows = [
             measure_tier(tier, codec, layout, chunks, repeat)
             for tier in tiers
-            for codec in (None, "lossless", "fp8", "int8", "int4")
-            if codec != "lossless" or tier["type"] in VARIABLE_SIZE_TIERS
+            for codec in (None, *TIER_CODECS)
         ]
+    against_raw(tier_rows)
     report = {
         "kv": {
             "model": "kvtier demo default (random init)",
@@ -252,11 +311,15 @@ def main() -> None:
             f"{row['codec']:28} {row['ratio']:6.2f} {row['encode_gbps']:9.3f} "
             f"{row['decode_gbps']:9.3f} {row['pays_below_gbps']:7.3f}  {row['exact']}"
         )
-    print(f"{'tier':8} {'codec':8} {'stored/chunk':>12} {'store GB/s':>10} {'load GB/s':>10}")
+    print(
+        f"{'tier':14} {'codec':8} {'stored/chunk':>12} {'store GB/s':>10} {'load GB/s':>10} "
+        f"{'store/none':>10} {'load/none':>10}"
+    )
     for row in tier_rows:
         print(
-            f"{row['tier']:8} {row['codec']:8} {row['stored_bytes_per_chunk']:12} "
-            f"{row['store_gbps']:10.3f} {row['load_gbps']:10.3f}"
+            f"{row['tier']:14} {row['codec']:8} {row['stored_bytes_per_chunk']:12} "
+            f"{row['store_gbps']:10.3f} {row['load_gbps']:10.3f} "
+            f"{row['store_vs_none']:10.2f} {row['load_vs_none']:10.2f}"
         )
 
 

@@ -265,16 +265,25 @@ def test_bench_request_path_finds_the_same_hits_through_kvtier_and_the_minimal_c
 
 
 def test_bench_codecs_reports_every_codec_and_tier_on_demo_kv() -> None:
-    out = run_quick("bench_codecs.py")
+    out = run_quick("bench_codecs.py", "--server", "obj")
     rows = {row["codec"]: row for row in out["codecs"]}
     assert {"lossless", "fp8", "int8", "int4"} <= set(rows)
     assert rows["lossless"]["exact"] and not rows["int4"]["exact"]
     assert rows["int4"]["ratio"] > rows["fp8"]["ratio"] > 1
     for row in out["codecs"]:
         assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
-    tiers = {(row["tier"], row["codec"]) for row in out["tiers"]}
-    assert ("fs", "none") in tiers and ("fs", "int4") in tiers
+    tiers = {(row["tier"], row["codec"]): row for row in out["tiers"]}
+    codecs = ("none", "lossless", "fp8", "int8", "int4")
+    kinds = ("memory", "memory-bounded", "fs", "obj")
+    assert {(tier, codec) for tier in kinds for codec in codecs} == set(tiers)
     assert all(row["store_gbps"] > 0 and row["load_gbps"] > 0 for row in out["tiers"])
+    for tier in ("fs", "obj"):  # varying sizes stored smaller than the raw chunks
+        lossless, raw = tiers[(tier, "lossless")], tiers[(tier, "none")]
+        assert lossless["stored_bytes_per_chunk"] < raw["stored_bytes_per_chunk"]
+        assert raw["load_vs_none"] == 1
+        assert lossless["load_vs_none"] == pytest.approx(
+            lossless["load_gbps"] / raw["load_gbps"], abs=1e-3
+        )
 
 
 def test_bench_codec_quality_trains_once_and_rates_every_codec_against_exact(

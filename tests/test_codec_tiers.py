@@ -4,7 +4,10 @@ damaged, foreign or failing chunk costs that chunk alone."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from kvtier.codecs.quantized import Int8Codec
 from kvtier.layout import KVLayout
 from kvtier.testing import TierContractTests, TierHarness, restore_registries
 from kvtier.testing.codec_suite import kv_like
+from kvtier.tiers.base import TransferJob
 from kvtier.tiers.memory import MemoryTier
 from tests.servers import RedisServer
 
@@ -217,9 +221,42 @@ def test_fs_stores_fixed_size_encoded_files(tmp_path: Path) -> None:
         assert tier.file_bytes < LAYOUT.slot_bytes
 
 
-def test_check_bench_and_inspect_show_each_tiers_codec(tmp_path: Path) -> None:
-    import json
+def test_fs_stores_lossless_files_at_their_own_size_bounded_and_across_restarts(
+    tmp_path: Path,
+) -> None:
+    from click.testing import CliRunner
 
+    from kvtier.cli import cli
+
+    layout = KVLayout("kvtier-codec-engines", 2, 2, 64, "bfloat16", 128)  # 128 KiB chunks
+    tokens = list(range(4 * layout.chunk_tokens))
+    data = np.stack([np.frombuffer(kv_like(layout, seed), np.uint8) for seed in range(4)])
+    tier = {"type": "fs", "root_dir": str(tmp_path), "codec": "lossless", "max_bytes": "4MiB"}
+    config = {"chunk_tokens": layout.chunk_tokens, "cpu_bytes_to_use": "2MiB"}
+    with KVCache({**config, "secondary_tiers": [tier]}, layout) as engine:
+        assert engine.store(tokens, data) == 4
+        engine.drain()
+        fs: Any = engine.manager.tiers[0]
+        sizes = sorted(f.stat().st_size for f in fs.dir.path.glob("*/*.kvc"))
+        assert len(sizes) == 4 and sizes[-1] < layout.slot_bytes < fs.file_bytes
+        assert all(size % 4096 == 0 for size in sizes)
+        # The bound counts each file at its own size, not at the largest.
+        assert fs.held_bytes == sum(sizes)
+    with KVCache({**config, "secondary_tiers": [tier]}, layout) as again:
+        assert again.manager.tiers[0].wait_index(30)  # type: ignore[attr-defined]
+        assert again.cached_prefix(tokens) == len(tokens)
+        out = np.zeros_like(data)
+        again.load(tokens, len(tokens), out)
+        np.testing.assert_array_equal(out, data)
+    record = json.loads(next(tmp_path.glob("*/NAMESPACE.json")).read_text())
+    assert "payload_bytes" not in record["chunk_file"]
+    assert record["chunk_file"]["payload_bytes_max"] + 4096 == fs.file_bytes
+    verified = CliRunner().invoke(cli, ["inspect", str(tmp_path), "--verify"])
+    assert verified.exit_code == 0, verified.output
+    assert "all checksums verified" in verified.output
+
+
+def test_check_bench_and_inspect_show_each_tiers_codec(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from kvtier.cli import cli
@@ -285,4 +322,124 @@ def test_remote_tiers_store_fixed_size_lossy_chunks_and_serve_what_the_codec_dec
         stats = harness.tier.stats
         assert stats.codec_bytes_out == 4 * harness.tier.stored_bytes < stats.codec_bytes_in
     finally:
+        harness.close()
+
+
+class HangingCodec(Int8Codec):
+    """Blocks in :meth:`encode` or :meth:`decode` (whichever :attr:`hang_in`
+    names) until :attr:`gate` opens, as a codec with a deadlock would."""
+
+    hang_in = ""
+    gate = threading.Event()
+
+    def encode(self, chunk: memoryview, out: memoryview) -> int:
+        if HangingCodec.hang_in == "encode":
+            HangingCodec.gate.wait()
+        return super().encode(chunk, out)
+
+    def decode(self, data: memoryview, out: memoryview) -> None:
+        if HangingCodec.hang_in == "decode":
+            HangingCodec.gate.wait()
+            out[:] = bytes(len(out))  # a late decode still writes: never into a slot
+        super().decode(data, out)
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for ``condition`` (a hang guard, not a speed check)."""
+    give_up = time.monotonic() + 30
+    while not condition():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"still waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", ["memory", "fs"])
+def test_a_codec_that_hangs_costs_one_bounded_wait_and_a_miss(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier: dict[str, Any] = {"type": kind, "codec": "hanging", "codec_timeout_s": 0.2}
+    if kind == "fs":
+        tier["root_dir"] = str(tmp_path)
+    with restore_registries():
+        from kvtier.codecs import register_codec
+
+        register_codec("hanging", __name__, "HangingCodec")
+        harness = TierHarness(tier, LAYOUT, num_slots=8)
+    calls: Any = harness.tier._codec_calls  # type: ignore[attr-defined]
+    try:
+        keys = harness.keys(3)
+        harness.buffer.array[:3] = _kv(3)
+        # An encode that never returns: the store fails, nothing is stored.
+        monkeypatch.setattr(HangingCodec, "gate", threading.Event())
+        monkeypatch.setattr(HangingCodec, "hang_in", "encode")
+        stored = harness.store(keys, [0, 1, 2])
+        stats = harness.tier.stats
+        assert stored.succeeded == frozenset() and stats.codec_timeouts >= 1
+        assert stats.codec_failures >= stats.codec_timeouts
+        assert harness.lookup(keys[0]).value == "miss"
+        # Once it returns, the codec serves again.
+        HangingCodec.gate.set()
+        _until(lambda: calls.overdue == 0, "the hung encode to return")
+        monkeypatch.setattr(HangingCodec, "hang_in", "")
+        assert harness.store(keys, [0, 1, 2]).success
+        # A decode that never returns: a miss, the slot never written, the
+        # chunk kept (it is not damaged), even after the decode ends late.
+        monkeypatch.setattr(HangingCodec, "gate", threading.Event())
+        monkeypatch.setattr(HangingCodec, "hang_in", "decode")
+        timeouts = stats.codec_timeouts
+        harness.buffer.array[4] = 0x77
+        loaded = harness.load([keys[0]], [4])
+        assert not loaded.success and stats.codec_timeouts == timeouts + 1
+        HangingCodec.gate.set()
+        _until(lambda: calls.overdue == 0, "the hung decode to return")
+        assert (harness.buffer.array[4] == 0x77).all()
+        assert harness.lookup(keys[0]).value == "hit"
+        monkeypatch.setattr(HangingCodec, "hang_in", "")
+        assert harness.load([keys[0]], [4]).success
+        assert bytes(harness.buffer.array[4]) == _round_trip("int8", harness.buffer.array[0])
+    finally:
+        HangingCodec.gate.set()
+        harness.close()
+
+
+def test_only_codecs_that_may_hang_pay_for_a_bounded_wait() -> None:
+    """kvtier's own codecs run on the worker itself; another codec (even one
+    built on theirs) is bounded, and ``codec_timeout_s`` bounds any."""
+    with restore_registries():
+        from kvtier.codecs import register_codec
+
+        register_codec("hanging", __name__, "HangingCodec")
+        cases = [("int8", None, False), ("hanging", None, True), ("lossless", 1.0, True)]
+        for codec, timeout, bounded in cases:
+            tier: dict[str, Any] = {"type": "memory", "codec": codec}
+            if timeout is not None:
+                tier["codec_timeout_s"] = timeout
+            harness = TierHarness(tier, LAYOUT, num_slots=2)
+            try:
+                calls = harness.tier._codec_calls  # type: ignore[attr-defined]
+                assert (calls is not None) == bounded, codec
+                if bounded:  # the tier's own bound: 5 s on memory unless set
+                    assert calls.timeout_s == (timeout or 5.0)
+            finally:
+                harness.close()
+
+
+def test_a_tier_shuts_down_while_its_codec_hangs(monkeypatch: pytest.MonkeyPatch) -> None:
+    with restore_registries():
+        from kvtier.codecs import register_codec
+
+        register_codec("hanging", __name__, "HangingCodec")
+        harness = TierHarness(
+            {"type": "memory", "codec": "hanging", "codec_timeout_s": 0.2}, LAYOUT, num_slots=2
+        )
+    monkeypatch.setattr(HangingCodec, "gate", threading.Event())
+    monkeypatch.setattr(HangingCodec, "hang_in", "encode")
+    try:
+        harness.buffer.array[:1] = _kv(1)
+        harness.submit_store(TransferJob(tuple(harness.keys(1)), (0,)))
+        harness.shutdown()  # under the harness's hang guard
+        [result] = harness.finished_jobs()
+        assert not result.success and harness.tier.stats.codec_timeouts == 1
+    finally:
+        HangingCodec.gate.set()
         harness.close()

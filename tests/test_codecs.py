@@ -164,14 +164,14 @@ def test_a_codec_that_cannot_encode_the_layout_is_refused_when_the_tier_starts()
     assert "secondary_tiers[0]" in str(caught.value.__notes__)
 
 
-def test_fixed_size_tiers_refuse_variable_size_codecs(tmp_path: Path) -> None:
+def test_fixed_size_tiers_refuse_variable_size_codecs() -> None:
     from kvtier import KVCache
 
-    config = {
-        "chunk_tokens": 32,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "codec": "lossless"}],
-    }
-    with pytest.raises(ValueError, match="varying size"):
+    # An out-of-tree tier that keeps the default: values of one size only
+    # (every built-in tier that takes codecs stores any size).
+    fixed = {"type": "ObviousNamesTier", "module_path": "tests.threaded_doubles"}
+    config = {"chunk_tokens": 32, "secondary_tiers": [{**fixed, "codec": "lossless"}]}
+    with pytest.raises(ValueError, match=r"varying size.*ObviousNamesTier stores fixed-size"):
         KVCache(config, _layout())
 
 

@@ -61,6 +61,8 @@ STAT_HELP = {
     "served, deleted).",
     "codec_refused": "Chunks loaded that another codec or other codec parameters wrote: "
     "never served, deleted.",
+    "codec_timeouts": "Chunks the tier's codec took longer on than codec_timeout_s (counted "
+    "in codec_failures too): not stored or not served.",
 }
 
 #: Buckets of the transfer histograms, in seconds: 100 µs to 30 s.

@@ -37,6 +37,9 @@ class _Namespace:
     directory: NamespaceDir
     model: str
     file_bytes: int | None
+    #: Whether :attr:`file_bytes` is the largest a chunk file may be (a
+    #: codec of varying sizes), not the size of every one.
+    variable: bool = False
     chunks: list[ChunkFile] = field(default_factory=list)
     strays: list[OddEntry] = field(default_factory=list)
     temps: list[TempFile] = field(default_factory=list)
@@ -48,8 +51,8 @@ class _Namespace:
 
 
 def _survey(directory: NamespaceDir, abandoned_temp_s: float) -> _Namespace:
-    model, file_bytes = _read_record(directory)
-    ns = _Namespace(directory, model, file_bytes)
+    model, file_bytes, variable = _read_record(directory)
+    ns = _Namespace(directory, model, file_bytes, variable)
     for entry in directory.survey():
         if isinstance(entry, ChunkFile):
             ns.chunks.append(entry)
@@ -61,14 +64,15 @@ def _survey(directory: NamespaceDir, abandoned_temp_s: float) -> _Namespace:
     return ns
 
 
-def _read_record(directory: NamespaceDir) -> tuple[str, int | None]:
-    """The layout's description and the size of its chunk files, from ``NAMESPACE.json``."""
+def _read_record(directory: NamespaceDir) -> tuple[str, int | None, bool]:
+    """The layout's description, the size of its chunk files (or the
+    largest, and true, under a codec of varying sizes), from ``NAMESPACE.json``."""
     try:
         record: Any = directory.read_record()
     except FileNotFoundError:
-        return f"({NAMESPACE_FILE} missing)", None
+        return f"({NAMESPACE_FILE} missing)", None, False
     except (OSError, ValueError) as exc:
-        return f"({NAMESPACE_FILE} unreadable: {exc})", None
+        return f"({NAMESPACE_FILE} unreadable: {exc})", None, False
     try:
         layout = record["layout"]
         model = f"{layout['model_id']} {layout['dtype']} x{layout['chunk_tokens']} tokens"
@@ -78,13 +82,16 @@ def _read_record(directory: NamespaceDir) -> tuple[str, int | None]:
     if isinstance(codec, dict):  # chunks encoded on their way in (see docs/codecs.md)
         model += f", codec {codec.get('type')} {codec.get('params', {})}"
     try:
-        sizes = [record["chunk_file"][name] for name in ("payload_bytes", "trailer_bytes")]
+        chunk_file = record["chunk_file"]
+        variable = "payload_bytes_max" in chunk_file
+        payload = "payload_bytes_max" if variable else "payload_bytes"
+        sizes = [chunk_file[name] for name in (payload, "trailer_bytes")]
     except (KeyError, TypeError, IndexError):
-        return model, None
+        return model, None, False
     # Only whole positive sizes declare one: anything else leaves each file's own size.
     if not all(type(size) is int and size > 0 for size in sizes):
-        return model, None
-    return model, sum(sizes)
+        return model, None, False
+    return model, sum(sizes), variable
 
 
 def _when(mtime_ns: int) -> str:
@@ -131,7 +138,13 @@ def _verify(namespaces: list[_Namespace], console: Console) -> None:
         for ns in namespaces:
             for chunk in ns.chunks:
                 try:
-                    verify_file(chunk.path, ns.directory.namespace, chunk.key, ns.file_bytes)
+                    verify_file(
+                        chunk.path,
+                        ns.directory.namespace,
+                        chunk.key,
+                        ns.file_bytes,
+                        variable=ns.variable,
+                    )
                 except CorruptChunkError as exc:
                     ns.corrupt.append((chunk.path, str(exc)))
                 except FileNotFoundError:

@@ -52,6 +52,18 @@ class Codec(ABC):
     #: Whether :meth:`encode` always writes exactly :meth:`max_encoded_bytes`
     #: (tiers that store fixed-size values take only such codecs).
     fixed_size: ClassVar[bool] = True
+    #: Whether :meth:`encode` and :meth:`decode` always return promptly
+    #: (kvtier's own codecs: numpy, zstd and lz4 calls), so that a tier calls
+    #: them on its worker directly. Read from the class's own body, never
+    #: inherited (a subclass's own methods may block): any other codec's
+    #: calls run on a helper thread, each waited for at most the tier's
+    #: ``codec_timeout_s``, at some cost in speed (see docs/codecs.md).
+    returns_promptly: ClassVar[bool] = False
+
+    @classmethod
+    def declares_prompt_return(cls) -> bool:
+        """:attr:`returns_promptly` as this very class declares it."""
+        return bool(cls.__dict__.get("returns_promptly", False))
 
     def __init__(
         self, layout: KVLayout, options: CodecOptions | None = None, *, name: str | None = None

@@ -28,6 +28,7 @@ class NoneCodec(Codec):
 
     #: Tiers store such chunks with no codec header at all, as they always did.
     identity: ClassVar[bool] = True
+    returns_promptly: ClassVar[bool] = True
 
     def max_encoded_bytes(self) -> int:
         return self.layout.slot_bytes
@@ -56,6 +57,7 @@ class LosslessCodec(Codec):
 
     Options: ClassVar[type[CodecOptions]] = LosslessOptions
     fixed_size: ClassVar[bool] = False
+    returns_promptly: ClassVar[bool] = True
 
     def __init__(self, layout: KVLayout, options: CodecOptions | None = None, **kwargs: Any):
         super().__init__(layout, options, **kwargs)

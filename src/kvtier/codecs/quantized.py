@@ -130,6 +130,7 @@ class Fp8Codec(_PerVectorCodec):
     """float8 e4m3, one scale per token, head and K/V: half of bf16's bytes."""
 
     code_max: ClassVar[float] = 448.0
+    returns_promptly: ClassVar[bool] = True
 
     def __init__(self, layout: KVLayout, options: CodecOptions | None = None, **kwargs: Any):
         super().__init__(layout, options, **kwargs)
@@ -148,6 +149,7 @@ class Int8Codec(_PerVectorCodec):
     """Symmetric int8, one scale per token, head and K/V: half of bf16's bytes."""
 
     code_max: ClassVar[float] = 127.0
+    returns_promptly: ClassVar[bool] = True
 
     def _quantize(self, scaled: np.ndarray) -> np.ndarray:
         return np.rint(scaled).astype(np.int8)
@@ -167,6 +169,7 @@ class Int4Codec(_QuantizedCodec):
     """Asymmetric 4-bit, KIVI's grouping: keys per channel, values per token."""
 
     Options: ClassVar[type[CodecOptions]] = Int4Options
+    returns_promptly: ClassVar[bool] = True
 
     def __init__(self, layout: KVLayout, options: CodecOptions | None = None, **kwargs: Any):
         super().__init__(layout, options, **kwargs)

@@ -46,8 +46,10 @@ def _round_up(value: int, multiple: int) -> int:
 class CodecStage:
     """Encodes chunks for a tier and decodes what it loads, with one codec.
 
-    ``align``: stored payloads of a fixed-size codec are padded to a multiple
-    of it (a tier writing with ``O_DIRECT`` needs whole pages).
+    ``align``: stored payloads are padded with zeros to a multiple of it (a
+    tier writing with ``O_DIRECT`` needs whole pages); a variable-size
+    codec's payload is padded only as far as its own length needs, and its
+    header's encoded length says where the encoded bytes end.
     """
 
     def __init__(self, codec: Codec | None, layout: KVLayout, *, align: int = 1) -> None:
@@ -57,6 +59,7 @@ class CodecStage:
         self.identity = bool(getattr(self.codec, "identity", False))
         self.lossy = self.codec.lossy
         self.fixed_size = self.identity or self.codec.fixed_size
+        self._align = align
         self._local = threading.local()
         if self.identity:
             self.params = b""
@@ -99,6 +102,21 @@ class CodecStage:
         self._local.buffers = buffers
         return [memoryview(b)[: self.stored_bytes] for b in buffers[:count]]
 
+    def decoded(self) -> memoryview:
+        """This thread's buffer of one whole chunk, to decode into before a
+        slot is written (so a decode left running past its bound writes
+        into this, never into a slot that is another chunk's by then)."""
+        buffer: mmap.mmap | None = getattr(self._local, "decoded", None)
+        if buffer is None:
+            buffer = self._local.decoded = mmap.mmap(-1, self.layout.slot_bytes)
+        return memoryview(buffer)
+
+    def abandon_buffers(self) -> None:
+        """Leave this thread's buffers to a codec call still running past its
+        bound: the next :meth:`scratch` and :meth:`decoded` are fresh ones."""
+        self._local.buffers = []
+        self._local.decoded = None
+
     def encode(self, chunk: memoryview, out: memoryview) -> int:
         """Header and encoded ``chunk`` into ``out``; the payload's length.
         (``none``: the chunk's bytes, which tiers store straight from the slot.)"""
@@ -124,11 +142,10 @@ class CodecStage:
         end = _FRAME.size + len(self.params)
         out[_FRAME.size : end] = self.params
         out[end : self._header_bytes] = bytes(self._header_bytes - end)
-        if self.fixed_size:
-            used = self._header_bytes + written
-            out[used : self.stored_bytes] = bytes(self.stored_bytes - used)
-            return self.stored_bytes
-        return self._header_bytes + written
+        used = self._header_bytes + written
+        length = self.stored_bytes if self.fixed_size else _round_up(used, self._align)
+        out[used:length] = bytes(length - used)
+        return length
 
     def round_trip(self, chunk: bytes | memoryview) -> bytes:
         """What a tier of this codec serves for ``chunk`` (``chunk`` itself

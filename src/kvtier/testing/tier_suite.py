@@ -9,11 +9,13 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
+from kvtier.codecs.samples import kv_like
 from kvtier.config import load_config
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.primary import SlotBuffer
 from kvtier.specs.tiering import TieringSpec
+from kvtier.testing import stored
 from kvtier.testing.hang_guard import DEFAULT_CALL_TIMEOUT_S, HangGuard
 from kvtier.tiers.base import JobResult, Lookup, SecondaryTier, TransferJob
 from kvtier.tiers.drive import resolve_lookup, run_job
@@ -133,8 +135,25 @@ class TierHarness:
         )
 
 
+#: A codec of varying sizes: every tier that takes codecs must store it.
+VARIABLE_SIZE_CODEC = "lossless"
+
+#: What a tier that cannot store that codec says when it refuses it at start.
+_CODEC_REFUSALS = ("does not take a codec", "stores fixed-size values")
+
+
+def codec_layout() -> KVLayout:
+    """bf16 chunks of 64 KiB: large enough that ``lossless`` saves whole pages."""
+    return small_layout(chunk_tokens=64, dtype="bfloat16")
+
+
 class TierContractTests:
-    """Inherit and set :attr:`tier_config` (and optionally override fixtures)."""
+    """Inherit and set :attr:`tier_config` (and optionally override fixtures).
+
+    The suite also stores chunks of a variable-size codec (``lossless``):
+    byte-exact round trips in fewer stored bytes, and a torn chunk or one
+    whose length is damaged never served. A tier that takes no codec must
+    refuse one at start."""
 
     #: The ``secondary_tiers`` entry that builds the tier under test.
     tier_config: ClassVar[dict[str, Any]] = {}
@@ -152,6 +171,25 @@ class TierContractTests:
     def make_harness(self) -> TierHarness:
         """A harness over the tier :meth:`make_config` describes."""
         return TierHarness(self.make_config(), small_layout(), call_timeout_s=self.call_timeout_s)
+
+    def read_stored(self, harness: TierHarness, key: ChunkKey) -> bytes:
+        """The bytes the tier's backend holds for ``key``; override for a
+        tier of your own (the built-in tiers' are known). The damage tests
+        that need it skip, saying so, for a tier that has none."""
+        try:
+            return harness.guard("read_stored", lambda: stored.read_stored(harness.tier, key))
+        except NotImplementedError as exc:
+            pytest.skip(f"{exc}: override read_stored and write_stored to run this test")
+
+    def write_stored(self, harness: TierHarness, key: ChunkKey, value: bytes) -> None:
+        """Make the tier's backend hold ``value`` for ``key``; override with
+        :meth:`read_stored`."""
+        harness.guard("write_stored", lambda: stored.write_stored(harness.tier, key, value))
+
+    def length_offset(self, harness: TierHarness, value: bytes) -> int:
+        """Where the payload length sits in a stored ``value``; override with
+        :meth:`read_stored` for a tier that frames values its own way."""
+        return stored.length_offset(harness.tier, value)
 
     @pytest.fixture
     def harness(self) -> Iterator[TierHarness]:
@@ -270,3 +308,106 @@ class TierContractTests:
             np.testing.assert_array_equal(second.buffer.array[2:4], data)
         finally:
             second.close()
+
+    # Chunks of a variable-size codec ---------------------------------------
+
+    def make_codec_harness(self) -> TierHarness | None:
+        """A harness of the tier under ``lossless``; ``None`` once checked
+        that the tier refuses it at start, saying why: it takes no codec, or
+        stores values of one size only."""
+        config = {**self.make_config(), "codec": VARIABLE_SIZE_CODEC}
+        try:
+            return TierHarness(config, codec_layout(), 8, call_timeout_s=self.call_timeout_s)
+        except ValueError as exc:
+            if not any(why in str(exc) for why in _CODEC_REFUSALS):
+                raise
+            return None
+
+    def _stored_chunks(self, harness: TierHarness, n: int) -> tuple[list[ChunkKey], np.ndarray]:
+        keys = harness.keys(n)
+        data = np.stack(
+            [np.frombuffer(kv_like(harness.layout, seed), np.uint8) for seed in range(n)]
+        )
+        harness.buffer.array[:n] = data
+        assert harness.store(keys, list(range(n))).success
+        harness.drain()
+        return keys, data
+
+    def test_variable_size_chunks_round_trip_byte_exact_in_fewer_bytes(self) -> None:
+        harness = self.make_codec_harness()
+        if harness is None:
+            return  # refused at start, with the reason
+        try:
+            keys, data = self._stored_chunks(harness, 4)
+            assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 4
+            harness.buffer.array[4:8] = 0xA5
+            loaded = harness.load(keys, [4, 5, 6, 7])
+            assert loaded.success and loaded.succeeded == frozenset(keys)
+            np.testing.assert_array_equal(harness.buffer.array[4:8], data)
+            stats = harness.tier.stats
+            assert stats.codec_bytes_out < stats.codec_bytes_in == 4 * harness.layout.slot_bytes
+            if harness.tier.holds_stores and stored.knows(harness.tier):
+                sizes = [len(self.read_stored(harness, key)) for key in keys]
+                assert max(sizes) < harness.layout.slot_bytes, sizes  # headers included
+        finally:
+            harness.close()
+
+    def _assert_never_served(
+        self, harness: TierHarness, damaged: dict[ChunkKey, bytes], intact: ChunkKey
+    ) -> None:
+        """``damaged`` (key: the value planted for it) all load as misses,
+        leave their slots as they were and are counted; ``intact`` loads."""
+        # Counted from before they are planted: a tier may find one damaged
+        # by itself first (a re-index), and count it then.
+        before = harness.tier.stats.corrupt_chunks
+        for key, value in damaged.items():
+            self.write_stored(harness, key, value)
+        keys = [*damaged, intact]
+        slots = list(range(len(keys)))
+        harness.buffer.array[slots] = 0x5A
+        loaded = harness.load(keys, slots)
+        assert loaded.succeeded == frozenset([intact])
+        assert (harness.buffer.array[slots[:-1]] == 0x5A).all()  # never written
+        assert harness.tier.stats.corrupt_chunks - before == len(damaged)
+        harness.drain()
+        assert [harness.lookup(key) for key in damaged] == [Lookup.MISS] * len(damaged)
+
+    def test_a_torn_variable_size_chunk_is_a_counted_miss(self) -> None:
+        harness = self.make_codec_harness()
+        if harness is None:
+            return  # refused at start, with the reason
+        try:
+            if not harness.tier.holds_stores:
+                return  # keeps nothing it is given to store: nothing to damage
+            keys, _ = self._stored_chunks(harness, 4)
+            value = self.read_stored(harness, keys[0])
+            # Cut at a page, mid-payload and just short of the end: each a
+            # plausible length for a shorter chunk of the same codec.
+            cuts = (4096, len(value) // 2, len(value) - 1)
+            damaged = {key: value[:cut] for key, cut in zip(keys, cuts, strict=False)}
+            self._assert_never_served(harness, damaged, keys[3])
+        finally:
+            harness.close()
+
+    def test_a_damaged_length_is_a_counted_miss(self) -> None:
+        harness = self.make_codec_harness()
+        if harness is None:
+            return  # refused at start, with the reason
+        try:
+            if not harness.tier.holds_stores:
+                return  # keeps nothing it is given to store: nothing to damage
+            keys, _ = self._stored_chunks(harness, 4)
+            damaged = {}
+            # Shorter by a page, longer by a page, and the size a chunk of
+            # a fixed-size codec would have: none may be read as a chunk.
+            for key, claim in zip(keys, (-4096, 4096, None), strict=False):
+                value = bytearray(self.read_stored(harness, key))
+                at = self.length_offset(harness, bytes(value))
+                held = int.from_bytes(value[at : at + 8], "little")
+                length = harness.tier.stored_bytes if claim is None else held + claim
+                assert length != held
+                value[at : at + 8] = length.to_bytes(8, "little")
+                damaged[key] = bytes(value)
+            self._assert_never_served(harness, damaged, keys[3])
+        finally:
+            harness.close()

@@ -138,6 +138,9 @@ class TierStats:
     #: Chunks loaded that another codec, or other parameters, wrote: never
     #: decoded nor served (a lossy chunk reaching a tier without that opt-in).
     codec_refused: int = 0
+    #: Of :attr:`codec_failures`: encodes or decodes that missed the codec
+    #: timeout (the tier waited no longer; see ``codec_timeout_s``).
+    codec_timeouts: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -277,7 +280,7 @@ class SecondaryTier(ABC, Generic[OptionsT]):
                 raise ValueError(
                     f"{tier_type}: codec {codec.name!r} gives chunks of varying size and "
                     f"{type(self).__name__} stores fixed-size values; use a fixed-size "
-                    "codec (fp8, int8, int4) here, or this codec on memory or redis"
+                    "codec (fp8, int8, int4) here"
                 )
         #: Encodes chunks on their way to the tier, decodes them on promotion.
         self.codec_stage = CodecStage(codec, spec.layout, align=self.payload_align)

@@ -1,5 +1,6 @@
 """``Deadlines``: run callbacks when their time comes, on one thread per tier;
-:func:`call_within`: wait a bounded time for a call that may never return.
+:func:`call_within`: wait a bounded time for a call that may never return;
+:class:`BoundedCalls`: the same for calls made often (a codec's, per chunk).
 
 A remote tier answers for every job within its deadline, even while its
 workers are stuck in a socket read: this thread fires the deadline and the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +70,97 @@ def call_within(
     if not succeeded:
         raise value
     return cast(T, value)
+
+
+class _Call:
+    """One call handed to a :class:`BoundedCalls` helper, and its outcome."""
+
+    __slots__ = ("abandoned", "call", "done", "outcome")
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call = call
+        self.done = threading.Event()
+        self.outcome: tuple[bool, Any] = (False, None)
+        self.abandoned = False
+
+
+class BoundedCalls:
+    """Run calls on helper threads and wait for each at most ``timeout_s``.
+
+    Each calling thread has a helper of its own, reused call after call (a
+    hand-over costs microseconds, not a thread start as :func:`call_within`
+    does). A call that misses its bound raises :class:`CallTimeout` and is
+    left to its helper, which ends when it returns. While any call is still
+    running past its bound, every new call raises at once: a call that
+    never returns costs one bounded wait, not one per call after it.
+    """
+
+    def __init__(self, name: str, timeout_s: float) -> None:
+        self.name = name
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._overdue = 0
+        self._helpers: list[tuple[threading.Thread, queue.SimpleQueue[_Call | None]]] = []
+
+    @property
+    def overdue(self) -> int:
+        """Calls still running past their bound."""
+        return self._overdue
+
+    def __call__(self, call: Callable[[], T]) -> T:
+        if self._overdue:
+            raise CallTimeout(f"{self.name}: an earlier call is still running past its bound")
+        helper: queue.SimpleQueue[_Call | None] | None = getattr(self._local, "helper", None)
+        if helper is None:
+            helper = self._local.helper = queue.SimpleQueue()
+            thread = threading.Thread(target=self._serve, args=(helper,), name=self.name)
+            thread.daemon = True
+            with self._lock:
+                self._helpers.append((thread, helper))
+            thread.start()
+        task = _Call(call)
+        helper.put(task)
+        if not task.done.wait(self.timeout_s):
+            with self._lock:
+                if not task.done.is_set():
+                    task.abandoned = True
+                    self._overdue += 1
+                    # Busy for good, maybe: the next call gets another helper.
+                    self._helpers = [h for h in self._helpers if h[1] is not helper]
+                    self._local.helper = None
+                    raise CallTimeout(f"{self.name}: no answer within {self.timeout_s}s")
+        succeeded, value = task.outcome
+        if not succeeded:
+            raise value
+        return cast(T, value)
+
+    def close(self) -> None:
+        """Stop the helpers. One still in a call is waited for no longer
+        than that call's bound (a caller left behind at shutdown may not
+        have abandoned it yet); it ends when the call returns."""
+        with self._lock:
+            helpers, self._helpers = self._helpers, []
+        for _, tasks in helpers:
+            tasks.put(None)
+        give_up = time.monotonic() + self.timeout_s
+        for thread, _ in helpers:
+            thread.join(max(0.0, give_up - time.monotonic()))
+
+    def _serve(self, tasks: queue.SimpleQueue[_Call | None]) -> None:
+        while True:
+            task = tasks.get()
+            if task is None:
+                return
+            try:
+                task.outcome = (True, task.call())
+            except BaseException as exc:
+                task.outcome = (False, exc)
+            with self._lock:
+                task.done.set()
+                if task.abandoned:  # its caller moved on to another helper
+                    self._overdue -= 1
+                    return
 
 
 class Deadlines:

@@ -134,6 +134,9 @@ class MooncakeTier(RemoteTier[MooncakeTierOptions]):
     Options: ClassVar[type[TierOptions]] = MooncakeTierOptions
     #: Chunks per batched call, and per worker's registered buffer.
     io_batch: ClassVar[int] = 8
+    #: A value is put with its own length and read into a buffer of the
+    #: largest, which reports the length it got: any shorter one fits.
+    variable_payloads: ClassVar[bool] = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

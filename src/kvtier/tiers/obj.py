@@ -42,6 +42,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from kvtier import integrity
 from kvtier.errors import (
     BackendUnavailableError,
     CorruptChunkError,
@@ -157,6 +158,8 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
     io_batch: ClassVar[int] = 64
     #: HEADs per existence-check task: small, so a step's checks run in parallel.
     check_batch: ClassVar[int] = 4
+    #: An object is as long as its value: any length up to the largest is read.
+    variable_payloads: ClassVar[bool] = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -245,7 +248,10 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
         for name, value in zip(names, values, strict=True):
             self._check_sending()
             try:
-                self._client.put_object(Bucket=self._bucket, Key=name, Body=value)
+                # botocore takes bytes-like bodies but not a memoryview (a
+                # variable-size value is a view of the start of its buffer).
+                body = bytes(value) if isinstance(value, memoryview) else value
+                self._client.put_object(Bucket=self._bucket, Key=name, Body=body)
                 errors.append(None)
                 self._answered()
             except self._client_error as exc:
@@ -267,7 +273,7 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
             body = reply["Body"]
             try:
                 # Never pull a foreign object of another size into memory.
-                if reply.get("ContentLength") != self.value_bytes:
+                if not self._sized_as_a_value(reply.get("ContentLength")):
                     values.append(
                         CorruptChunkError(
                             f"object holds {reply.get('ContentLength')} bytes, "
@@ -280,6 +286,17 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
                 body.close()
             self._answered()
         return values
+
+    def _sized_as_a_value(self, length: object) -> bool:
+        """Whether an object of ``length`` bytes may hold one of this tier's
+        values: exactly :attr:`value_bytes`, or under a variable-size codec
+        a header and at most a chunk's largest payload (its header's length
+        and checksum then decide)."""
+        if type(length) is not int:
+            return False
+        if self.codec_stage.fixed_size:
+            return length == self.value_bytes
+        return integrity.HEADER_BYTES < length <= self.value_bytes
 
     def _delete(self, name: str) -> None:
         self._client.delete_object(Bucket=self._bucket, Key=name)

@@ -206,6 +206,11 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         #: loads share one ``deadline_s`` (see :mod:`kvtier.tiers.budgets`).
         self.budgets = RequestBudgets(options.deadline_s)
 
+    def _codec_timeout_s(self) -> float:
+        # A job is answered at its deadline anyway; a codec call holding its
+        # slots must not outlast it by more.
+        return self.options.codec_timeout_s or self.options.deadline_s
+
     def _set_name_prefix(self, prefix: str) -> None:
         self._names_prefix = f"{prefix}{self.namespace.hex()}{self.name_separator}"
 

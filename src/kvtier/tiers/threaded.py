@@ -17,6 +17,7 @@ of a job (``_transfer``), for tiers that move whole batches their own way
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import queue
@@ -31,6 +32,7 @@ from pydantic import Field
 
 from kvtier.codecs import CodecMismatchError
 from kvtier.errors import ChunkVanishedError, CorruptChunkError
+from kvtier.integrity import copy_bytes
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import (
     JobResult,
@@ -40,6 +42,7 @@ from kvtier.tiers.base import (
     TierOptions,
     TransferJob,
 )
+from kvtier.tiers.deadlines import BoundedCalls, CallTimeout
 
 if TYPE_CHECKING:
     from kvtier.primary import PrimaryTier
@@ -50,9 +53,21 @@ logger = logging.getLogger(__name__)
 _CHECK, _LOAD, _STORE = 0, 1, 2
 
 
+#: How long a tier without deadlines of its own waits for its codec on one chunk.
+DEFAULT_CODEC_TIMEOUT_S = 5.0
+
+
 class ThreadedTierOptions(TierOptions):
     io_threads: int = Field(default=4, ge=1, le=256)
     """Worker threads doing the tier's blocking I/O."""
+
+    codec_timeout_s: float | None = Field(default=None, gt=0, le=3600)
+    """Longest wait for the tier's codec to encode or decode one chunk: a
+    chunk it takes longer on fails (a miss, counted), and while that call
+    is still running every other chunk fails at once instead of waiting
+    again. Unset: kvtier's own codecs, which always return, are called
+    directly; any other is waited for the tier's ``deadline_s`` where it
+    has one, else 5 s. Set, it bounds every codec."""
 
 
 @dataclass
@@ -72,6 +87,7 @@ class _JobState:
 
 
 ThreadedOptionsT = TypeVar("ThreadedOptionsT", bound=ThreadedTierOptions)
+T = TypeVar("T")
 
 
 class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
@@ -128,6 +144,22 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         self._threaded_workers: list[threading.Thread] = []
         #: Called when a lookup's answer may have changed (see :meth:`set_progress_listener`).
         self._threaded_progress: Callable[[], None] | None = None
+        #: The codec's calls, each waited for at most the codec timeout.
+        self._codec_calls: BoundedCalls | None = None
+        stage = self.codec_stage
+        # A helper thread and a copy per chunk cost loads up to a third of
+        # their speed (measured, docs/codecs.md): only where a codec may hang.
+        if not stage.identity and (
+            self.options.codec_timeout_s is not None
+            or not type(stage.codec).declares_prompt_return()
+        ):
+            self._codec_calls = BoundedCalls(
+                f"kvtier-{self.tier_type}-codec", self._codec_timeout_s()
+            )
+
+    def _codec_timeout_s(self) -> float:
+        """How long one chunk's encode or decode may take (``codec_timeout_s``)."""
+        return self.options.codec_timeout_s or DEFAULT_CODEC_TIMEOUT_S
 
     @property
     def io_threads(self) -> int:
@@ -260,6 +292,8 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
             # A worker stuck in a backend call past the bound is left behind
             # (a daemon thread): every job it held was answered already.
             worker.join(None if give_up is None else max(0.0, give_up - time.monotonic()))
+        if self._codec_calls is not None:
+            self._codec_calls.close()
         self._close()
 
     # Machinery --------------------------------------------------------------
@@ -428,7 +462,11 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
                 return [False] * len(keys)
             for index, (slot, buffer) in enumerate(zip(slots, buffers, strict=True)):
                 try:
-                    length = stage.encode(self.slot(slot), buffer)
+                    encode = functools.partial(stage.encode, self.slot(slot), buffer)
+                    length = self._codec_call(encode)
+                except CallTimeout as exc:  # the rest would fail at once: stop here
+                    self._codec_overdue(exc)
+                    break
                 except Exception as exc:  # the codec's failure costs this chunk only
                     self.count(codec_failures=1)
                     logger.warning(
@@ -446,6 +484,17 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
                 ok[index] = good
         return ok
 
+    def _codec_call(self, call: Callable[[], T]) -> T:
+        """``call()`` (the codec's), waited for at most the codec timeout."""
+        calls = self._codec_calls
+        return call() if calls is None else calls(call)
+
+    def _codec_overdue(self, exc: CallTimeout) -> None:
+        """The codec missed its bound: this thread's buffers are left to it."""
+        self.codec_stage.abandon_buffers()
+        self.count(codec_failures=1, codec_timeouts=1)
+        logger.warning("tier %s: codec %s: %s", self.tier_type, self.codec_stage.name, exc)
+
     def _decode(
         self,
         state: _JobState,
@@ -460,14 +509,25 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         with state.slots_guard:
             if state.reported:  # answered at its deadline: the slots may be another's now
                 return ok
+            stage = self.codec_stage
+            bounded = self._codec_calls is not None
             for index, (key, slot, buffer) in enumerate(zip(keys, slots, buffers, strict=True)):
                 if not loaded[index]:
                     continue
+                # A bounded decode writes into a buffer of this worker's, so
+                # that one past its bound never writes into a slot.
+                decoded = stage.decoded() if bounded else self.slot(slot)
                 try:
-                    self.codec_stage.decode(buffer, self.slot(slot))
-                    ok[index] = True
+                    self._codec_call(functools.partial(stage.decode, buffer, decoded))
+                except CallTimeout as exc:  # not damage: the chunk stays stored
+                    self._codec_overdue(exc)
+                    break
                 except CorruptChunkError as exc:
                     refused.append((key, exc))
+                    continue
+                if bounded:
+                    copy_bytes(self.slot(slot), decoded)
+                ok[index] = True
         for key, error in refused:  # deletes are backend calls: outside the guard
             if isinstance(error, CodecMismatchError):
                 self.count(codec_refused=1)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import NamedTuple
 
+import numpy as np
 import xxhash
 
 from kvtier import integrity
@@ -313,7 +314,33 @@ def write_chunk(
     return written
 
 
-def read_chunk(path: str, out: memoryview, namespace: bytes, key: bytes, *, direct: bool) -> None:
+def payload_size_fits(file_bytes: int, largest: int) -> bool:
+    """Whether a chunk file of ``file_bytes`` may hold a payload of a
+    variable-size codec whose payloads are at most ``largest`` bytes: whole
+    pages (as every payload of such a codec is padded), a trailer after them."""
+    payload = file_bytes - TRAILER_BLOCK
+    return 0 < payload <= largest and payload % DIRECT_ALIGN == 0
+
+
+def _variable_payload_bytes(path: str, largest: int) -> int:
+    """The payload length of the chunk file at ``path``, from its size."""
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise _not_a_file(mode_kind(info.st_mode))
+    if not payload_size_fits(info.st_size, largest):
+        raise CorruptChunkError(f"chunk file of {info.st_size} bytes holds no chunk of this tier")
+    return info.st_size - TRAILER_BLOCK
+
+
+def read_chunk(
+    path: str,
+    out: memoryview,
+    namespace: bytes,
+    key: bytes,
+    *,
+    direct: bool,
+    variable: bool = False,
+) -> None:
     """Read a chunk file into ``out`` and verify it.
 
     The payload is read straight into ``out`` (a primary slot the running
@@ -322,7 +349,17 @@ def read_chunk(path: str, out: memoryview, namespace: bytes, key: bytes, *, dire
     slot's bytes are never used. So does anything at ``path`` that is not a
     regular file (symlink, FIFO, directory, device), which is never read.
     A missing file raises ``FileNotFoundError``.
+
+    ``variable``: the payload is a variable-size codec's, at most ``out``
+    long. Its length is the file's size less the trailer, and must be the
+    length the trailer's header records over a payload whose checksum
+    matches, so a torn file or a damaged length is never read as a chunk.
+    It goes to the start of ``out``, the rest of which is zeroed: a codec
+    decoding ``out`` finds only this chunk's verified bytes there.
     """
+    if variable:
+        whole = out
+        out = whole[: _variable_payload_bytes(path, len(whole))]
     trailer = _trailer_buffer()
     try:
         done, digest = _load_file(path, out, memoryview(trailer), direct, USE_STAMP_S)
@@ -342,20 +379,30 @@ def read_chunk(path: str, out: memoryview, namespace: bytes, key: bytes, *, dire
         payload_bytes=len(out),
     )
     parsed.check_digest(digest)
+    if variable:
+        np.frombuffer(whole, np.uint8)[len(out) :] = 0
 
 
 #: Bytes :func:`verify_file` reads at a time.
 _VERIFY_PIECE = 8 << 20
 
 
-def verify_file(path: str, namespace: bytes, key: bytes, file_bytes: int | None = None) -> int:
+def verify_file(
+    path: str,
+    namespace: bytes,
+    key: bytes,
+    file_bytes: int | None = None,
+    *,
+    variable: bool = False,
+) -> int:
     """Check one chunk file completely (for ``kvtier inspect --verify``); returns
     its payload size. Raises :class:`CorruptChunkError` on any defect.
 
     Reads boundedly: nothing but a regular file is opened for reading, a file
     whose size is not ``file_bytes`` (the size the namespace declares, where
-    known) is rejected unread, and the payload is read only as far as its
-    trailer declares, in pieces, so memory stays small whatever the file.
+    known; with ``variable``, the largest it may be) is rejected unread, and
+    the payload is read only as far as its trailer declares, in pieces, so
+    memory stays small whatever the file.
     """
     try:
         fd = os.open(path, _OPEN_EXISTING)
@@ -367,7 +414,12 @@ def verify_file(path: str, namespace: bytes, key: bytes, file_bytes: int | None 
         if not stat.S_ISREG(info.st_mode):
             raise _not_a_file(mode_kind(info.st_mode))
         size = info.st_size
-        if file_bytes is not None and size != file_bytes:
+        if file_bytes is not None and variable:
+            if not payload_size_fits(size, file_bytes - TRAILER_BLOCK):
+                raise CorruptChunkError(
+                    f"chunk file is {size} bytes, not whole pages up to {file_bytes}"
+                )
+        elif file_bytes is not None and size != file_bytes:
             raise CorruptChunkError(f"chunk file is {size} bytes, a chunk is {file_bytes}")
         if size < TRAILER_BLOCK:
             raise CorruptChunkError(f"chunk file truncated to {size} bytes")

@@ -113,15 +113,22 @@ class NamespaceDir:
         trailer_bytes: int,
         payload_bytes: int | None = None,
         codec: dict[str, object] | None = None,
+        *,
+        variable: bool = False,
     ) -> None:
         """Make the namespace directory, its 256 buckets and ``NAMESPACE.json``,
         unless that file says an earlier start did (it is written last,
-        atomically; concurrent creators agree). A restart costs one ``stat``."""
+        atomically; concurrent creators agree). A restart costs one ``stat``.
+
+        ``variable``: chunk files hold payloads of varying size (a codec such
+        as ``lossless``), ``payload_bytes`` at most: the record says so
+        (``payload_bytes_max``) instead of declaring one size."""
         target = self.path / NAMESPACE_FILE
         if target.exists():
             return
         for bucket in range(256):
             os.makedirs(f"{self._base}/{bucket:02x}", exist_ok=True)
+        payload = layout.slot_bytes if payload_bytes is None else payload_bytes
         record = {
             "what": "kvtier chunk files of one KV layout; the directory name is the "
             "namespace digest (BLAKE2b-256) of the layout below",
@@ -129,7 +136,7 @@ class NamespaceDir:
             "layout": layout.describe(),
             "chunk_file": {
                 "path": "ab/<64 hex key>.kvc (ab: the key's first byte)",
-                "payload_bytes": layout.slot_bytes if payload_bytes is None else payload_bytes,
+                ("payload_bytes_max" if variable else "payload_bytes"): payload,
                 "trailer_bytes": trailer_bytes,
                 "trailer": "after the payload: magic KVTC, format version, payload "
                 "length, xxh3-128 checksum, namespace, key; zero-padded to trailer_bytes",

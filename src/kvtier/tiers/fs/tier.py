@@ -101,8 +101,11 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     Options: ClassVar[type[TierOptions]] = FilesystemTierOptions
     #: Most chunks one I/O task moves (see :meth:`_split`).
     io_batch: ClassVar[int] = 8
-    #: Chunk files have one size per namespace; ``O_DIRECT`` needs whole pages.
+    #: Chunk files have one size per namespace, or under a variable-size
+    #: codec whole pages up to the largest; ``O_DIRECT`` needs whole pages.
     payload_align: ClassVar[int] = DIRECT_ALIGN
+    #: A chunk file's size says how long its payload is (see :func:`read_chunk`).
+    variable_payloads: ClassVar[bool] = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -124,14 +127,22 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
             codec: dict[str, object] | None = None
             if not stage.identity:
                 codec = {"type": stage.name, "params": stage.codec.params()}
-            self.dir.create(self.spec.layout, TRAILER_BLOCK, self.stored_bytes, codec)
+            self.dir.create(
+                self.spec.layout,
+                TRAILER_BLOCK,
+                self.stored_bytes,
+                codec,
+                variable=not stage.fixed_size,
+            )
             for path, kind in self.dir.repair_buckets():
                 logger.warning("tier %s: replaced %s at bucket %s", self.tier_type, kind, path)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"{self.tier_type}: cannot use root_dir {self.root_dir}: {exc.strerror}"
             ) from exc
+        #: Size of every chunk file, or of the largest under a variable-size codec.
         self.file_bytes = self.stored_bytes + TRAILER_BLOCK
+        self.variable = not self.codec_stage.fixed_size
         self.max_bytes = None if options.max_bytes is None else int(options.max_bytes)
         if self.max_bytes is not None and self.max_bytes < self.file_bytes:
             raise ValueError(
@@ -240,8 +251,8 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
                     return
                 if isinstance(entry, ChunkFile):
                     # A final name is only ever a complete file (rename), and the
-                    # size is fixed by the namespace: any other size is damage.
-                    if entry.size == self.file_bytes:
+                    # namespace fixes its size (or bounds it): any other is damage.
+                    if self._sized_as_a_chunk(entry.size):
                         found.append(entry)
                         # Known from now on: a restarted engine's lookups stop
                         # checking the disk for it before the whole scan ends.
@@ -279,7 +290,28 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     def _complete_chunk_files(self) -> Iterator[ChunkFile]:
         """Chunk files of the namespace's size (others are damage the
         re-index removes)."""
-        return (chunk for chunk in self.dir.scan() if chunk.size == self.file_bytes)
+        return (chunk for chunk in self.dir.scan() if self._sized_as_a_chunk(chunk.size))
+
+    def _sized_as_a_chunk(self, size: int) -> bool:
+        """Whether a chunk file of ``size`` bytes may be one of this namespace."""
+        if self.variable:
+            return chunk_io.payload_size_fits(size, self.stored_bytes)
+        return size == self.file_bytes
+
+    def _complete(self, paths: Sequence[str]) -> list[bool]:
+        """Which of ``paths`` hold a complete chunk file (:func:`complete_files`:
+        one system-call run; under a variable-size codec, one ``lstat`` each)."""
+        if not self.variable:
+            return chunk_io.complete_files(paths, self.file_bytes)
+        found = []
+        for path in paths:
+            try:
+                info = os.lstat(path)
+            except OSError:
+                found.append(False)
+                continue
+            found.append(stat.S_ISREG(info.st_mode) and self._sized_as_a_chunk(info.st_size))
+        return found
 
     def _drop_broken(self, broken: Sequence[str]) -> None:
         if not broken:
@@ -338,7 +370,7 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         except OSError as exc:
             logger.debug("tier %s: cannot examine %s: %s", self.tier_type, path, exc)
             return False
-        if not stat.S_ISREG(info.st_mode) or info.st_size != self.file_bytes:
+        if not stat.S_ISREG(info.st_mode) or not self._sized_as_a_chunk(info.st_size):
             kind = "a regular file" if stat.S_ISREG(info.st_mode) else mode_kind(info.st_mode)
             logger.warning(
                 "tier %s: discarding %s at chunk path %s (%d bytes)",
@@ -359,7 +391,7 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         # one by one, for what is there instead (damage is discarded).
         unknown = [key for key in keys if key not in self._keys]
         paths = [self.dir.chunk_path(key) for key in unknown]
-        complete = dict(zip(unknown, chunk_io.complete_files(paths, self.file_bytes), strict=True))
+        complete = dict(zip(unknown, self._complete(paths), strict=True))
         found = []
         for key in keys:
             present = complete.get(key, True) or self._on_disk(key)
@@ -388,7 +420,7 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         # release as its hash and write (neither happens if it is there): a
         # run of its own would give up and wait for the GIL once more.
         paths = [self.dir.chunk_path(key) for key in keys]
-        on_disk = chunk_io.complete_files(paths, self.file_bytes) if len(paths) > 1 else [False]
+        on_disk = self._complete(paths) if len(paths) > 1 else [False]
         return [
             self._attempt(functools.partial(self._store_at, path, present), key, payload)
             for key, payload, path, present in zip(keys, payloads, paths, on_disk, strict=True)
@@ -404,7 +436,9 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         temp = self.dir.temp_path(path)
         bound = self._bound
         if bound is not None:
-            plan, victims = bound.reserve(key, self.file_bytes, temp)
+            # The file's own size: under a variable-size codec the bound
+            # counts what chunks take, not what the largest would.
+            plan, victims = bound.reserve(key, len(payload) + TRAILER_BLOCK, temp)
             self._forget_evicted(victims)
             if plan == "present":  # there, or another live process is writing it
                 self._keys.add(key)
@@ -446,7 +480,14 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
 
     def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
         try:
-            read_chunk(self.dir.chunk_path(key), out, self.namespace, key, direct=self.direct)
+            read_chunk(
+                self.dir.chunk_path(key),
+                out,
+                self.namespace,
+                key,
+                direct=self.direct,
+                variable=self.variable,
+            )
         except FileNotFoundError as exc:
             # Evicted, most likely by another process: a miss, not damage.
             with self._stats_lock:
@@ -493,7 +534,8 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
     @property
     def held_bytes(self) -> int:
         """Bytes of chunk files: of every process sharing the directory with
-        ``max_bytes`` set, else those this process knows."""
+        ``max_bytes`` set, else those this process knows (at most: under a
+        variable-size codec, counted at the largest file's size)."""
         if self._bound is not None:
             return self._bound.totals().nbytes
         return len(self._keys) * self.file_bytes
