@@ -133,7 +133,8 @@ def test_bench_cold_remote_tier_verifies_the_prefix_against_its_raw_client(
         row = result["kvtier"]
         assert row["verified_chunks"] == [out["size"] // result["chunk"]]
         parts = row["breakdown"]
-        # A fresh cache knows nothing of a remote store: every chunk is checked, then read.
+        # A fresh cache knows nothing of a remote store: every chunk is checked, then
+        # promoted (from the value its check read and held, for obj).
         assert parts["checked_keys"] == result["chunks"]
         assert parts["io_s"] > 0 and parts["jobs"] >= 1 and parts["lookups"] >= 1
         caller = parts["lookup_s"] + parts["step_s"] + parts["waits_s"]

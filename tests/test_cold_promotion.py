@@ -147,6 +147,32 @@ def test_a_chunk_deleted_between_the_check_and_the_read_is_a_miss(cold: KVCache)
     assert all(waits.woken)
 
 
+def test_a_chunk_evicted_between_lookup_and_pin_is_looked_at_again_at_once(
+    cold: KVCache, data: np.ndarray
+) -> None:
+    assert cold.cached_prefix(TOKENS) == len(TOKENS)  # the whole prefix in the primary tier
+    primary = cold.manager.primary
+    pin_prefix = primary.pin_prefix
+    evicted: list[int] = []
+
+    def evict_then_pin(keys: Any) -> list[int]:
+        if not evicted:  # found ready by the lookup, evicted before its pin
+            evicted.append(primary.remove_idle([cold.keys(TOKENS)[2]]))
+        return pin_prefix(keys)
+
+    primary.pin_prefix = evict_then_pin  # type: ignore[method-assign]
+    waits = Waits(cold.manager)
+    with cold.lookup(TOKENS, poll_s=POLL_S) as found:
+        out = np.zeros_like(data)
+        assert found.load(out) == len(TOKENS)
+    assert evicted == [1]
+    assert np.array_equal(out, data)
+    # No wait ran out: the lookup looked again at once (nobody announces an
+    # eviction) and waited only for the chunk's promotion, woken by the tier.
+    assert waits.woken and all(waits.woken)
+    assert fs_tier(cold).stats.chunks_loaded == CHUNKS + 1
+
+
 def test_a_stalled_tier_costs_one_bounded_wait(
     cold: KVCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -239,11 +239,24 @@ def test_existence_checks_that_fail_when_a_stall_ends_are_asked_again(
             harness.close()
 
 
+#: An object store's existence check, by ``prefetch_bytes``: a read of the
+#: whole value held for the load, or (past that bound) an existence check alone.
+CHECK_REQUESTS = pytest.mark.parametrize(
+    ("prefetch_bytes", "check"), [("1MiB", "_get_many"), (0, "_exists_many")]
+)
+
+
+@CHECK_REQUESTS
 def test_a_failed_check_is_retried_then_taken_as_a_miss(
-    s3_server: S3Server, s3_bucket: str
+    s3_server: S3Server, s3_bucket: str, prefetch_bytes: str | int, check: str
 ) -> None:
     harness = TierHarness(
-        {"type": "obj", **s3_server.tier_options(s3_bucket), "breaker_failures": 10},
+        {
+            "type": "obj",
+            **s3_server.tier_options(s3_bucket),
+            "breaker_failures": 10,
+            "prefetch_bytes": prefetch_bytes,
+        },
         small_layout(),
     )
     tier = harness.tier
@@ -252,7 +265,7 @@ def test_a_failed_check_is_retried_then_taken_as_a_miss(
         keys = harness.keys(2)
         harness.fill([0, 1])
         assert harness.store(keys, [0, 1]).success
-        real = tier._exists_many
+        real = getattr(tier, check)
         failures = {"left": 1}
 
         def flaky(names: Any) -> Any:
@@ -261,13 +274,13 @@ def test_a_failed_check_is_retried_then_taken_as_a_miss(
                 raise ConnectionError("injected")
             return real(names)
 
-        tier._exists_many = flaky  # type: ignore[method-assign]
+        setattr(tier, check, flaky)
         assert harness.lookup(keys[0]) is Lookup.HIT  # asked again after the failure
         assert tier.stats.backend_errors == 1  # type: ignore[attr-defined]
 
         broken = BrokenBackend()
         calls = Calls().wrap(broken, "exists_many")
-        tier._exists_many = broken.exists_many  # type: ignore[method-assign]
+        setattr(tier, check, broken.exists_many)
         # A key the backend keeps failing for: asked check_attempts times, then a miss.
         assert harness.lookup(keys[1]) is Lookup.MISS
         assert calls.started == tier.check_attempts
@@ -531,22 +544,29 @@ def test_an_object_store_refusing_writes_is_no_outage(s3_server: S3Server, s3_bu
             harness.close()
 
 
+@CHECK_REQUESTS
 @pytest.mark.parametrize("waiting", [1, 3])
 def test_every_request_waiting_on_a_check_past_its_deadline_answers_miss(
-    s3_server: S3Server, s3_bucket: str, waiting: int
+    s3_server: S3Server, s3_bucket: str, waiting: int, prefetch_bytes: str | int, check: str
 ) -> None:
     """Past the deadline a request waits no longer (nor do the others waiting
     on the same check); the backend, slow but answering, stays in service and
     its late answer serves the next request."""
     stored_by_another_engine({"type": "obj", **s3_server.tier_options(s3_bucket)}, 1)
     harness = TierHarness(
-        {"type": "obj", **s3_server.tier_options(s3_bucket), "deadline_s": 0.3}, small_layout()
+        {
+            "type": "obj",
+            **s3_server.tier_options(s3_bucket),
+            "deadline_s": 0.3,
+            "prefetch_bytes": prefetch_bytes,
+        },
+        small_layout(),
     )
     tier = harness.tier
     assert isinstance(tier, RemoteTier)
     try:
         [key] = harness.keys(1)
-        real = tier._exists_many
+        real = getattr(tier, check)
         started, release = threading.Event(), threading.Event()
 
         def slow(names: Any) -> Any:
@@ -555,7 +575,7 @@ def test_every_request_waiting_on_a_check_past_its_deadline_answers_miss(
             release.wait(60)
             return real(names)
 
-        tier._exists_many = slow  # type: ignore[method-assign]
+        setattr(tier, check, slow)
         # Requests (threads of one engine, or engine steps) ask for the same
         # chunk: one check goes out for them all.
         requests = [LookupContext(f"request-{i}") for i in range(waiting)]
@@ -579,7 +599,9 @@ def test_a_requests_checks_and_loads_share_one_deadline(
 ) -> None:
     options = {"type": "obj", **s3_server.tier_options(s3_bucket)}
     stored_by_another_engine(options, 2)
-    harness = TierHarness({**options, "deadline_s": 30}, small_layout())
+    # Checks that only ask whether a value is there (past prefetch_bytes),
+    # so that the loads read: with the values held, they take no backend time.
+    harness = TierHarness({**options, "deadline_s": 30, "prefetch_bytes": 0}, small_layout())
     tier = harness.tier
     assert isinstance(tier, RemoteTier)
     now = [time.perf_counter()]

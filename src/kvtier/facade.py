@@ -48,8 +48,8 @@ __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
 #: (``next`` on a counter is atomic), and cheaper than a UUID per lookup.
 _anonymous_requests = map(f"kvtier-{uuid.uuid4().hex[:12]}-{{}}".format, itertools.count())
 #: Longest a lookup waiting for promotions sleeps between looks when every
-#: tier announces its progress: a change none announced (a chunk evicted
-#: between its lookup and its pin) is seen this late.
+#: tier announces its progress: a change none announced is seen this late
+#: (a chunk evicted between its lookup and its pin is looked at again at once).
 _UNANNOUNCED_S = 0.05
 
 
@@ -178,16 +178,22 @@ class KVCache:
                     # Taken after that collect: results applied from here on
                     # (by this pass's step too) move it, so none is missed.
                     mark = manager.progress.mark
-                    pinned, pending = manager.lookup_pinned(
+                    pinned, pending, evicted = manager.lookup_pinned(
                         keys[len(slots) :], request, end_request=owned
                     )
                     slots += pinned
                     left = deadline - time.monotonic()
-                    if not pending or left <= 0:
-                        if owned and pending:
+                    more = pending or evicted
+                    if not more or left <= 0:
+                        if owned and more:
                             manager.on_request_finished(request)
-                        return HeldPrefix(self, keys[: len(slots)], slots, pending)
+                        return HeldPrefix(self, keys[: len(slots)], slots, more)
                     manager.step()  # submits the promotions this lookup started
+                if evicted:
+                    # A chunk found ready was evicted before its pin: nobody
+                    # announces that, so look again now rather than wait.
+                    waited = False
+                    continue
                 waited = True
                 if manager.progress.announced:
                     # Woken by the tiers when a job ends or a check answers;

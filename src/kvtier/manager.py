@@ -76,6 +76,19 @@ class LookupResult(NamedTuple):
     pending: bool
 
 
+class PinnedLookup(NamedTuple):
+    """What :meth:`TieringManager.lookup_pinned` pinned, and why to look again."""
+
+    #: Slots of the leading chunks pinned, in order.
+    slots: list[int]
+    #: More may be ready once in-flight work ends (a promotion, a store):
+    #: its end is announced on :attr:`TieringManager.progress`.
+    pending: bool
+    #: Fewer chunks were pinned than the lookup found ready: one was evicted
+    #: in between. Nothing announces that: look again at once.
+    evicted: bool
+
+
 class TieringManager:
     """Owns the primary tier and drives the secondary tiers behind it."""
 
@@ -129,20 +142,19 @@ class TieringManager:
     @_serialised
     def lookup_pinned(
         self, keys: Sequence[ChunkKey], request_id: str, *, end_request: bool = False
-    ) -> tuple[list[int], bool]:
-        """:meth:`lookup`, then pin the leading ready chunks, in one entry: the
-        slots pinned, and whether more may be ready at a later step (fewer
-        pinned than found also counts: evicted in between, ask again).
+    ) -> PinnedLookup:
+        """:meth:`lookup`, then pin the leading ready chunks, in one entry.
 
-        ``end_request``: the request's lookups are over unless more is pending,
-        and then it ends here as by :meth:`on_request_finished`.
+        ``end_request``: the request's lookups are over unless more is pending
+        or a chunk was evicted before its pin, and then it ends here as by
+        :meth:`on_request_finished`.
         """
         result = self._lookup(keys, request_id)
         slots = self.primary.pin_prefix(keys[: result.hit_chunks])
-        pending = result.pending or len(slots) < result.hit_chunks
-        if end_request and not pending:
+        evicted = len(slots) < result.hit_chunks
+        if end_request and not (result.pending or evicted):
             self._end_request(request_id)
-        return slots, pending
+        return PinnedLookup(slots, result.pending, evicted)
 
     def _lookup(self, keys: Sequence[ChunkKey], request_id: str | None) -> LookupResult:
         """:meth:`lookup`, under the lock.

@@ -19,11 +19,14 @@ kvtier's own checksum, verified before it reaches a slot.
 Concurrency is ``io_threads``: each worker runs one request at a time over a
 pool of as many connections, and a job's chunks are split evenly over the
 workers (one task per worker, not one per chunk), each stopping as soon as the
-backend is known down. Existence checks are one-byte ranged GETs spread over
-the workers in small batches: unlike a HEAD, whose 404 has no body, a GET
-tells a missing object (``NoSuchKey``: absent) from a missing bucket
-(``NoSuchBucket``: the backend is down). Listing by prefix is never used, as
-its cost grows with the bucket, not with the batch. At start the tier checks
+backend is known down. Existence checks are GETs spread over the workers in
+small batches: unlike a HEAD, whose 404 has no body, a GET tells a missing
+object (``NoSuchKey``: absent) from a missing bucket (``NoSuchBucket``: the
+backend is down). A check reads the whole object and holds it for the
+promotion that follows (up to ``prefetch_bytes``), so a cold chunk costs one
+request, not a check and then a read; past that bound a check is a one-byte
+ranged GET. Listing by prefix is never used, as its cost grows with the
+bucket, not with the batch. At start the tier checks
 the bucket with one HEAD, bounded by ``startup_timeout_s``, and fails with a
 clear message if the endpoint cannot be reached, does not answer, the bucket
 is missing or access is denied. Afterwards what a request waits is bounded by
@@ -40,7 +43,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import ByteSize, Field, SecretStr, field_validator, model_validator
 
 from kvtier import integrity
 from kvtier.errors import (
@@ -114,6 +117,11 @@ class ObjectStoreTierOptions(RemoteTierOptions):
     retries: int = Field(default=2, ge=0, le=10)
     """Further attempts after a throttled, failed or timed-out request."""
 
+    prefetch_bytes: ByteSize = Field(default=ByteSize(256 << 20), ge=0)
+    """Most bytes of objects that existence checks read whole and hold for
+    the promotion that follows (a cold chunk then costs one request, not
+    two). Checks past it only ask whether the object is there; ``0``: always."""
+
     @field_validator("bucket")
     @classmethod
     def _check_bucket_name(cls, bucket: str) -> str:
@@ -156,7 +164,7 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
     name_separator: ClassVar[str] = "/"
     #: Most chunks of one task; :meth:`_split` spreads a job over the workers.
     io_batch: ClassVar[int] = 64
-    #: HEADs per existence-check task: small, so a step's checks run in parallel.
+    #: Objects per existence-check task: small, so a step's checks run in parallel.
     check_batch: ClassVar[int] = 4
     #: An object is as long as its value: any length up to the largest is read.
     variable_payloads: ClassVar[bool] = True
@@ -172,6 +180,9 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
         try:
             self._client_error, self._client = _connect(options)
             self._check_bucket()
+            if options.prefetch_bytes:
+                # Each check is a GET already, and _get_many's values are fresh bytes.
+                self._hold_checked_values(int(options.prefetch_bytes))
         except BaseException:
             self.shutdown()
             raise

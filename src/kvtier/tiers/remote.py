@@ -26,7 +26,10 @@ write batched client calls:
   dropped and loads fail at once, without a call to the backend; a probe
   (``_ping``) after a backoff closes it again when the backend answers;
 * start-up, bounded: connecting and the first ping must answer within
-  ``startup_timeout_s``, whatever the client's own timeouts and retries.
+  ``startup_timeout_s``, whatever the client's own timeouts and retries;
+* one round trip per cold chunk where the backend allows
+  (:meth:`RemoteTier._hold_checked_values`): existence checks read whole
+  values and keep them for the promotion (:mod:`kvtier.tiers.prefetch`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from kvtier.tiers.base import (
 from kvtier.tiers.budgets import RequestBudgets
 from kvtier.tiers.circuit import BreakerState, CircuitBreaker
 from kvtier.tiers.deadlines import Deadlines, call_within
+from kvtier.tiers.prefetch import Prefetched
 from kvtier.tiers.threaded import ThreadedBatchTier, ThreadedTierOptions, _JobState
 
 logger = logging.getLogger(__name__)
@@ -163,6 +167,12 @@ class RemoteTierStats(TierStats):
     #: Chunks whose write the backend refused while answering (full, read-only,
     #: not permitted): failed stores that leave the breaker alone.
     refused_stores: int = 0
+    #: Chunks an existence check read whole and held for their promotion.
+    prefetched_chunks: int = 0
+    #: Chunks loads took from those held values, without a request.
+    prefetch_served: int = 0
+    #: Held values dropped unclaimed to make room for newer checks.
+    prefetch_expired: int = 0
 
 
 RemoteOptionsT = TypeVar("RemoteOptionsT", bound=RemoteTierOptions)
@@ -205,6 +215,20 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         #: Each request's wait on the backend, so that its checks and its
         #: loads share one ``deadline_s`` (see :mod:`kvtier.tiers.budgets`).
         self.budgets = RequestBudgets(options.deadline_s)
+        #: Values existence checks read whole (see :meth:`_hold_checked_values`).
+        self._prefetched: Prefetched | None = None
+
+    def _hold_checked_values(self, budget_bytes: int) -> None:
+        """Have existence checks read whole values, up to ``budget_bytes``
+        held at once, and loads take them instead of asking again.
+
+        For a backend whose check is a request per value anyway (a missing
+        value then answers as fast) and whose :meth:`_get_many` returns
+        values the caller may keep, not a worker's reused buffer.
+        """
+        self._prefetched = Prefetched(
+            budget_bytes, on_expired=lambda count: self.count(prefetch_expired=count)
+        )
 
     def _codec_timeout_s(self) -> float:
         # A job is answered at its deadline anyway; a codec call holding its
@@ -460,13 +484,45 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     def _contains(self, keys: Sequence[ChunkKey]) -> list[bool | None]:
         if not self._sending():
             return [None] * len(keys)  # unknown: asked again once the backend is back
+        names = [self.store_name(k) for k in keys]
+        held = self._prefetched
+        reserved = len(names) * self.value_bytes
         try:
-            found = self._exists_many([self.store_name(k) for k in keys])
+            if held is not None and held.reserve(reserved):
+                found = self._read_checked(held, reserved, names)
+            else:
+                found = self._exists_many(names)
         except Exception as exc:
             self._outcome(len(keys), len(keys), exc)
             return [None] * len(keys)
         self._outcome_of(found)
         return [None if isinstance(f, BaseException) else bool(f) for f in found]
+
+    def _read_checked(self, held: Prefetched, reserved: int, names: list[str]) -> list[Exists]:
+        """An existence check that reads the values and holds them, within
+        ``reserved`` bytes: a value read is there, a missing one is not.
+
+        A value that cannot be a chunk counts as there and is not held: its
+        load reads it again and discards it as corrupt, as after any check.
+        """
+        kept: list[tuple[str, bytes]] = []
+        try:
+            values = self._get_many(names)
+            found: list[Exists] = []
+            for name, value in zip(names, values, strict=True):
+                if value is None:
+                    found.append(False)
+                elif isinstance(value, CorruptChunkError):
+                    found.append(True)
+                elif isinstance(value, BaseException):
+                    found.append(value)
+                else:
+                    kept.append((name, bytes(value)))
+                    found.append(True)
+        finally:
+            held.keep(reserved, kept)
+        self.count(prefetched_chunks=len(kept))
+        return found
 
     def _transfer(
         self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
@@ -527,8 +583,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     def _load(
         self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
     ) -> list[bool]:
-        values = self._get_many([self.store_name(k) for k in keys])
-        self._outcome_of(values)
+        values = self._fetch([self.store_name(k) for k in keys])
         ok = [False] * len(keys)
         corrupt: list[tuple[ChunkKey, CorruptChunkError]] = []
         with state.slots_guard:
@@ -557,6 +612,24 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             self._discard_corrupt(bad_key, error)
         return ok
 
+    def _fetch(self, names: list[str]) -> list[Fetched]:
+        """Each value: taken from those the checks held, else read from the backend."""
+        held = self._prefetched
+        values: list[Fetched] = [None] * len(names)
+        if held is not None:
+            values = [held.take(name) for name in names]
+            taken = sum(value is not None for value in values)
+            if taken:
+                self.count(prefetch_served=taken)
+            if taken == len(names):
+                return values
+        missing = [i for i, value in enumerate(values) if value is None]
+        fetched = self._get_many([names[i] for i in missing])
+        self._outcome_of(fetched)
+        for index, value in zip(missing, fetched, strict=True):
+            values[index] = value
+        return values
+
     def _scratch(self, count: int) -> list[ValueBuffer]:
         """This worker's reusable value buffers, at least ``count`` of them.
 
@@ -578,7 +651,10 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         return [bytearray(self.value_bytes) for _ in range(count)]
 
     def _discard(self, key: ChunkKey) -> None:
-        self._delete(self.store_name(key))
+        name = self.store_name(key)
+        if self._prefetched is not None:
+            self._prefetched.drop([name])
+        self._delete(name)
 
     # Health -----------------------------------------------------------------
 
@@ -672,6 +748,8 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
 
     def _close(self) -> None:
         self._deadlines.close()
+        if self._prefetched is not None:
+            self._prefetched.clear()
 
     def describe(self) -> dict[str, object]:
         return {
