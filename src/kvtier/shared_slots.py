@@ -11,8 +11,8 @@ from kvtier.primary import SlotBuffer
 
 __all__ = ["MappedSlots", "map_slots"]
 
-#: A mapping of a cache's slots: ``view`` (a writable memoryview of every
-#: slot), ``slot(i)``, ``shared_name``, ``close()``.
+#: A mapping of a cache's slots: ``slot(i)`` (slot ``i``, a writable ``uint8``
+#: array), ``view`` (a memoryview of them all), ``shared_name``, ``close()``.
 MappedSlots = SlotBuffer
 
 
