@@ -374,7 +374,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
             outcome = JobOutcome.of(job.by_kvtier_key, result)
         except (TypeError, ValueError):
             logger.exception("kvtier: %s reported a malformed result; job failed", self._label)
-            result = JobResult(job.vllm_id, False, frozenset(), 0, 0.0)
+            result = JobResult(result.job_id, False, frozenset(), 0, 0.0)
             outcome = JobOutcome.of(job.by_kvtier_key, result)
         outcome.count_on(self.tier, loading=job.loading)
         good = [job.by_kvtier_key[own] for own in outcome.good]
