@@ -35,10 +35,11 @@ from kvtier.inputs import TokenIds, chunk_rows, chunks_of, count, seconds, token
 from kvtier.keys import ChunkKey, KeyedTokens, KeyMemo
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
-from kvtier.manager import TieringManager
+from kvtier.manager import LookupResult, TieringManager
 from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.prefix import ChunkCopier, HeldPrefix, copy_out
 from kvtier.recording import TraceRecorder
+from kvtier.residency import ResidencyListener
 from kvtier.specs.factory import OffloadingSpecFactory
 from kvtier.status import CacheStatus
 
@@ -319,6 +320,75 @@ class KVCache:
         tiers forget what they kept for it, and its failed promotions may be tried again."""
         with self.lifecycle.running():
             self.manager.on_request_finished(request_id)
+
+    # Engines whose workers copy the bytes --------------------------------
+    # Such an engine (vLLM) plans copies on its scheduler and makes them in
+    # other processes, through the slots in shared memory: it asks, pins and
+    # reserves chunks by key here and ends each once the copies are done.
+    # These calls copy nothing, so they only check that the cache is open.
+
+    def probe(self, keys: Sequence[ChunkKey], *, request_id: str | None = None) -> LookupResult:
+        """How many leading chunks of ``keys`` are ready now (``hit_chunks``),
+        holding nothing; starts promotions of those a secondary tier has
+        (``pending``: ask again after the next :meth:`step`). A request asking
+        again counts its hits once; end it with :meth:`end_request`."""
+        self.lifecycle.check()
+        return self.manager.lookup(keys, request_id)
+
+    def collect(self) -> None:
+        """Apply the transfers that ended since the last call, as :meth:`step`
+        does first, leaving queued promotions to the step: for an engine asking
+        again, within a step, about chunks being promoted."""
+        self.lifecycle.check()
+        self.manager.collect()
+
+    def pin(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """Pin ready chunks for a copy out of their slots; returns the slots.
+        ``KeyError`` if one is not ready (then nothing is pinned)."""
+        self.lifecycle.check()
+        return self.manager.prepare_load(keys)
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Release chunks :meth:`pin` pinned, once their copies ended."""
+        self.lifecycle.check()
+        self.manager.complete_load(keys)
+
+    def reserve(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, int] | None:
+        """A slot to write for each chunk of ``keys`` not held yet (in order),
+        or ``None`` when the primary tier has no room for them all."""
+        self.lifecycle.check()
+        return self.manager.prepare_store(keys)
+
+    def commit(self, keys: Sequence[ChunkKey], success: bool = True) -> None:
+        """The writes into :meth:`reserve`'s slots ended: on success the chunks
+        become ready and cascade to the secondary tiers; otherwise the slots are freed."""
+        self.lifecycle.check()
+        self.manager.complete_store(keys, success)
+
+    def record_request(self, keys: Sequence[ChunkKey], num_tokens: int) -> None:
+        """Record a request's keys in the trace (``trace_recording``; nothing
+        when off): once a request, for engines that use :meth:`probe`
+        (:meth:`lookup` records its own)."""
+        recorder = self.trace_recorder
+        if recorder is not None and not self.closed:
+            recorder.record(keys, num_tokens)
+
+    def watch_residency(self, listener: ResidencyListener) -> None:
+        """Call ``listener(tier_name, keys, stored)`` whenever a tier takes in
+        or drops chunks (``"cpu"`` for the primary tier): for KV events. It
+        must be quick and thread-safe and must not call back into kvtier."""
+        self.manager.residency.listeners.append(listener)
+
+    @property
+    def shared_memory_name(self) -> str | None:
+        """The name of the primary slots in shared memory (``None``: private),
+        for an engine's workers to map with :func:`kvtier.shared_slots.map_slots`."""
+        return self.manager.primary.buffer.shared_name
+
+    def unlink_shared_memory(self) -> None:
+        """Remove the slots' name once every worker mapped them (the mappings
+        stay valid): an engine killed later leaves nothing in shared memory."""
+        self.manager.primary.buffer.unlink()
 
     def _unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Release chunks pinned for this cache's lookups (nothing to do once closed)."""

@@ -1,20 +1,33 @@
-"""The jobs the manager hands its secondary tiers, from submission to applied result."""
+"""The jobs the manager hands its secondary tiers, from submission to applied result.
+
+What a tier's lookups and jobs add to its counters, and which loads failed
+for a request, are kept here for every driver of a tier: the manager, and
+vLLM's native tiering adapter that drives one kvtier tier on its own.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from kvtier.backpressure import Backpressure
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
 from kvtier.progress import Progress
 from kvtier.residency import ResidencyFeed
-from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
+from kvtier.tiers.base import JobResult, Lookup, SecondaryTier, TransferJob
 
-__all__ = ["JobBook", "JobListener", "JobOutcome", "JobRecord"]
+__all__ = [
+    "FailedLoads",
+    "JobBook",
+    "JobListener",
+    "JobOutcome",
+    "JobRecord",
+    "count_lookup",
+    "count_refused",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +52,62 @@ class JobRecord:
     followed: bool = False
 
 
+#: What one lookup adds to its tier's counters, by answer (made once: a
+#: lookup's count builds no dict).
+_LOOKUP_COUNTS: dict[Lookup | None, dict[str, int]] = {
+    Lookup.HIT: {"lookups": 1, "hits": 1},
+    Lookup.MISS: {"lookups": 1, "misses": 1},
+    Lookup.PENDING: {"lookups": 1, "pending": 1},
+    None: {"lookups": 1, "misses": 1, "load_failures": 1},
+}
+
+
+def count_lookup(tier: SecondaryTier, answer: Lookup | None) -> None:
+    """Count a lookup of ``tier`` by its answer; ``None``: the lookup raised,
+    a miss and a failed load."""
+    tier.count(**_LOOKUP_COUNTS[answer])
+
+
+def count_refused(tier: SecondaryTier, num_keys: int, *, loading: bool) -> None:
+    """Count a job of ``num_keys`` chunks that failed as a whole (the tier
+    refused it, or its result could not be applied)."""
+    tier.count(**{"load_failures" if loading else "store_failures": num_keys})
+
+
+_K = TypeVar("_K", bound=Hashable)
+
+
+class FailedLoads(Generic[_K]):
+    """Per request, the chunks whose load failed: misses for the rest of the
+    request, so that it never retries a bad chunk; forgotten when it ends.
+    Anonymous lookups (no request id) retry."""
+
+    __slots__ = ("_by_request",)
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, set[_K]] = {}
+
+    def remember(self, request_id: str | None, keys: Collection[_K]) -> None:
+        if request_id is not None and keys:
+            self._by_request.setdefault(request_id, set()).update(keys)
+
+    def of(self, request_id: str | None) -> Collection[_K]:
+        """The chunks whose load failed for ``request_id`` (read by every lookup)."""
+        return self._by_request.get(request_id, ()) if request_id is not None else ()
+
+    def forget(self, request_id: str) -> None:
+        self._by_request.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._by_request.clear()
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_request
+
+
 @dataclass(frozen=True)
 class JobOutcome:
-    """A tier's :class:`JobResult`, checked against its job."""
+    """A tier's :class:`JobResult`, checked against its job's keys."""
 
     good: list[ChunkKey]
     bad: list[ChunkKey]
@@ -51,18 +117,36 @@ class JobOutcome:
     gone: list[ChunkKey]
 
     @classmethod
-    def of(cls, job: JobRecord, result: JobResult) -> JobOutcome:
+    def of(cls, keys: Iterable[ChunkKey], result: JobResult) -> JobOutcome:
         """Raises ``TypeError`` or ``ValueError`` on a malformed result."""
+        keys = tuple(keys)
         succeeded = frozenset(result.succeeded)
-        bad = [key for key in job.keys if key not in succeeded]
+        bad = [key for key in keys if key not in succeeded]
         vanished = frozenset(result.vanished)
         return cls(
-            good=[key for key in job.keys if key in succeeded],
+            good=[key for key in keys if key in succeeded],
             bad=bad,
             nbytes=int(result.nbytes),
             seconds=float(result.seconds),
             gone=[key for key in bad if key in vanished] if vanished else [],
         )
+
+    def count_on(self, tier: SecondaryTier, *, loading: bool) -> None:
+        """Add the job's chunks, bytes and failures to ``tier``'s counters. A
+        chunk gone since its lookup (evicted, say by another process) is a
+        miss the request recomputes: nothing failed."""
+        if loading:
+            tier.count(
+                chunks_loaded=len(self.good),
+                bytes_loaded=self.nbytes,
+                load_failures=len(self.bad) - len(self.gone),
+            )
+        else:
+            tier.count(
+                chunks_stored=len(self.good),
+                bytes_stored=self.nbytes,
+                store_failures=len(self.bad),
+            )
 
 
 class JobBook:
@@ -84,9 +168,8 @@ class JobBook:
         self.progress = progress
         #: Jobs handed to a tier whose results are not applied yet, by (tier index, job id).
         self.running: dict[tuple[int, int], JobRecord] = {}
-        #: Promotions that failed, per request, so a request never retries a bad
-        #: chunk; forgotten when the request finishes. Anonymous lookups retry.
-        self.failed: dict[str, set[tuple[int, ChunkKey]]] = defaultdict(set)
+        #: Promotions that failed, per request, by (tier index, key).
+        self.failed: FailedLoads[tuple[int, ChunkKey]] = FailedLoads()
         # Tiers whose get_finished_jobs raised at the last collect (logged once).
         self._collect_failing: set[int] = set()
         #: Results a tier reported that could not be applied (each failed its job).
@@ -150,7 +233,7 @@ class JobBook:
             logger.exception("tier %s: submit raised; job %d failed", tier.tier_type, job.job_id)
             # Unless it reported the job before raising: that result stands.
             if self.running.pop((index, job.job_id), None) is not None:
-                tier.count(**{"load_failures" if loading else "store_failures": len(job.keys)})
+                count_refused(tier, len(job.keys), loading=loading)
                 self._release_failed(record)
             if not isinstance(error, Exception):
                 raise
@@ -187,7 +270,7 @@ class JobBook:
         fails its own job (counted, logged once), and its slots come back."""
         tier = self.tiers[job.tier_index]
         try:
-            self._apply(tier, job, JobOutcome.of(job, result))
+            self._apply(tier, job, JobOutcome.of(job.keys, result))
         except Exception:
             logger.exception(
                 "tier %s: the result of job %d could not be applied; the job failed",
@@ -202,7 +285,7 @@ class JobBook:
                 self._release_failed(job)
             except Exception:
                 logger.exception("tier %s: job %d: slots not released", tier.tier_type, job.job_id)
-            tier.count(**{"load_failures" if job.loading else "store_failures": len(job.keys)})
+            count_refused(tier, len(job.keys), loading=job.loading)
             result = JobResult(job.job_id, False, frozenset(), 0, 0.0)
         for listener in self.listeners:
             try:
@@ -219,13 +302,7 @@ class JobBook:
             self.primary.complete_store(outcome.bad, success=False)
             job.released = True
             self._remember_failures(job.request_id, job.tier_index, outcome.bad)
-            tier.count(
-                chunks_loaded=len(outcome.good),
-                bytes_loaded=outcome.nbytes,
-                # A chunk evicted since the lookup (by another process, say) is
-                # a miss: the request recomputes it, and nothing failed.
-                load_failures=len(outcome.bad) - len(outcome.gone),
-            )
+            outcome.count_on(tier, loading=True)
             self.residency.removed(job.tier_index, outcome.gone)
             self._job_ended(job, outcome.good)
             self.cascade(loaded, targets)
@@ -234,11 +311,7 @@ class JobBook:
             job.released = True
             pressure = self.backpressure[job.tier_index]
             pressure.finished(outcome.seconds / max(1, len(job.keys)))
-            tier.count(
-                chunks_stored=len(outcome.good),
-                bytes_stored=outcome.nbytes,
-                store_failures=len(outcome.bad),
-            )
+            outcome.count_on(tier, loading=False)
             self._job_ended(job, outcome.good)
 
     def _release_failed(self, job: JobRecord) -> None:
@@ -256,8 +329,8 @@ class JobBook:
     def _remember_failures(
         self, request_id: str | None, index: int, keys: Sequence[ChunkKey]
     ) -> None:
-        if request_id is not None and keys:
-            self.failed[request_id].update((index, key) for key in keys)
+        if request_id is not None and keys:  # no list for anonymous jobs
+            self.failed.remember(request_id, [(index, key) for key in keys])
 
     def _job_ended(self, job: JobRecord, held: Sequence[ChunkKey]) -> None:
         if job.followed:

@@ -26,7 +26,7 @@ from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from kvtier.backpressure import Backpressure
 from kvtier.config.sections import BackpressureConfig
-from kvtier.jobs import JobBook, JobListener
+from kvtier.jobs import JobBook, JobListener, count_lookup
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
 from kvtier.progress import Progress
@@ -34,9 +34,6 @@ from kvtier.residency import ResidencyFeed
 from kvtier.tiers.base import Lookup, LookupContext, SecondaryTier, TierMetric, TransferJob
 
 logger = logging.getLogger(__name__)
-
-
-_ANSWER_COUNTER = {Lookup.HIT: "hits", Lookup.MISS: "misses", Lookup.PENDING: "pending"}
 
 
 class Attachment(Protocol):
@@ -197,7 +194,7 @@ class TieringManager:
 
         A promotion never evicts another chunk of the same ``chain``.
         """
-        failed = self._failed.get(ctx.request_id, ()) if ctx.request_id is not None else ()
+        failed = self._failed.of(ctx.request_id)
         for index, tier in enumerate(self.tiers):
             if (index, key) in failed:
                 continue
@@ -205,9 +202,9 @@ class TieringManager:
                 answer = tier.lookup(key, ctx)
             except Exception:
                 logger.exception("tier %s: lookup raised; counted as a miss", tier.tier_type)
-                tier.count(lookups=1, misses=1, load_failures=1)
+                count_lookup(tier, None)
                 continue
-            tier.count(lookups=1, **{_ANSWER_COUNTER[answer]: 1})
+            count_lookup(tier, answer)
             if answer is Lookup.PENDING:
                 return True
             if answer is Lookup.HIT:
@@ -285,7 +282,7 @@ class TieringManager:
         self._end_request(request_id)
 
     def _end_request(self, request_id: str) -> None:
-        self._failed.pop(request_id, None)
+        self._failed.forget(request_id)
         self._asking.discard(request_id)
         for tier in self.tiers:
             self._call(tier, "on_request_finished", request_id)

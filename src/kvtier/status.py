@@ -95,6 +95,11 @@ class CacheStatus:
             for index, tier in enumerate(self._manager.tiers)
         )
 
+    def tier_stats(self) -> list[tuple[str, dict[str, int]]]:
+        """Each secondary tier's type and counters, in order: the part of
+        :attr:`tiers` cheap enough to read every engine step."""
+        return [(tier.tier_type, tier.stats.as_dict()) for tier in self._manager.tiers]
+
     @property
     def tier_types(self) -> list[str]:
         return [tier.tier_type for tier in self._manager.tiers]

@@ -1020,17 +1020,17 @@ def test_connector_stats_report_deltas_that_vllm_can_sum() -> None:
     with KVCache({"chunk_tokens": 4, "secondary_tiers": [{"type": "memory"}]}, layout) as cache:
         deltas = StatsDeltas()
         counters = {"hit_tokens": 0}
-        assert deltas.take(totals(counters, cache.manager)) is None
+        assert deltas.take(totals(counters, cache.status)) is None
         cache.store(list(range(8)), lambda index, chunk: chunk.fill(index))
         cache.drain()
-        first = deltas.take(totals(counters, cache.manager))
+        first = deltas.take(totals(counters, cache.status))
         assert first is not None and first.data == {
             "tier0_memory_chunks_stored": 2,
             "tier0_memory_bytes_stored": 2 * layout.slot_bytes,
         }
-        assert deltas.take(totals(counters, cache.manager)) is None  # nothing new
+        assert deltas.take(totals(counters, cache.status)) is None  # nothing new
         counters["hit_tokens"] = 8
-        second = deltas.take(totals(counters, cache.manager))
+        second = deltas.take(totals(counters, cache.status))
         assert second is not None and second.data == {"hit_tokens": 8}
         # vLLM rebuilds stats from plain dicts and sums them per interval.
         rebuilt = KVTierConnector.build_kv_connector_stats(first.to_dict())
@@ -1119,7 +1119,7 @@ def test_a_chunk_is_stored_only_when_every_rank_copied_its_part(
     name = f"kvtier-test-{uuid.uuid4().hex[:12]}"
     config = {"chunk_tokens": 64, "cpu_bytes_to_use": 8 * layout.slot_bytes}
     with KVCache({**config, "shared_memory_name": name}, layout) as cache:
-        scheduler = SchedulerSide(cache.manager, layout, shape, lookup_timeout_s=0)
+        scheduler = SchedulerSide(cache, shape, lookup_timeout_s=0)
         tokens = list(range(129))
         request = _request(tokens, request_id="r", num_tokens=129, num_prompt_tokens=129)
         assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -1135,7 +1135,7 @@ def test_a_chunk_is_stored_only_when_every_rank_copied_its_part(
         meta = scheduler.build_connector_meta(output)
         assert len(meta.stores) == 4  # two chunks of two blocks
         keys = request_keys_of(layout, tokens)
-        primary = cache.manager.primary
+        status = cache.status
 
         def report(result: StepResult) -> SimpleNamespace:
             return SimpleNamespace(
@@ -1143,10 +1143,12 @@ def test_a_chunk_is_stored_only_when_every_rank_copied_its_part(
             )
 
         scheduler.update_connector_output(report(StepResult(True, True)))
-        assert all(primary.is_writing(key) for key in keys)  # rank 1 has not reported
+        # Reference count -1: being written, as rank 1 has not reported.
+        assert all(status.slot_states().get(key) == -1 for key in keys)
         scheduler.update_connector_output(report(StepResult(True, second_rank_ok)))
-        assert all(primary.is_ready(key) for key in keys) == second_rank_ok
-        assert not any(primary.is_writing(key) for key in keys)
+        states = status.slot_states()
+        assert all(states.get(key, -1) >= 0 for key in keys) == second_rank_ok  # ready
+        assert not any(states.get(key) == -1 for key in keys)
         counters = scheduler.counters
         assert (counters.chunks_stored, counters.store_failures) == (
             (2, 0) if second_rank_ok else (0, 2)
@@ -1186,7 +1188,7 @@ def test_slots_name_goes_once_every_worker_mapped_them_at_start_up(model: Path) 
     )
     path = Path("/dev/shm") / str(config.shared_memory_name)
     with KVCache(config, layout) as cache:
-        scheduler = SchedulerSide(cache.manager, layout, shape, lookup_timeout_s=0)
+        scheduler = SchedulerSide(cache, shape, lookup_timeout_s=0)
         workers = []
         for rank in (0, 1):
             worker = WorkerSide(shape, tp_rank=rank, engine_id=engine_id)

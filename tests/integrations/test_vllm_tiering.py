@@ -4,6 +4,7 @@ and the manager calls vLLM's offloading connector makes."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import uuid
@@ -258,6 +259,26 @@ def test_a_redis_outage_costs_misses_never_a_crash(
     engine.store(offload_keys(2, tag=b"during the outage"))  # fails, counted, no crash
     stats = engine.adapter.tier.stats
     assert stats.store_failures > 0
+
+
+def test_a_malformed_job_result_fails_its_job_never_the_engine(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = engines({"type": "memory"})
+    keys = offload_keys(2)
+    engine.store(keys)
+    engine.evict_primary()
+    tier = engine.adapter.tier
+    reported = tier.get_finished_jobs
+    monkeypatch.setattr(
+        tier,
+        "get_finished_jobs",
+        lambda: [dataclasses.replace(result, nbytes="many") for result in reported()],
+    )
+    failures = tier.stats.load_failures
+    assert engine.load(keys) == {}  # a miss, recomputed
+    # The first chunk's promotion failed; the request asks for nothing after it.
+    assert tier.stats.load_failures == failures + 1 and tier.stats.chunks_loaded == 0
 
 
 @pytest.mark.parametrize(

@@ -40,9 +40,7 @@ def test_each_request_is_recorded_once_with_its_prompt_chunks(tmp_path: Path) ->
     }
     kv = KVCache(config, layout)
     shape = VllmGeometry(("layer",), CHUNK, 1, layout.slot_bytes, 64)
-    scheduler = SchedulerSide(
-        kv.manager, layout, shape, lookup_timeout_s=1.0, trace_recorder=kv.trace_recorder
-    )
+    scheduler = SchedulerSide(kv, shape, lookup_timeout_s=1.0)
     try:
         shared = list(range(12))
         first = request("a", [*shared, 50, 51, 52, 53, 54])

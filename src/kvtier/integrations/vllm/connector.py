@@ -23,7 +23,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.facade import KVCache
-from kvtier.metrics import KVTierMetrics
 
 from .engine_config import connector_options, geometry, kv_layout, kvtier_config, with_shared_memory
 from .events import tier_events
@@ -56,7 +55,6 @@ class KVTierConnector(KVConnectorBase_V1):
         config = kvtier_config(options)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._metrics: KVTierMetrics | None = None
         self._deltas = StatsDeltas()
         if role == KVConnectorRole.SCHEDULER:
             layout, shape = kv_layout(
@@ -72,14 +70,10 @@ class KVTierConnector(KVConnectorBase_V1):
             config = with_shared_memory(config, transfer.engine_id)
             # KVCache builds the tiers and kvtier's own Prometheus metrics
             # (served when ``metrics.port`` is set), releasing the tiers and the
-            # shared memory if the metrics cannot start.
-            kv = KVCache(config, layout)
-            self._metrics = kv.metrics
+            # shared memory if the metrics cannot start; closing it stops both.
             self._scheduler = SchedulerSide(
-                kv.manager,
-                layout,
+                KVCache(config, layout),
                 shape,
-                trace_recorder=kv.trace_recorder,
                 lookup_timeout_s=options.kvtier_lookup_timeout_s,
                 stats_file=options.kvtier_stats_file,
                 events=events,
@@ -152,7 +146,8 @@ class KVTierConnector(KVConnectorBase_V1):
         """What kvtier counted since the last call, for vLLM's own stats logging."""
         if self._scheduler is None:
             return None
-        return self._deltas.take(totals(vars(self._scheduler.counters), self._scheduler.manager))
+        scheduler = self._scheduler
+        return self._deltas.take(totals(vars(scheduler.counters), scheduler.cache.status))
 
     @classmethod
     def build_kv_connector_stats(
@@ -213,8 +208,6 @@ class KVTierConnector(KVConnectorBase_V1):
     # Both -------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
         if self._scheduler is not None:
             self._scheduler.shutdown()
         if self._worker is not None:

@@ -1,6 +1,6 @@
 """The scheduler half of the connector: lookups, load and store plans.
 
-Runs in vLLM's engine-core process and owns the kvtier manager. Chunk keys
+Runs in vLLM's engine-core process and owns the :class:`~kvtier.KVCache`. Chunk keys
 are kvtier's own prefix chain over the prompt's token ids, rooted at the
 layout's namespace (see :func:`request_keys`).
 """
@@ -16,12 +16,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.facade import KVCache
 from kvtier.identity import AdapterIdentities
 from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
-from kvtier.manager import TieringManager
-from kvtier.primary import SlotBuffer
-from kvtier.recording import TraceRecorder
 
 from .engine_config import VllmGeometry
 from .events import TierEvents
@@ -114,39 +112,37 @@ class ConnectorCounters:
 
 
 class SchedulerSide:
-    """Answers vLLM's scheduler from the kvtier manager and plans page copies."""
+    """Answers vLLM's scheduler from a :class:`KVCache` and plans page copies,
+    which vLLM's workers make through the cache's slots in shared memory."""
 
     def __init__(
         self,
-        manager: TieringManager,
-        layout: KVLayout,
+        cache: KVCache,
         shape: VllmGeometry,
         *,
         lookup_timeout_s: float,
         stats_file: str | None = None,
         events: TierEvents | None = None,
         clock: Callable[[], float] = time.monotonic,
-        trace_recorder: TraceRecorder | None = None,
     ) -> None:
-        self.manager = manager
-        #: Where each request's keys are recorded once (the cache's ``trace_recording``).
-        self.trace_recorder = trace_recorder
+        self.cache = cache
         #: vLLM KV-cache events of kvtier's tiers, when vLLM publishes events.
         self.events = events
         if events is not None:
-            manager.residency.listeners.append(events.changed)
-        self.layout = layout
+            cache.watch_residency(events.changed)
+        self.layout: KVLayout = cache.layout
         self.shape = shape
         self.lookup_timeout_s = lookup_timeout_s
         self.stats_file = stats_file
         self.clock = clock
         self.counters = ConnectorCounters()
-        buffer: SlotBuffer = manager.primary.buffer
-        if buffer.shared_name is None:
+        name = cache.shared_memory_name
+        if name is None:
             raise ValueError("the vLLM connector needs the primary tier in shared memory")
-        self.buffer = SharedBuffer(buffer.shared_name, buffer.num_slots, buffer.slot_bytes)
+        primary = cache.status.primary
+        self.buffer = SharedBuffer(name, primary.num_slots, primary.slot_bytes)
         # Until the name goes, it marks this engine as alive to stale-name cleanup.
-        self._name_guard = NameGuard(buffer.shared_name)
+        self._name_guard = NameGuard(name)
         self._requests: dict[str, _Request] = {}
         self._adapters = AdapterIdentities()
         self._next_step = 0
@@ -179,9 +175,9 @@ class SchedulerSide:
         if state.waiting_since is not None:
             # Asked again for chunks being promoted: take the promotions that
             # ended since the last step now, not a step later.
-            self._safely(self.manager.collect)
+            self._safely(self.cache.collect)
         try:
-            result = self.manager.lookup(state.keys[first:usable], request.request_id)
+            result = self.cache.probe(state.keys[first:usable], request_id=request.request_id)
         except Exception:
             logger.exception("kvtier lookup failed for request %s; recomputing", request.request_id)
             return 0, False
@@ -214,7 +210,7 @@ class SchedulerSide:
         first_chunk, last_chunk = first_block // bpc, (last_block - 1) // bpc
         keys = (state.keys or [])[first_chunk : last_chunk + 1]
         try:
-            slots = self.manager.prepare_load(keys)
+            slots = self.cache.pin(keys)
         except KeyError:
             # Evicted since the lookup (cannot happen within one scheduler pass,
             # but never copy from a slot that is not pinned).
@@ -229,7 +225,7 @@ class SchedulerSide:
         self.counters.chunks_loaded += len(keys)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
-        self._safely(self.manager.step)
+        self._safely(self.cache.step)
         step = self._next_step
         self._next_step += 1
         meta = KVTierConnectorMetadata(
@@ -280,7 +276,7 @@ class SchedulerSide:
         state.chunks_seen = full
         keys = [state.keys[c] for c in chunks]
         try:
-            reserved = self.manager.prepare_store(keys)
+            reserved = self.cache.reserve(keys)
         except Exception:
             logger.exception("kvtier prepare_store failed; chunks not offloaded")
             reserved = None
@@ -328,11 +324,11 @@ class SchedulerSide:
 
     def _finish(self, work: _StepWork, loads_ok: bool, stores_ok: bool) -> None:
         if work.loads:
-            self._safely(self.manager.complete_load, work.loads)
+            self._safely(self.cache.unpin, work.loads)
             if not loads_ok:
                 self.counters.load_failures += len(work.loads)
         if work.stores:
-            self._safely(self.manager.complete_store, work.stores, stores_ok)
+            self._safely(self.cache.commit, work.stores, stores_ok)
             if stores_ok:
                 self.counters.chunks_stored += len(work.stores)
             else:
@@ -344,14 +340,14 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> None:
         if self._requests.pop(request.request_id, None) is not None:
-            self._safely(self.manager.on_request_finished, request.request_id)
+            self._safely(self.cache.end_request, request.request_id)
 
     def reset_cache(self) -> bool:
         """Empty the CPU primary tier (secondary tiers keep their chunks); False if busy."""
         if self._in_flight or self._load_keys:
             return False
         try:
-            self.manager.reset()
+            self.cache.reset()
         except RuntimeError:
             return False
         return True
@@ -365,7 +361,7 @@ class SchedulerSide:
             # Steps the worker never reported: their pages may be incomplete.
             self._finish(work, loads_ok=False, stores_ok=False)
         self._in_flight.clear()
-        self._safely(self.manager.shutdown)
+        self._safely(self.cache.close)
         self._name_guard.release()
         self._write_stats()
 
@@ -376,8 +372,8 @@ class SchedulerSide:
         if state is None:
             keys = request_keys(self.layout.namespace, request, self.chunk_tokens, self._adapters)
             state = self._requests[request.request_id] = _Request(request, keys)
-            if keys is not None and self.trace_recorder is not None:  # once a request
-                self.trace_recorder.record(keys, len(request.prompt_token_ids))
+            if keys is not None:  # recorded once a request
+                self.cache.record_request(keys, len(request.prompt_token_ids))
         return state
 
     def _release_name(self) -> None:
@@ -385,20 +381,24 @@ class SchedulerSide:
         if self._name_released:
             return
         self._name_released = True
-        self.manager.primary.buffer.unlink()
+        self.cache.unlink_shared_memory()
         self._name_guard.release()
 
     def stats(self) -> dict[str, object]:
+        primary = self.cache.status.primary
         return {
             "shared_memory_name": self.buffer.name,
             "connector": vars(self.counters).copy(),
             "primary": {
-                **self.manager.primary.busy_counts(),
-                "hits": self.manager.primary.hits,
-                "evictions": self.manager.primary.evictions,
+                "free": primary.free,
+                "idle": primary.idle,
+                "pinned": primary.pinned,
+                "writing": primary.writing,
+                "hits": primary.hits,
+                "evictions": primary.evictions,
             },
             "tiers": [
-                {"type": tier.tier_type, **tier.stats.as_dict()} for tier in self.manager.tiers
+                {"type": tier_type, **stats} for tier_type, stats in self.cache.status.tier_stats()
             ],
             "kv_events": vars(self.events.counters).copy() if self.events is not None else None,
         }

@@ -19,7 +19,7 @@ import logging
 import os
 import re
 
-from kvtier.primary import SlotBuffer
+from kvtier.shared_slots import MappedSlots, map_slots
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def engine_buffer_names(engine_id: str) -> list[str]:
     ]
 
 
-def map_existing(names: list[str], slot_bytes: int) -> SlotBuffer | None:
+def map_existing(names: list[str], slot_bytes: int) -> MappedSlots | None:
     """Map the first of ``names`` that exists in shared memory (``None`` if none does)."""
     for name in names:
         try:
@@ -60,7 +60,7 @@ def map_existing(names: list[str], slot_bytes: int) -> SlotBuffer | None:
                 slot_bytes,
             )
             continue
-        return SlotBuffer.attach(name, size // slot_bytes, slot_bytes)
+        return map_slots(name, size // slot_bytes, slot_bytes)
     return None
 
 

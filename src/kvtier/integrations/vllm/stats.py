@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvtier.manager import TieringManager
+from kvtier.status import CacheStatus
 
 
 @dataclass
@@ -38,13 +38,13 @@ class KVTierConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def totals(connector: Mapping[str, int], manager: TieringManager) -> dict[str, int]:
+def totals(connector: Mapping[str, int], status: CacheStatus) -> dict[str, int]:
     """Every reported counter's value since the engine started."""
     values = dict(connector)
-    values["primary_hits"] = manager.primary.hits
-    for index, tier in enumerate(manager.tiers):
-        for name, value in tier.stats.as_dict().items():
-            values[f"tier{index}_{tier.tier_type}_{name}"] = value
+    values["primary_hits"] = status.primary.hits
+    for index, (tier_type, stats) in enumerate(status.tier_stats()):
+        for name, value in stats.items():
+            values[f"tier{index}_{tier_type}_{name}"] = value
     return values
 
 

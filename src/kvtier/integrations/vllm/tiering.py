@@ -43,6 +43,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.config import validate_options, validate_tier
 from kvtier.errors import ConfigError
 from kvtier.identity import declared_weights, identify_weights
+from kvtier.jobs import FailedLoads, JobOutcome, count_lookup, count_refused
 from kvtier.keys import ChunkKey
 from kvtier.layout import KEY_BYTES, KVLayout
 from kvtier.tiers.base import JobResult, Lookup, LookupContext, SecondaryTier, TransferJob
@@ -61,7 +62,6 @@ _CPU_TIERS = frozenset({"memory", "example"})
 _ANNOUNCED_LIMIT = 1 << 20
 #: Keys of a ``secondary_tiers`` entry that vLLM's factory takes for itself.
 _FACTORY_KEYS = frozenset({"type", "module_path", "backpressure"})
-_ANSWER_COUNTER = {Lookup.HIT: "hits", Lookup.MISS: "misses", Lookup.PENDING: "pending"}
 
 
 class TieringOptions(BaseModel):
@@ -278,7 +278,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._jobs: dict[int, _Job] = {}
         self._failed: list[VllmJobResult] = []
         #: Per request, chunks whose load failed: misses for the rest of it.
-        self._failed_loads: dict[str, set[OffloadKey]] = {}
+        self._failed_loads: FailedLoads[OffloadKey] = FailedLoads()
         self._tokens_per_chunk = int(offloading_spec.config.cache.tokens_per_hash) * int(
             offloading_spec.config.cache.blocks_per_chunk
         )
@@ -308,15 +308,15 @@ class KVTierSecondaryTier(SecondaryTierManager):
     # vLLM's contract ------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if key in self._failed_loads.get(req_context.req_id, ()):
+        if key in self._failed_loads.of(req_context.req_id):
             return LookupResult.MISS  # its load failed once for this request: recompute
         try:
             found = self.tier.lookup(self.chunk_key(key), self._context(key, req_context))
         except Exception:
             logger.exception("kvtier: lookup on %s failed; a miss", self._label)
-            self.tier.count(lookups=1, misses=1, load_failures=1)
+            count_lookup(self.tier, None)
             return LookupResult.MISS
-        self.tier.count(lookups=1, **{_ANSWER_COUNTER[found]: 1})
+        count_lookup(self.tier, found)
         if found is Lookup.PENDING:
             return LookupResult.RETRY
         if found is Lookup.MISS:
@@ -348,9 +348,9 @@ class KVTierSecondaryTier(SecondaryTierManager):
         except Exception:
             logger.exception("kvtier: %s refused job %d; it failed", self._label, job.job_id)
             del self._jobs[kvtier_job.job_id]
-            self.tier.count(**{"load_failures" if loading else "store_failures": len(keys)})
+            count_refused(self.tier, len(keys), loading=loading)
             if loading:
-                self._failed_loads.setdefault(job.req_context.req_id, set()).update(keys)
+                self._failed_loads.remember(job.req_context.req_id, keys)
             self._failed.append(VllmJobResult(job_id=job.job_id, success=False))
 
     def get_finished_jobs(self) -> Iterable[VllmJobResult]:
@@ -370,34 +370,32 @@ class KVTierSecondaryTier(SecondaryTierManager):
         return results
 
     def _translate(self, job: _Job, result: JobResult) -> VllmJobResult:
-        good = [key for own, key in job.by_kvtier_key.items() if own in result.succeeded]
-        bad = len(job.keys) - len(good)
+        try:
+            outcome = JobOutcome.of(job.by_kvtier_key, result)
+        except (TypeError, ValueError):
+            logger.exception("kvtier: %s reported a malformed result; job failed", self._label)
+            result = JobResult(result.job_id, False, frozenset(), 0, 0.0)
+            outcome = JobOutcome.of(job.by_kvtier_key, result)
+        outcome.count_on(self.tier, loading=job.loading)
+        good = [job.by_kvtier_key[own] for own in outcome.good]
         if job.loading:
-            lost = [key for own, key in job.by_kvtier_key.items() if own not in result.succeeded]
+            lost = [job.by_kvtier_key[own] for own in outcome.bad]
             self._forget(lost)
-            if lost:
-                self._failed_loads.setdefault(job.request_id, set()).update(lost)
-            # A chunk gone since its lookup is a miss to recompute, not a failure.
-            self.tier.count(
-                chunks_loaded=len(good),
-                bytes_loaded=result.nbytes,
-                load_failures=bad - len(result.vanished),
-            )
+            self._failed_loads.remember(job.request_id, lost)
             whole = result.success and not lost
             return VllmJobResult(
                 job_id=job.vllm_id,
                 success=whole,
                 successful_keys=None if whole else tuple(good),
-                transfer_time=result.seconds,
-                transfer_bytes=result.nbytes,
+                transfer_time=outcome.seconds,
+                transfer_bytes=outcome.nbytes,
             )
-        self.tier.count(chunks_stored=len(good), bytes_stored=result.nbytes, store_failures=bad)
         self._announce(good)
         return VllmJobResult(
             job_id=job.vllm_id,
             success=result.success,
-            transfer_time=result.seconds,
-            transfer_bytes=result.nbytes,
+            transfer_time=outcome.seconds,
+            transfer_bytes=outcome.nbytes,
         )
 
     def has_pending_work(self) -> bool:
@@ -420,7 +418,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._failed_loads.pop(req_context.req_id, None)
+        self._failed_loads.forget(req_context.req_id)
         try:
             self.tier.on_request_finished(req_context.req_id)
         except Exception:

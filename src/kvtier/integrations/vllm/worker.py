@@ -16,7 +16,7 @@ import logging
 import torch
 
 from kvtier.integrations.page_copies import CopyIndex, LayerPages, PendingCopy, Transfers
-from kvtier.primary import SlotBuffer
+from kvtier.shared_slots import MappedSlots, map_slots
 
 from .engine_config import VllmGeometry
 from .metadata import (
@@ -54,7 +54,7 @@ class WorkerSide:
         )
         self._layers: list[LayerPages] = []
         self._transfers: Transfers | None = None
-        self._buffer: SlotBuffer | None = None
+        self._buffer: MappedSlots | None = None
         #: The mapped slots as rows of one page each.
         self._slots: torch.Tensor | None = None
         self._broken: str | None = None
@@ -207,13 +207,13 @@ class WorkerSide:
             )
             return None
         try:
-            self._use(SlotBuffer.attach(buffer.name, buffer.num_slots, buffer.slot_bytes))
+            self._use(map_slots(buffer.name, buffer.num_slots, buffer.slot_bytes))
         except (OSError, ValueError) as exc:
             self._disable(f"cannot map shared memory {buffer.name!r}: {exc}")
             return None
         return self._slots
 
-    def _use(self, mapped: SlotBuffer) -> None:
+    def _use(self, mapped: MappedSlots) -> None:
         """Keep the mapping and view it as rows of one page each."""
         self._buffer = mapped
         flat = torch.frombuffer(mapped.view.cast("B"), dtype=torch.uint8)
