@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.testing import restore_registries
 from kvtier.tiers.fs import io as fs_io
-from tests.servers import (
+from tests.support.servers import (
     MooncakeMaster,
     RedisClusterServers,
     RedisServer,
