@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import need_mooncake, need_redis_server, need_s3_server
+from tests.support.needs import need_mooncake, need_redis_server, need_s3_server
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -44,8 +44,8 @@ def payload_for(key: bytes, layout: KVLayout = LAYOUT) -> np.ndarray:
     return rng.integers(0, 256, layout.slot_bytes, dtype=np.uint8)
 
 
-def open_tier(root: str, num_slots: int = 16, **options: Any) -> TierHarness:
-    harness = TierHarness({"type": "fs", "root_dir": root, **options}, LAYOUT, num_slots)
+def open_tier(root: str | os.PathLike[str], num_slots: int = 16, **options: Any) -> TierHarness:
+    harness = TierHarness({"type": "fs", "root_dir": str(root), **options}, LAYOUT, num_slots)
     harness.tier.wait_index(30)  # type: ignore[attr-defined]
     return harness
 

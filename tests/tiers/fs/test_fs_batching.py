@@ -4,7 +4,6 @@ already on disk found before they are hashed, temp names without a system call."
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +20,8 @@ pytestmark = pytest.mark.usefixtures("chunk_io")
 
 
 @pytest.fixture
-def harness(tmp_path: Path) -> Iterator[TierHarness]:
-    h = open_tier(tmp_path / "kv", io_threads=4)
-    yield h
-    h.close()
+def fs_options() -> dict[str, object]:
+    return {"io_threads": 4}
 
 
 def _split(tier: FilesystemTier, count: int, backlog: int) -> list[list[int]]:
@@ -71,9 +68,8 @@ def test_grouped_jobs_move_every_byte_and_fail_only_the_bad_chunk(
 
 @pytest.mark.parametrize("bounded", [False, True], ids=["unbounded", "max_bytes"])
 def test_a_chunk_another_process_stored_is_neither_hashed_nor_written_in_a_group(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounded: bool
+    root: Path, monkeypatch: pytest.MonkeyPatch, bounded: bool
 ) -> None:
-    root = tmp_path / "kv"
     options = {"max_bytes": 8 * FILE_BYTES} if bounded else {}
     late = open_tier(root, io_threads=4, **options)  # indexed before the chunk exists
     other = open_tier(root, io_threads=4, **options)

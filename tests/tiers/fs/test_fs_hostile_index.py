@@ -34,11 +34,6 @@ pytestmark = pytest.mark.usefixtures("chunk_io")
 BOUND_FILES = 6
 
 
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    return tmp_path / "kv"
-
-
 def namespace_dir(harness: TierHarness) -> Path:
     return Path(fs_tier(harness).dir.path)
 

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +23,6 @@ from kvtier.tiers.base import Lookup, LookupContext
 from tests.tiers.fs.fs_support import FILE_BYTES, LAYOUT, fs_tier, open_tier
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    return tmp_path / "kv"
-
-
-@pytest.fixture
-def harness(root: Path) -> Iterator[TierHarness]:
-    h = open_tier(root)
-    yield h
-    h.close()
 
 
 def chunk_path(harness: TierHarness, key: bytes) -> Path:

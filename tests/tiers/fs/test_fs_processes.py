@@ -48,12 +48,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-@pytest.fixture
-def root(tmp_path: Path) -> str:
-    return str(tmp_path / "kv")
-
-
-def test_sigkill_mid_store_never_leaves_a_servable_bad_chunk(root: str) -> None:
+def test_sigkill_mid_store_never_leaves_a_servable_bad_chunk(root: Path) -> None:
     rounds, per_round = 20, 200
     dice = random.Random(20261202)
     zygote = subprocess.Popen(
@@ -107,7 +102,7 @@ def test_sigkill_mid_store_never_leaves_a_servable_bad_chunk(root: str) -> None:
         harness.close()
 
 
-def test_restart_in_a_new_process_hits_what_the_first_stored(root: str) -> None:
+def test_restart_in_a_new_process_hits_what_the_first_stored(root: Path) -> None:
     harness = open_tier(root)
     keys = keys_for(7, 24)
     assert store(harness, keys)
@@ -115,7 +110,7 @@ def test_restart_in_a_new_process_hits_what_the_first_stored(root: str) -> None:
     assert run_worker("verify", root, 7, 24) == 0
 
 
-def test_a_new_process_hits_chunks_a_killed_process_stored(root: str) -> None:
+def test_a_new_process_hits_chunks_a_killed_process_stored(root: Path) -> None:
     assert run_worker("store", root, 8, 24) == 0
     harness = open_tier(root, shared=False)
     try:
@@ -128,7 +123,7 @@ def test_a_new_process_hits_chunks_a_killed_process_stored(root: str) -> None:
 
 
 def test_lookups_check_the_filesystem_until_the_index_is_ready(
-    root: str, monkeypatch: pytest.MonkeyPatch
+    root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first = open_tier(root)
     keys = keys_for(9, 3)
@@ -142,7 +137,7 @@ def test_lookups_check_the_filesystem_until_the_index_is_ready(
         yield from real_survey(self)
 
     monkeypatch.setattr(NamespaceDir, "survey", slow_survey)
-    harness = TierHarness({"type": "fs", "root_dir": root, "shared": False}, LAYOUT, 4)
+    harness = TierHarness({"type": "fs", "root_dir": str(root), "shared": False}, LAYOUT, 4)
     try:
         tier = harness.tier
         assert isinstance(tier, FilesystemTier)
@@ -163,7 +158,7 @@ def test_lookups_check_the_filesystem_until_the_index_is_ready(
         harness.close()
 
 
-def test_a_chunk_stored_by_another_process_is_found(root: str) -> None:
+def test_a_chunk_stored_by_another_process_is_found(root: Path) -> None:
     harness = open_tier(root)  # running before the other process stores
     try:
         assert run_worker("store", root, 10, 12) == 0
@@ -175,7 +170,7 @@ def test_a_chunk_stored_by_another_process_is_found(root: str) -> None:
         harness.close()
 
 
-def test_eviction_by_another_process_is_a_clean_miss(root: str) -> None:
+def test_eviction_by_another_process_is_a_clean_miss(root: Path) -> None:
     harness = open_tier(root)
     try:
         mine = keys_for(11, 4)
@@ -195,7 +190,7 @@ def test_eviction_by_another_process_is_a_clean_miss(root: str) -> None:
         harness.close()
 
 
-def test_two_processes_storing_the_same_chunks_at_once_is_harmless(root: str) -> None:
+def test_two_processes_storing_the_same_chunks_at_once_is_harmless(root: Path) -> None:
     keys = keys_for(13, 64)
     child = subprocess.Popen([sys.executable, WORKER, "store", root, "13", "64"])
     harness = open_tier(root)
@@ -205,7 +200,7 @@ def test_two_processes_storing_the_same_chunks_at_once_is_harmless(root: str) ->
         for key in keys:
             assert harness.load([key], [0]).success
             np.testing.assert_array_equal(harness.buffer.array[0], payload_for(key))
-        assert list(Path(root).rglob("*.tmp")) == []
+        assert list(root.rglob("*.tmp")) == []
     finally:
         if child.poll() is None:
             child.kill()
@@ -229,7 +224,7 @@ def disk_bytes(namespace_dir: Path) -> int:
 class _Worker:
     """A ``bounded`` worker whose progress lines are read on a thread."""
 
-    def __init__(self, root: str, seed: int, count: int, max_bytes: int) -> None:
+    def __init__(self, root: Path, seed: int, count: int, max_bytes: int) -> None:
         self.process = subprocess.Popen(
             [sys.executable, WORKER, "bounded", root, str(seed), str(count), str(max_bytes)],
             stdout=subprocess.PIPE,
@@ -266,10 +261,10 @@ class _Worker:
         return code
 
 
-def test_four_processes_with_sigkills_hold_max_bytes_and_serve_exact_bytes(root: str) -> None:
+def test_four_processes_with_sigkills_hold_max_bytes_and_serve_exact_bytes(root: Path) -> None:
     max_files = 48
     max_bytes = max_files * FILE_BYTES
-    namespace_dir = Path(root) / LAYOUT.namespace.hex()
+    namespace_dir = root / LAYOUT.namespace.hex()
     dice = random.Random(20261203)
     seeds = iter(range(100, 10_000))
     peak = loose_peak = 0

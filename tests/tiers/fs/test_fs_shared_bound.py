@@ -54,11 +54,6 @@ def disk_bytes(root: Path) -> int:
 
 
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
-    return tmp_path / "kv"
-
-
-@pytest.fixture
 def pair(root: Path) -> Iterator[tuple[TierHarness, TierHarness]]:
     first, second = open_tier(root, 8), open_tier(root, 8)
     yield first, second

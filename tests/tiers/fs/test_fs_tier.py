@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,8 @@ class TestFilesystemContract(TierContractTests):
     persistent = True
 
     @pytest.fixture(autouse=True)
-    def _root(self, tmp_path: Path) -> None:
-        self.root = tmp_path / "kv"
+    def _root(self, root: Path) -> None:
+        self.root = root
 
     def make_config(self) -> dict[str, Any]:
         return {"type": "fs", "root_dir": str(self.root), "io_threads": 2}
@@ -37,19 +36,6 @@ class TestFilesystemContract(TierContractTests):
 class TestFilesystemContractBufferedPrivate(TestFilesystemContract):
     def make_config(self) -> dict[str, Any]:
         return {**super().make_config(), "direct_io": "off", "shared": False}
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    return tmp_path / "kv"
-
-
-@pytest.fixture
-def harness(root: Path) -> Iterator[TierHarness]:
-    h = TierHarness({"type": "fs", "root_dir": str(root), "io_threads": 2}, small_layout())
-    fs_tier(h).wait_index(10)
-    yield h
-    h.close()
 
 
 def test_layout_is_namespaced_fanned_out_and_described(harness: TierHarness, root: Path) -> None:

@@ -22,12 +22,13 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
-from kvtier.testing.outages import FakeClock, recover, wait_until
+from kvtier.testing.outages import recover, wait_until
 from kvtier.tiers import mooncake as mooncake_module
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.mooncake import MooncakeTier
-from tests.conftest import need_mooncake
+from tests.support.needs import need_mooncake
 from tests.support.servers import MooncakeMaster, free_port
+from tests.tiers.remote.outage import on_fake_clock, outage_harness
 from tests.tiers.remote.test_shared_engines import run_engine
 
 
@@ -185,10 +186,7 @@ def test_master_killed_and_restarted_costs_hits_then_recovers(
     before, during, after = (list(range(n, n + 16)) for n in (0, 100, 200))
     data = rng.integers(0, 256, (4, layout.slot_bytes), dtype=np.uint8)
     with KVCache(config, layout) as cache:
-        tier = cache.manager.tiers[0]
-        assert isinstance(tier, MooncakeTier)
-        clock = FakeClock()
-        tier.breaker.clock = clock
+        tier, clock = on_fake_clock(cache.manager.tiers[0], MooncakeTier)
         assert cache.store(before, data) == 4
         cache.drain()
         assert tier.stats.chunks_stored == 4
@@ -229,32 +227,27 @@ def test_a_frozen_master_costs_a_deadline_then_recovers(
     data = setup.fill(range(3))
     assert setup.store(keys, [0, 1, 2]).success
     setup.close()
-    harness = TierHarness(
-        pool_tier(master, key_prefix, deadline_s=2.0, startup_timeout_s=1.0), layout
-    )
-    tier = harness.tier
-    assert isinstance(tier, MooncakeTier)
-    clock = FakeClock()
-    tier.breaker.clock = clock
-    try:
-        master.pause()
-        # Mooncake's client waits for its own RPC timeout (30 s); the job ends at the deadline.
-        result = harness.load(keys, [3, 4, 5])
-        assert not result.success
-        assert tier.stats.deadline_misses >= 1 and tier.backend_down
-        assert harness.lookup(keys[0]) is Lookup.MISS
-        assert [check.ok for check in tier.health()] == [False]
-        master.resume()
-        assert recover(tier, clock)
-        result = harness.load(keys, [3, 4, 5])
-        assert result.success
-        np.testing.assert_array_equal(harness.buffer.array[3:6], data)
-        fresh = harness.keys(2)
-        harness.fill([6, 7])
-        assert harness.store(fresh, [6, 7]).success
-    finally:
-        master.resume()
-        harness.close()
+    with outage_harness(
+        pool_tier(master, key_prefix, deadline_s=2.0, startup_timeout_s=1.0), MooncakeTier
+    ) as (harness, tier, clock):
+        try:
+            master.pause()
+            # Mooncake's client waits for its own RPC timeout (30 s); the job ends at the deadline.
+            result = harness.load(keys, [3, 4, 5])
+            assert not result.success
+            assert tier.stats.deadline_misses >= 1 and tier.backend_down
+            assert harness.lookup(keys[0]) is Lookup.MISS
+            assert [check.ok for check in tier.health()] == [False]
+            master.resume()
+            assert recover(tier, clock)
+            result = harness.load(keys, [3, 4, 5])
+            assert result.success
+            np.testing.assert_array_equal(harness.buffer.array[3:6], data)
+            fresh = harness.keys(2)
+            harness.fill([6, 7])
+            assert harness.store(fresh, [6, 7]).success
+        finally:
+            master.resume()
 
 
 def test_a_dead_storage_process_costs_its_chunks_never_an_outage(

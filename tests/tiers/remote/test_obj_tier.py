@@ -14,7 +14,7 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
-from kvtier.testing.outages import FakeClock, recover
+from kvtier.testing.outages import recover
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.remote import RemoteTier
 from tests.support.servers import S3Server, free_port
@@ -24,6 +24,7 @@ from tests.tiers.remote.damaged_values import (
     assert_no_damaged_value_served,
     flipped,
 )
+from tests.tiers.remote.outage import on_fake_clock, outage_harness
 
 
 class TestObjectStoreTierContract(TierContractTests):
@@ -122,10 +123,7 @@ def test_endpoint_outage_turns_into_misses_and_recovers(own_s3_server: S3Server)
     tokens = list(range(16))
     data = np.random.default_rng(5).integers(0, 256, (4, layout.slot_bytes), dtype=np.uint8)
     with KVCache(config, layout) as cache:
-        tier = cache.manager.tiers[0]
-        assert isinstance(tier, RemoteTier)
-        clock = FakeClock()
-        tier.breaker.clock = clock
+        tier, clock = on_fake_clock(cache.manager.tiers[0], RemoteTier)
         stats = tier.stats
         server.stop()
         assert cache.store(tokens, data) == 4
@@ -151,20 +149,15 @@ def test_endpoint_outage_turns_into_misses_and_recovers(own_s3_server: S3Server)
 def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None:
     server = own_s3_server
     bucket = server.create_bucket("kv-hung")
-    harness = TierHarness(
+    with outage_harness(
         {
             "type": "obj",
             **server.tier_options(bucket),
             "retries": 0,
             "read_timeout_s": 0.5,
         },
-        small_layout(),
-    )
-    tier = harness.tier
-    assert isinstance(tier, RemoteTier)
-    clock = FakeClock()
-    tier.breaker.clock = clock
-    try:
+        RemoteTier,
+    ) as (harness, tier, clock):
         keys = harness.keys(3)
         harness.fill(range(3))
         assert harness.store(keys, [0, 1, 2]).success
@@ -180,8 +173,6 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
         assert harness.load(keys, [3, 4, 5]).success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
         assert not harness.tier.backend_down  # type: ignore[attr-defined]
-    finally:
-        harness.close()
 
 
 @pytest.mark.parametrize(
@@ -237,13 +228,12 @@ def test_missing_client_library_raises_missing_dependency(
 def test_an_erroring_endpoint_fails_chunks_and_recovers(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
-    harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
-    tier = harness.tier
-    assert isinstance(tier, RemoteTier)
-    clock = FakeClock()
-    tier.breaker.clock = clock
-    client = s3_server.client()
-    try:
+    with outage_harness({"type": "obj", **s3_server.tier_options(s3_bucket)}, RemoteTier) as (
+        harness,
+        tier,
+        clock,
+    ):
+        client = s3_server.client()
         keys = harness.keys(3)
         harness.fill(range(3))
         assert harness.store(keys[:2], [0, 1]).success
@@ -261,8 +251,6 @@ def test_an_erroring_endpoint_fails_chunks_and_recovers(
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
         assert not harness.tier.backend_down  # type: ignore[attr-defined]
         assert [check.ok for check in harness.tier.health()] == [True]
-    finally:
-        harness.close()
 
 
 def test_skip_existing_sends_only_missing_chunks(s3_server: S3Server, s3_bucket: str) -> None:

@@ -15,7 +15,7 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
-from kvtier.testing.outages import FakeClock, recover, wait_until
+from kvtier.testing.outages import recover, wait_until
 from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.remote import RemoteTier
 from tests.conftest import need_redis_server
@@ -27,6 +27,7 @@ from tests.tiers.remote.damaged_values import (
     assert_no_damaged_value_served,
     flipped,
 )
+from tests.tiers.remote.outage import on_fake_clock, outage_harness
 
 
 def raw_client(url: str) -> Any:
@@ -193,10 +194,7 @@ def test_server_outage_turns_into_misses_and_recovers(
     data = np.random.default_rng(3).integers(0, 256, (4, layout.slot_bytes), dtype=np.uint8)
     config["secondary_tiers"][0]["url"] = server.url  # type: ignore[index]
     with KVCache(config, layout) as cache:
-        tier = cache.manager.tiers[0]
-        assert isinstance(tier, RemoteTier)
-        clock = FakeClock()
-        tier.breaker.clock = clock
+        tier, clock = on_fake_clock(cache.manager.tiers[0], RemoteTier)
         server.stop()
         assert cache.store(tokens, data) == 4  # the primary tier takes them
         cache.drain()
@@ -221,7 +219,7 @@ def test_a_hung_server_times_out_and_recovers(
     own_redis_server: RedisServer, key_prefix: str
 ) -> None:
     server = own_redis_server
-    harness = TierHarness(
+    with outage_harness(
         {
             "type": "redis",
             "url": server.url,
@@ -229,13 +227,8 @@ def test_a_hung_server_times_out_and_recovers(
             "retries": 0,
             "socket_timeout_s": 0.5,
         },
-        small_layout(),
-    )
-    tier = harness.tier
-    assert isinstance(tier, RemoteTier)
-    clock = FakeClock()
-    tier.breaker.clock = clock
-    try:
+        RemoteTier,
+    ) as (harness, tier, clock):
         keys = harness.keys(3)
         harness.fill(range(3))
         assert harness.store(keys, [0, 1, 2]).success
@@ -254,8 +247,6 @@ def test_a_hung_server_times_out_and_recovers(
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
         assert not harness.tier.backend_down  # type: ignore[attr-defined]
         assert [check.ok for check in harness.tier.health()] == [True]
-    finally:
-        harness.close()
 
 
 def test_ttl_is_set_on_store_and_refreshed_on_read(

@@ -20,12 +20,13 @@ import pytest
 from kvtier import KVCache
 from kvtier.errors import BackendUnavailableError
 from kvtier.testing import TierHarness, small_layout
-from kvtier.testing.outages import FakeClock, FaultProxy, recover, wait_until
+from kvtier.testing.outages import FaultProxy, recover, wait_until
 from kvtier.tiers.base import Lookup, LookupContext, TransferJob
 from kvtier.tiers.circuit import BreakerState
 from kvtier.tiers.remote import RemoteTier
-from tests.conftest import need_redis_server, need_s3_server
+from tests.support.needs import need_redis_server, need_s3_server
 from tests.support.servers import RedisServer, S3Server, free_port
+from tests.tiers.remote.outage import outage_harness
 from tests.tiers.remote.remote_doubles import LateSendingTier
 
 
@@ -96,104 +97,97 @@ def frozen_capable(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """A server of the test's own and tier options whose per-call timeouts
     are far longer than any test: only the deadline can end a wait."""
     if request.param == "redis":
-        need_redis_server()
-        with RedisServer() as redis_server:
-            yield (
-                redis_server,
-                {
-                    "type": "redis",
-                    "url": redis_server.url,
-                    "key_prefix": f"t{uuid.uuid4().hex[:8]}:",
-                    "socket_timeout_s": 120,
-                    "retries": 0,
-                },
-            )
+        redis_server: RedisServer = request.getfixturevalue("own_redis_server")
+        yield (
+            redis_server,
+            {
+                "type": "redis",
+                "url": redis_server.url,
+                "key_prefix": f"t{uuid.uuid4().hex[:8]}:",
+                "socket_timeout_s": 120,
+                "retries": 0,
+            },
+        )
     else:
-        need_s3_server()
-        with S3Server() as s3_server:
-            bucket = s3_server.create_bucket("kv-frozen")
-            yield (
-                s3_server,
-                {
-                    "type": "obj",
-                    **s3_server.tier_options(bucket),
-                    "read_timeout_s": 120,
-                    "retries": 0,
-                },
-            )
+        s3_server: S3Server = request.getfixturevalue("own_s3_server")
+        bucket = s3_server.create_bucket("kv-frozen")
+        yield (
+            s3_server,
+            {
+                "type": "obj",
+                **s3_server.tier_options(bucket),
+                "read_timeout_s": 120,
+                "retries": 0,
+            },
+        )
 
 
 def test_a_frozen_backend_costs_one_deadline_then_nothing(frozen_capable: Backend) -> None:
     server, options = frozen_capable
     stored_by_another_engine(options, 32)
-    harness = TierHarness(
-        {**options, "io_threads": 4, "deadline_s": 0.5}, small_layout(), num_slots=64
-    )
-    tier = harness.tier
-    assert isinstance(tier, RemoteTier)
-    clock = FakeClock()  # no probe unless the test moves it
-    tier.breaker.clock = clock
-    stats = tier.stats
-    keys = harness.keys(32)
-    calls = backend_calls(tier)
-    harness.buffer.array[32:64] = 7
-    server.pause()
-    try:
-        # One request of 32 chunks over 4 workers: answered at its deadline,
-        # while the workers are still waiting on the frozen server...
-        result = harness.load(keys, list(range(32, 64)))
-        assert not result.success and result.succeeded == frozenset()
-        assert calls.running >= 1
-        # ...having sent one request per worker, not one per chunk.
-        assert 1 <= calls.started <= 4
-        assert tier.breaker.state is BreakerState.OPEN
-        assert stats.deadline_misses == 1 and stats.backend_outages == 1  # type: ignore[attr-defined]
-        assert {m.name: m.value for m in tier.metrics()} == {
-            "backend_up": 0.0,
-            "breaker_state": 2.0,
-        }
+    with outage_harness(  # no probe unless the test moves the clock
+        {**options, "io_threads": 4, "deadline_s": 0.5}, RemoteTier, num_slots=64
+    ) as (harness, tier, clock):
+        stats = tier.stats
+        keys = harness.keys(32)
+        calls = backend_calls(tier)
+        harness.buffer.array[32:64] = 7
+        server.pause()
+        try:
+            # One request of 32 chunks over 4 workers: answered at its deadline,
+            # while the workers are still waiting on the frozen server...
+            result = harness.load(keys, list(range(32, 64)))
+            assert not result.success and result.succeeded == frozenset()
+            assert calls.running >= 1
+            # ...having sent one request per worker, not one per chunk.
+            assert 1 <= calls.started <= 4
+            assert tier.breaker.state is BreakerState.OPEN
+            assert stats.deadline_misses == 1 and stats.backend_outages == 1  # type: ignore[attr-defined]
+            assert {m.name: m.value for m in tier.metrics()} == {
+                "backend_up": 0.0,
+                "breaker_state": 2.0,
+            }
 
-        # Fail fast: the next 20 requests are answered inside the call, with
-        # no backend call, and counted.
-        sent = calls.started
-        for _ in range(20):
-            load = TransferJob(tuple(keys[:4]), (32, 33, 34, 35))
-            tier.submit_load(load)
-            store = TransferJob(tuple(keys[4:8]), (4, 5, 6, 7))
-            tier.submit_store(store)
-            finished = tier.get_finished_jobs()
-            assert [(r.job_id, r.success) for r in finished] == [
-                (load.job_id, False),
-                (store.job_id, False),
-            ]
+            # Fail fast: the next 20 requests are answered inside the call, with
+            # no backend call, and counted.
+            sent = calls.started
+            for _ in range(20):
+                load = TransferJob(tuple(keys[:4]), (32, 33, 34, 35))
+                tier.submit_load(load)
+                store = TransferJob(tuple(keys[4:8]), (4, 5, 6, 7))
+                tier.submit_store(store)
+                finished = tier.get_finished_jobs()
+                assert [(r.job_id, r.success) for r in finished] == [
+                    (load.job_id, False),
+                    (store.job_id, False),
+                ]
+                assert tier.lookup(keys[8], LookupContext()) is Lookup.MISS
+            assert calls.started == sent
+            assert stats.outage_failed_loads == 80  # type: ignore[attr-defined]
+            assert stats.outage_dropped_stores == 80  # type: ignore[attr-defined]
+            assert stats.outage_skipped_lookups == 20  # type: ignore[attr-defined]
+
+            # After the backoff a probe goes out; it hangs too, and at its
+            # deadline the breaker opens again, for longer.
+            clock.advance(tier.breaker.max_backoff_s)
+            assert tier.lookup(keys[8], LookupContext()) is Lookup.PENDING  # waits for the probe
+            assert stats.breaker_probes == 1  # type: ignore[attr-defined]
+            wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="open again")
+            assert tier.breaker.retry_at - clock() > tier.breaker.backoff_s
             assert tier.lookup(keys[8], LookupContext()) is Lookup.MISS
+            assert stats.backend_outages == 1  # type: ignore[attr-defined]
+            sent = calls.started
+
+            # close() does not wait for the workers stuck in the frozen server.
+            tier.shutdown()
+            assert calls.running >= 1
+        finally:
+            server.resume()
+        assert calls.idle.wait(60)
+        # The late replies never reached the slots, which were no longer the job's.
+        assert (harness.buffer.array[32:64] == 7).all()
+        # And once the backend was known down, no task sent another request.
         assert calls.started == sent
-        assert stats.outage_failed_loads == 80  # type: ignore[attr-defined]
-        assert stats.outage_dropped_stores == 80  # type: ignore[attr-defined]
-        assert stats.outage_skipped_lookups == 20  # type: ignore[attr-defined]
-
-        # After the backoff a probe goes out; it hangs too, and at its
-        # deadline the breaker opens again, for longer.
-        clock.advance(tier.breaker.max_backoff_s)
-        assert tier.lookup(keys[8], LookupContext()) is Lookup.PENDING  # waits for the probe
-        assert stats.breaker_probes == 1  # type: ignore[attr-defined]
-        wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="open again")
-        assert tier.breaker.retry_at - clock() > tier.breaker.backoff_s
-        assert tier.lookup(keys[8], LookupContext()) is Lookup.MISS
-        assert stats.backend_outages == 1  # type: ignore[attr-defined]
-        sent = calls.started
-
-        # close() does not wait for the workers stuck in the frozen server.
-        tier.shutdown()
-        assert calls.running >= 1
-    finally:
-        server.resume()
-    assert calls.idle.wait(60)
-    # The late replies never reached the slots, which were no longer the job's.
-    assert (harness.buffer.array[32:64] == 7).all()
-    # And once the backend was known down, no task sent another request.
-    assert calls.started == sent
-    harness.close()
 
 
 def test_existence_checks_that_fail_when_a_stall_ends_are_asked_again(
@@ -202,8 +196,9 @@ def test_existence_checks_that_fail_when_a_stall_ends_are_asked_again(
     server = own_s3_server
     bucket = server.create_bucket("kv-stall")
     stored_by_another_engine({"type": "obj", **server.tier_options(bucket)}, 8)
-    with FaultProxy(server.port) as proxy:
-        harness = TierHarness(
+    with (
+        FaultProxy(server.port) as proxy,
+        outage_harness(
             {
                 "type": "obj",
                 **server.tier_options(bucket),
@@ -212,31 +207,25 @@ def test_existence_checks_that_fail_when_a_stall_ends_are_asked_again(
                 "read_timeout_s": 120,
                 "deadline_s": 0.5,
             },
-            small_layout(),
-        )
-        tier = harness.tier
-        assert isinstance(tier, RemoteTier)
-        clock = FakeClock()
-        tier.breaker.clock = clock
-        try:
-            keys = harness.keys(8)
-            calls = backend_calls(tier)
-            proxy.set_mode("stall")
-            ctx = LookupContext()
-            assert [tier.lookup(k, ctx) for k in keys] == [Lookup.PENDING] * 8
-            tier.on_step_end()
-            wait_until(lambda: calls.started >= 1, what="a check sent")
-            # The checks missed their deadline: the breaker opened, lookups miss.
-            wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="open")
-            assert [tier.lookup(k, ctx) for k in keys] == [Lookup.MISS] * 8
-            assert calls.running >= 1
-            proxy.set_mode("forward")  # the stall ends: the checks in flight fail
-            assert calls.idle.wait(60)
-            assert recover(tier, clock)
-            # Failed checks were unknown, not "absent": every chunk is found.
-            assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 8
-        finally:
-            harness.close()
+            RemoteTier,
+        ) as (harness, tier, clock),
+    ):
+        keys = harness.keys(8)
+        calls = backend_calls(tier)
+        proxy.set_mode("stall")
+        ctx = LookupContext()
+        assert [tier.lookup(k, ctx) for k in keys] == [Lookup.PENDING] * 8
+        tier.on_step_end()
+        wait_until(lambda: calls.started >= 1, what="a check sent")
+        # The checks missed their deadline: the breaker opened, lookups miss.
+        wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="open")
+        assert [tier.lookup(k, ctx) for k in keys] == [Lookup.MISS] * 8
+        assert calls.running >= 1
+        proxy.set_mode("forward")  # the stall ends: the checks in flight fail
+        assert calls.idle.wait(60)
+        assert recover(tier, clock)
+        # Failed checks were unknown, not "absent": every chunk is found.
+        assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 8
 
 
 def test_a_failed_check_is_retried_then_taken_as_a_miss(
@@ -306,8 +295,9 @@ def test_a_deleted_bucket_is_an_outage_not_missing_chunks(
 def test_consecutive_errors_open_the_breaker_and_stop_the_requests(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
-    with FaultProxy(s3_server.port) as proxy:
-        harness = TierHarness(
+    with (
+        FaultProxy(s3_server.port) as proxy,
+        outage_harness(
             {
                 "type": "obj",
                 **s3_server.tier_options(s3_bucket),
@@ -315,34 +305,28 @@ def test_consecutive_errors_open_the_breaker_and_stop_the_requests(
                 "retries": 0,
                 "breaker_failures": 3,
             },
-            small_layout(),
-        )
-        tier = harness.tier
-        assert isinstance(tier, RemoteTier)
-        clock = FakeClock()
-        tier.breaker.clock = clock
-        try:
-            keys = harness.keys(1)
-            harness.fill([0])
-            proxy.set_mode("status")  # every request answers 503
-            for expected in (BreakerState.CLOSED, BreakerState.CLOSED, BreakerState.OPEN):
-                assert not harness.store(keys, [0]).success
-                assert tier.breaker.state is expected
-            connections = proxy.connections
+            RemoteTier,
+        ) as (harness, tier, clock),
+    ):
+        keys = harness.keys(1)
+        harness.fill([0])
+        proxy.set_mode("status")  # every request answers 503
+        for expected in (BreakerState.CLOSED, BreakerState.CLOSED, BreakerState.OPEN):
             assert not harness.store(keys, [0]).success
-            assert harness.lookup(keys[0]) is Lookup.MISS
-            assert proxy.connections == connections  # nothing sent while open
-            # A probe while the errors go on keeps it open, with a longer backoff.
-            first_wait = tier.breaker.retry_at - clock()
-            assert not recover(tier, clock)
-            assert tier.breaker.retry_at - clock() > first_wait
-            proxy.set_mode("forward")
-            assert recover(tier, clock)
-            assert harness.store(keys, [0]).success
-            assert tier.stats.breaker_probes == 2  # type: ignore[attr-defined]
-            assert tier.stats.backend_outages == 1  # type: ignore[attr-defined]
-        finally:
-            harness.close()
+            assert tier.breaker.state is expected
+        connections = proxy.connections
+        assert not harness.store(keys, [0]).success
+        assert harness.lookup(keys[0]) is Lookup.MISS
+        assert proxy.connections == connections  # nothing sent while open
+        # A probe while the errors go on keeps it open, with a longer backoff.
+        first_wait = tier.breaker.retry_at - clock()
+        assert not recover(tier, clock)
+        assert tier.breaker.retry_at - clock() > first_wait
+        proxy.set_mode("forward")
+        assert recover(tier, clock)
+        assert harness.store(keys, [0]).success
+        assert tier.stats.breaker_probes == 2  # type: ignore[attr-defined]
+        assert tier.stats.backend_outages == 1  # type: ignore[attr-defined]
 
 
 def test_cut_replies_fail_the_chunks_and_never_reach_a_slot(
@@ -437,36 +421,35 @@ def test_a_missed_deadline_opens_the_breaker_only_when_nothing_answered(
 def test_lookups_wait_for_the_probe_so_the_first_request_after_recovery_hits(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
-    harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
-    tier = harness.tier
-    assert isinstance(tier, RemoteTier)
-    clock = FakeClock()
-    tier.breaker.clock = clock
-    try:
-        keys = harness.keys(2)
-        harness.fill([0, 1])
-        assert harness.store(keys, [0, 1]).success
-        tier.breaker.trip("injected outage")
-        ctx = LookupContext()
-        assert tier.lookup(keys[0], ctx) is Lookup.MISS  # open: no wait at all
-        real_ping, release = tier._ping, threading.Event()
+    with outage_harness({"type": "obj", **s3_server.tier_options(s3_bucket)}, RemoteTier) as (
+        harness,
+        tier,
+        clock,
+    ):
+        try:
+            keys = harness.keys(2)
+            harness.fill([0, 1])
+            assert harness.store(keys, [0, 1]).success
+            tier.breaker.trip("injected outage")
+            ctx = LookupContext()
+            assert tier.lookup(keys[0], ctx) is Lookup.MISS  # open: no wait at all
+            real_ping, release = tier._ping, threading.Event()
 
-        def held_ping() -> None:
-            release.wait(60)
-            real_ping()
+            def held_ping() -> None:
+                release.wait(60)
+                real_ping()
 
-        tier._ping = held_ping  # type: ignore[method-assign]
-        clock.advance(tier.breaker.max_backoff_s)
-        # Half-open while the probe runs: lookups wait instead of missing.
-        assert [tier.lookup(k, ctx) for k in keys] == [Lookup.PENDING] * 2
-        assert tier.breaker.state is BreakerState.HALF_OPEN
-        release.set()
-        wait_until(lambda: tier.breaker.closed, what="closed")
-        assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 2
-        assert tier.stats.outage_skipped_lookups == 1  # type: ignore[attr-defined]
-    finally:
-        release.set()
-        harness.close()
+            tier._ping = held_ping  # type: ignore[method-assign]
+            clock.advance(tier.breaker.max_backoff_s)
+            # Half-open while the probe runs: lookups wait instead of missing.
+            assert [tier.lookup(k, ctx) for k in keys] == [Lookup.PENDING] * 2
+            assert tier.breaker.state is BreakerState.HALF_OPEN
+            release.set()
+            wait_until(lambda: tier.breaker.closed, what="closed")
+            assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 2
+            assert tier.stats.outage_skipped_lookups == 1  # type: ignore[attr-defined]
+        finally:
+            release.set()
 
 
 def test_a_value_sent_in_place_after_its_deadline_from_a_reused_slot_is_never_served() -> None:
@@ -478,28 +461,23 @@ def test_a_value_sent_in_place_after_its_deadline_from_a_reused_slot_is_never_se
         "module_path": "tests.tiers.remote.remote_doubles",
         "deadline_s": 0.2,
     }
-    harness = TierHarness(entry, small_layout(), num_slots=4)
-    tier = harness.tier
-    assert isinstance(tier, LateSendingTier)
-    clock = FakeClock()
-    tier.breaker.clock = clock
-    try:
-        [key] = harness.keys(1)
-        harness.buffer.array[0] = 1
-        assert not harness.store([key], [0]).success  # answered at its deadline, send held
-        harness.buffer.array[0] = 2  # the slot's next chunk
-        tier.gate.set()
-        wait_until(lambda: bool(tier.backend.values), what="the late send")
-        assert recover(tier, clock)
-        assert harness.lookup(key) is Lookup.HIT
-        harness.buffer.array[1] = 9
-        assert not harness.load([key], [1]).success
-        assert (harness.buffer.array[1] == 9).all()  # the slot never saw the bytes
-        assert tier.stats.corrupt_chunks == 1
-        assert not tier.backend.values  # and the bad value is gone
-    finally:
-        tier.gate.set()
-        harness.close()
+    with outage_harness(entry, LateSendingTier, num_slots=4) as (harness, tier, clock):
+        try:
+            [key] = harness.keys(1)
+            harness.buffer.array[0] = 1
+            assert not harness.store([key], [0]).success  # answered at its deadline, send held
+            harness.buffer.array[0] = 2  # the slot's next chunk
+            tier.gate.set()
+            wait_until(lambda: bool(tier.backend.values), what="the late send")
+            assert recover(tier, clock)
+            assert harness.lookup(key) is Lookup.HIT
+            harness.buffer.array[1] = 9
+            assert not harness.load([key], [1]).success
+            assert (harness.buffer.array[1] == 9).all()  # the slot never saw the bytes
+            assert tier.stats.corrupt_chunks == 1
+            assert not tier.backend.values  # and the bad value is gone
+        finally:
+            tier.gate.set()
 
 
 def test_an_object_store_refusing_writes_is_no_outage(s3_server: S3Server, s3_bucket: str) -> None:

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.testing import TierHarness, small_layout
-from kvtier.testing.outages import FakeClock, wait_until
+from kvtier.testing import TierHarness
+from kvtier.testing.outages import wait_until
 from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.circuit import BreakerState
+from tests.tiers.remote.outage import outage_harness
 from tests.tiers.remote.remote_doubles import FreezableTier
 
 ENTRY = {
@@ -27,16 +28,12 @@ ENTRY = {
 
 @pytest.fixture
 def harness() -> Iterator[TierHarness]:
-    harness = TierHarness(ENTRY, small_layout(), num_slots=8)
-    tier = harness.tier
-    assert isinstance(tier, FreezableTier)
-    tier.breaker.clock = FakeClock()
-    try:
-        yield harness
-    finally:
-        tier.backend.thaw()
-        tier.backend.release_stuck()
-        harness.close()
+    with outage_harness(ENTRY, FreezableTier, num_slots=8) as (harness, tier, _):
+        try:
+            yield harness
+        finally:
+            tier.backend.thaw()
+            tier.backend.release_stuck()
 
 
 def test_a_thawed_backend_serves_at_the_next_probe_though_earlier_probes_hang(
