@@ -12,6 +12,7 @@ from kvtier.config import BackpressureConfig
 from kvtier.testing import FaultyTier, small_layout
 from kvtier.tiers.base import TransferJob
 from kvtier.tiers.drive import run_job
+from tests.cache.doubles import GatedTier, RecordingTier, tier_at
 
 LAYOUT = small_layout(chunk_tokens=4)
 TOKENS = list(range(40, 56))  # four chunks
@@ -57,8 +58,9 @@ def test_store_cascades_to_every_tier_with_slots_pinned_until_collected(
     keys = cache.keys(TOKENS)
     primary = cache.manager.primary
     assert [primary.refcount(k) for k in keys] == [2] * 4  # one pin per cascade
-    for tier in cache.manager.tiers:
-        assert [job.keys for job in tier.stores] == [tuple(keys)]  # type: ignore[attr-defined]
+    for index in range(2):
+        tier = tier_at(cache, index, RecordingTier)
+        assert [job.keys for job in tier.stores] == [tuple(keys)]
     cache.step()
     assert [primary.refcount(k) for k in keys] == [0] * 4
     assert [t.stats.chunks_stored for t in cache.manager.tiers] == [4, 4]
@@ -70,21 +72,21 @@ def test_secondary_hit_promotes_in_one_batch_per_tier_and_request(
     cache.store(TOKENS, data)
     cache.drain()
     cache.manager.reset()
-    first = cache.manager.tiers[0]
+    first = tier_at(cache, 0, RecordingTier)
     result = peek(cache, TOKENS, "r1")
     assert result.hit_chunks == 0 and result.pending
-    assert first.loads == []  # type: ignore[attr-defined]  # submitted at step end
+    assert first.loads == []  # submitted at step end
     keys = cache.keys(TOKENS)
     assert all(cache.manager.primary.is_writing(k) for k in keys)
     cache.step()
-    assert [job.keys for job in first.loads] == [tuple(keys)]  # type: ignore[attr-defined]
-    assert first.loads[0].request_id == "r1"  # type: ignore[attr-defined]
+    assert [job.keys for job in first.loads] == [tuple(keys)]
+    assert first.loads[0].request_id == "r1"
     cache.step()  # collect
     assert peek(cache, TOKENS, "r1").hit_chunks == 4
     out = np.zeros_like(data)
     cache.load(TOKENS, 16, out)
     np.testing.assert_array_equal(out, data)
-    assert cache.manager.tiers[1].loads == []  # type: ignore[attr-defined]
+    assert tier_at(cache, 1, RecordingTier).loads == []
 
 
 def test_collect_makes_ended_promotions_ready_without_submitting_more(data: np.ndarray) -> None:
@@ -93,19 +95,19 @@ def test_collect_makes_ended_promotions_ready_without_submitting_more(data: np.n
         cache.store(TOKENS, data)
         cache.drain()
         cache.manager.reset()
-        first, second = cache.manager.tiers
+        first, second = (tier_at(cache, index, GatedTier) for index in range(2))
         assert peek(cache, TOKENS[:8], "r1") == LookupResult(0, True)
         cache.step()  # submits the promotion of the first two chunks
-        first.release()  # type: ignore[attr-defined]  # ...and it ends
+        first.release()  # ...and it ends
         assert peek(cache, TOKENS, "r2") == LookupResult(0, True)  # queued, not submitted
         cache.manager.collect()
         # The ended promotion is ready within the same step...
         assert peek(cache, TOKENS[:8], "r1") == LookupResult(2, False)
         # ...and collecting submitted nothing: r2's promotion waits for the step.
-        assert len(first.loads) == 1  # type: ignore[attr-defined]
-        assert second.loads == []  # type: ignore[attr-defined]
+        assert len(first.loads) == 1
+        assert second.loads == []
         cache.step()
-        assert len(first.loads) == 2  # type: ignore[attr-defined]
+        assert len(first.loads) == 2
     finally:
         cache.close()
 
@@ -119,13 +121,13 @@ def test_lookup_answers_the_leading_primary_hits_without_io(
 
 
 def test_hit_in_a_slower_tier_warms_the_faster_tiers(cache: KVCache, data: np.ndarray) -> None:
-    fast, slow = cache.manager.tiers
+    fast, slow = (tier_at(cache, index, RecordingTier) for index in range(2))
     keys = cache.keys(TOKENS)
     cache.manager.primary.buffer.array[:4] = data
     run_job(slow, TransferJob(tuple(keys), (0, 1, 2, 3)), loading=False)
     assert cache.cached_prefix(TOKENS) == 16
     cache.drain()
-    assert [job.keys for job in fast.stores] == [tuple(keys)]  # type: ignore[attr-defined]
+    assert [job.keys for job in fast.stores] == [tuple(keys)]
     assert fast.stats.chunks_stored == 4
 
 
@@ -180,7 +182,7 @@ def test_a_broken_tier_costs_only_hits(data: np.ndarray) -> None:
     faulty = {"type": "FaultyTier", "module_path": "kvtier.testing.faults"}
     cache = make_cache(faulty, {"type": "memory"})
     try:
-        broken: FaultyTier = cache.manager.tiers[0]  # type: ignore[assignment]
+        broken = tier_at(cache, 0, FaultyTier)
         broken.broken = True
         assert cache.store(TOKENS, data) == 4  # the cascade to it fails, counted
         cache.drain()
@@ -208,7 +210,7 @@ def test_failed_promotions_fall_back_to_recompute_and_are_not_retried(data: np.n
         cache.store(TOKENS, data)
         cache.drain()
         cache.manager.reset()
-        tier: FaultyTier = cache.manager.tiers[0]  # type: ignore[assignment]
+        tier = tier_at(cache, 0, FaultyTier)
         tier.fail_rate = 1.0
         assert cache.cached_prefix(TOKENS, request_id="r") == 0
         assert tier.stats.load_failures == 4
@@ -228,13 +230,13 @@ def test_backpressure_drops_stores_to_a_tier_that_falls_behind(data: np.ndarray)
         {"type": "gated"}, {"type": "recording"}, backpressure={"max_inflight_stores": 1}
     )
     try:
-        gated, healthy = cache.manager.tiers
+        gated, healthy = tier_at(cache, 0, GatedTier), tier_at(cache, 1, RecordingTier)
         cache.store(TOKENS[:4], data[:1])
         cache.step()  # the healthy tier's job is collected; the gated one still runs
         cache.store(TOKENS, data)
         assert gated.stats.backpressure_drops == 3
-        assert len(gated.stores) == 1 and len(healthy.stores) == 2  # type: ignore[attr-defined]
-        gated.release()  # type: ignore[attr-defined]
+        assert len(gated.stores) == 1 and len(healthy.stores) == 2
+        gated.release()
         cache.step()
         assert gated.stats.chunks_stored == 1
         # Pressured again, the tier still serves loads.
@@ -243,7 +245,7 @@ def test_backpressure_drops_stores_to_a_tier_that_falls_behind(data: np.ndarray)
         cache.manager.primary.remove_idle(cache.keys(TOKENS[:4]))
         assert peek(cache, TOKENS[:4]).pending
         cache.step()
-        assert len(gated.loads) == 1  # type: ignore[attr-defined]
+        assert len(gated.loads) == 1
     finally:
         cache.close()
 
@@ -269,11 +271,11 @@ def test_backpressure_hysteresis_and_probe() -> None:
 
 def test_reset_and_shutdown_drain_in_flight_work(data: np.ndarray) -> None:
     cache = make_cache({"type": "gated"})
-    gated = cache.manager.tiers[0]
+    gated = tier_at(cache, 0, GatedTier)
     cache.store(TOKENS, data)
-    assert gated.held  # type: ignore[attr-defined]
+    assert gated.held
     cache.manager.reset()
-    assert not gated.held and gated.stats.chunks_stored == 4  # type: ignore[attr-defined]
+    assert not gated.held and gated.stats.chunks_stored == 4
     assert len(cache.manager.primary) == 0
     cache.store(TOKENS, data)
     cache.close()

@@ -11,6 +11,8 @@ from kvtier.integrity import HEADER_BYTES
 from kvtier.keys import ChunkKey
 from kvtier.residency import ResidencyFeed, tier_names
 from kvtier.testing import small_layout
+from kvtier.tiers.memory import MemoryTier
+from tests.cache.doubles import tier_at
 
 LAYOUT = small_layout(chunk_tokens=4)
 FRAMED = HEADER_BYTES + LAYOUT.slot_bytes
@@ -123,14 +125,14 @@ def test_a_corrupt_chunk_deleted_and_a_chunk_found_gone_are_removals() -> None:
         keys = cache.keys(tokens)
         cache.manager.reset()  # empties the primary tier: removals there
         assert changes.held("cpu") == set()
-        tier = cache.manager.tiers[0]
-        tier.corrupt_for_tests(keys[1])  # type: ignore[attr-defined]
+        tier = tier_at(cache, 0, MemoryTier)
+        tier.corrupt_for_tests(keys[1])
         assert cache.cached_prefix(tokens, timeout=5) == 4  # the corrupt chunk is a miss
         assert changes.held("memory") == {keys[0]}
         cache.manager.reset()
         failures = tier.stats.load_failures
         assert cache.manager.lookup(keys, "r").pending  # a promotion, submitted next step
-        tier._discard(keys[0])  # type: ignore[attr-defined]  # gone behind the tier's back
+        tier._discard(keys[0])  # gone behind the tier's back
         cache.drain()
         assert tier.stats.load_failures == failures  # a miss: found gone
         assert changes.held("memory") == set()

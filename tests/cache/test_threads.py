@@ -21,7 +21,8 @@ import pytest
 
 from kvtier import KVCache, register_tier
 from kvtier.errors import ClosedError
-from kvtier.testing import small_layout
+from kvtier.testing import FaultyTier, small_layout
+from tests.cache.doubles import HookedTier, MalformingTier, RaisingTier, RecordingTier, tier_at
 
 LAYOUT = small_layout(chunk_tokens=4, head_dim=16)
 TOKENS = list(range(40, 56))  # four chunks
@@ -94,10 +95,10 @@ def test_a_stored_chunk_is_pinned_for_its_cascade_before_another_thread_can_evic
         assert cache.store(TOKENS, data) == 4
         assert raced == [None]  # nothing was evictable: all four were pinned for the cascade
         monkeypatch.undo()
-        tier = cache.manager.tiers[0]
-        assert [job.keys for job in tier.stores] == [tuple(cache.keys(TOKENS))]  # type: ignore[attr-defined]
+        tier = tier_at(cache, 0, RecordingTier)
+        assert [job.keys for job in tier.stores] == [tuple(cache.keys(TOKENS))]
         for key, row in zip(cache.keys(TOKENS), data, strict=True):
-            assert tier._chunks[key] == row.tobytes()  # type: ignore[attr-defined]
+            assert tier._chunks[key] == row.tobytes()
         cache.step()
         assert nothing_busy(cache)
 
@@ -106,7 +107,7 @@ def test_a_promoted_chunk_is_pinned_for_its_warming_cascade_before_it_can_be_evi
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with make_cache({"type": "recording"}, {"type": "recording"}, slots=4) as cache:
-        fast = cache.manager.tiers[0]
+        fast = tier_at(cache, 0, RecordingTier)
         data = rows(cache, TOKENS)
         cache.store(TOKENS, data)
         cache.drain()
@@ -133,7 +134,7 @@ def test_a_promoted_chunk_is_pinned_for_its_warming_cascade_before_it_can_be_evi
             assert found.load(out) == 16
         np.testing.assert_array_equal(out, data)
         assert raced == [None]
-        assert fast.stores[-1].keys == tuple(cache.keys(TOKENS))  # type: ignore[attr-defined]
+        assert fast.stores[-1].keys == tuple(cache.keys(TOKENS))
         monkeypatch.undo()
         cache.drain()
         assert fast.stats.chunks_stored == 8 and nothing_busy(cache)
@@ -146,10 +147,10 @@ def test_a_job_reported_before_submit_returns_is_applied_not_lost(
     unknown_results: Callable[[], list[str]],
 ) -> None:
     with make_cache({"type": "hooked"}) as cache:
-        tier = cache.manager.tiers[0]
+        tier = tier_at(cache, 0, HookedTier)
         # Someone collects finished jobs while the tier is still inside submit:
         # the job is already done (the example tier copies synchronously).
-        tier.after_submit = cache.manager.step  # type: ignore[attr-defined]
+        tier.after_submit = cache.manager.step
         data = rows(cache, TOKENS)
         assert cache.store(TOKENS, data) == 4
         assert tier.stats.chunks_stored == 4
@@ -174,17 +175,17 @@ def test_a_result_that_cannot_be_applied_fails_only_its_own_store_job(
 ) -> None:
     caplog.set_level(logging.ERROR, logger="kvtier.manager")
     with make_cache({"type": "malforming"}) as cache:
-        tier = cache.manager.tiers[0]
+        tier = tier_at(cache, 0, MalformingTier)
         cache.store(TOKENS[:8], rows(cache, TOKENS[:8]))  # job 1: two chunks
         cache.store(OTHER, rows(cache, OTHER))  # job 2: four chunks
-        tier.malform = True  # type: ignore[attr-defined]
+        tier.malform = True
         cache.step()  # collects both in one batch; job 1's result is malformed
         assert tier.stats.store_failures == 2  # counted against job 1 alone
         assert tier.stats.chunks_stored == 4  # job 2 applied all the same
         assert cache.manager.unapplied_results == 1
         assert nothing_busy(cache)  # job 1's pins were released too
         assert cache.manager.backpressure[0].inflight == 0
-        job_id = tier.stores[0].job_id  # type: ignore[attr-defined]
+        job_id = tier.stores[0].job_id
         logged = [r for r in caplog.records if "could not be applied" in r.getMessage()]
         assert len(logged) == 1 and f"job {job_id} " in logged[0].getMessage()
 
@@ -193,7 +194,7 @@ def test_a_promotion_whose_result_cannot_be_applied_is_freed_and_never_waited_on
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with make_cache({"type": "malforming"}) as cache:
-        tier = cache.manager.tiers[0]
+        tier = tier_at(cache, 0, MalformingTier)
         cache.store(TOKENS, rows(cache, TOKENS))
         cache.store(OTHER, rows(cache, OTHER))
         cache.drain()
@@ -204,10 +205,10 @@ def test_a_promotion_whose_result_cannot_be_applied_is_freed_and_never_waited_on
             with cache.lookup(tokens, timeout=0) as found:
                 assert found.num_tokens == 0 and found.pending
         cache.step()
-        tier.malform = True  # type: ignore[attr-defined]
+        tier.malform = True
         cache.step()
         primary = cache.manager.primary
-        first, second = (job.keys for job in tier.loads)  # type: ignore[attr-defined]
+        first, second = (job.keys for job in tier.loads)
         assert not any(primary.is_writing(k) or primary.is_ready(k) for k in first)
         assert all(primary.is_ready(k) for k in second)
         assert tier.stats.load_failures == len(first)
@@ -240,8 +241,8 @@ class Interrupt(BaseException):
     """Like a KeyboardInterrupt out of a tier's call (which pytest would take as the user's)."""
 
 
-def raising_tier(cache: KVCache, where: str, *, once: bool = False) -> Any:
-    tier = cache.manager.tiers[0]
+def raising_tier(cache: KVCache, where: str, *, once: bool = False) -> RaisingTier:
+    tier = tier_at(cache, 0, RaisingTier)
     tier.raise_in, tier.error, tier.once = where, Interrupt, once
     return tier
 
@@ -487,17 +488,17 @@ def test_a_tier_that_cannot_report_its_jobs_is_logged_once_until_it_can_again(
     caplog.set_level(logging.WARNING, logger="kvtier.manager")
     faulty = {"type": "FaultyTier", "module_path": "kvtier.testing.faults"}
     with make_cache(faulty) as cache:
-        tier = cache.manager.tiers[0]
-        tier.broken = True  # type: ignore[attr-defined]
+        tier = tier_at(cache, 0, FaultyTier)
+        tier.broken = True
         for _ in range(50):  # a lookup waiting for a promotion collects every poll
             cache.manager.collect()
-        tier.broken = False  # type: ignore[attr-defined]
+        tier.broken = False
         cache.manager.collect()
         messages = [r.getMessage() for r in caplog.records]
         assert sum("get_finished_jobs raised" in m for m in messages) == 1  # was 50
         assert sum("answers again" in m for m in messages) == 1
-        tier.broken = True  # type: ignore[attr-defined]
+        tier.broken = True
         cache.manager.collect()
-        tier.broken = False  # type: ignore[attr-defined]
+        tier.broken = False
         messages = [r.getMessage() for r in caplog.records]
         assert sum("get_finished_jobs raised" in m for m in messages) == 2  # a new outage

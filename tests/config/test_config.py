@@ -6,6 +6,7 @@ import pytest
 
 from kvtier import ConfigError, KVCache, load_config
 from kvtier.testing import small_layout
+from kvtier.tiers.memory import MemoryTierOptions
 
 OOT = "kvtier_testplugin.tiers"
 
@@ -27,7 +28,9 @@ def test_sizes_accept_binary_units() -> None:
         {"cpu_bytes_to_use": "8GiB", "secondary_tiers": [{"type": "memory", "max_bytes": "3MiB"}]}
     )
     assert int(config.cpu_bytes_to_use) == 8 * 2**30
-    assert config.secondary_tiers[0].options.max_bytes == 3 * 2**20  # type: ignore[attr-defined]
+    options = config.secondary_tiers[0].options
+    assert isinstance(options, MemoryTierOptions)
+    assert options.max_bytes == 3 * 2**20
 
 
 def test_unknown_top_level_key_suggests_the_nearest() -> None:

@@ -107,7 +107,10 @@ def test_module_path_loads_an_out_of_tree_class() -> None:
 def test_module_path_never_reaches_the_constructor_and_other_options_do() -> None:
     tier = build({"type": "OutOfTreeTier", "module_path": OOT, "label": "x", "weight": 3})
     try:
-        received = tier.received  # type: ignore[attr-defined]
+        from kvtier_testplugin.tiers import OutOfTreeTier
+
+        assert isinstance(tier, OutOfTreeTier)
+        received = tier.received
         assert "module_path" not in received
         assert received["tier_type"] == "OutOfTreeTier"
         assert received["label"] == "x" and received["weight"] == 3

@@ -8,6 +8,7 @@ trip: only a check against independent references can see it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -61,7 +62,7 @@ def mirrored(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def mirrored_index(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker's slot index lays a part's layers out in reverse, for store and load alike."""
-    real = CopyIndex.for_chunks.__func__  # type: ignore[attr-defined]
+    real = inspect.getattr_static(CopyIndex, "for_chunks").__func__
 
     def reversed_layers(cls: type[CopyIndex], *args: Any, **kwargs: Any) -> CopyIndex:
         index = real(cls, *args, **kwargs)

@@ -18,6 +18,7 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.fleet import ANY_TIER, FleetIndex, build_index, leading_runs
 from kvtier.fleet.base import NodeLease
+from kvtier.fleet.publisher import IndexPublisher
 from kvtier.fleet.redis import RedisIndex
 from kvtier.keys import chunk_keys
 from tests.fleet import fleet_doubles
@@ -134,7 +135,8 @@ def test_publishing_backs_off_and_catches_up(store: fleet_doubles.DictStore) -> 
         tokens, data = synthetic_chunks(LAYOUT, 4, 4)
         cache.store(tokens, data)
         publisher = cache.manager.attachments[0]
-        wait_until(lambda: publisher.failures >= 3, "failed publishes")  # type: ignore[attr-defined]
+        assert isinstance(publisher, IndexPublisher)
+        wait_until(lambda: publisher.failures >= 3, "failed publishes")
         assert store.held() == set()
         # Lookups never wait for the index: they answer from the node.
         with cache.lookup(tokens, timeout=0) as found:

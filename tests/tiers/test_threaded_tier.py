@@ -22,7 +22,7 @@ from tests.tiers.threaded_doubles import (
 ENTRY = {"type": "ObviousNamesTier", "module_path": "tests.tiers.threaded_doubles", "io_threads": 3}
 
 
-class TestSubclassWithObviousNames(TierContractTests):
+class TestSubclassWithObviousNames(TierContractTests[ObviousNamesTier]):
     tier_config = ENTRY
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvtier.testing import TierHarness
+from kvtier.tiers.fs import FilesystemTier
 from tests.tiers.fs.fs_support import open_tier
 
 
@@ -18,13 +20,13 @@ def root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def fs_options() -> dict[str, object]:
+def fs_options() -> dict[str, Any]:
     """Options of the ``harness`` tier beyond its root; override per module."""
     return {}
 
 
 @pytest.fixture
-def harness(root: Path, fs_options: dict[str, object]) -> Iterator[TierHarness]:
+def harness(root: Path, fs_options: dict[str, Any]) -> Iterator[TierHarness[FilesystemTier]]:
     """An fs tier on ``root`` with its index loaded, shut down after the test."""
     opened = open_tier(root, **fs_options)
     yield opened

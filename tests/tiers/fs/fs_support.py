@@ -19,10 +19,12 @@ def fs_tier(harness: TierHarness) -> FilesystemTier:
     return tier
 
 
-def open_tier(root: Path, *, io_threads: int = 2, **options: object) -> TierHarness:
+def open_tier(root: Path, *, io_threads: int = 2, **options: object) -> TierHarness[FilesystemTier]:
     """An fs tier on ``root`` whose index of chunks on disk is loaded."""
     harness = TierHarness(
-        {"type": "fs", "root_dir": str(root), "io_threads": io_threads, **options}, LAYOUT
+        {"type": "fs", "root_dir": str(root), "io_threads": io_threads, **options},
+        LAYOUT,
+        tier_class=FilesystemTier,
     )
     assert fs_tier(harness).wait_index(30)
     return harness

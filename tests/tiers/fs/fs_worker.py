@@ -29,6 +29,7 @@ from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.testing import TierHarness, small_layout
 from kvtier.tiers.base import Lookup
+from kvtier.tiers.fs import FilesystemTier
 
 #: 32 KiB chunks: big enough that a kill often lands inside a write.
 LAYOUT = small_layout(chunk_tokens=64)
@@ -44,9 +45,16 @@ def payload_for(key: bytes, layout: KVLayout = LAYOUT) -> np.ndarray:
     return rng.integers(0, 256, layout.slot_bytes, dtype=np.uint8)
 
 
-def open_tier(root: str | os.PathLike[str], num_slots: int = 16, **options: Any) -> TierHarness:
-    harness = TierHarness({"type": "fs", "root_dir": str(root), **options}, LAYOUT, num_slots)
-    harness.tier.wait_index(30)  # type: ignore[attr-defined]
+def open_tier(
+    root: str | os.PathLike[str], num_slots: int = 16, **options: Any
+) -> TierHarness[FilesystemTier]:
+    harness = TierHarness(
+        {"type": "fs", "root_dir": str(root), **options},
+        LAYOUT,
+        num_slots,
+        tier_class=FilesystemTier,
+    )
+    harness.tier.wait_index(30)
     return harness
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("chunk_io")
 
 
 @pytest.fixture
-def fs_options() -> dict[str, object]:
+def fs_options() -> dict[str, Any]:
     return {"io_threads": 4}
 
 

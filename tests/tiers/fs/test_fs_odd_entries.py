@@ -196,7 +196,7 @@ def test_reindex_survives_anything_in_the_tree_and_keeps_the_bound(root: Path) -
     first.fill(range(14))
     assert first.store(keys, list(range(14))).success
     first.close()
-    paths = [Path(first.tier.dir.chunk_path(k)) for k in keys]  # type: ignore[attr-defined]
+    paths = [Path(first.tier.dir.chunk_path(k)) for k in keys]
     for path in paths[10:]:
         path.unlink()
     paths[10].mkdir()  # a directory named <key>.kvc

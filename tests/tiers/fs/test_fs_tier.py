@@ -16,13 +16,14 @@ from kvtier import KVCache, integrity
 from kvtier.errors import ConfigError
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.tiers.base import Lookup
+from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.fs.io import TRAILER_BLOCK
 from tests.tiers.fs.fs_support import fs_tier
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
 
 
-class TestFilesystemContract(TierContractTests):
+class TestFilesystemContract(TierContractTests[FilesystemTier]):
     persistent = True
 
     @pytest.fixture(autouse=True)

@@ -63,7 +63,7 @@ def assert_no_damaged_value_served(
         assert (harness.buffer.array[slot] == 7).all(), f"damage {index} served"
     # Each damaged value counted and deleted; none of it an outage.
     assert tier.stats.corrupt_chunks == count
-    assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
+    assert tier.stats.backend_errors == 0
     assert tier.breaker.closed
     assert [present(name) for name in names[:count]] == [False] * count
     assert [harness.lookup(key) for key in keys] == [Lookup.MISS] * (count + 1) + [Lookup.HIT]

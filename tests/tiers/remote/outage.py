@@ -26,10 +26,10 @@ def on_fake_clock(tier: SecondaryTier, kind: type[R]) -> tuple[R, FakeClock]:
 @contextmanager
 def outage_harness(
     entry: dict[str, Any], kind: type[R], *, num_slots: int = 32
-) -> Iterator[tuple[TierHarness, R, FakeClock]]:
+) -> Iterator[tuple[TierHarness[R], R, FakeClock]]:
     """A harness over the remote tier ``entry`` describes, the tier, its
     breaker's clock; the harness is closed on leaving."""
-    harness = TierHarness(entry, small_layout(), num_slots=num_slots)
+    harness = TierHarness(entry, small_layout(), num_slots=num_slots, tier_class=kind)
     try:
         tier, clock = on_fake_clock(harness.tier, kind)
         yield harness, tier, clock

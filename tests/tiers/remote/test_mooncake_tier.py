@@ -25,7 +25,7 @@ from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import recover, wait_until
 from kvtier.tiers import mooncake as mooncake_module
 from kvtier.tiers.base import Lookup
-from kvtier.tiers.mooncake import MooncakeTier
+from kvtier.tiers.mooncake import MooncakeTier, MooncakeTierOptions
 from tests.support.needs import need_mooncake
 from tests.support.servers import MooncakeMaster, free_port
 from tests.tiers.remote.outage import on_fake_clock, outage_harness
@@ -45,7 +45,7 @@ def lending_master() -> Iterator[MooncakeMaster]:
         yield master
 
 
-class TestMooncakeTierContract(TierContractTests):
+class TestMooncakeTierContract(TierContractTests[MooncakeTier]):
     persistent = True
 
     @pytest.fixture(autouse=True)
@@ -56,7 +56,7 @@ class TestMooncakeTierContract(TierContractTests):
         return dict(self.config)
 
 
-class TestMooncakeLendingTierContract(TierContractTests):
+class TestMooncakeLendingTierContract(TierContractTests[MooncakeTier]):
     """Each tier lends the pool its own segment, which leaves the pool with it."""
 
     persistent = False
@@ -409,10 +409,11 @@ def test_sizes_and_protocol_are_read_like_mooncakes() -> None:
         }
     )
     options = config.secondary_tiers[0].options
-    assert options.protocol == "rdma"  # type: ignore[attr-defined]
-    assert options.global_segment_size == 4 << 30  # type: ignore[attr-defined]
-    assert options.local_buffer_size == 512 << 20  # type: ignore[attr-defined]
-    assert options.metadata_server == "P2PHANDSHAKE"  # type: ignore[attr-defined]
+    assert isinstance(options, MooncakeTierOptions)
+    assert options.protocol == "rdma"
+    assert options.global_segment_size == 4 << 30
+    assert options.local_buffer_size == 512 << 20
+    assert options.metadata_server == "P2PHANDSHAKE"
 
 
 def test_missing_client_library_raises_missing_dependency(
@@ -430,7 +431,8 @@ def test_the_example_configuration_loads() -> None:
     example = Path(__file__).resolve().parents[3] / "examples" / "mooncake.yaml"
     [tier] = load_config(example).secondary_tiers
     assert tier.tier_class is MooncakeTier
-    assert tier.options.global_segment_size == 16 << 30  # type: ignore[attr-defined]
+    assert isinstance(tier.options, MooncakeTierOptions)
+    assert tier.options.global_segment_size == 16 << 30
 
 
 def test_a_loopback_local_hostname_with_a_remote_master_is_warned_about(

@@ -16,6 +16,7 @@ from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import recover
 from kvtier.tiers.base import Lookup
+from kvtier.tiers.obj import ObjectStoreTier
 from kvtier.tiers.remote import RemoteTier
 from tests.support.servers import S3Server, free_port
 from tests.tiers.remote.damaged_values import (
@@ -27,7 +28,7 @@ from tests.tiers.remote.damaged_values import (
 from tests.tiers.remote.outage import on_fake_clock, outage_harness
 
 
-class TestObjectStoreTierContract(TierContractTests):
+class TestObjectStoreTierContract(TierContractTests[ObjectStoreTier]):
     persistent = True
 
     @pytest.fixture(autouse=True)
@@ -60,14 +61,18 @@ def test_objects_are_named_by_prefix_namespace_and_key(s3_server: S3Server, s3_b
 def test_corrupt_torn_and_foreign_objects_are_never_served(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
-    harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
+    harness = TierHarness(
+        {"type": "obj", **s3_server.tier_options(s3_bucket)},
+        small_layout(),
+        tier_class=ObjectStoreTier,
+    )
     client = s3_server.client()
     try:
         keys = harness.keys(4)
         harness.fill(range(4))
         assert harness.store(keys, [0, 1, 2, 3]).success
         tier = harness.tier
-        names = [tier.store_name(k) for k in keys]  # type: ignore[attr-defined]
+        names = [tier.store_name(k) for k in keys]
 
         def read(name: str) -> bytes:
             return bytes(client.get_object(Bucket=s3_bucket, Key=name)["Body"].read())
@@ -114,22 +119,22 @@ def test_endpoint_outage_turns_into_misses_and_recovers(own_s3_server: S3Server)
     server = own_s3_server
     bucket = server.create_bucket("kv-outage")
     layout = small_layout(chunk_tokens=4)
-    tier = {**server.tier_options(bucket), "type": "obj", "retries": 0, "connect_timeout_s": 1.0}
+    entry = {**server.tier_options(bucket), "type": "obj", "retries": 0, "connect_timeout_s": 1.0}
     config = {
         "chunk_tokens": 4,
         "cpu_bytes_to_use": 16 * layout.slot_bytes,
-        "secondary_tiers": [tier],
+        "secondary_tiers": [entry],
     }
     tokens = list(range(16))
     data = np.random.default_rng(5).integers(0, 256, (4, layout.slot_bytes), dtype=np.uint8)
     with KVCache(config, layout) as cache:
-        tier, clock = on_fake_clock(cache.manager.tiers[0], RemoteTier)
+        tier, clock = on_fake_clock(cache.manager.tiers[0], ObjectStoreTier)
         stats = tier.stats
         server.stop()
         assert cache.store(tokens, data) == 4
         cache.drain()
         assert stats.store_failures == 4
-        assert stats.backend_errors >= 1  # type: ignore[attr-defined]
+        assert stats.backend_errors >= 1
         cache.manager.reset()
         assert cache.cached_prefix(tokens) == 0
         assert stats.misses >= 1
@@ -156,7 +161,7 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
             "retries": 0,
             "read_timeout_s": 0.5,
         },
-        RemoteTier,
+        ObjectStoreTier,
     ) as (harness, tier, clock):
         keys = harness.keys(3)
         harness.fill(range(3))
@@ -172,7 +177,7 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
         assert recover(tier, clock)
         assert harness.load(keys, [3, 4, 5]).success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
-        assert not harness.tier.backend_down  # type: ignore[attr-defined]
+        assert not harness.tier.backend_down
 
 
 @pytest.mark.parametrize(
@@ -228,7 +233,7 @@ def test_missing_client_library_raises_missing_dependency(
 def test_an_erroring_endpoint_fails_chunks_and_recovers(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
-    with outage_harness({"type": "obj", **s3_server.tier_options(s3_bucket)}, RemoteTier) as (
+    with outage_harness({"type": "obj", **s3_server.tier_options(s3_bucket)}, ObjectStoreTier) as (
         harness,
         tier,
         clock,
@@ -243,13 +248,13 @@ def test_an_erroring_endpoint_fails_chunks_and_recovers(
         assert not harness.store(keys[2:], [2]).success
         assert harness.load(keys[:2], [3, 4]).succeeded == frozenset()
         assert harness.load(keys[:2], [3, 4]).succeeded == frozenset()
-        assert harness.tier.backend_down  # type: ignore[attr-defined]
+        assert harness.tier.backend_down
         client.create_bucket(Bucket=s3_bucket)
         assert recover(tier, clock)
         assert harness.store(keys, [0, 1, 2]).success
         assert harness.load(keys, [3, 4, 5]).success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
-        assert not harness.tier.backend_down  # type: ignore[attr-defined]
+        assert not harness.tier.backend_down
         assert [check.ok for check in harness.tier.health()] == [True]
 
 
@@ -257,13 +262,14 @@ def test_skip_existing_sends_only_missing_chunks(s3_server: S3Server, s3_bucket:
     harness = TierHarness(
         {"type": "obj", **s3_server.tier_options(s3_bucket), "skip_existing": True},
         small_layout(),
+        tier_class=ObjectStoreTier,
     )
     client = s3_server.client()
     try:
         keys = harness.keys(2)
         harness.fill([0, 1])
         assert harness.store(keys[:1], [0]).success
-        held = harness.tier.store_name(keys[0])  # type: ignore[attr-defined]
+        held = harness.tier.store_name(keys[0])
         client.put_object(Bucket=s3_bucket, Key=held, Body=b"marker")
         assert harness.store(keys, [0, 1]).success
         body = client.get_object(Bucket=s3_bucket, Key=held)["Body"].read()
@@ -331,12 +337,14 @@ def test_a_missing_bucket_names_its_entry(s3_server: S3Server) -> None:
 
 def test_a_job_is_split_over_the_workers(s3_server: S3Server, s3_bucket: str) -> None:
     harness = TierHarness(
-        {"type": "obj", **s3_server.tier_options(s3_bucket), "io_threads": 4}, small_layout()
+        {"type": "obj", **s3_server.tier_options(s3_bucket), "io_threads": 4},
+        small_layout(),
+        tier_class=ObjectStoreTier,
     )
     try:
         tier = harness.tier
         pending = [(key, slot) for slot, key in enumerate(harness.keys(10))]
-        batches = tier._split(pending)  # type: ignore[attr-defined]
+        batches = tier._split(pending)
         assert [len(b) for b in batches] == [3, 3, 3, 1]
         assert [pair for batch in batches for pair in batch] == pending
     finally:
@@ -357,7 +365,7 @@ def test_an_empty_object_at_a_chunk_name_is_corrupt_not_an_outage(
         assert harness.lookup(key) is Lookup.HIT  # a ranged GET of 0 bytes: InvalidRange
         assert not harness.load([key], [1]).success
         assert tier.stats.corrupt_chunks == 1
-        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors == 0
         assert client.list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
     finally:
         harness.close()

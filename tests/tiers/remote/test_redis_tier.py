@@ -17,6 +17,7 @@ from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import recover, wait_until
 from kvtier.tiers.base import Lookup, LookupContext
+from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.remote import RemoteTier
 from tests.conftest import need_redis_server
 from tests.support.servers import LOOPBACK, RedisClusterServers, RedisServer, ServerError, free_port
@@ -36,7 +37,7 @@ def raw_client(url: str) -> Any:
     return redis.Redis.from_url(url)
 
 
-class TestRedisTierContract(TierContractTests):
+class TestRedisTierContract(TierContractTests[RedisTier]):
     persistent = True
 
     @pytest.fixture(autouse=True)
@@ -98,7 +99,7 @@ class TestRedisTierContractOverTls(TestRedisTierContract):
         self.prefix = key_prefix
 
 
-class TestRedisClusterTierContract(TierContractTests):
+class TestRedisClusterTierContract(TierContractTests[RedisTier]):
     persistent = True
 
     @pytest.fixture(autouse=True)
@@ -142,7 +143,9 @@ def test_corrupt_torn_and_foreign_values_are_never_served(
     redis_server: RedisServer, key_prefix: str
 ) -> None:
     harness = TierHarness(
-        {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix}, small_layout()
+        {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix},
+        small_layout(),
+        tier_class=RedisTier,
     )
     client = raw_client(redis_server.url)
     try:
@@ -150,7 +153,7 @@ def test_corrupt_torn_and_foreign_values_are_never_served(
         harness.fill(range(4))
         assert harness.store(keys, [0, 1, 2, 3]).success
         tier = harness.tier
-        names = [tier.store_name(k) for k in keys]  # type: ignore[attr-defined]
+        names = [tier.store_name(k) for k in keys]
         flipped = bytearray(client.get(names[0]))
         flipped[HEADER_BYTES + 100] ^= 0x01
         client.set(names[0], bytes(flipped))
@@ -194,12 +197,12 @@ def test_server_outage_turns_into_misses_and_recovers(
     data = np.random.default_rng(3).integers(0, 256, (4, layout.slot_bytes), dtype=np.uint8)
     config["secondary_tiers"][0]["url"] = server.url  # type: ignore[index]
     with KVCache(config, layout) as cache:
-        tier, clock = on_fake_clock(cache.manager.tiers[0], RemoteTier)
+        tier, clock = on_fake_clock(cache.manager.tiers[0], RedisTier)
         server.stop()
         assert cache.store(tokens, data) == 4  # the primary tier takes them
         cache.drain()
         assert tier.stats.store_failures == 4
-        assert tier.stats.backend_errors >= 1  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors >= 1
         cache.manager.reset()
         assert cache.cached_prefix(tokens) == 0  # a miss, not an error
         assert tier.stats.misses >= 1
@@ -227,7 +230,7 @@ def test_a_hung_server_times_out_and_recovers(
             "retries": 0,
             "socket_timeout_s": 0.5,
         },
-        RemoteTier,
+        RedisTier,
     ) as (harness, tier, clock):
         keys = harness.keys(3)
         harness.fill(range(3))
@@ -245,7 +248,7 @@ def test_a_hung_server_times_out_and_recovers(
         result = harness.load(keys, [3, 4, 5])
         assert result.success
         np.testing.assert_array_equal(harness.buffer.array[3:6], harness.buffer.array[0:3])
-        assert not harness.tier.backend_down  # type: ignore[attr-defined]
+        assert not harness.tier.backend_down
         assert [check.ok for check in harness.tier.health()] == [True]
 
 
@@ -255,13 +258,14 @@ def test_ttl_is_set_on_store_and_refreshed_on_read(
     harness = TierHarness(
         {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix, "ttl_s": 300},
         small_layout(),
+        tier_class=RedisTier,
     )
     client = raw_client(redis_server.url)
     try:
         [key] = harness.keys(1)
         harness.fill([0])
         assert harness.store([key], [0]).success
-        name = harness.tier.store_name(key)  # type: ignore[attr-defined]
+        name = harness.tier.store_name(key)
         assert 0 < client.pttl(name) <= 300_000
         client.pexpire(name, 5_000)
         assert harness.load([key], [1]).success
@@ -368,9 +372,9 @@ def test_a_server_refusing_writes_is_no_outage_and_serves_what_it_holds(
             result = harness.store(keys[2:], [2, 3])
             assert not result.success and result.succeeded == frozenset()
             assert tier.breaker.closed
-        assert tier.stats.refused_stores == 6  # type: ignore[attr-defined]
-        assert tier.stats.backend_errors == 6  # type: ignore[attr-defined]
-        assert tier.stats.backend_outages == 0  # type: ignore[attr-defined]
+        assert tier.stats.refused_stores == 6
+        assert tier.stats.backend_errors == 6
+        assert tier.stats.backend_outages == 0
         assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [1.0]
         # What the server holds is still found and served, byte-exact.
         assert [harness.lookup(key) for key in keys[:2]] == [Lookup.HIT, Lookup.HIT]
@@ -396,13 +400,14 @@ def test_skip_existing_sends_only_missing_chunks_and_refreshes_ttl(
             "ttl_s": 300,
         },
         small_layout(),
+        tier_class=RedisTier,
     )
     client = raw_client(redis_server.url)
     try:
         keys = harness.keys(2)
         harness.fill([0, 1])
         assert harness.store(keys[:1], [0]).success
-        held = harness.tier.store_name(keys[0])  # type: ignore[attr-defined]
+        held = harness.tier.store_name(keys[0])
         client.set(held, b"marker", px=5_000)
         assert harness.store(keys, [0, 1]).success
         assert client.get(held) == b"marker"  # held already: not sent again
@@ -458,7 +463,7 @@ def test_a_value_of_the_wrong_type_is_a_corrupt_chunk_not_an_outage(
             client.delete(name)
             client.rpush(name, b"again")
         assert tier.stats.corrupt_chunks == 3
-        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors == 0
         assert tier.breaker.closed
         assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [1.0]
         client.delete(name)
@@ -497,7 +502,7 @@ def test_per_item_check_errors_never_flap_the_outage_state(
         {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix}, small_layout()
     )
     tier = harness.tier
-    assert isinstance(tier, RemoteTier)
+    assert isinstance(tier, RedisTier)
     changes: list[object] = []
     tier.breaker.on_change = lambda old, new, why: changes.append(new)
     try:
@@ -515,7 +520,7 @@ def test_per_item_check_errors_never_flap_the_outage_state(
         assert answers[1] == [Lookup.HIT, Lookup.PENDING, Lookup.MISS]
         # The key on the failing node is asked again, then given up as a miss.
         assert [a[1] for a in answers] == [Lookup.PENDING] * 3 + [Lookup.MISS]
-        assert tier.stats.backend_errors == tier.check_attempts  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors == tier.check_attempts
         assert changes == [] and tier.breaker.closed
     finally:
         harness.close()
@@ -580,9 +585,9 @@ def test_one_failing_cluster_node_costs_its_chunks_only(
         for _ in range(tier.breaker.failures + 1):
             result = harness.store(keys, list(range(24)))
             assert 0 < len(result.succeeded) < 24  # the other nodes took theirs
-        assert tier.breaker.closed and tier.stats.backend_outages == 0  # type: ignore[attr-defined]
+        assert tier.breaker.closed and tier.stats.backend_outages == 0
         failed_per_round = 24 - len(result.succeeded)
-        assert tier.stats.backend_errors == failed_per_round * (tier.breaker.failures + 1)  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors == failed_per_round * (tier.breaker.failures + 1)
         held = [k for k in keys if k in result.succeeded]
         loaded = harness.load(held, list(range(24, 24 + len(held))))
         assert loaded.success
@@ -628,7 +633,7 @@ def test_an_oversized_value_is_corrupt_and_its_neighbours_load_byte_exact(
         assert harness.load([keys[2], keys[0]], [3, 4]).success
         np.testing.assert_array_equal(harness.buffer.array[3], harness.buffer.array[2])
         np.testing.assert_array_equal(harness.buffer.array[4], harness.buffer.array[0])
-        assert tier.stats.backend_errors == 0  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors == 0
     finally:
         harness.close()
 
@@ -654,8 +659,8 @@ def test_a_probe_never_waits_for_a_pooled_connection(
     harness = TierHarness({"type": "redis", **options}, small_layout(chunk_tokens=4), 4)
     try:
         tier = harness.tier
-        assert isinstance(tier, RemoteTier)
-        pool = tier._client.connection_pool  # type: ignore[attr-defined]
+        assert isinstance(tier, RedisTier)
+        pool = tier._client.connection_pool
         held = [pool.get_connection() for _ in range(2)]
         try:
             tier._ping()  # before: waited socket_timeout_s, then "No connection available"

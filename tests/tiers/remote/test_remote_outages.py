@@ -23,6 +23,8 @@ from kvtier.testing import TierHarness, small_layout
 from kvtier.testing.outages import FaultProxy, recover, wait_until
 from kvtier.tiers.base import Lookup, LookupContext, TransferJob
 from kvtier.tiers.circuit import BreakerState
+from kvtier.tiers.obj import ObjectStoreTier
+from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.remote import RemoteTier
 from tests.support.needs import need_redis_server, need_s3_server
 from tests.support.servers import RedisServer, S3Server, free_port
@@ -65,8 +67,8 @@ class Calls:
 def backend_calls(tier: RemoteTier) -> Calls:
     """Every request the tier sends: one per object for obj, one per pipeline for redis."""
     calls = Calls()
-    if tier.tier_type == "obj":
-        client = tier._client  # type: ignore[attr-defined]
+    if isinstance(tier, ObjectStoreTier):
+        client = tier._client
         return calls.wrap(client, "get_object", "put_object", "head_bucket", "delete_object")
     return calls.wrap(tier, "_get_many", "_put_many", "_exists_many", "_ping", "_delete")
 
@@ -125,8 +127,9 @@ def frozen_capable(request: pytest.FixtureRequest) -> Iterator[Backend]:
 def test_a_frozen_backend_costs_one_deadline_then_nothing(frozen_capable: Backend) -> None:
     server, options = frozen_capable
     stored_by_another_engine(options, 32)
+    kind = RedisTier if options["type"] == "redis" else ObjectStoreTier
     with outage_harness(  # no probe unless the test moves the clock
-        {**options, "io_threads": 4, "deadline_s": 0.5}, RemoteTier, num_slots=64
+        {**options, "io_threads": 4, "deadline_s": 0.5}, kind, num_slots=64
     ) as (harness, tier, clock):
         stats = tier.stats
         keys = harness.keys(32)
@@ -142,7 +145,7 @@ def test_a_frozen_backend_costs_one_deadline_then_nothing(frozen_capable: Backen
             # ...having sent one request per worker, not one per chunk.
             assert 1 <= calls.started <= 4
             assert tier.breaker.state is BreakerState.OPEN
-            assert stats.deadline_misses == 1 and stats.backend_outages == 1  # type: ignore[attr-defined]
+            assert stats.deadline_misses == 1 and stats.backend_outages == 1
             assert {m.name: m.value for m in tier.metrics()} == {
                 "backend_up": 0.0,
                 "breaker_state": 2.0,
@@ -163,19 +166,19 @@ def test_a_frozen_backend_costs_one_deadline_then_nothing(frozen_capable: Backen
                 ]
                 assert tier.lookup(keys[8], LookupContext()) is Lookup.MISS
             assert calls.started == sent
-            assert stats.outage_failed_loads == 80  # type: ignore[attr-defined]
-            assert stats.outage_dropped_stores == 80  # type: ignore[attr-defined]
-            assert stats.outage_skipped_lookups == 20  # type: ignore[attr-defined]
+            assert stats.outage_failed_loads == 80
+            assert stats.outage_dropped_stores == 80
+            assert stats.outage_skipped_lookups == 20
 
             # After the backoff a probe goes out; it hangs too, and at its
             # deadline the breaker opens again, for longer.
             clock.advance(tier.breaker.max_backoff_s)
             assert tier.lookup(keys[8], LookupContext()) is Lookup.PENDING  # waits for the probe
-            assert stats.breaker_probes == 1  # type: ignore[attr-defined]
+            assert stats.breaker_probes == 1
             wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="open again")
             assert tier.breaker.retry_at - clock() > tier.breaker.backoff_s
             assert tier.lookup(keys[8], LookupContext()) is Lookup.MISS
-            assert stats.backend_outages == 1  # type: ignore[attr-defined]
+            assert stats.backend_outages == 1
             sent = calls.started
 
             # close() does not wait for the workers stuck in the frozen server.
@@ -207,7 +210,7 @@ def test_existence_checks_that_fail_when_a_stall_ends_are_asked_again(
                 "read_timeout_s": 120,
                 "deadline_s": 0.5,
             },
-            RemoteTier,
+            ObjectStoreTier,
         ) as (harness, tier, clock),
     ):
         keys = harness.keys(8)
@@ -252,7 +255,7 @@ def test_a_failed_check_is_retried_then_taken_as_a_miss(
 
         tier._exists_many = flaky  # type: ignore[method-assign]
         assert harness.lookup(keys[0]) is Lookup.HIT  # asked again after the failure
-        assert tier.stats.backend_errors == 1  # type: ignore[attr-defined]
+        assert tier.stats.backend_errors == 1
 
         broken = BrokenBackend()
         calls = Calls().wrap(broken, "exists_many")
@@ -285,8 +288,8 @@ def test_a_deleted_bucket_is_an_outage_not_missing_chunks(
         # Lookups alone (no store) find the outage: NoSuchBucket is not NoSuchKey.
         assert harness.lookup(keys[0]) is Lookup.MISS
         assert tier.backend_down
-        assert tier.stats.backend_outages == 1  # type: ignore[attr-defined]
-        assert tier.stats.backend_errors == 2  # type: ignore[attr-defined]
+        assert tier.stats.backend_outages == 1
+        assert tier.stats.backend_errors == 2
     finally:
         client.create_bucket(Bucket=s3_bucket)
         harness.close()
@@ -305,7 +308,7 @@ def test_consecutive_errors_open_the_breaker_and_stop_the_requests(
                 "retries": 0,
                 "breaker_failures": 3,
             },
-            RemoteTier,
+            ObjectStoreTier,
         ) as (harness, tier, clock),
     ):
         keys = harness.keys(1)
@@ -325,8 +328,8 @@ def test_consecutive_errors_open_the_breaker_and_stop_the_requests(
         proxy.set_mode("forward")
         assert recover(tier, clock)
         assert harness.store(keys, [0]).success
-        assert tier.stats.breaker_probes == 2  # type: ignore[attr-defined]
-        assert tier.stats.backend_outages == 1  # type: ignore[attr-defined]
+        assert tier.stats.breaker_probes == 2
+        assert tier.stats.backend_outages == 1
 
 
 def test_cut_replies_fail_the_chunks_and_never_reach_a_slot(
@@ -342,6 +345,7 @@ def test_cut_replies_fail_the_chunks_and_never_reach_a_slot(
                 "deadline_s": 30,
             },
             small_layout(),
+            tier_class=ObjectStoreTier,
         )
         try:
             keys = harness.keys(2)
@@ -359,7 +363,7 @@ def test_cut_replies_fail_the_chunks_and_never_reach_a_slot(
             harness.buffer.array[2:4] = 9
             proxy.delay_s = 0.01
             proxy.set_mode("delay")  # late, yet well within the deadline: served
-            harness.tier._client.close()  # type: ignore[attr-defined]  # new connections
+            harness.tier._client.close()  # new connections
             assert harness.load(keys, [2, 3]).success
             assert proxy.connections > connections
             np.testing.assert_array_equal(harness.buffer.array[2:4], data)
@@ -410,10 +414,10 @@ def test_a_missed_deadline_opens_the_breaker_only_when_nothing_answered(
         started = time.perf_counter()
         tier._answered()  # a slow backend: some call came back while the job ran
         tier._missed_deadline("load job", since=started)
-        assert tier.breaker.closed and tier.stats.deadline_misses == 1  # type: ignore[attr-defined]
+        assert tier.breaker.closed and tier.stats.deadline_misses == 1
         tier._missed_deadline("load job", since=time.perf_counter())  # nothing since: stalled
         assert tier.breaker.state is BreakerState.OPEN
-        assert tier.stats.deadline_misses == 2  # type: ignore[attr-defined]
+        assert tier.stats.deadline_misses == 2
     finally:
         harness.close()
 
@@ -421,7 +425,7 @@ def test_a_missed_deadline_opens_the_breaker_only_when_nothing_answered(
 def test_lookups_wait_for_the_probe_so_the_first_request_after_recovery_hits(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
-    with outage_harness({"type": "obj", **s3_server.tier_options(s3_bucket)}, RemoteTier) as (
+    with outage_harness({"type": "obj", **s3_server.tier_options(s3_bucket)}, ObjectStoreTier) as (
         harness,
         tier,
         clock,
@@ -447,7 +451,7 @@ def test_lookups_wait_for_the_probe_so_the_first_request_after_recovery_hits(
             release.set()
             wait_until(lambda: tier.breaker.closed, what="closed")
             assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 2
-            assert tier.stats.outage_skipped_lookups == 1  # type: ignore[attr-defined]
+            assert tier.stats.outage_skipped_lookups == 1
         finally:
             release.set()
 
@@ -503,12 +507,12 @@ def test_an_object_store_refusing_writes_is_no_outage(s3_server: S3Server, s3_bu
             for _ in range(3):  # past breaker_failures: still no outage
                 assert not harness.store(keys[1:], [1]).success
                 assert tier.breaker.closed
-            assert tier.stats.refused_stores == 3  # type: ignore[attr-defined]
+            assert tier.stats.refused_stores == 3
             proxy.set_mode("forward")
             assert harness.lookup(keys[0]) is Lookup.HIT  # served at once, no probe needed
             assert harness.load(keys[:1], [2]).success
             np.testing.assert_array_equal(harness.buffer.array[2], stored[0])
-            assert tier.stats.breaker_probes == 0  # type: ignore[attr-defined]
+            assert tier.stats.breaker_probes == 0
         finally:
             harness.close()
 
@@ -544,7 +548,7 @@ def test_every_request_waiting_on_a_check_past_its_deadline_answers_miss(
         assert [tier.lookup(key, ctx) for ctx in requests] == [Lookup.PENDING] * waiting
         tier.on_step_end()
         assert started.wait(60)
-        wait_until(lambda: tier.stats.deadline_misses == 1, what="past the deadline")  # type: ignore[attr-defined]
+        wait_until(lambda: tier.stats.deadline_misses == 1, what="past the deadline")
         # Every request waits no longer, not just the first to ask again.
         assert [tier.lookup(key, ctx) for ctx in requests] == [Lookup.MISS] * waiting
         assert tier.breaker.closed
@@ -605,7 +609,7 @@ def test_a_requests_checks_and_loads_share_one_deadline(
         spent = request("request-1", keys[0], 4, check_takes=30, engine_away=0)
         assert spent.succeeded == frozenset() and not spent.success
         assert (harness.buffer.array[4] == 7).all()
-        assert tier.stats.deadline_misses == 1  # type: ignore[attr-defined]
+        assert tier.stats.deadline_misses == 1
         assert tier.breaker.closed  # the check answered: slow, not stalled
         get_gate.set()
         # Checks that took a third leave two thirds, however long the engine
@@ -613,7 +617,7 @@ def test_a_requests_checks_and_loads_share_one_deadline(
         left = request("request-2", keys[1], 5, check_takes=10, engine_away=100)
         assert left.success
         np.testing.assert_array_equal(harness.buffer.array[5], stored[1])
-        assert tier.stats.deadline_misses == 1  # type: ignore[attr-defined]
+        assert tier.stats.deadline_misses == 1
     finally:
         check_gate.set()
         get_gate.set()

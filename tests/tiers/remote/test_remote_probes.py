@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.testing import TierHarness
-from kvtier.testing.outages import wait_until
+from kvtier.testing.outages import FakeClock, wait_until
 from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.circuit import BreakerState
 from tests.tiers.remote.outage import outage_harness
@@ -26,18 +26,33 @@ ENTRY = {
 }
 
 
+Opened = tuple[TierHarness[FreezableTier], FreezableTier, FakeClock]
+
+
 @pytest.fixture
-def harness() -> Iterator[TierHarness]:
-    with outage_harness(ENTRY, FreezableTier, num_slots=8) as (harness, tier, _):
+def opened() -> Iterator[Opened]:
+    with outage_harness(ENTRY, FreezableTier, num_slots=8) as opened:
+        tier = opened[1]
         try:
-            yield harness
+            yield opened
         finally:
             tier.backend.thaw()
             tier.backend.release_stuck()
 
 
+@pytest.fixture
+def harness(opened: Opened) -> TierHarness[FreezableTier]:
+    return opened[0]
+
+
+@pytest.fixture
+def clock(opened: Opened) -> FakeClock:
+    """The breaker's clock."""
+    return opened[2]
+
+
 def test_a_thawed_backend_serves_at_the_next_probe_though_earlier_probes_hang(
-    harness: TierHarness,
+    harness: TierHarness[FreezableTier], clock: FakeClock
 ) -> None:
     tier = harness.tier
     assert isinstance(tier, FreezableTier)
@@ -47,24 +62,24 @@ def test_a_thawed_backend_serves_at_the_next_probe_though_earlier_probes_hang(
     tier.backend.freeze()
     tier.breaker.trip("injected outage")
     for stuck in range(1, 4):
-        tier.breaker.clock.advance(tier.breaker.max_backoff_s)  # type: ignore[attr-defined]
+        clock.advance(tier.breaker.max_backoff_s)
         assert tier.lookup(keys[0], LookupContext()) is not Lookup.HIT
-        assert tier.stats.breaker_probes == stuck  # type: ignore[attr-defined]
+        assert tier.stats.breaker_probes == stuck
         wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="probe given up")
         wait_until(lambda n=stuck: tier.backend.stuck == n, what=f"{stuck} calls stuck")
         assert len(tier.probe_threads) == stuck  # each still in its call
     tier.backend.thaw()
-    tier.breaker.clock.advance(tier.breaker.max_backoff_s)  # type: ignore[attr-defined]
+    clock.advance(tier.breaker.max_backoff_s)
     tier.lookup(keys[0], LookupContext())
     # A fresh probe went out although the earlier ones still hang, and closed it.
-    assert tier.stats.breaker_probes == 4  # type: ignore[attr-defined]
+    assert tier.stats.breaker_probes == 4
     wait_until(lambda: tier.breaker.closed, what="closed")
     assert tier.backend.stuck == 3
     assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 2
 
 
 def test_a_long_freeze_strands_at_most_max_probe_threads(
-    harness: TierHarness, caplog: pytest.LogCaptureFixture
+    harness: TierHarness[FreezableTier], clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = harness.tier
     assert isinstance(tier, FreezableTier)
@@ -73,11 +88,11 @@ def test_a_long_freeze_strands_at_most_max_probe_threads(
     tier.backend.freeze()
     tier.breaker.trip("injected outage")
     for _ in range(6):
-        tier.breaker.clock.advance(tier.breaker.max_backoff_s)  # type: ignore[attr-defined]
+        clock.advance(tier.breaker.max_backoff_s)
         tier.lookup(key, LookupContext())
         wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="probe given up")
         assert len(tier.probe_threads) <= 3
-    assert tier.stats.breaker_probes == 3  # type: ignore[attr-defined]
+    assert tier.stats.breaker_probes == 3
     wait_until(lambda: tier.backend.stuck == 3, what="3 calls stuck")
     stuck_warnings = [r for r in caplog.records if "probes stuck" in r.getMessage()]
     assert len(stuck_warnings) == 1  # once, not at every lookup
@@ -85,8 +100,8 @@ def test_a_long_freeze_strands_at_most_max_probe_threads(
     tier.backend.thaw()
     tier.backend.release_stuck()
     wait_until(lambda: not tier.probe_threads, what="stuck probes ended")
-    tier.breaker.clock.advance(tier.breaker.max_backoff_s)  # type: ignore[attr-defined]
+    clock.advance(tier.breaker.max_backoff_s)
     tier.lookup(key, LookupContext())
-    assert tier.stats.breaker_probes == 4  # type: ignore[attr-defined]
+    assert tier.stats.breaker_probes == 4
     wait_until(lambda: tier.breaker.closed, what="closed")
-    assert tier.stats.breaker_probes == 4  # type: ignore[attr-defined]
+    assert tier.stats.breaker_probes == 4
