@@ -18,6 +18,11 @@ def tier_at(cache: KVCache, index: int, kind: type[Tier]) -> Tier:
     return tier
 
 
+def tiers_of(cache: KVCache, kind: type[Tier]) -> list[Tier]:
+    """Every secondary tier of the cache, each of which must be a ``kind``."""
+    return [tier_at(cache, index, kind) for index in range(len(cache.manager.tiers))]
+
+
 class RecordingTier(ExampleTier):
     """The example tier, recording every job it is given."""
 

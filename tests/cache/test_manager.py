@@ -12,7 +12,7 @@ from kvtier.config import BackpressureConfig
 from kvtier.testing import FaultyTier, small_layout
 from kvtier.tiers.base import TransferJob
 from kvtier.tiers.drive import run_job
-from tests.cache.doubles import GatedTier, RecordingTier, tier_at
+from tests.cache.doubles import GatedTier, RecordingTier, tier_at, tiers_of
 
 LAYOUT = small_layout(chunk_tokens=4)
 TOKENS = list(range(40, 56))  # four chunks
@@ -58,8 +58,7 @@ def test_store_cascades_to_every_tier_with_slots_pinned_until_collected(
     keys = cache.keys(TOKENS)
     primary = cache.manager.primary
     assert [primary.refcount(k) for k in keys] == [2] * 4  # one pin per cascade
-    for index in range(2):
-        tier = tier_at(cache, index, RecordingTier)
+    for tier in tiers_of(cache, RecordingTier):
         assert [job.keys for job in tier.stores] == [tuple(keys)]
     cache.step()
     assert [primary.refcount(k) for k in keys] == [0] * 4
@@ -95,7 +94,7 @@ def test_collect_makes_ended_promotions_ready_without_submitting_more(data: np.n
         cache.store(TOKENS, data)
         cache.drain()
         cache.manager.reset()
-        first, second = (tier_at(cache, index, GatedTier) for index in range(2))
+        first, second = tiers_of(cache, GatedTier)
         assert peek(cache, TOKENS[:8], "r1") == LookupResult(0, True)
         cache.step()  # submits the promotion of the first two chunks
         first.release()  # ...and it ends
@@ -121,7 +120,7 @@ def test_lookup_answers_the_leading_primary_hits_without_io(
 
 
 def test_hit_in_a_slower_tier_warms_the_faster_tiers(cache: KVCache, data: np.ndarray) -> None:
-    fast, slow = (tier_at(cache, index, RecordingTier) for index in range(2))
+    fast, slow = tiers_of(cache, RecordingTier)
     keys = cache.keys(TOKENS)
     cache.manager.primary.buffer.array[:4] = data
     run_job(slow, TransferJob(tuple(keys), (0, 1, 2, 3)), loading=False)
