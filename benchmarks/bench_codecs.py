@@ -216,7 +216,7 @@ def against_raw(rows: list[dict[str, Any]]) -> None:
 def served_tier(kind: str) -> Iterator[dict[str, Any]]:
     """A ``kind`` tier entry on its own server, started on loopback for the run."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' servers
-    from tests.servers import MooncakeMaster, RedisServer, S3Server
+    from tests.support.servers import MooncakeMaster, RedisServer, S3Server
 
     if kind == "redis":
         with RedisServer() as redis:

@@ -1,7 +1,7 @@
 """A cold prefix from a remote tier (``redis``, ``obj``, ``mooncake``) against its raw client.
 
 ``bench_cold.py --tier redis|obj|mooncake`` runs this: the tier's server is
-started on loopback (``tests/servers.py``) for the whole run. In each run a
+started on loopback (``tests/support/servers.py``) for the whole run. In each run a
 ``KVCache`` stores one prefix through the tier and closes; then, in turn
 (each run starting with the next one):
 
@@ -46,7 +46,7 @@ def remote_server(
 ) -> Iterator[tuple[dict[str, Any], NewRawClient]]:
     """The tier's server on loopback: yields the tier's config and a maker of raw clients."""
     from bench_shared_tiers import WHOLE_JOBS, RawRedis, RawS3  # puts the checkout on sys.path
-    from tests.servers import MooncakeMaster, RedisServer, S3Server
+    from tests.support.servers import MooncakeMaster, RedisServer, S3Server
 
     if tier == "redis":
         from kvtier.tiers.redis import RedisTier

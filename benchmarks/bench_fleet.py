@@ -39,7 +39,7 @@ import numpy as np
 
 # kvtier's loopback redis fixture lives in the checkout's tests.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.servers import RedisServer
+from tests.support.servers import RedisServer
 
 from kvtier import KVCache
 from kvtier.cli.peer import synthetic_chunks

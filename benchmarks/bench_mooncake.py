@@ -51,10 +51,10 @@ from kvtier.testing import TierHarness, small_layout
 from kvtier.tiers.base import TransferJob
 from kvtier.tiers.mooncake import MooncakeTier
 
-# The loopback servers are kvtier's test fixtures (tests/servers.py), not part
+# The loopback servers are kvtier's test fixtures (tests/support/servers.py), not part
 # of the installed package: import them from this checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.servers import MooncakeMaster
+from tests.support.servers import MooncakeMaster
 
 MiB = 1 << 20
 PHASES = ("raw_store", "tier_store", "raw_load", "tier_load")

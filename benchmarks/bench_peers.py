@@ -78,7 +78,7 @@ from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.redis import RedisTierOptions
 
 # kvtier's loopback redis test fixture (bench_shared_tiers puts the checkout on sys.path).
-from tests.servers import RedisServer  # isort: skip
+from tests.support.servers import RedisServer  # isort: skip
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(__file__).resolve().parent / "peers"

@@ -40,10 +40,10 @@ from kvtier.testing import TierHarness, small_layout
 from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
 from kvtier.tiers.redis import RedisTier
 
-# The loopback servers are kvtier's test fixtures (tests/servers.py), not part
+# The loopback servers are kvtier's test fixtures (tests/support/servers.py), not part
 # of the installed package: import them from this checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.servers import RedisServer, S3Server
+from tests.support.servers import RedisServer, S3Server
 
 MiB = 1 << 20
 

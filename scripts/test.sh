@@ -44,7 +44,7 @@ lint-imports
 mypy examples/acme-kvtier/src examples/acme-kvtier/tests
 mypy benchmarks/*.py benchmarks/policy_lab
 # The peers' environments, for benchmarks/bench_peers.py's drivers, which the
-# fast suite runs in their quick mode (tests/test_benchmarks.py): here none of
+# fast suite runs in their quick mode (tests/project/test_benchmarks.py): here none of
 # them may be missing.
 deactivate
 ./scripts/peer-envs.sh

@@ -6,8 +6,6 @@ moto's S3 server, a Mooncake master) on loopback, started and stopped here.
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -16,13 +14,8 @@ import pytest
 
 from kvtier.testing import restore_registries
 from kvtier.tiers.fs import io as fs_io
-from tests.servers import (
-    MooncakeMaster,
-    RedisClusterServers,
-    RedisServer,
-    S3Server,
-    mooncake_binary,
-)
+from tests.support.needs import need_mooncake, need_redis_server, need_s3_server
+from tests.support.servers import MooncakeMaster, RedisClusterServers, RedisServer, S3Server
 
 
 @pytest.fixture(params=sorted(fs_io.IMPLEMENTATIONS))
@@ -41,27 +34,6 @@ def registries() -> Iterator[None]:
     """Let a test register plugins (and trip once-per-process warnings) in isolation."""
     with restore_registries():
         yield
-
-
-def need_redis_server() -> None:
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.skip("redis-server/redis-cli not installed (Debian: apt-get install redis-server)")
-    if importlib.util.find_spec("redis") is None:
-        pytest.skip("redis-py not installed: pip install 'kvtier[redis]'")
-
-
-def need_s3_server() -> None:
-    for module, hint in (("moto", "moto[server]"), ("boto3", "kvtier[obj]")):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} not installed: pip install '{hint}'")
-
-
-def need_mooncake() -> None:
-    if importlib.util.find_spec("mooncake") is None or mooncake_binary("mooncake_master") is None:
-        pytest.skip(
-            "Mooncake not installed: pip install 'kvtier[mooncake]' "
-            "(Debian also needs: apt-get install libibverbs1)"
-        )
 
 
 #: Memory the standalone storage process of the shared Mooncake pool lends it.

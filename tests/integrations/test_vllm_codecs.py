@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
 pytest.importorskip("zstandard", reason="the lossless codec needs pip install 'kvtier[codecs]'")
 
 from test_vllm import CHUNK, PROMPTS, _engine, _full_chunks, _spec
-from tests.servers import RedisServer
+from tests.support.servers import RedisServer
 
 from kvtier.codecs import CodecStage
 from kvtier.codecs.exact import LosslessCodec

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
 
 import torch
-from tests.device_check_script import device_check
+from tests.support.device_check_script import device_check
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheTensor,

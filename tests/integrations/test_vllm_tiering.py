@@ -25,7 +25,7 @@ from tests.integrations.vllm_tiering import (  # noqa: E402
     payload,
     tiering_config,
 )
-from tests.servers import MooncakeMaster, RedisServer, S3Server  # noqa: E402
+from tests.support.servers import MooncakeMaster, RedisServer, S3Server  # noqa: E402
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadKey  # noqa: E402
 
 from kvtier.errors import BackendUnavailableError, ConfigError  # noqa: E402

@@ -7,6 +7,8 @@ Test an out-of-tree tier with one line::
     class TestAcmeTier(TierContractTests):
         tier_config = {"type": "AcmeTier", "module_path": "acme_kv.tiers", "bucket": "kv"}
 
+``TierContractTests[AcmeTier]`` also checks that the entry builds an
+``AcmeTier`` and types the suite's harness as one over it. Test
 a cache policy likewise with :class:`PolicyContractTests`, and a chunk codec
 with :class:`CodecContractTests`. Requires pytest.
 Every call the suites make into a tier or policy is bounded by a

@@ -1,13 +1,19 @@
-"""The secondary tier contract, as tests any tier can inherit."""
+"""The secondary tier contract, as tests any tier can inherit.
+
+Both the harness and the suite are generic over the tier type, so a test
+reaches what its tier adds (``TierHarness[RedisTier]``,
+``TierContractTests[RedisTier]``) with the type checked when it is built.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, cast, get_args, get_origin
 
 import numpy as np
 import pytest
+from typing_extensions import TypeVar
 
 from kvtier.codecs.samples import kv_like
 from kvtier.config import load_config
@@ -20,6 +26,10 @@ from kvtier.testing.hang_guard import DEFAULT_CALL_TIMEOUT_S, HangGuard
 from kvtier.tiers.base import JobResult, Lookup, SecondaryTier, TransferJob
 from kvtier.tiers.drive import resolve_lookup, run_job
 from kvtier.tiers.factory import SecondaryTierFactory
+
+#: The type of the tier under test; a plain ``TierHarness`` is one over any
+#: tier, and one over a ``FilesystemTier`` is one over a ``SecondaryTier`` too.
+T = TypeVar("T", bound=SecondaryTier, default=SecondaryTier, covariant=True)
 
 
 def small_layout(
@@ -39,8 +49,11 @@ def small_layout(
     )
 
 
-class TierHarness:
+class TierHarness(Generic[T]):
     """A tier over its own primary buffer, with helpers to move random chunks.
+
+    With ``tier_class`` the built tier must be one (``TypeError`` otherwise),
+    and :attr:`tier` is typed as such.
 
     Every call the helpers make into the tier, its constructor included, runs
     under a :class:`~kvtier.testing.hang_guard.HangGuard`: one that does not
@@ -55,6 +68,7 @@ class TierHarness:
         layout: KVLayout,
         num_slots: int = 32,
         *,
+        tier_class: type[T] | None = None,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ):
         config = load_config(
@@ -71,7 +85,7 @@ class TierHarness:
         self.buffer = SlotBuffer(num_slots, layout.slot_bytes)
         self.spec = TieringSpec(config, layout)
         try:
-            self.tier: SecondaryTier = self.guard(
+            tier = self.guard(
                 "__init__",
                 lambda: SecondaryTierFactory.build_secondary_tier(
                     entry.tier_class,
@@ -85,6 +99,15 @@ class TierHarness:
         except BaseException:
             self.buffer.close()
             raise
+        if tier_class is not None and not isinstance(tier, tier_class):
+            self.guard("shutdown", tier.shutdown)
+            self.buffer.close()
+            raise TypeError(
+                f"tier_config built a {type(tier).__qualname__}, "
+                f"not the {tier_class.__qualname__} the harness was asked for"
+            )
+        # Without tier_class, T is its default: any SecondaryTier.
+        self.tier: T = cast(T, tier)
         self.rng = np.random.default_rng(1234)
 
     def keys(self, n: int) -> list[ChunkKey]:
@@ -147,8 +170,11 @@ def codec_layout() -> KVLayout:
     return small_layout(chunk_tokens=64, dtype="bfloat16")
 
 
-class TierContractTests:
+class TierContractTests(Generic[T]):
     """Inherit and set :attr:`tier_config` (and optionally override fixtures).
+
+    Inherit ``TierContractTests[YourTier]`` for a harness typed (and checked)
+    as one over ``YourTier``; a plain ``TierContractTests`` takes any tier.
 
     The suite also stores chunks of a variable-size codec (``lossless``):
     byte-exact round trips in fewer stored bytes, and a torn chunk or one
@@ -168,9 +194,25 @@ class TierContractTests:
         """The tier entry; override to use fixtures (``tmp_path``, a server URL)."""
         return dict(self.tier_config)
 
-    def make_harness(self) -> TierHarness:
+    @classmethod
+    def tier_class(cls) -> type[T] | None:
+        """The tier type the suite was given (``TierContractTests[RedisTier]``), if any."""
+        for klass in cls.__mro__:
+            for base in getattr(klass, "__orig_bases__", ()):
+                if get_origin(base) is TierContractTests:
+                    tier_class = get_args(base)[0]
+                    if isinstance(tier_class, type):
+                        return tier_class
+        return None
+
+    def make_harness(self) -> TierHarness[T]:
         """A harness over the tier :meth:`make_config` describes."""
-        return TierHarness(self.make_config(), small_layout(), call_timeout_s=self.call_timeout_s)
+        return TierHarness(
+            self.make_config(),
+            small_layout(),
+            tier_class=self.tier_class(),
+            call_timeout_s=self.call_timeout_s,
+        )
 
     def read_stored(self, harness: TierHarness, key: ChunkKey) -> bytes:
         """The bytes the tier's backend holds for ``key``; override for a
@@ -192,12 +234,12 @@ class TierContractTests:
         return stored.length_offset(harness.tier, value)
 
     @pytest.fixture
-    def harness(self) -> Iterator[TierHarness]:
+    def harness(self) -> Iterator[TierHarness[T]]:
         harness = self.make_harness()
         yield harness
         harness.close()
 
-    def test_store_lookup_load_is_byte_exact(self, harness: TierHarness) -> None:
+    def test_store_lookup_load_is_byte_exact(self, harness: TierHarness[T]) -> None:
         keys = harness.keys(4)
         data = harness.fill(range(4))
         stored = harness.store(keys, [0, 1, 2, 3])
@@ -210,10 +252,10 @@ class TierContractTests:
         assert loaded.nbytes == 4 * harness.layout.slot_bytes
         np.testing.assert_array_equal(harness.buffer.array[4:8], data)
 
-    def test_unknown_key_is_a_miss(self, harness: TierHarness) -> None:
+    def test_unknown_key_is_a_miss(self, harness: TierHarness[T]) -> None:
         assert harness.lookup(harness.keys(1)[0]) is Lookup.MISS
 
-    def test_partial_load_reports_the_keys_that_made_it(self, harness: TierHarness) -> None:
+    def test_partial_load_reports_the_keys_that_made_it(self, harness: TierHarness[T]) -> None:
         present, absent = harness.keys(2)
         harness.fill([0])
         assert harness.store([present], [0]).success
@@ -223,7 +265,7 @@ class TierContractTests:
         assert result.succeeded == frozenset([present])
         np.testing.assert_array_equal(harness.buffer.array[1], harness.buffer.array[0])
 
-    def test_storing_a_held_chunk_again_succeeds(self, harness: TierHarness) -> None:
+    def test_storing_a_held_chunk_again_succeeds(self, harness: TierHarness[T]) -> None:
         keys = harness.keys(2)
         harness.fill([0, 1])
         assert harness.store(keys, [0, 1]).success
@@ -231,7 +273,7 @@ class TierContractTests:
         again = harness.store(keys, [0, 1])
         assert again.success and again.succeeded == frozenset(keys)
 
-    def test_a_slot_outside_the_primary_view_fails_its_chunk(self, harness: TierHarness) -> None:
+    def test_a_slot_outside_the_primary_view_fails_its_chunk(self, harness: TierHarness[T]) -> None:
         beyond = len(harness.buffer.array)
         key, other = harness.keys(2)
         stored = harness.store([key], [beyond])
@@ -243,14 +285,14 @@ class TierContractTests:
         loaded = harness.load([other], [beyond])
         assert not loaded.success and loaded.succeeded == frozenset()
 
-    def test_each_result_is_reported_once(self, harness: TierHarness) -> None:
+    def test_each_result_is_reported_once(self, harness: TierHarness[T]) -> None:
         keys = harness.keys(1)
         harness.fill([0])
         harness.store(keys, [0])
         harness.drain()
         assert harness.finished_jobs() == []
 
-    def test_slots_are_not_touched_after_drain(self, harness: TierHarness) -> None:
+    def test_slots_are_not_touched_after_drain(self, harness: TierHarness[T]) -> None:
         keys = harness.keys(8)
         harness.fill(range(8))
         harness.submit_store(TransferJob(tuple(keys), tuple(range(8))))
@@ -264,7 +306,7 @@ class TierContractTests:
         np.testing.assert_array_equal(harness.buffer.array[8:16], expected)
 
     def test_a_tier_that_announces_progress_announces_each_finished_job(
-        self, harness: TierHarness
+        self, harness: TierHarness[T]
     ) -> None:
         announced = threading.Event()
         if not harness.guard(

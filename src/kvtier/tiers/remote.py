@@ -190,6 +190,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     #: is seen at the next probe whatever the stuck ones do; this bounds the
     #: threads a long freeze strands (each ends with its client's timeout).
     max_probe_threads: ClassVar[int] = 8
+    stats: RemoteTierStats
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

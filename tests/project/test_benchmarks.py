@@ -1,0 +1,304 @@
+"""The benchmarks' drivers, run in their quick modes: sane output, not figures.
+
+Nothing here asserts a time or a speed (CI machines are shared and noisy);
+only that each driver runs end to end and reports consistent counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.needs import need_mooncake, need_redis_server, need_s3_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_quick(script: str, *args: str) -> Any:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("KVTIER_SEED_VENV", None)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--json", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_bench_primary_replays_the_same_trace_through_every_system() -> None:
+    out = run_quick("bench_primary.py")
+    rows = {(row["system"], row["policy"]): row for row in out["results"]}
+    policies = {"lru", "arc", "s3fifo", "leaf-lru"}
+    assert set(rows) == {("dict-lru", "lru")} | {("kvtier", p) for p in policies}
+    assert "seed not measured" in out["note"]
+    trace = out["trace"]
+    for row in rows.values():
+        assert row["seconds"] > 0 and row["ops_per_s"] > 0
+        assert 0 < row["hit_chunks"] <= row["lookup_chunks"]
+        assert 0 < row["hit_rate"] < 1
+        # Every request looks up at least one chunk and at most all of them.
+        assert trace["requests"] <= row["lookup_chunks"] <= row["chunk_ops"]
+        assert row["vs_dict_lru"] > 0 and row["vs_seed"] is None
+        low, high = row["vs_dict_lru_range"]
+        assert low <= row["vs_dict_lru"] <= high
+    # Every system saw the same trace: the same chunks in all.
+    assert len({round(row["hit_chunks"] / row["hit_rate"]) for row in rows.values()}) == 1
+    assert rows[("dict-lru", "lru")]["vs_dict_lru"] == pytest.approx(1.0)
+
+
+def test_bench_primary_times_each_policy_alone_on_the_calls_it_got() -> None:
+    out = run_quick("bench_primary.py", "--policy-cost")
+    assert set(out["policy_seconds"]) == {"lru", "arc", "s3fifo", "leaf-lru"}
+    assert all(seconds > 0 for seconds in out["policy_seconds"].values())
+
+
+def test_bench_primary_makes_the_same_operations_with_its_steps_in_python() -> None:
+    compiled = run_quick("bench_primary.py")
+    python = run_quick("bench_primary.py", "--python")
+    assert python["note"].startswith("kvtier's steps: python;")
+    counts = ("system", "policy", "chunk_ops", "hit_chunks", "lookup_chunks")
+    assert [[row[c] for c in counts] for row in python["results"]] == [
+        [row[c] for c in counts] for row in compiled["results"]
+    ]
+
+
+def test_bench_primary_refuses_zero_rounds() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_primary.py"), "--rounds", "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2 and "--rounds must be at least 1" in done.stderr
+
+
+def test_bench_promotion_promotes_every_chunk_of_each_size() -> None:
+    out = run_quick("bench_promotion.py")
+    rows = out["results"]
+    assert [row["chunks"] for row in rows] == [2, 4, 8]
+    for row in rows:
+        # A full CPU tier: one idle chunk gives way for each promoted one.
+        assert row["evictions"] == row["chunks"]
+        assert row["lookup_us_per_chunk"] > 0 and row["promotion_us_per_chunk"] > 0
+    assert rows[0]["lookup_vs_smallest"] == pytest.approx(1.0)
+    assert rows[0]["promotion_vs_smallest"] == pytest.approx(1.0)
+
+
+def test_bench_cold_verifies_the_prefix_and_breaks_its_time_down(tmp_path: Path) -> None:
+    # The checkout's own src as the baseline: the driver runs both alike.
+    out = run_quick("bench_cold.py", "--root", str(tmp_path), "--baseline-src", str(ROOT / "src"))
+    assert [r["chunk"] for r in out["results"]] == [256 << 10, 2 << 20]
+    for result in out["results"]:
+        for name in ("kvtier", "baseline"):
+            row = result[name]
+            assert row["verified_chunks"] == [out["size"] // result["chunk"]]
+            assert row["gbps"]["p50"] > 0 and row["store_gbps"]["p50"] > 0
+            parts = row["breakdown"]
+            assert parts["io_s"] > 0 and parts["jobs"] >= 1 and parts["lookups"] >= 1
+            # The parts the caller's thread spends add up to the cold prefix
+            # (one run: no medians in between, only the report's rounding).
+            caller = parts["lookup_s"] + parts["step_s"] + parts["waits_s"]
+            assert caller == pytest.approx(parts["prefix_s"], abs=1e-3)
+        assert result["kvtier"]["vs_baseline"]["p50"] > 0
+        # fio is the ceiling where it is installed; otherwise the run says why not.
+        assert ("fio" in result) != ("fio" in out["skipped"])
+    assert out["skipped"]["lmcache-disk-odirect"] == "--no-peer"
+
+
+@pytest.mark.parametrize(
+    ("tier", "need"),
+    [("redis", need_redis_server), ("obj", need_s3_server), ("mooncake", need_mooncake)],
+)
+def test_bench_cold_remote_tier_verifies_the_prefix_against_its_raw_client(
+    tier: str, need: Any
+) -> None:
+    need()
+    out = run_quick("bench_cold.py", "--tier", tier)
+    assert out["tier"] == tier and out["skipped"] == {}
+    assert [r["chunk"] for r in out["results"]] == [256 << 10, 2 << 20]
+    for result in out["results"]:
+        assert set(result) == {"chunk", "chunks", "kvtier", "raw"}
+        row = result["kvtier"]
+        assert row["verified_chunks"] == [out["size"] // result["chunk"]]
+        parts = row["breakdown"]
+        # A fresh cache knows nothing of a remote store: every chunk is checked, then
+        # promoted (from the value its check read and held, for obj).
+        assert parts["checked_keys"] == result["chunks"]
+        assert parts["io_s"] > 0 and parts["jobs"] >= 1 and parts["lookups"] >= 1
+        caller = parts["lookup_s"] + parts["step_s"] + parts["waits_s"]
+        assert caller == pytest.approx(parts["prefix_s"], abs=1e-3)
+        assert result["raw"]["gbps"]["p50"] > 0 and row["vs_raw"]["p50"] > 0
+
+
+# The peers' drivers run in the peers' own environments (scripts/peer-envs.sh);
+# where one is missing its systems skip, saying so. CI builds them all and sets
+# KVTIER_REQUIRE_PEER_ENVS, which turns such a skip into a failure.
+PEER_SYSTEMS = (
+    "lmcache-disk",
+    "lmcache-disk-odirect",
+    "lmcache-redis",
+    "aibrix-shfs",
+    "aibrix-rocksdb",
+    "sglang-file",
+)
+
+
+@pytest.fixture(scope="module")
+def bench_peers_quick(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("bench-peers")
+    return run_quick("bench_peers.py", "--root", str(root))
+
+
+def check_every_chunk_verified(out: Any, system: str) -> None:
+    for chunk, rows in out["sizes"].items():
+        row = rows[system]
+        count = out["volume"] // int(chunk)
+        assert row["verified_chunks"] == [count] * out["rounds"]
+        assert row["store_median"] > 0 and row["load_median"] > 0
+        if system != row.get("kvtier_vs", {}).get("baseline", system):
+            assert row["kvtier_vs"]["store"] > 0 and row["kvtier_vs"]["load"] > 0
+
+
+def test_bench_peers_kvtier_and_the_raw_floors_verify_every_chunk(bench_peers_quick: Any) -> None:
+    out = bench_peers_quick
+    assert set(out["sizes"]) == {str(2 << 20), str(256 << 10)}
+    for system in ("raw-odirect", "kvtier-fs", "raw-redis", "kvtier-redis"):
+        check_every_chunk_verified(out, system)
+    for rows in out["sizes"].values():
+        assert rows["raw-odirect"]["kvtier_vs"]["baseline"] == "kvtier-fs"
+        assert rows["raw-redis"]["kvtier_vs"]["baseline"] == "kvtier-redis"
+        # The files were evicted from the page cache before every load.
+        assert rows["kvtier-fs"]["cold"] in ("drop_caches", "fadvise")
+
+
+@pytest.mark.parametrize("system", PEER_SYSTEMS)
+def test_bench_peers_driver_verifies_every_chunk(bench_peers_quick: Any, system: str) -> None:
+    out = bench_peers_quick
+    reason = out["skipped"].get(system)
+    if reason is not None:
+        assert "scripts/peer-envs.sh" in reason
+        if os.environ.get("KVTIER_REQUIRE_PEER_ENVS"):
+            pytest.fail(f"{system}: {reason}")
+        pytest.skip(f"{system}: {reason}")
+    check_every_chunk_verified(out, system)
+    baseline = "kvtier-redis" if system.endswith("redis") else "kvtier-fs"
+    for rows in out["sizes"].values():
+        assert rows[system]["kvtier_vs"]["baseline"] == baseline
+
+
+def test_bench_peers_skips_a_missing_environment_with_its_reason(tmp_path: Path) -> None:
+    out = run_quick(
+        "bench_peers.py",
+        "--root",
+        str(tmp_path / "root"),
+        "--peer-envs",
+        str(tmp_path / "no-envs"),
+        "--systems",
+        "kvtier-fs,aibrix-shfs",
+        "--chunk",
+        "256KiB",
+    )
+    assert set(out["sizes"][str(256 << 10)]) == {"kvtier-fs"}
+    reason = out["skipped"]["aibrix-shfs"]
+    assert str(tmp_path / "no-envs" / ".venv-aibrix") in reason and "peer-envs.sh" in reason
+
+
+def test_bench_peers_check_refuses_a_wrong_or_missing_chunk() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from peers.common import check_chunks, chunk_payloads
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    chunks = chunk_payloads(7, 3, 4096)
+    # The same seed gives the same bytes; another seed others.
+    assert chunks == chunk_payloads(7, 3, 4096) and chunks != chunk_payloads(8, 3, 4096)
+    assert check_chunks("peer", chunks, [bytearray(c) for c in chunks]) == 3
+    flipped = bytearray(chunks[1])
+    flipped[4095] ^= 1
+    with pytest.raises(RuntimeError, match="peer: 1 of 3 chunks loaded wrong or missing"):
+        check_chunks("peer", chunks, [chunks[0], flipped, chunks[2]])
+    with pytest.raises(RuntimeError, match="first: chunk 2"):
+        check_chunks("peer", chunks, [chunks[0], chunks[1], None])
+
+
+def test_bench_fleet_asks_only_holders_and_counts_its_writes() -> None:
+    need_redis_server()
+    out = run_quick("bench_fleet.py")
+    nodes, stored = out["nodes"], out["chunks_stored"]
+    assert out["entries"] == stored  # one entry per chunk held, each by one node
+    # ZADD, ZREMRANGEBYSCORE and PEXPIRE per stored chunk; no removals here.
+    assert out["index_entry_writes_per_chunk"] == 3
+    assert 0 < out["publish_round_trips_per_chunk"] <= 1
+    assert out["store_to_visible_ms"]["samples"] == stored // out["prompt_chunks"]
+    with_index, without = out["lookups_with_index"], out["lookups_without_index"]
+    for row in (with_index, without):
+        assert row["tokens_found"] == row["tokens_asked"] > 0
+    assert with_index["peer_queries_per_batch"] <= 2
+    assert without["peer_queries_per_batch"] == nodes
+    routing = out["routing"]
+    assert routing["answers_naming_the_holder_first"] == routing["calls"]
+    assert out["redis_key_bytes_per_entry"] > 0
+
+
+def test_bench_request_path_finds_the_same_hits_through_kvtier_and_the_minimal_cache() -> None:
+    out = run_quick("bench_request_path.py")
+    rows = {row["system"]: row for row in out["results"]}
+    assert set(rows) == {"minimal", "kvtier", "kvtier-keyed"}
+    # The driver refuses to report systems that found different hits; some were found.
+    assert 0 < out["hit_chunks"] < out["chunks"]
+    for row in rows.values():
+        assert row["requests_per_s"] > 0 and row["vs_minimal"] > 0
+        low, high = row["vs_minimal_range"]
+        assert low <= row["vs_minimal"] <= high
+    assert rows["minimal"]["vs_minimal"] == pytest.approx(1.0)
+
+
+def test_bench_codecs_reports_every_codec_and_tier_on_demo_kv() -> None:
+    out = run_quick("bench_codecs.py", "--server", "obj")
+    rows = {row["codec"]: row for row in out["codecs"]}
+    assert {"lossless", "fp8", "int8", "int4"} <= set(rows)
+    assert rows["lossless"]["exact"] and not rows["int4"]["exact"]
+    assert rows["int4"]["ratio"] > rows["fp8"]["ratio"] > 1
+    for row in out["codecs"]:
+        assert row["encode_gbps"] > 0 and row["decode_gbps"] > 0
+    tiers = {(row["tier"], row["codec"]): row for row in out["tiers"]}
+    codecs = ("none", "lossless", "fp8", "int8", "int4")
+    kinds = ("memory", "memory-bounded", "fs", "obj")
+    assert {(tier, codec) for tier in kinds for codec in codecs} == set(tiers)
+    assert all(row["store_gbps"] > 0 and row["load_gbps"] > 0 for row in out["tiers"])
+    for tier in ("fs", "obj"):  # varying sizes stored smaller than the raw chunks
+        lossless, raw = tiers[(tier, "lossless")], tiers[(tier, "none")]
+        assert lossless["stored_bytes_per_chunk"] < raw["stored_bytes_per_chunk"]
+        assert raw["load_vs_none"] == 1
+        assert lossless["load_vs_none"] == pytest.approx(
+            lossless["load_gbps"] / raw["load_gbps"], abs=1e-3
+        )
+
+
+def test_bench_codec_quality_trains_once_and_rates_every_codec_against_exact(
+    tmp_path: Path,
+) -> None:
+    first = run_quick("bench_codec_quality.py", "--cache-dir", str(tmp_path))
+    rows = {row["codec"]: row for row in first["results"]}
+    assert {"none", "lossless", "fp8", "int8", "int4"} <= set(rows)
+    for exact in ("none", "lossless"):  # the same KV: the same outputs
+        assert rows[exact]["kl_nats"] == 0 and rows[exact]["greedy_agreement"] == 1
+        assert rows[exact]["perplexity"] == rows["none"]["perplexity"]
+        assert rows[exact]["byte_exact"]
+    assert not rows["int4"]["byte_exact"] and rows["int4"]["ratio"] > rows["int8"]["ratio"] > 1
+    assert all(row["kl_nats"] >= 0 for row in rows.values())
+    assert len(list(tmp_path.glob("model-*.pt"))) == 1
+    again = run_quick("bench_codec_quality.py", "--cache-dir", str(tmp_path))
+    assert again["model"] == first["model"]  # the cached model, not a second training
