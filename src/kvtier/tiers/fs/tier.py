@@ -314,16 +314,15 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         return found
 
     def _drop_broken(self, broken: Sequence[str]) -> None:
-        if not broken:
-            return
-        for path in broken:
-            remove_entry(path)
-        logger.warning(
-            "tier %s: removed %d damaged chunk files or entries at chunk paths",
-            self.tier_type,
-            len(broken),
-        )
-        self.count(corrupt_chunks=len(broken))
+        # A lookup may find the same entry first: whoever removes it counts it.
+        found = sum(_removed_or_kept(path) for path in broken)
+        if found:
+            logger.warning(
+                "tier %s: removed %d damaged chunk files or entries at chunk paths",
+                self.tier_type,
+                found,
+            )
+            self.count(corrupt_chunks=found)
 
     def _forget_evicted(self, victims: Iterable[bytes]) -> None:
         """Chunks this process evicted through the shared index (which deleted
@@ -379,8 +378,9 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
                 path,
                 info.st_size,
             )
-            self.count(corrupt_chunks=1)
-            self._discard(key)
+            self._forget(key)
+            if _removed_or_kept(path):  # else the re-index got there first, and counted it
+                self.count(corrupt_chunks=1)
             return False
         self._keys.add(key)
         return True
@@ -503,8 +503,11 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
                 logger.warning("tier %s: use stamps not written: %s", self.tier_type, exc)
 
     def _discard(self, key: ChunkKey) -> None:
-        self._keys.discard(key)
+        self._forget(key)
         remove_entry(self.dir.chunk_path(key))
+
+    def _forget(self, key: ChunkKey) -> None:
+        self._keys.discard(key)
         if self._bound is not None:
             self._bound.forget(key)
 
@@ -627,3 +630,10 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
             "vanished_chunks": self.vanished_chunks,
             "scan_skipped": self.scan_skipped,
         }
+
+
+def _removed_or_kept(path: str) -> bool:
+    """Remove a damaged entry; false only if it was gone already (removed,
+    and counted, by another thread). One that must stay (a directory that is
+    not empty) counts as found."""
+    return remove_entry(path) or os.path.lexists(path)
