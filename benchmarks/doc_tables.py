@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from traces import ROOT, mooncake_trace
 
-from kvtier.cli.routing_report import run_routing
 from kvtier.cli.simulate import run
 from kvtier.sim.synthetic import ChatShape, chat_trace
 from kvtier.sim.trace import Request, distinct_blocks, parse_records, read_trace
@@ -179,6 +178,8 @@ def reuse_chances(requests: list[Request], ages: tuple[int, ...], window: int) -
 def fleet_routing() -> str:
     """Each router's hit ratio and load across replicas of 1 % of the distinct
     chunks each (``kvtier simulate -c 1% -r N``), as docs/fleet.md shows them."""
+    from kvtier.cli.routing_report import run_routing
+
     cases: list[tuple[str, list[Request], tuple[int, ...]]] = [
         ("Mooncake", mooncake(), (4, 8, 32)),
         ("chat, seed 1", chat(1), (4, 8, 32)),
