@@ -175,6 +175,42 @@ def reuse_chances(requests: list[Request], ages: tuple[int, ...], window: int) -
     return chances
 
 
+def fleet_routing() -> str:
+    """Each router's hit ratio and load across replicas of 1 % of the distinct
+    chunks each (``kvtier simulate -c 1% -r N``), as docs/fleet.md shows them."""
+    from kvtier.cli.routing_report import run_routing
+
+    cases: list[tuple[str, list[Request], tuple[int, ...]]] = [
+        ("Mooncake", mooncake(), (4, 8, 32)),
+        ("chat, seed 1", chat(1), (4, 8, 32)),
+        ("chat, seed 2", chat(2), (4, 32)),
+    ]
+    rows = []
+    for name, requests, counts in cases:
+        slots = slots_of(requests, (1,))[0]
+        results = run_routing(requests, "lru", slots, counts, progress=False)["results"]
+        if name == "Mooncake":  # a looser load cap closes hashing's lead at 32
+            loose = run_routing(
+                requests, "lru", slots, (32,), ("kvtier",), slack=1.0, progress=False
+            )
+            results += [{**row, "router": "kvtier, `--slack 1`"} for row in loose["results"]]
+        shown: set[int] = set()
+        for index, row in enumerate(results):
+            rows.append(
+                [
+                    "" if index else name,
+                    "" if row["replicas"] in shown else str(row["replicas"]),
+                    row["router"],
+                    f"{row['hit_ratio']:.3f}",
+                    f"{row['request_peak']:.2f}",
+                    f"{row['prefill_peak']:.2f}",
+                ]
+            )
+            shown.add(row["replicas"])
+    header = ["trace", "replicas", "router", "hit ratio", "busiest/mean requests"]
+    return markdown([*header, "busiest/mean prefill"], rows)
+
+
 #: Chat shapes leaf-lru was never tuned on.
 CHAT_VARIANTS = {
     "chat": DEFAULT_CHAT,
@@ -250,6 +286,7 @@ TABLES: dict[str, Table] = {
     "simulate-chat": Table(simulate_chat, True),
     "simulate-secondary": Table(simulate_secondary, True),
     "reuse-by-age": Table(reuse_by_age, True),
+    "fleet-routing": Table(fleet_routing, True),
     "leaf-against-lru": Table(leaf_against_lru, False),
     "policy-lab-1": Table(policy_lab(1), False),
     f"policy-lab-{ENGINE_STEP}": Table(policy_lab(ENGINE_STEP), False),

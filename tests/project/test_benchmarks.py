@@ -252,6 +252,17 @@ def test_bench_fleet_asks_only_holders_and_counts_its_writes() -> None:
     assert out["redis_key_bytes_per_entry"] > 0
 
 
+def test_bench_index_memory_publishes_every_holder_of_every_key() -> None:
+    need_redis_server()
+    out = run_quick("bench_index_memory.py")
+    rows = {row["holders"]: row for row in out["rows"]}
+    assert sorted(rows) == [1, 2, 4, 8]
+    for holders, row in rows.items():
+        assert row["chunk_keys"] == out["chunks"]
+        assert row["entries"] == holders * out["chunks"]
+    assert 0 < rows[1]["bytes_per_key"] < rows[8]["bytes_per_key"]
+
+
 def test_bench_request_path_finds_the_same_hits_through_kvtier_and_the_minimal_cache() -> None:
     out = run_quick("bench_request_path.py")
     rows = {row["system"]: row for row in out["results"]}

@@ -23,10 +23,15 @@ PLACED = doc_tables.placed_tables()
 
 def test_every_marked_table_names_a_known_command() -> None:
     assert {placed.name for placed in PLACED} <= set(doc_tables.TABLES)
-    # The policy pages carry both step sizes and the lab's tables.
-    assert {"simulate-mooncake", "simulate-chat", "policy-lab-1", "policy-lab-16"} <= {
-        placed.name for placed in PLACED
-    }
+    # The policy pages carry both step sizes and the lab's tables; the fleet
+    # page its routing table.
+    assert {
+        "simulate-mooncake",
+        "simulate-chat",
+        "policy-lab-1",
+        "policy-lab-16",
+        "fleet-routing",
+    } <= {placed.name for placed in PLACED}
     for placed in PLACED:
         assert doc_tables.current(placed).startswith("| "), f"{placed.name}: no table follows"
 
