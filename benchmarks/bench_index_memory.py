@@ -22,7 +22,7 @@ from typing import Any
 
 # kvtier's loopback redis fixture lives in the checkout's tests.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.servers import RedisServer
+from tests.support.servers import RedisServer
 
 from kvtier.fleet.base import PRIMARY_MEDIUM, NodeLease
 from kvtier.fleet.publisher import INCARNATION_CHARS
