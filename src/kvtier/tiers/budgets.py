@@ -1,16 +1,7 @@
-"""``RequestBudgets``: one deadline per request, shared by its checks and loads.
+"""``RequestBudgets``: one deadline per request, shared by its existence checks
+and the load that follows, counting only the backend's time.
 
-A request waits on a remote tier twice: for the existence checks of its
-chunks (lookups answer PENDING), then for the load of those it found. Each
-is bounded by ``deadline_s`` on its own, so a backend that answers the
-checks slowly and then stalls would cost a request nearly twice that. Here
-each request's wait is timed from its first PENDING lookup to the answer of
-the check that found its chunks, and its load gets what is left.
-
-Only the backend's time counts: a check answered while the engine was busy
-elsewhere costs the request nothing more, and a request that comes back
-after a pause longer than ``deadline_s`` (preempted, rescheduled) starts
-afresh.
+See docs/shared-tiers.md, 'When the backend fails'.
 """
 
 from __future__ import annotations

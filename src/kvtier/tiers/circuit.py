@@ -1,15 +1,7 @@
-"""A circuit breaker: stop asking a backend that is known to be down.
+"""A circuit breaker: stop asking a backend that is known to be down, and let
+one probe through after a backoff. Clock and randomness are injected.
 
-Remote tiers share one :class:`CircuitBreaker`. It is *closed* while the
-backend answers; it *opens* after ``failures`` consecutive failed calls or at
-once when a call misses its deadline. While open, callers skip the backend
-entirely (a lookup is a miss, a store is dropped), so an outage costs a
-request nothing. After a backoff (doubled after each failed probe, capped,
-with jitter so that many engines do not probe in step) the breaker lets one
-probe through (*half-open*); its success closes the breaker, its failure
-opens it again.
-
-Clock and randomness are injected, so tests drive it step by step.
+See docs/shared-tiers.md, 'When the backend fails'.
 """
 
 from __future__ import annotations

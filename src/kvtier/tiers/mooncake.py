@@ -1,28 +1,8 @@
-"""``mooncake``: chunks in a Mooncake Store, the distributed DRAM pool of a cluster.
+"""``mooncake``: chunks in a Mooncake Store, the distributed DRAM pool of a
+cluster; this process is one of its clients. Values move through one
+registered buffer per worker, so no Mooncake call ever touches a primary slot.
 
-A Mooncake Store is one master (``mooncake_master``: metadata, placement,
-eviction) and clients that each lend the pool a segment of their memory
-(``global_segment_size``); a value is written into some client's segment and
-read from it over TCP or RDMA by the Mooncake transfer engine. Every kvtier
-process running this tier is such a client; so can be standalone storage
-processes (``mooncake_client``), which keep chunks when engines restart.
-
-Values move with one copy each way, outside the interpreter lock: each
-worker frames chunks into a buffer registered with the transfer engine
-(checksummed there, in cache), which sends them with ``batch_put_from`` and
-reads them back into it with ``batch_get_into``; a read value is verified
-there before its payload is copied into the primary slot, so a corrupt,
-torn or foreign value never reaches it (it is a miss, removed and counted).
-Existence checks are one ``batch_is_exist`` per batch. No call reads or
-writes a primary slot itself: a job answered at its deadline gives its slots
-back while the call may still be running.
-
-Outages are :class:`~kvtier.tiers.remote.RemoteTier`'s: a stopped master makes
-calls fail at once, a frozen one makes them block in the client library until
-its own RPC timeout; either way a request waits at most ``deadline_s``, then
-the circuit breaker turns lookups into misses until a probe finds the master
-back. A restarted master is empty: the chunks are gone, but clients mount
-their segments again by themselves and the tier serves anew.
+See docs/mooncake.md, 'How it behaves'.
 """
 
 from __future__ import annotations

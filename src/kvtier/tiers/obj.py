@@ -1,39 +1,7 @@
-"""``obj``: chunks shared and kept durably in an S3-compatible object store.
+"""``obj``: chunks shared and kept durably in an S3-compatible object store
+(AWS S3, MinIO, Ceph RGW), one object per chunk, through boto3.
 
-Works with AWS S3, MinIO, Ceph RGW and any endpoint that speaks the S3 API.
-One object per chunk, named ``prefix + namespace hex + "/" + key hex``.
-
-Why boto3: it is AWS's own client, released every few days and kept in step
-with the S3 API; it resolves credentials through the standard chain
-(environment, shared config and profiles, SSO, web identity, container and
-instance metadata) that operators already configure; and its clients are
-thread-safe over a urllib3 connection pool, so requests run truly in parallel
-on the tier's workers, the GIL being released while bytes move. Chunks are
-hundreds of KiB to MiB, so time goes to moving bytes and boto3's per-request
-overhead stays small (the benchmark measures it against raw boto3 calls).
-The Rust-based obstore is faster per request but younger, with a 0.x API
-that still changes; aiobotocore would need an event loop for no gain here.
-Checksums of the S3 client are left at "when required": every value carries
-kvtier's own checksum, verified before it reaches a slot.
-
-Concurrency is ``io_threads``: each worker runs one request at a time over a
-pool of as many connections, and a job's chunks are split evenly over the
-workers (one task per worker, not one per chunk), each stopping as soon as the
-backend is known down. Existence checks are GETs spread over the workers in
-small batches: unlike a HEAD, whose 404 has no body, a GET tells a missing
-object (``NoSuchKey``: absent) from a missing bucket (``NoSuchBucket``: the
-backend is down). A check reads the whole object and holds it for the
-promotion that follows (up to ``prefetch_bytes``), so a cold chunk costs one
-request, not a check and then a read; past that bound a check is a one-byte
-ranged GET. Listing by prefix is never used, as its cost grows with the
-bucket, not with the batch. At start the tier checks
-the bucket with one HEAD, bounded by ``startup_timeout_s``, and fails with a
-clear message if the endpoint cannot be reached, does not answer, the bucket
-is missing or access is denied. Afterwards what a request waits is bounded by
-``deadline_s`` and the circuit breaker (see :mod:`kvtier.tiers.remote`);
-``connect_timeout_s``, ``read_timeout_s`` and ``retries`` only decide how
-long a worker stays in one request. The connection pool reconnects by itself
-when the endpoint comes back.
+See docs/shared-tiers.md for its behaviour, outages and why boto3.
 """
 
 from __future__ import annotations

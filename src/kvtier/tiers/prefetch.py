@@ -1,17 +1,6 @@
-"""Values an existence check read whole, held for the promotion that follows.
-
-A lookup that finds a chunk in a remote tier is followed by its load: asking
-"is it there?" and then "send it" costs two round trips where one does. A
-backend whose existence check is itself a request per value (an object
-store) may read the whole value in the check instead and keep it here; the
-load then takes it from memory, verified as any value the backend sends.
-A missing value answers as fast as a missing check, so misses cost nothing
-more.
-
-Held bytes are bounded: a check that would go past the bound only asks for
-existence, as before. A value nobody takes (its lookup ended, the primary
-tier had no room) is dropped once older than :data:`UNCLAIMED_S` when room
-is needed. Thread-safe.
+"""Values an existence check read whole, held for the promotion that follows,
+so a cold chunk costs one request, not two. Held bytes are bounded; values
+nobody claims are dropped once older than :data:`UNCLAIMED_S`. Thread-safe.
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
-"""``redis``: chunks shared by many engines through Redis or Valkey, single server or cluster.
+"""``redis``: chunks shared by many engines through Redis or Valkey, single
+server or cluster, every batch one pipeline.
 
-Every batch is one pipeline (``transaction=False``): a store is one round
-trip of ``EXISTS`` then one of ``SET``\\s, a load one round trip of ``GET``\\s,
-an existence check one of ``EXISTS``. In cluster mode redis-py's cluster
-pipeline routes each single-key command to the node owning its hash slot and
-sends every node its share at once, so batches stay one round trip per node;
-no multi-key command (``MGET``, multi-key ``EXISTS``) is ever sent, since those
-fail across slots. Keys carry no hash tag, so chunks spread over the cluster;
-a ``{...}`` in ``key_prefix`` would pin them all to one slot.
-
-On a single server, values skip redis-py's copies: commands are packed with
-its Python packer (a value goes to the socket as it is) and ``GET`` replies
-are received straight into the worker's buffers (:mod:`.redis_reads`).
-
-What a request waits is bounded by ``deadline_s`` (see
-:mod:`kvtier.tiers.remote`): a stopped or frozen server costs a request at
-most that, then nothing while the circuit breaker is open. Below it, each
-call is bounded by ``connect_timeout_s`` and ``socket_timeout_s`` per attempt
-and ``retries`` further attempts; these only decide how long a worker stays
-stuck, not how long a request waits. The pool reconnects on the next batch,
-so a server that comes back is used again without anyone stepping in.
-Memory bounds and eviction are the server's (``maxmemory``,
-``maxmemory-policy allkeys-lru``); ``ttl_s`` adds expiry, refreshed whenever
-a chunk is read or stored again. A write the server refuses while serving
-(``OOM`` when full under ``noeviction``, ``READONLY``, ``NOPERM``) fails its
-chunk and is counted, but is no outage: the chunks it holds are still
-served. A value that is not a string (a list, a hash) at a chunk's name is a
-corrupt chunk: counted and deleted.
+See docs/shared-tiers.md for batching, outages and eviction.
 """
 
 from __future__ import annotations

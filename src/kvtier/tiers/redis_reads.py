@@ -1,17 +1,7 @@
-"""Pipelined ``GET``\\s read straight into buffers, for the ``redis`` tier's loads.
-
-redis-py hands a reply over as a fresh ``bytes``: with ``hiredis`` its bytes
-are copied from the socket into a read buffer, into the parser's own buffer,
-then into the ``bytes`` object, two of those copies with the interpreter
-lock held. Loads of large chunks are bound by that client CPU (the server
-only writes), so here a batch of ``GET``\\s goes out as one pipeline on a
-pooled connection, and each value is received with ``recv_into`` straight
-into a buffer the worker keeps (the socket's copy, without the lock); the
-tier then verifies it there and copies it into its slot.
-
-Only the replies of this module's own commands are read, and a connection
-is returned to the pool only once they all were: on any error it is closed,
-so the pool never hands out a socket holding half a reply.
+"""Pipelined ``GET``\\s read straight into buffers, for the ``redis`` tier's
+loads: each value is received with ``recv_into`` into a worker's buffer, not
+copied into a fresh ``bytes``. A connection goes back to the pool only once
+every reply was read; on any error it is closed.
 """
 
 from __future__ import annotations

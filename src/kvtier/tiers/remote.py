@@ -1,35 +1,9 @@
-"""A base for tiers over a shared remote key-value store (Redis, S3...).
+"""A base for tiers over a shared remote key-value store (Redis, S3...): it
+names, frames and verifies values, bounds every job by a deadline behind a
+circuit breaker, and holds values read by existence checks, so that a backend
+only writes batched client calls.
 
-It does what every such tier must do the same way, so the backends only
-write batched client calls:
-
-* names: ``prefix + namespace hex + separator + key hex``. Chunk keys are
-  hashes, so no client-supplied path ever reaches the store, and engines with
-  different layouts can share a store without ever reading each other's bytes;
-* integrity: every value is framed with :mod:`kvtier.integrity`'s header and
-  verified *before* a byte of it reaches a primary slot; a corrupt, torn or
-  foreign value is a miss, is deleted and is counted. Each worker frames into
-  buffers it keeps (a batch's worth), so stores allocate nothing; a backend
-  that can send a value in two parts (:attr:`RemoteTier.sends_framed`) gets
-  the header and the slot itself, and no copy is made at all;
-* optional write deduplication (``skip_existing``): one batched existence
-  check before a store, so chunks another engine already wrote are not sent again;
-* outages, bounded: every job and existence check has one deadline
-  (``deadline_s``). A job still running then is answered with what it has
-  (its other chunks failed) and its slots are never written again, however
-  long a worker stays stuck in a socket (a value still being sent from a
-  slot given to another chunk meanwhile no longer matches its checksum, so
-  it is never served); a missed deadline with no answer
-  from the backend meanwhile opens the
-  :class:`~kvtier.tiers.circuit.CircuitBreaker`, as do ``breaker_failures``
-  failed calls in a row. While it is open, lookups answer MISS, stores are
-  dropped and loads fail at once, without a call to the backend; a probe
-  (``_ping``) after a backoff closes it again when the backend answers;
-* start-up, bounded: connecting and the first ping must answer within
-  ``startup_timeout_s``, whatever the client's own timeouts and retries;
-* one round trip per cold chunk where the backend allows
-  (:meth:`RemoteTier._hold_checked_values`): existence checks read whole
-  values and keep them for the promotion (:mod:`kvtier.tiers.prefetch`).
+See docs/shared-tiers.md, 'How they behave' and 'When the backend fails'.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Bases for tiers whose backend calls block: they run them on worker threads.
+:class:`ThreadedTier` turns plain blocking hooks into the whole non-blocking
+tier contract; :class:`ThreadedBatchTier` takes one hook per batch instead.
 
-:class:`ThreadedTier` is the one tier authors subclass: they write plain
-blocking code (``_contains``, ``_store_chunk``, ``_load_chunk``...) and get the
-whole non-blocking contract for free: batched existence checks that answer
-PENDING until they resolve, store and load jobs split into backend batches,
-loads served before stores, per-job results with partial success, corrupt
-chunks discarded and counted, clean drain; and chunks through the tier's
-codec (:class:`~kvtier.codecs.CodecStage`): encoded on the worker that
-stores them, decoded on the worker that loads them, before a slot is written.
-
-:class:`ThreadedBatchTier` is that machinery with one hook for moving a batch
-of a job (``_transfer``), for tiers that move whole batches their own way
-(:class:`~kvtier.tiers.remote.RemoteTier`: framing, deadlines).
+See docs/out-of-tree-tier.md, 'Start from ThreadedTier'.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Chunk files: the payload, then one trailer block, moved with no extra copy.
+"""Chunk files: the payload, then one trailer block holding the integrity
+header, moved with no extra copy (one ``writev`` / ``preadv`` each, by DMA
+with ``O_DIRECT``) and checksummed in the same call.
 
-A chunk file is the slot's bytes followed by ``TRAILER_BLOCK`` bytes holding
-the shared integrity header (:mod:`kvtier.integrity`) padded with zeros. With
-``O_DIRECT`` the kernel moves the payload by DMA straight between the device
-and the page-aligned primary slot: a store is one ``writev`` of
-``[slot, trailer block]``, a load one ``preadv`` into ``[slot, trailer block]``.
-
-The integrity block goes last so the payload starts at file offset 0, aligned
-on the disk as the slot is in memory: measured against the same block in
-front, stores are about 1.2x and loads 1.1x faster on a virtio disk.
-
-The store and load calls also take the payload's checksum (the store after
-finding no complete file there already, the load after reading the whole
-file), so that the compiled implementation hashes in the same GIL release
-as its system calls (see ``_chunkio.c``).
+See docs/fs.md, 'On disk'.
 """
 
 from __future__ import annotations
@@ -344,18 +333,15 @@ def read_chunk(
     """Read a chunk file into ``out`` and verify it.
 
     The payload is read straight into ``out`` (a primary slot the running
-    load owns) and verified there; a file that fails raises
-    :class:`CorruptChunkError`, so the load reports the key failed and the
-    slot's bytes are never used. So does anything at ``path`` that is not a
-    regular file (symlink, FIFO, directory, device), which is never read.
-    A missing file raises ``FileNotFoundError``.
+    load owns) and verified there. A file that fails, or anything at
+    ``path`` that is not a regular file (never read), raises
+    :class:`CorruptChunkError`; a missing file ``FileNotFoundError``.
 
     ``variable``: the payload is a variable-size codec's, at most ``out``
-    long. Its length is the file's size less the trailer, and must be the
-    length the trailer's header records over a payload whose checksum
-    matches, so a torn file or a damaged length is never read as a chunk.
-    It goes to the start of ``out``, the rest of which is zeroed: a codec
-    decoding ``out`` finds only this chunk's verified bytes there.
+    long: the file's size less the trailer, which must be the length the
+    header records over a payload whose checksum matches. It goes to the
+    start of ``out``, and the rest of ``out`` is zeroed so that a decoder
+    finds only this chunk's verified bytes there.
     """
     if variable:
         whole = out

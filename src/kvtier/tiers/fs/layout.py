@@ -1,22 +1,7 @@
-"""Where the ``fs`` tier keeps things under ``root_dir``.
+"""Where the ``fs`` tier keeps things under ``root_dir``: one directory per
+namespace, chunk files in 256 buckets by the key's first byte.
 
-::
-
-    root_dir/
-      <namespace hex>/              one directory per KV layout (namespace digest)
-        NAMESPACE.json              what the digest covers, in plain JSON
-        ab/<key hex>.kvc            chunk files, in 256 buckets by the key's first byte
-        ab/.<key hex>.<host>.<pid>.<nonce>.tmp   writes in progress
-        .<what>.<host>.<pid>.<nonce>.tmp         start-up files being written or probed
-                                                 (NAMESPACE.json, direct-I/O probe)
-
-Keys are hashes and only ever become hex, so no client can name a path.
-
-The 256 buckets are made when the namespace directory is, not by the first
-store into each: creating directories on the store path (ext4 allocating a
-directory inode per bucket) cut store throughput to half on a fresh root.
-One level of 256 still keeps directories small: 4,000 files each at a
-million chunks (2 TB of 2 MiB chunks).
+See docs/fs.md, 'On disk'.
 """
 
 from __future__ import annotations

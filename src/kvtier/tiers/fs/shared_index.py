@@ -1,52 +1,9 @@
 """The ``max_bytes`` bound of one namespace directory, shared by every process
-that uses it: an SQLite database (WAL mode) next to the chunk files.
+of one host that uses it: an SQLite index (WAL mode) of the chunk files and
+writes in flight, changed only under an ``flock``, so that the files on disk
+never exceed what it counts and it never counts more than ``max_bytes``.
 
-::
-
-    <namespace hex>/index.sqlite   one row per chunk file or write in flight
-                                   (key, size, last use, temp path while in
-                                   flight), the total, and a log of evicted keys
-    <namespace hex>/index.lock     flock(2) taken around every change
-
-A store enters its row *before* it creates its temp file, in a transaction
-that first evicts least recently used chunks (any process's, also those of
-processes that exited) until every row fits in ``max_bytes``; an evicted
-chunk file is unlinked *before* that transaction commits. Rows of writes in
-flight are never evicted (their writer would create or rename a file nobody
-counts): when they alone fill the bound, a store fails cleanly. Once the
-file is renamed into place the writer marks its row done. So the chunk and
-temp files on disk never exceed what the rows count, and the rows never
-count more than ``max_bytes``. A process killed mid-transaction leaves rows
-whose files are gone: the index over-counts until they are evicted or found
-missing, never under-counts. A writer killed mid-write leaves a row that
-becomes evictable once it is known to be dead (its temp file goes with it).
-
-The mark "done" needs no transaction of its own: until it is written, the
-row reads as a write in flight whose temp file is gone and whose chunk file
-is in place, which every check already takes as a finished write (it is
-what a writer killed between its rename and its mark leaves). So marks wait
-in memory and go in with the next change, like use stamps.
-
-Cost is kept off the load path: a load records its use in memory, and uses
-are written in batches (with the next change, or at most once a second by a
-loading thread). A store costs one short change, its reservation, and
-threads storing at once share transactions (group commit). Processes wait
-for the flock, tried again after pauses of 20 us growing to 1 ms (a blocking
-flock could not be given up), instead of SQLite's busy handler, which
-sleeps in steps of milliseconds; a mutex queues this process's threads.
-
-The index is only bookkeeping of what is on disk, so whatever happens to
-its files the bound is restored from the chunk files themselves: a process
-that finds, under the lock, the lock file or the index replaced or gone
-(deleted, namespace directory removed, damaged and rebuilt by another
-process) opens the current ones, and an index that was never filled from a
-scan of the directory is filled before its first use. Anything but a
-regular file at their paths is removed or moved aside. The lock is taken
-with a timeout (``lock_timeout_s``): a process stopped or hung while holding
-it makes stores fail (:class:`IndexBusyError`), never hang.
-
-SQLite's WAL needs memory shared between the processes: all of them must run
-on one host (see ``docs/fs.md``).
+See docs/fs.md, 'Shared roots'.
 """
 
 from __future__ import annotations
@@ -225,7 +182,7 @@ class Totals:
 
 class SharedIndex:
     """Chunks and writes in flight of one namespace directory, bounded by
-    ``max_bytes`` across processes. Thread-safe; see the module docstring.
+    ``max_bytes`` across processes. Thread-safe; see docs/fs.md, 'Shared roots'.
 
     ``chunk_path`` maps a key to its file; ``abandoned_s`` is how old another
     host's reservation must be to count as abandoned; ``scan`` lists the
@@ -432,7 +389,7 @@ class SharedIndex:
     def written(self, key: bytes, temp_path: str) -> None:
         """The write to ``temp_path`` renamed its file into place: its row is
         a chunk's now, no longer a write in flight. Recorded in memory and
-        written with the next change (see the module docstring)."""
+        written with the next change (see docs/fs.md, 'Shared roots')."""
         with self._pending_lock:
             self._done[key] = temp_path
 

@@ -1,19 +1,8 @@
-"""``fs``: chunks as files on a local disk or a shared mount.
+"""``fs``: chunks as files on a local disk or a shared mount, one file per
+chunk written atomically and verified on every load; with ``max_bytes`` an
+index shared by every process of the host holds the bound.
 
-Every chunk is one file written atomically (temp file, full write, length
-check, rename) with the integrity header in a trailer, checked on every load.
-``O_DIRECT`` is used where the filesystem takes it, so 2 MiB chunks move by
-DMA between disk and the primary slot with no copy in Python or the page
-cache. An in-memory set of keys answers lookups; it is rebuilt from disk in
-the background after a restart. With ``max_bytes``, an index shared by every
-process using the directory (:mod:`~kvtier.tiers.fs.shared_index`) holds the
-bound and orders eviction across them.
-
-Durability: without ``fsync`` a chunk survives the death of the process
-(SIGKILL included: the page cache outlives it) but may be lost in a power
-failure or kernel crash. It is never *wrong* after one: a torn file fails
-its checksum, is deleted and counted. ``fsync: true`` makes every stored
-chunk survive power loss at a large cost in store throughput.
+See docs/fs.md, 'Guarantees' and 'Shared roots'.
 """
 
 from __future__ import annotations
@@ -96,7 +85,7 @@ class FilesystemTierOptions(ThreadedTierOptions):
 
 
 class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
-    """Chunk files under ``root_dir/<namespace hex>/``; see the module docstring."""
+    """Chunk files under ``root_dir/<namespace hex>/``; see docs/fs.md."""
 
     Options: ClassVar[type[TierOptions]] = FilesystemTierOptions
     #: Most chunks one I/O task moves (see :meth:`_split`).

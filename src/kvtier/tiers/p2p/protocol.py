@@ -1,54 +1,7 @@
-"""kvtier's peer protocol, version 1: framing, messages, authentication.
+"""kvtier's peer protocol, version 1: framing, messages, the authenticating
+handshake, and reads bounded by a deadline.
 
-Every message is a frame: a fixed 12-byte header, then a body.
-
-=======  =====  ==========================================================
-offset   size   field
-=======  =====  ==========================================================
-0        2      magic ``b"KP"``
-2        1      protocol version (``1``)
-3        1      message type (below)
-4        8      body length, unsigned little-endian
-=======  =====  ==========================================================
-
-Bodies are fixed structs of raw bytes; nothing that crosses the network is
-ever unpickled or evaluated. Each message type has an exact or bounded body
-length, checked on the header *before* a body byte is read, so a peer can
-never make the other side allocate or wait for more than it expects.
-
-=============  =========  ==========================  ===========================
-type           direction  body                        length
-=============  =========  ==========================  ===========================
-1 HELLO        s → c      nonce, namespace, slot size 32 + 32 + 8
-2 AUTH         c → s      client nonce, HMAC          32 + 32
-3 WELCOME      s → c      HMAC                        32
-4 QUERY        c → s      keys                        32·n, 1 ≤ n, ≤ max_message
-5 HOLDS        s → c      one byte (0/1) per key      n (the query's n)
-6 FETCH        c → s      key                         32
-7 CHUNK        s → c      integrity header, payload   HEADER_BYTES + slot size
-8 MISSING      s → c      (empty)                     0
-=============  =========  ==========================  ===========================
-
-A connection opens with a mutual challenge-response: the server sends HELLO
-with a fresh random nonce; the client answers with its own nonce and
-``HMAC-SHA256(secret, "kvtier-p2p/1 client" | HELLO body | client nonce)``;
-the server checks it in constant time and answers WELCOME with the same MAC
-under the ``server`` label, which the client checks. Both nonces are fresh
-per connection, so a recorded handshake cannot be replayed. Anything else —
-a wrong MAC, a message of another type, a malformed header — drops the
-connection. After the handshake the client sends QUERY or FETCH requests
-one at a time and reads each reply before the next request.
-
-The handshake authenticates peers; by itself it does not encrypt. With the
-tier's ``tls`` option every connection first runs a TLS handshake and all the
-frames above travel inside it (see :mod:`~kvtier.tiers.p2p.tls`). Chunk bytes
-carry the integrity header (namespace, key, checksum) and are verified on
-arrival, but the checksum is not a MAC: without TLS, on a network where an
-attacker sits on the path, run peers over an encrypted tunnel.
-
-Timeouts bound whole exchanges, not single reads: :func:`recv_exact` takes a
-deadline, so a peer that trickles one byte at a time cannot stretch a
-handshake or a request beyond its limit.
+See docs/p2p.md, 'The protocol', for the frame layout and the messages.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""The peer service: answers other nodes' queries and streams chunks from the primary tier.
+"""The peer service: answers other nodes' queries and streams chunks from the
+primary tier, each pinned while its bytes go out. Handshakes and sessions
+are admitted in two stages with budgets of their own.
 
-Two stages, with budgets of their own (:mod:`~kvtier.tiers.p2p.admission`):
-
-* **Handshakes** run on the gate's one thread (:mod:`~kvtier.tiers.p2p.gate`):
-  at most ``max_handshakes`` at once, ``max_handshakes_per_source`` from one
-  address, each within ``handshake_timeout`` from accept to authenticated.
-* **Sessions** of authenticated peers get a thread each, at most
-  ``max_connections`` of them. A session idle for ``idle_timeout`` is
-  closed, and when the budget is full the session idle longest gives way to
-  a newcomer (its client reconnects on its next request). A request, once
-  its first byte arrived, must arrive whole within ``request_timeout``.
-
-A chunk is pinned in the primary tier while its bytes go out, so eviction can
-never reuse the slot under a send, and every chunk is framed with the
-integrity header, so the receiver can verify it.
+See docs/p2p.md, 'Limits and timeouts'.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
-"""``p2p``: fetch chunks that other kvtier nodes hold in their primary tier.
+"""``p2p``: fetch chunks that other kvtier nodes hold in their primary tier,
+and serve this node's own to them. Lookups are batched per step, loads
+verified in their slot, stores send nothing (peers pull).
 
-Each node with a ``p2p`` tier runs a peer service (on ``listen``) that
-serves its own primary tier, and asks the ``peers`` it is configured with:
-
-* **lookups** are batched per engine step and sent to every reachable peer
-  in parallel (with a cluster index configured, only to the ``index_fanout``
-  peers the index names as holding most of the batch; to every peer when
-  the index cannot answer within its ``timeout_s``); a key answers PENDING
-  until the peers reply (or the request timeout passes: a silent peer holds
-  nothing). The tier remembers which
-  peer said it holds which key and fetches from those.
-* **loads** stream each chunk straight into its reserved primary slot and
-  verify the integrity header and checksum there. A chunk that fails, or a
-  peer that dies mid-transfer, fails that key of the job: the manager then
-  frees the slot, so bytes that did not verify are never reported loaded.
-* **stores are no-ops that succeed at once and send nothing.** Peers pull;
-  nobody pushes. A chunk is shared for as long as its node keeps it in its
-  primary tier.
-
-Every connection is authenticated with a challenge-response over the shared
-``secret`` (see :mod:`kvtier.tiers.p2p.protocol`); with ``tls`` it also runs
-inside TLS (:mod:`kvtier.tiers.p2p.tls`). The peer service's limits and
-timeouts are described in :mod:`kvtier.tiers.p2p.server`.
+See docs/p2p.md.
 """
 
 from __future__ import annotations
