@@ -1,18 +1,8 @@
-"""``KVCache``: kvtier for an engine in a handful of calls.
+"""``KVCache``: kvtier for an engine in a handful of calls (lookup, load,
+store). Every method may be called from any thread, at once; bytes are
+copied on the calling thread, outside the manager's lock.
 
-    cache = KVCache(config, layout)
-    with cache.lookup(tokens) as found:        # the cached prefix, held
-        found.load(out)                        # copy found.num_tokens tokens in
-    ... prefill tokens[found.num_tokens:] ...
-    cache.store(tokens, src)                   # offload the new full chunks
-
-Chunks travel as ``uint8`` rows of ``layout.slot_bytes`` bytes (or rows of
-the layout's shape and dtype); the integrations turn them into and out of
-the engine's own tensors.
-
-One ``KVCache`` may be shared by any number of threads: every method may be
-called from any thread, at once. Bytes are copied on the calling thread,
-outside the manager's lock. See the threading model in the architecture docs.
+See docs/engine-api.md and docs/threads.md.
 """
 
 from __future__ import annotations

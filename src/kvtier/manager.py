@@ -1,18 +1,8 @@
-"""The tiering manager: lookups across tiers, promotions, write-through cascades.
+"""The tiering manager: lookups across tiers, promotions, write-through
+cascades. A tier that raises, fails jobs or falls behind only ever costs
+cache hits. Thread-safe: one re-entrant lock, never held while bytes move.
 
-The engine's scheduler calls it, and :meth:`TieringManager.step` once per
-engine step collects finished jobs (before any eviction decision of the
-step) and submits batched promotions. Tiers do their I/O on their own
-workers. A tier that raises, fails jobs or falls behind only ever costs
-cache hits: its keys count as misses, its failures are counted, and the
-engine recomputes.
-
-Thread-safe: one re-entrant lock serialises the manager's bookkeeping. It is
-held for that bookkeeping and for the tiers' non-blocking calls only, never
-while bytes are copied: the engine copies into and out of slots between
-``prepare_*`` and ``complete_*``, on its own thread, and the tiers on theirs.
-Jobs are kept in a :class:`~kvtier.jobs.JobBook`; waiters for promotions
-sleep on a :class:`~kvtier.progress.Progress`.
+See docs/architecture.md, 'The manager', and docs/threads.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""Prometheus metrics of a kvtier manager, labelled by tier.
+"""Prometheus metrics of a kvtier manager, labelled by tier: a collector reads
+the stats the manager and tiers keep anyway, only when scraped.
 
-Counting costs nothing extra on the hot path: the manager and the tiers
-already keep :class:`~kvtier.tiers.base.TierStats`, and a custom collector
-reads them (and the primary tier's slot states) only when scraped. The one
-thing observed as it happens is each finished job's duration, through the
-manager's :attr:`~kvtier.manager.TieringManager.job_listeners`.
-
-Every tier metric carries two labels: ``tier`` (its index in
-``secondary_tiers``) and ``tier_type``. A tier exports more through the same
-collector by adding integer fields to a :class:`TierStats` subclass (each
-becomes a counter) or by returning :class:`~kvtier.tiers.base.TierMetric`
-values from :meth:`~kvtier.tiers.base.SecondaryTier.metrics`.
-
-Each :class:`KVTierMetrics` has a registry of its own unless told to use
-prometheus_client's global one, so a process may build many caches (tests
-do); :meth:`KVTierMetrics.serve` exposes ``/metrics`` over HTTP.
+See docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""The one resolver behind kvtier's plugin factories (tiers, policies, specs).
+"""The one resolver behind kvtier's plugin factories (tiers, policies, specs):
+registry, then entry points, then module path, each name resolved once.
 
-A name resolves, in order, through
-
-1. the registry: built-ins and :meth:`PluginRegistry.register` calls, stored as
-   lazy ``(module, class)`` strings so unused backends import nothing;
-2. installed entry points in the registry's group (``kvtier.tiers`` ...);
-3. the configured module path: ``importlib.import_module(module_path)`` and the
-   attribute named like the plugin.
-
-A name and module path resolve once: the registry keeps the class until
-its registrations change. Each kind of plugin has a :class:`PluginFactory`
-subclass over its registry.
-
-Importing a module runs its code, so configuration that names one is trusted
-input. Operators who accept configuration from less trusted hands can confine
-module paths with ``KVTIER_ALLOWED_MODULES``: a comma-separated list of module
-prefixes (``acme_kv,corp.tiers``); when the variable is set, any other module
-path is refused before it is imported, and an empty value refuses them all.
+See docs/architecture.md, 'Plugins', and docs/out-of-tree-tier.md for
+``KVTIER_ALLOWED_MODULES``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
-"""Recording a workload as a trace ``kvtier simulate`` replays: keys anonymised.
+"""Recording a workload as a trace ``kvtier simulate`` replays, keys
+anonymised; the request path only enqueues, a writer thread does the I/O.
 
-A :class:`TraceRecorder` takes each request's chunk keys and token count and
-appends one JSON line, in Mooncake's format plus the block size::
-
-    {"timestamp": 1520, "input_length": 700, "output_length": 0,
-     "hash_ids": [0, 1], "block_size": 256}
-
-(one line in the file).
-Keys become small integers in order of first sight, so a trace holds no
-tokens and no key digests: only which requests shared which prefixes. The
-request path only enqueues; a writer thread does the rest. When the queue is
-full the request is dropped and counted, never waited for. Each file is
-capped in bytes; a full one is rotated to ``PATH.1`` (the previous ``.1`` is
-dropped) and the next starts a fresh numbering, so every file replays alone
-and the memory for the numbering stays bounded; a file left by an earlier
-process is rotated away the same way before the first write. A write that fails (full
-disk, unwritable path) is logged once and counted; recording resumes with
-the next request that can be written.
+See docs/policies-and-specs.md for the format, rotation and drops.
 """
 
 from __future__ import annotations

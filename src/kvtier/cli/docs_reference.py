@@ -1,17 +1,8 @@
-"""The configuration reference, generated from the typed option declarations.
-
-Every key of :class:`~kvtier.config.KVTierConfig`, of its sections and of
-every registered tier's ``Options`` is documented where it is declared (an
-attribute docstring); this module renders those declarations as Markdown, so
-the reference cannot drift from the code. The user guide's build inserts it
-(``docs/hooks.py``); ``kvtier config-reference`` prints it.
-
-Tiers are read from the registry: a tier merged tomorrow appears without an
-edit here. Reading a tier's ``Options`` imports the tier's module, never its
-backend client: built-in tiers import their client when they are
-constructed, so a missing optional dependency does not hide a tier's options.
-A tier module that does not import at all is rendered as such, with the
-reason.
+"""The configuration reference, rendered as Markdown from the typed option
+declarations (attribute docstrings) of the config and of every registered
+tier, so it cannot drift from the code. Reading a tier's ``Options`` never
+imports its backend client; a tier module that does not import is listed
+with the reason.
 """
 
 from __future__ import annotations

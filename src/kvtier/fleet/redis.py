@@ -1,18 +1,8 @@
-"""``redis``: the cluster index in Redis or Valkey, single server or cluster.
+"""``redis``: the cluster index in Redis or Valkey, single server or cluster:
+a sorted set per chunk of the node processes holding it, and a lease per
+process, every command naming one key.
 
-Layout (``P`` is ``key_prefix``):
-
-* ``P c:<chunk key>``: a sorted set per chunk; a member ``<incarnation>|<medium>``
-  per node process and tier holding it, scored by the entry's expiry (Unix
-  seconds). The key itself expires ``entry_ttl_s`` after its last write.
-* ``P n:<incarnation>``: the lease of one node process, a small JSON object
-  (``{"node": ..., "p2p": ...}``) that expires ``lease_s`` after its last renewal.
-
-A process picks a fresh random incarnation when it starts, so the entries of
-an earlier run of the same node count for nothing once that run's lease is
-gone, and a reader needs no list of nodes: an entry counts while its member
-has not expired and its incarnation's lease exists. Every command names one
-key, so a cluster pipeline sends each node its share in one round trip.
+See docs/fleet.md, 'What a node publishes', for the key layout.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""``kvtier route``: routing scores over HTTP, for a router to call.
+"""``kvtier route``: routing scores from the cluster index over HTTP, for a
+router to call, behind a bearer token and bounded bodies.
 
-``POST /v1/scores`` with a JSON object, either ``{"tokens": [...]}`` (token
-ids, hashed with the engines' layout) or ``{"keys": ["<hex chunk key>", ...]}``,
-answers ``{"chunk_tokens": N, "chunks": n, "nodes": [{"node", "p2p",
-"tokens": {"any": ..., "cpu": ..., ...}}, ...]}``, best node first; nodes
-holding nothing of the prompt are left out. ``GET /healthz`` answers
-``{"ok": true, ...}`` with the service's counts.
-
-Every request but ``/healthz`` carries ``Authorization: Bearer <token>``.
-A body is read only when its ``Content-Length`` is within
-``max_body_bytes``: otherwise 411 or 413, before a byte of it is read;
-malformed JSON or fields are 400; an index that cannot answer is 503 (the
-router then routes as it would without kvtier).
+See docs/fleet.md, 'kvtier route CONFIG', for the requests and answers.
 """
 
 from __future__ import annotations

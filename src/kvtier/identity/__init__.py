@@ -1,26 +1,8 @@
-"""What identifies a model's KV cache: its resolved configuration and its weights.
+"""What identifies a model's KV cache: its resolved configuration and its
+weights, mixed into a layout's namespace so that only engines computing the
+same bytes share chunks.
 
-Two engines may share a chunk only if they would compute the same bytes for
-it, so every engine integration mixes a :class:`ModelIdentity` into its
-layout's namespace (see :attr:`kvtier.layout.KVLayout.extra`):
-
-- ``config``: :func:`config_digest` of the configuration as the engine
-  resolved it (overrides, rope settings, quantization, dtype, revision);
-- ``weights``: what identifies the weights: :func:`weights_identity` of the
-  files they were loaded from, a fingerprint of weights held in memory, or
-  an identity the user declares and answers for.
-
-A LoRA adapter changes a prefix's KV too: :class:`AdapterIdentities`
-identifies an adapter by its files, for the first link of a request's chain.
-
-An integration (vLLM's, SGLang's) needs a plain mapping of its resolved
-configuration and the model's name or path::
-
-    weights = identify_weights(model_path, revision=revision)
-    if weights is None:
-        ...  # neither a local path nor a cached hub snapshot: ask the user for an id
-    identity = ModelIdentity(config_digest(resolved_config), weights.token)
-    layout = KVLayout(..., extra=(*identity.layout_extra, ...))
+See docs/engine-api.md, 'The model's identity'.
 """
 
 from __future__ import annotations

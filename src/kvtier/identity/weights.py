@@ -1,23 +1,8 @@
-"""An identity of a model's weight files that is cheap to compute and follows their content.
+"""An identity of a model's weight files that is cheap to compute and follows
+their content: sizes, times, safetensors headers and sampled windows, or
+every byte with ``full_read``.
 
-Reading hundreds of GB at every engine start is not an option, so a file
-is identified by what is cheap to read and changes when it does:
-
-- its path relative to the model directory and its size;
-- for ``*.safetensors``, the whole JSON header (tensor names, dtypes,
-  shapes, offsets) and three windows (start, middle, end) of every tensor;
-- eight windows spread evenly over the file (any format);
-- its modification time in nanoseconds, unless the file is a blob of a
-  Hugging Face cache, whose name is already a hash of its content;
-- files of at most :data:`SMALL_FILE_BYTES` (configs, custom modelling
-  code) are read whole instead, and their times do not matter;
-- a file this process may not read (the engine cannot load it either) by its
-  name, size and time only.
-
-``full_read=True`` reads every byte of every file instead (and ignores
-times): the strongest identity, at the cost of reading the checkpoint.
-The directory's own path is never part of the identity: a copy that keeps
-contents and times (``cp -a``, ``rsync -a``) shares its KV with the original.
+See docs/vllm.md, 'What identifies a model's KV', for what is read.
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
-"""Page copies between an engine's paged KV cache and primary slots, on any device.
+"""Page copies between an engine's paged KV cache and primary slots, on any
+device, with torch alone (not the engine): run by run on the CPU, on a
+dedicated copy stream ordered by events on an accelerator.
 
-Needs torch alone (not the engine), so ``scripts/device_check.py`` runs it on
-any machine with an accelerator. The same torch ops serve every device. On
-the CPU pages move run by run: pages that follow each other both in the
-slots and in the engine's cache move with one plain copy, straight between
-slot and page (a gather then a scatter would move every byte twice, through
-a temporary). On an accelerator (CUDA, or any torch device module with
-streams and events) every copy runs on a dedicated copy stream, ordered
-against the compute stream with events, so the forward pass never waits on
-the host:
-
-* store: the copy stream waits for the forward pass that computed the
-  pages and gathers them on the device; the compute stream only waits (on
-  the device) for the gather, so blocks vLLM frees are not overwritten
-  before they were read.
-* load: the copy stream fills the pages; the compute stream waits (on the
-  device) for that before the forward pass reads them.
-
-Between the device and the slots, bytes take one of two routes. Where CUDA
-can register the slots' memory (:meth:`Transfers.attach`), the device DMAs
-straight to and from the slots: pages are staged on the device in slot
-order, so a chunk's pages of every layer move as one copy (a chunk is one
-run of rows), and no host thread touches a byte. Elsewhere they go through
-pinned host memory and a host-side gather or scatter of rows.
+See docs/vllm.md for the two routes between device and slots.
 """
 
 from __future__ import annotations

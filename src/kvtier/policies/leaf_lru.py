@@ -14,24 +14,13 @@ from kvtier.policies.base import CachePolicy
 class LeafFirstLRUCachePolicy(CachePolicy):
     """Evicts from the least recently used request, its deepest chunk first.
 
-    A chunk serves a request only while every chunk before it in the prefix
-    is resident: evicting a chain's root strands all of its descendants.
-    Plain LRU does just that, because the primary tier touches and inserts a
-    request's chunks root first, so within one request the root is the
-    oldest. This policy keeps LRU's order between requests and reverses it
-    within one: the chunks last used by the same request form a group, and
-    the oldest group gives up its deepest chunks (the leaves of its chain)
-    before their ancestors.
-
-    Groups are read off the calls the primary tier makes for a request: a
-    ``touch`` of its hits opens one; ``evict(n)`` makes room for its ``n``
-    new chunks, which join the group (a new one if nothing was hit). Inserts
-    that no eviction announced, as while the tier fills, cannot be told apart
-    by request, so they keep plain LRU order. Work per operation is LRU's
-    plus one dict lookup; state is one group reference per key. A touch of
-    the keys that lead one group (a request hitting the prefix the previous
-    request of that prefix used) takes the group over as it is, moving only
-    the keys after them.
+    The chunks last used by one request form a group, read off the primary
+    tier's calls: a ``touch`` of its hits opens one, and the ``n`` inserts
+    ``evict(n)`` made room for join it. Inserts no eviction announced keep
+    plain LRU order. A touch of the keys that lead one group takes the group
+    over as it is. Work per operation is LRU's plus one dict lookup; state is
+    one group reference per key. Why: see docs/policies-and-specs.md,
+    'Built-in policies, measured'.
     """
 
     def __init__(self, capacity: int, **kwargs: Any) -> None:

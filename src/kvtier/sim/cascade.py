@@ -1,34 +1,9 @@
-"""Replaying a CPU primary tier with one evicting secondary tier behind it.
+"""Replaying a CPU primary tier with one evicting secondary tier behind it,
+moving chunks as the manager does, with every transfer finished before the
+next request.
 
-The model follows how the manager moves chunks, with every transfer
-finished before the next request (a drained cascade, no backpressure, no
-failures):
-
-* **Lookup.** A request's leading chunks ready in the primary tier are
-  primary hits, touched once. From the first chunk the primary tier lacks,
-  each chunk is either ready in the primary tier (it counts, untouched for
-  now), or held by the secondary tier, which promotes it: a primary slot is
-  reserved for it, evicting one idle chunk that is not of this request
-  (``evict(1, chain)``), or else the walk stops. The first chunk found in
-  neither tier ends the hits.
-* **Promotion.** The promoted chunks become ready in the primary tier in
-  prefix order (each handed to the policy), and each load makes the chunk
-  the secondary tier's most recently used. The lookup that then finds them
-  ready touches the chunks from the first promoted one to the end of the
-  hits.
-* **Store.** As :class:`~kvtier.sim.replay.PrimaryReplay`: the chunks the
-  primary tier lacks are stored, then written through to the secondary tier,
-  in prefix order, skipping those it holds when the store is submitted (a
-  tier does not write a chunk it has, and that does not refresh it: the
-  job's own writes may then evict a chunk it skipped).
-* **The secondary tier** keeps its most recently stored or loaded chunks:
-  the least recently used chunk goes when a store needs room, as the built-in
-  ``memory`` and ``fs`` tiers evict. Its capacity is counted in chunks.
-
-What the model leaves out: transfers still in flight when the next request
-comes (their chunks are neither here nor there yet), stores dropped under
-backpressure, failed jobs, and with several I/O threads the order in which
-one request's chunks land in the secondary tier.
+See docs/cli.md, ``kvtier simulate``, 'With a secondary tier', for the model
+and what it leaves out.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""Replaying a trace across replicas: what routing by kvtier's scores is worth.
+"""Replaying a trace across replicas: what routing by kvtier's scores is worth
+against round-robin and first-chunk routers, in hit ratio and load.
 
-Each replica has a primary tier of its own (optionally a secondary tier
-shared by all: every replica's write-through lands in it, every replica
-promotes from it). A router picks the replica of each request:
-
-* ``round-robin``: in turn, blind to the cache;
-* ``first-chunk``: by a hash of the request's first chunk, as prefix-aware
-  routers approximate (requests sharing a system prompt meet on one replica);
-* ``kvtier``: the replica holding the longest leading run of the request's
-  chunks in its primary tier (what the cluster index's routing scores
-  answer), among replicas under a load cap: over the last ``window``
-  requests, no replica takes more than ``1 + slack`` times its fair share.
-  Ties, and requests nobody holds, go to the least loaded replica.
-
-Hit ratio is as in :mod:`kvtier.sim.replay`: leading resident chunks over
-all chunks. Load is requests routed, and prefill work (chunks missed), per replica.
+See docs/fleet.md, 'What routing is worth, simulated'.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Contract test-suites that ship with kvtier, for its own tiers and yours.
+"""Contract test-suites that ship with kvtier, for its own tiers, policies and
+codecs and for yours; every call they make is bounded by a hang guard.
+Requires pytest.
 
-Test an out-of-tree tier with one line::
-
-    from kvtier.testing import TierContractTests
-
-    class TestAcmeTier(TierContractTests):
-        tier_config = {"type": "AcmeTier", "module_path": "acme_kv.tiers", "bucket": "kv"}
-
-``TierContractTests[AcmeTier]`` also checks that the entry builds an
-``AcmeTier`` and types the suite's harness as one over it. Test
-a cache policy likewise with :class:`PolicyContractTests`, and a chunk codec
-with :class:`CodecContractTests`. Requires pytest.
-Every call the suites make into a tier or policy is bounded by a
-:class:`HangGuard` (``call_timeout_s``), so a hang fails the test instead of
-hanging the run.
+See docs/out-of-tree-tier.md, 'Test it in one line'.
 """
 
 from kvtier.testing.codec_suite import CodecContractTests

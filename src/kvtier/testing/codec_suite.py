@@ -1,16 +1,8 @@
-"""The contract every chunk codec keeps, as a test-suite to inherit.
+"""The contract every chunk codec keeps, as a test-suite to inherit: chunks
+that look like KV (normal values with a few outlier channels) in each float
+dtype the codec accepts, plus raw random bytes for exact codecs.
 
-Test an out-of-tree codec with one class::
-
-    from kvtier.testing import CodecContractTests
-
-    class TestAcmeCodec(CodecContractTests):
-        codec = {"type": "AcmeCodec", "module_path": "acme_kv.codecs"}
-        max_relative_error = 0.05  # lossy; leave None for an exact codec
-
-The chunks it encodes look like KV: normal values with a few outlier
-channels, in each float dtype the codec accepts, plus raw random bytes for
-exact codecs (which must give back any bytes at all).
+See docs/codecs.md for an example.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""A bound on calls that may never return, for the contract suites.
-
-A tier or policy that hangs (a lock never released, a backend that never
-answers, an eviction loop that never ends) would otherwise hang the whole test
-run with it. The suites make their calls into it through a :class:`HangGuard`:
-each runs on a daemon thread of its own (:func:`~kvtier.tiers.deadlines.call_within`),
-and one that does not return in time fails the test, naming the class and the
-method it is stuck in.
-
-This is a guard against hangs, not a speed check: the default bound is
-minutes. A backend that is merely slow raises ``call_timeout_s`` on the suite
-class (or passes it to :class:`~kvtier.testing.TierHarness`). The thread of a
-call that hangs is left behind, blocked: it is a daemon thread, so it never
-holds the process open, and it ends when the call returns (a tier's
-``shutdown``, which the harness still calls, often releases it).
+"""A bound on calls that may never return, for the contract suites: each call
+runs on a daemon thread, and one that does not return in time fails the
+test, naming the class and method. A guard against hangs, not a speed check.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""``KVTierHiCacheStorage``: the class SGLang's dynamic storage backend factory builds.
+"""``KVTierHiCacheStorage``: the class SGLang's dynamic storage backend factory
+builds. One SGLang page is one kvtier chunk; calls from SGLang's prefetch
+and backup threads are serialised under one lock.
 
-SGLang's HiCache keeps pages in a host memory pool and asks a storage
-backend to persist them under page hashes (hex digests that already chain
-the whole prefix). Here one SGLang page is one kvtier chunk: it goes into
-kvtier's CPU primary tier and from there, write-through, to every secondary
-tier; a page found in a secondary tier is promoted back and copied into the
-host pool.
-
-SGLang calls a backend from its prefetch and backup threads at once, while
-kvtier's manager is single-threaded by design: one lock serialises every
-call into it (waits for promotions happen outside the lock).
+See docs/sglang.md.
 """
 
 from __future__ import annotations

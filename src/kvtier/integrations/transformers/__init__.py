@@ -1,18 +1,9 @@
-"""kvtier for Hugging Face ``transformers`` causal language models.
-
-    from kvtier.integrations.transformers import PrefixCache
-
-    with PrefixCache(model, "kvtier.yaml") as kv:
-        result = kv.generate(prompt_ids, max_new_tokens=32)   # greedy
-        result.reused_tokens                                  # prefill skipped
-
-:class:`PrefixCache` counts the cached prefix of a prompt, loads it into a
-fresh cache so the model prefills only the rest, and stores the full chunks
-of every sequence it runs. The layout (and so the namespace every chunk key
-starts from) comes from the model's config, dtype and weights: two models
-that would compute different KV bytes never share a chunk.
-
+"""kvtier for Hugging Face ``transformers`` causal language models:
+:class:`PrefixCache` loads a prompt's cached prefix so the model prefills
+only the rest, and stores the full chunks of every sequence it runs.
 Requires ``pip install 'kvtier[transformers]'``.
+
+See docs/transformers.md.
 """
 
 from __future__ import annotations
