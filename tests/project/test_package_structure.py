@@ -92,3 +92,38 @@ def test_the_tiers_type_check_without_ignores() -> None:
         if "type: ignore" in line
     ]
     assert silenced == []
+
+
+#: Most lines a docstring may span: module headers and docstrings say what a
+#: thing is and its contract; explanations belong in docs/.
+DOCSTRING_LINES = 15
+
+
+def long_docstrings(source: str, name: str) -> list[str]:
+    """``name:line`` of each module, class or function docstring in ``source``
+    spanning more than :data:`DOCSTRING_LINES` lines."""
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        if isinstance(node, documented) and ast.get_docstring(node) is not None:
+            doc = node.body[0]
+            assert doc.end_lineno is not None
+            if doc.end_lineno - doc.lineno + 1 > DOCSTRING_LINES:
+                found.append(f"{name}:{doc.lineno}")
+    return found
+
+
+def test_docstrings_stay_short() -> None:
+    long = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for hit in long_docstrings(path.read_text(), str(path.relative_to(PACKAGE)))
+    ]
+    assert long == []
+
+
+def test_the_docstring_check_finds_a_long_one() -> None:
+    essay = "\n".join(["x"] * (DOCSTRING_LINES + 1))
+    source = f'"""Short."""\n\n\ndef f() -> None:\n    """{essay}"""\n'
+    assert long_docstrings(source, "m.py") == ["m.py:5"]
+    assert long_docstrings('"""Short."""\n', "m.py") == []
