@@ -169,7 +169,7 @@ def test_fixed_size_tiers_refuse_variable_size_codecs() -> None:
 
     # An out-of-tree tier that keeps the default: values of one size only
     # (every built-in tier that takes codecs stores any size).
-    fixed = {"type": "ObviousNamesTier", "module_path": "tests.threaded_doubles"}
+    fixed = {"type": "ObviousNamesTier", "module_path": "tests.tiers.threaded_doubles"}
     config = {"chunk_tokens": 32, "secondary_tiers": [{**fixed, "codec": "lossless"}]}
     with pytest.raises(ValueError, match=r"varying size.*ObviousNamesTier stores fixed-size"):
         KVCache(config, _layout())

@@ -170,8 +170,13 @@ def _load_file_python(
 
 
 def _complete_files_python(paths: Sequence[str], size: int) -> list[bool]:
-    """Which of ``paths`` are regular files of exactly ``size`` bytes (a
-    symlink is not one, whatever it points at)."""
+    """Which of ``paths`` are regular files of exactly ``size`` bytes."""
+    return sized_files(paths, size.__eq__)
+
+
+def sized_files(paths: Sequence[str], sized: Callable[[int], bool]) -> list[bool]:
+    """Which of ``paths`` are regular files whose size passes ``sized`` (a
+    symlink is not one, whatever it points at), one ``lstat`` each."""
     found = []
     for path in paths:
         try:
@@ -179,7 +184,7 @@ def _complete_files_python(paths: Sequence[str], size: int) -> list[bool]:
         except OSError:
             found.append(False)
             continue
-        found.append(stat.S_ISREG(info.st_mode) and info.st_size == size)
+        found.append(stat.S_ISREG(info.st_mode) and sized(info.st_size))
     return found
 
 

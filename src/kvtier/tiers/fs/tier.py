@@ -292,15 +292,7 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         one system-call run; under a variable-size codec, one ``lstat`` each)."""
         if not self.variable:
             return chunk_io.complete_files(paths, self.file_bytes)
-        found = []
-        for path in paths:
-            try:
-                info = os.lstat(path)
-            except OSError:
-                found.append(False)
-                continue
-            found.append(stat.S_ISREG(info.st_mode) and self._sized_as_a_chunk(info.st_size))
-        return found
+        return chunk_io.sized_files(paths, self._sized_as_a_chunk)
 
     def _drop_broken(self, broken: Sequence[str]) -> None:
         # A lookup may find the same entry first: whoever removes it counts it.
