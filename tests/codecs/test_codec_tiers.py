@@ -126,13 +126,31 @@ def _plant(harness: TierHarness, key: bytes, payload: bytes | bytearray | memory
         tier._chunks[key] = integrity.frame(tier.namespace, key, payload)
 
 
-def test_a_chunk_of_another_codec_is_refused_counted_and_deleted() -> None:
-    # An fp8 chunk has the size of an int8 one: only the codec header tells
-    # them apart, in a store another writer put it in under this namespace.
-    harness = TierHarness({"type": "memory", "codec": "int8"}, LAYOUT, num_slots=4)
+#: LAYOUT's chunks as an engine's own pages: the lossy codecs group
+#: consecutive elements there, not by token, head and channel.
+PAGES = KVLayout("kvtier-codec-engines", 2, 2, 64, "bfloat16", 16, kv_order="engine-pages")
+
+
+@pytest.mark.parametrize(
+    ("codec", "writer", "writer_layout"),
+    [
+        # An fp8 chunk has the size of an int8 one.
+        ("int8", "fp8", LAYOUT),
+        # The same int4 codec grouping consecutive elements writes chunks of
+        # the size a KIVI-grouped one has: the recorded grouping differs.
+        ({"type": "int4", "group_size": 16}, {"type": "int4", "group_size": 16}, PAGES),
+    ],
+    ids=["int8-read-fp8", "int4-kivi-read-int4-elements"],
+)
+def test_a_chunk_of_another_codec_is_refused_counted_and_deleted(
+    codec: Any, writer: Any, writer_layout: KVLayout
+) -> None:
+    # Only the codec header tells these chunks apart, in a store another
+    # writer put them in under this namespace.
+    harness = TierHarness({"type": "memory", "codec": codec}, LAYOUT, num_slots=4)
     try:
         (key,) = harness.keys(1)
-        other = CodecStage(codec_config("fp8").build(LAYOUT), LAYOUT)
+        other = CodecStage(codec_config(writer).build(writer_layout), writer_layout)
         buffer = other.scratch(1)[0]
         length = other.encode(memoryview(kv_like(LAYOUT)), buffer)
         assert length == harness.tier.stored_bytes
@@ -271,7 +289,7 @@ def test_check_bench_and_inspect_show_each_tiers_codec(tmp_path: Path) -> None:
     checked = CliRunner().invoke(cli, ["check", str(config), "--chunk-kib", "64"], env=wide)
     assert checked.exit_code == 0, checked.output
     assert "as its lossy codec decodes them" in checked.output  # fs, int4
-    assert "int4 (lossy) {'group_size': 32}" in checked.output
+    assert "int4 (lossy) {'group_size': 32, 'grouping': 'kivi'}" in checked.output
     assert "byte-exact" in checked.output  # memory, lossless
     benched = CliRunner().invoke(
         cli, ["bench", str(config), "--chunk-kib", "64", "--chunks", "4", "--json"]
@@ -291,7 +309,7 @@ def test_check_bench_and_inspect_show_each_tiers_codec(tmp_path: Path) -> None:
         engine.drain()
     inspected = CliRunner().invoke(cli, ["inspect", str(tmp_path / "fs")], env=wide)
     assert inspected.exit_code == 0, inspected.output
-    assert "codec int4 {'group_size': 32}" in inspected.output
+    assert "codec int4 {'group_size': 32, 'grouping': 'kivi'}" in inspected.output
 
 
 @pytest.fixture(params=["redis", "obj", "mooncake"])

@@ -35,7 +35,8 @@ def _layout(dtype: str = "bfloat16", **changes: Any) -> KVLayout:
 QUANTISED_REFUSED = (
     _layout("float8_e4m3fn"),
     _layout("int8"),
-    _layout(kv_order="layer,token,kv,head,dim"),
+    # Float pages of an engine whose cache is quantised: other bytes may sit beside the KV.
+    _layout(kv_order="engine-pages", extra=(("kv_cache_dtype", "fp8"),)),
 )
 
 
@@ -197,6 +198,7 @@ def test_tiers_that_store_no_chunks_of_their_own_refuse_a_codec() -> None:
 
 
 TINY = KVLayout("m", 1, 1, 8, "float16", 4)
+TINY_PAGES = KVLayout("m", 1, 1, 8, "float16", 4, kv_order="engine-pages")
 
 
 @settings(max_examples=50, deadline=None)
@@ -221,17 +223,20 @@ def test_lossless_gives_back_any_bytes(chunk: bytes, compressor: str) -> None:
         max_size=TINY.slot_bytes // 2,
     ),
     codec=st.sampled_from(["fp8", "int8", "int4"]),
+    layout=st.sampled_from([TINY, TINY_PAGES]),
 )
 def test_lossy_codecs_stay_within_their_step_of_any_finite_values(
-    values: list[float], codec: str
+    values: list[float], codec: str, layout: KVLayout
 ) -> None:
+    """In the order they know (grouped by head or KIVI's way) and in one they
+    do not (consecutive elements), the bound is the same."""
     import numpy as np
 
     from kvtier.codecs import CodecStage, codec_config
 
     stage = CodecStage(
-        codec_config({"type": "int4", "group_size": 4} if codec == "int4" else codec).build(TINY),
-        TINY,
+        codec_config({"type": "int4", "group_size": 4} if codec == "int4" else codec).build(layout),
+        layout,
     )
     exact = np.asarray(values, np.float16)
     decoded = np.frombuffer(stage.round_trip(exact.tobytes()), np.float16).astype(np.float32)
@@ -257,3 +262,70 @@ def test_a_codec_named_plainly_or_with_its_defaults_shares_one_namespace() -> No
     assert namespace("int4") != namespace({"type": "int4", "group_size": 16})
     assert namespace("none") == layout.namespace
     assert len({namespace(name) for name in ("none", "lossless", "fp8", "int8", "int4")}) == 5
+
+
+@pytest.mark.parametrize(
+    ("codec", "default_order", "other_order"),
+    [
+        ("int8", {"grouping": "token,head", "group_size": 64}, {"grouping": "elements"}),
+        ("fp8", {"grouping": "token,head", "group_size": 64}, {"grouping": "elements"}),
+        ("int4", {"grouping": "kivi", "group_size": 32}, {"grouping": "elements"}),
+    ],
+)
+def test_lossy_codecs_record_their_grouping_and_never_decode_another(
+    codec: str, default_order: dict[str, Any], other_order: dict[str, Any]
+) -> None:
+    import numpy as np
+
+    from kvtier.codecs import CodecMismatchError, CodecStage, codec_config
+    from kvtier.codecs.quantized import DEFAULT_ELEMENT_GROUP
+    from kvtier.codecs.samples import decode_floats, kv_like
+
+    known, pages = _layout(), _layout(kv_order="engine-pages")
+    by_order = codec_config(codec).build(known).params()
+    by_elements = codec_config(codec).build(pages).params()
+    assert by_order.items() >= default_order.items()
+    assert by_elements.items() >= other_order.items()
+    if codec != "int4":
+        assert by_elements["group_size"] == DEFAULT_ELEMENT_GROUP
+
+    written = CodecStage(codec_config(codec).build(pages), pages)
+    chunk = kv_like(pages)
+    payload = written.scratch(1)[0]
+    length = written.encode(memoryview(chunk), payload)
+    with pytest.raises(CodecMismatchError):
+        CodecStage(codec_config(codec).build(known), known).decode(
+            payload[:length], memoryview(bytearray(known.slot_bytes))
+        )
+    # Read in its own grouping, the chunk comes back within the codec's error.
+    decoded = bytearray(pages.slot_bytes)
+    written.decode(payload[:length], memoryview(decoded))
+    exact = decode_floats(chunk, pages)
+    error = np.abs(decode_floats(decoded, pages) - exact).mean() / np.abs(exact).mean()
+    assert error < {"int8": 0.02, "fp8": 0.05, "int4": 0.25}[codec]
+
+
+def test_kivi_grouping_beats_consecutive_elements_on_kv_with_outlier_channels() -> None:
+    """Where the order is known, int4 keeps KIVI's grouping: the outlier key
+    channels get scales of their own."""
+    import numpy as np
+
+    from kvtier.codecs import CodecStage, codec_config
+    from kvtier.codecs.samples import decode_floats, kv_like
+
+    errors = {}
+    for order in ("layer,kv,token,head,dim", "engine-pages"):
+        layout = _layout(kv_order=order)
+        chunk = kv_like(layout, seed=3)
+        decoded = CodecStage(codec_config("int4").build(layout), layout).round_trip(chunk)
+        exact = decode_floats(chunk, layout)
+        errors[order] = float(np.abs(decode_floats(decoded, layout) - exact).mean())
+    assert errors["layer,kv,token,head,dim"] < errors["engine-pages"]
+
+
+def test_a_group_size_that_does_not_divide_the_chunk_is_refused() -> None:
+    from kvtier.codecs import codec_config
+
+    layout = _layout(kv_order="engine-pages")  # 16,384 elements
+    with pytest.raises(CodecLayoutError, match="group_size=48 does not divide"):
+        codec_config({"type": "int8", "group_size": 48}).build(layout)

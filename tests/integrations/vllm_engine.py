@@ -5,7 +5,7 @@
 SPEC holds ``model``, ``prompts`` (token id lists), ``max_tokens``,
 ``extra_config`` (the connector's ``kv_connector_extra_config``; ``null`` for
 no connector), ``block_size``, ``multiprocessing``, ``hf_overrides``,
-``tensor_parallel_size``, ``pipeline_parallel_size``, ``engine_id``,
+``tensor_parallel_size``, ``pipeline_parallel_size``, ``kv_cache_dtype``, ``engine_id``,
 ``reset_prefix_cache``, ``reset_after`` (per prompt, overriding
 ``reset_prefix_cache``) and ``lora`` (``name`` and ``path`` of a LoRA adapter
 every prompt uses); with ``started_file`` the engine writes that file once
@@ -128,6 +128,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         max_num_seqs=4,
         enable_prefix_caching=spec.get("prefix_caching", True),
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         hf_overrides=spec.get("hf_overrides"),
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         pipeline_parallel_size=spec.get("pipeline_parallel_size", 1),

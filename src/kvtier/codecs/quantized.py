@@ -1,7 +1,7 @@
 """Lossy codecs: ``fp8``, ``int8`` and ``int4``, decoded into the layout's dtype.
 
-All three read a chunk as ``(layers, 2, tokens, kv_heads, head_dim)`` floats
-(the layout's ``chunk_shape``) and so take only float KV in that order.
+All three take float KV. In the layout's default ``kv_order`` they know
+which element is which, and group as follows:
 
 * ``fp8``: float8 e4m3 with one float32 scale per token, head and K/V
   (the absolute maximum of the head's vector maps to 448, e4m3's largest).
@@ -10,6 +10,12 @@ All three read a chunk as ``(layers, 2, tokens, kv_heads, head_dim)`` floats
   channel over ``group_size`` tokens (key outliers sit in fixed channels),
   values per token over ``group_size`` channels; a float16 scale and minimum
   per group.
+
+In any other order (an engine's own pages, say) they read the chunk as a
+flat run of floats and give each ``group_size`` consecutive elements a scale
+of their own, which needs no knowledge of the order. The grouping in use is
+among the parameters a chunk header records, so a chunk is never decoded in
+another grouping than it was written in.
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ from kvtier.layout import KVLayout
 #: The element order these codecs read a chunk in (the layout default).
 CHUNK_ORDER = "layer,kv,token,head,dim"
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+#: Grouping names the chunk header records.
+BY_VECTOR, KIVI, ELEMENTS = "token,head", "kivi", "elements"
+#: Elements per scale where the order is unknown (fp8, int8): measured on a
+#: trained model's KV and on vLLM's pages (docs/codecs.md).
+DEFAULT_ELEMENT_GROUP = 64
 _F16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -49,15 +60,38 @@ class _QuantizedCodec(Codec):
         self._count = int(np.prod(self._shape))
         self._bf16 = _ml_dtypes().bfloat16 if layout.dtype == "bfloat16" else None
 
+    @abstractmethod
+    def grouping(self, layout: KVLayout) -> tuple[str, int]:
+        """The grouping used on ``layout`` and its group size (elements)."""
+
+    def params(self) -> dict[str, Any]:
+        grouping, group_size = self.grouping(self.layout)
+        return {**super().params(), "grouping": grouping, "group_size": group_size}
+
     def check_layout(self, layout: KVLayout) -> str | None:
         if layout.dtype not in _FLOAT_DTYPES:
             return (
                 f"KV dtype {layout.dtype} is not one of {', '.join(_FLOAT_DTYPES)} "
                 "(KV already quantised is stored exactly: use codec none or lossless)"
             )
-        if layout.kv_order != CHUNK_ORDER:
-            return f"kv_order {layout.kv_order!r} is not {CHUNK_ORDER!r}, the order it reads"
+        cache_dtype = dict(layout.extra).get("kv_cache_dtype", "auto")
+        if cache_dtype not in ("auto", *_FLOAT_DTYPES):
+            # A quantised cache's pages may hold scales or other bytes beside the KV.
+            return (
+                f"the engine's KV cache dtype is {cache_dtype!r}, not float KV "
+                "(use codec none or lossless)"
+            )
+        grouping, group_size = self.grouping(layout)
+        if grouping == ELEMENTS and self._element_count(layout) % group_size:
+            return (
+                f"group_size={group_size} does not divide the chunk's "
+                f"{self._element_count(layout)} elements"
+            )
         return None
+
+    @staticmethod
+    def _element_count(layout: KVLayout) -> int:
+        return layout.slot_bytes // layout.dtype_bytes
 
     def _values(self, chunk: memoryview) -> np.ndarray:
         """The chunk as float32 in ``chunk_shape``."""
@@ -80,20 +114,35 @@ class _QuantizedCodec(Codec):
         target[:] = values.reshape(-1)
 
 
-class _ScaledOptions(CodecOptions):
-    """``fp8`` and ``int8`` take no options: one scale per token, head and K/V."""
+class ScaledOptions(CodecOptions):
+    group_size: int | None = Field(default=None, ge=2, le=65536)
+    """Consecutive elements sharing one scale. Unset: one scale per token,
+    head and K/V where the layout's ``kv_order`` is the default (a head's
+    vector), else 64 elements."""
 
 
-class _PerVectorCodec(_QuantizedCodec):
-    """One float32 scale per ``head_dim`` vector (token, head, K/V, layer)."""
+class _GroupScaledCodec(_QuantizedCodec):
+    """One float32 scale per group of consecutive elements: by default a
+    ``head_dim`` vector (token, head, K/V, layer) where the order is known."""
 
-    Options: ClassVar[type[CodecOptions]] = _ScaledOptions
-    #: Largest magnitude the code represents (the vector's maximum maps to it).
+    Options: ClassVar[type[CodecOptions]] = ScaledOptions
+    #: Largest magnitude the code represents (the group's maximum maps to it).
     code_max: ClassVar[float]
 
+    def __init__(self, layout: KVLayout, options: CodecOptions | None = None, **kwargs: Any):
+        super().__init__(layout, options, **kwargs)
+        self._group = self.grouping(layout)[1]
+
+    def grouping(self, layout: KVLayout) -> tuple[str, int]:
+        chosen = cast(ScaledOptions, self.options).group_size
+        known = layout.kv_order == CHUNK_ORDER
+        if chosen is None:
+            chosen = layout.head_dim if known else DEFAULT_ELEMENT_GROUP
+        # In the default order a head's vector is head_dim consecutive elements.
+        return (BY_VECTOR if known and chosen == layout.head_dim else ELEMENTS), chosen
+
     def max_encoded_bytes(self) -> int:
-        vectors = self._count // self.layout.head_dim
-        return self._count + 4 * vectors
+        return self._count + 4 * (self._count // self._group)
 
     @abstractmethod
     def _quantize(self, scaled: np.ndarray) -> np.ndarray:
@@ -104,7 +153,7 @@ class _PerVectorCodec(_QuantizedCodec):
         """The scaled float32 values of ``codes`` (raw bytes)."""
 
     def encode(self, chunk: memoryview, out: memoryview) -> int:
-        values = self._values(chunk).reshape(-1, self.layout.head_dim)
+        values = self._values(chunk).reshape(-1, self._group)
         amax = np.abs(values).max(axis=1, keepdims=True)
         if not np.isfinite(amax).all():
             raise ValueError("chunk holds inf or NaN values: not quantised")
@@ -121,12 +170,12 @@ class _PerVectorCodec(_QuantizedCodec):
                 f"{len(data)} bytes, a {self.name} chunk is {self.max_encoded_bytes()}"
             )
         raw = np.frombuffer(data, np.uint8)
-        codes = raw[: self._count].reshape(-1, self.layout.head_dim)
+        codes = raw[: self._count].reshape(-1, self._group)
         scales = raw[self._count :].view(np.float32).reshape(-1, 1)
         self._store(self._dequantize(codes) * scales, out)
 
 
-class Fp8Codec(_PerVectorCodec):
+class Fp8Codec(_GroupScaledCodec):
     """float8 e4m3, one scale per token, head and K/V: half of bf16's bytes."""
 
     code_max: ClassVar[float] = 448.0
@@ -145,7 +194,7 @@ class Fp8Codec(_PerVectorCodec):
         return self._table[codes]
 
 
-class Int8Codec(_PerVectorCodec):
+class Int8Codec(_GroupScaledCodec):
     """Symmetric int8, one scale per token, head and K/V: half of bf16's bytes."""
 
     code_max: ClassVar[float] = 127.0
@@ -162,11 +211,13 @@ class Int4Options(CodecOptions):
     group_size: int = Field(default=32, ge=2, le=4096)
     """Elements sharing one scale and minimum: keys group this many tokens
     of one channel, values this many channels of one token (both capped at
-    the chunk's tokens and the head dimension, which they must divide)."""
+    the chunk's tokens and the head dimension, which they must divide); in
+    a ``kv_order`` other than the default, this many consecutive elements."""
 
 
 class Int4Codec(_QuantizedCodec):
-    """Asymmetric 4-bit, KIVI's grouping: keys per channel, values per token."""
+    """Asymmetric 4-bit, KIVI's grouping (keys per channel, values per token)
+    where the order is known, else groups of consecutive elements."""
 
     Options: ClassVar[type[CodecOptions]] = Int4Options
     returns_promptly: ClassVar[bool] = True
@@ -174,17 +225,29 @@ class Int4Codec(_QuantizedCodec):
     def __init__(self, layout: KVLayout, options: CodecOptions | None = None, **kwargs: Any):
         super().__init__(layout, options, **kwargs)
         group = cast(Int4Options, self.options).group_size
-        self._key_group = min(group, layout.chunk_tokens)
-        self._value_group = min(group, layout.head_dim)
+        self._kivi = self.grouping(layout)[0] == KIVI
+        self._key_group = min(group, layout.chunk_tokens) if self._kivi else group
+        self._value_group = min(group, layout.head_dim) if self._kivi else group
         half = self._count // 2
         self._key_params = half // self._key_group
         self._value_params = half // self._value_group
+
+    def grouping(self, layout: KVLayout) -> tuple[str, int]:
+        group = cast(Int4Options, self.options).group_size
+        return (KIVI if layout.kv_order == CHUNK_ORDER else ELEMENTS), group
 
     def check_layout(self, layout: KVLayout) -> str | None:
         reason = super().check_layout(layout)
         if reason is not None:
             return reason
-        group = cast(Int4Options, self.options).group_size
+        grouping, group = self.grouping(layout)
+        if grouping == ELEMENTS:
+            # The first and second halves are grouped apart (K and V in the
+            # default order), so each must hold whole groups.
+            half = self._element_count(layout) // 2
+            if half % group:
+                return f"group_size={group} does not divide half the chunk's elements ({half})"
+            return None
         key_group = min(group, layout.chunk_tokens)
         value_group = min(group, layout.head_dim)
         if layout.chunk_tokens % key_group:
@@ -199,7 +262,11 @@ class Int4Codec(_QuantizedCodec):
 
     def _grouped(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Keys as ``(groups, key_group)`` along tokens, values as ``(groups,
-        value_group)`` along channels: the reduction axis last."""
+        value_group)`` along channels: the reduction axis last. Without
+        KIVI's grouping, each half of the chunk in consecutive groups."""
+        if not self._kivi:
+            flat = values.reshape(2, -1)
+            return flat[0].reshape(-1, self._key_group), flat[1].reshape(-1, self._value_group)
         layers, _, tokens, heads, dim = self._shape
         keys = values[:, 0].reshape(layers, tokens // self._key_group, self._key_group, heads, dim)
         keys = keys.transpose(0, 1, 3, 4, 2).reshape(-1, self._key_group)
@@ -207,6 +274,8 @@ class Int4Codec(_QuantizedCodec):
         return keys, vals
 
     def _ungrouped(self, keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+        if not self._kivi:
+            return np.concatenate((keys.reshape(-1), vals.reshape(-1)))
         layers, _, tokens, heads, dim = self._shape
         keys = keys.reshape(layers, tokens // self._key_group, heads, dim, self._key_group)
         keys = keys.transpose(0, 1, 4, 2, 3).reshape(layers, tokens, heads, dim)

@@ -1,6 +1,7 @@
 """The contract every chunk codec keeps, as a test-suite to inherit: chunks
 that look like KV (normal values with a few outlier channels) in each float
-dtype the codec accepts, plus raw random bytes for exact codecs.
+dtype the codec accepts, plus raw random bytes for exact codecs, in the
+default ``kv_order`` and in one the codec cannot know (an engine's pages).
 
 See docs/codecs.md for an example.
 """
@@ -20,13 +21,17 @@ from kvtier.codecs import (
     CodecStage,
     codec_config,
 )
+from kvtier.codecs.quantized import CHUNK_ORDER as DEFAULT_ORDER
 from kvtier.codecs.samples import decode_floats, kv_like
 from kvtier.errors import CorruptChunkError
 from kvtier.layout import KVLayout
 
+#: A ``kv_order`` no codec knows: the element order is an engine's secret.
+OPAQUE_ORDER = "engine-pages:test"
 
-def _layout(dtype: str, chunk_tokens: int = 32, head_dim: int = 64) -> KVLayout:
-    return KVLayout("kvtier-codec-test", 2, 2, head_dim, dtype, chunk_tokens)
+
+def _layout(dtype: str, kv_order: str = DEFAULT_ORDER) -> KVLayout:
+    return KVLayout("kvtier-codec-test", 2, 2, 64, dtype, 32, kv_order=kv_order)
 
 
 class CodecContractTests:
@@ -36,6 +41,8 @@ class CodecContractTests:
     codec: ClassVar[Any] = "none"
     #: Layout dtypes the codec must handle.
     dtypes: ClassVar[tuple[str, ...]] = ("bfloat16", "float16", "float32")
+    #: Element orders (``kv_order``) the codec must handle.
+    kv_orders: ClassVar[tuple[str, ...]] = (DEFAULT_ORDER, OPAQUE_ORDER)
     #: Layouts the codec must refuse when built (with a reason).
     refused: ClassVar[tuple[KVLayout, ...]] = ()
     #: ``None``: exact, every byte back. Else the largest mean absolute error
@@ -57,11 +64,21 @@ class CodecContractTests:
         stage.decode(payload[:length], memoryview(out))
         return out, length
 
-    @pytest.fixture(params=["bfloat16", "float16", "float32"])
+    @pytest.fixture(
+        params=[
+            (dtype, order)
+            for order in (DEFAULT_ORDER, OPAQUE_ORDER)
+            for dtype in ("bfloat16", "float16", "float32")
+        ],
+        ids=lambda param: f"{param[0]}-{'default' if param[1] == DEFAULT_ORDER else 'opaque'}",
+    )
     def layout(self, request: pytest.FixtureRequest) -> KVLayout:
-        if request.param not in self.dtypes:
-            pytest.skip(f"the codec does not take {request.param} KV")
-        return _layout(request.param)
+        dtype, order = request.param
+        if dtype not in self.dtypes:
+            pytest.skip(f"the codec does not take {dtype} KV")
+        if order not in self.kv_orders:
+            pytest.skip(f"the codec does not take kv_order {order!r}")
+        return _layout(dtype, order)
 
     def test_declares_its_kind(self, layout: KVLayout) -> None:
         codec = self.build(layout)
