@@ -1,21 +1,10 @@
 """Lossy codecs: ``fp8``, ``int8`` and ``int4``, decoded into the layout's dtype.
 
-All three take float KV. In the layout's default ``kv_order`` they know
-which element is which, and group as follows:
-
-* ``fp8``: float8 e4m3 with one float32 scale per token, head and K/V
-  (the absolute maximum of the head's vector maps to 448, e4m3's largest).
-* ``int8``: symmetric 8-bit integers, scaled the same way (maximum to 127).
-* ``int4``: asymmetric 4-bit integers as KIVI groups them: keys per
-  channel over ``group_size`` tokens (key outliers sit in fixed channels),
-  values per token over ``group_size`` channels; a float16 scale and minimum
-  per group.
-
-In any other order (an engine's own pages, say) they read the chunk as a
-flat run of floats and give each ``group_size`` consecutive elements a scale
-of their own, which needs no knowledge of the order. The grouping in use is
-among the parameters a chunk header records, so a chunk is never decoded in
-another grouping than it was written in.
+In the default ``kv_order`` ``fp8`` and ``int8`` scale per token, head and
+K/V and ``int4`` groups as KIVI does; in any other order (an engine's pages)
+each ``group_size`` consecutive elements get a scale of their own. The
+grouping is a recorded parameter: a chunk is never decoded in another.
+See docs/codecs.md, "Built-in codecs".
 """
 
 from __future__ import annotations
