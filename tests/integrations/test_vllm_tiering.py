@@ -21,6 +21,8 @@ pytestmark = pytest.mark.slow
 from tests.integrations.vllm_tiering import (  # noqa: E402
     ROW_BYTES,
     Engine,
+    bf16_values,
+    float_payload,
     offload_keys,
     payload,
     tiering_config,
@@ -325,6 +327,78 @@ def test_the_namespace_follows_what_changes_the_bytes() -> None:
     # Bytes vLLM declares parallelism-agnostic are shared across layouts.
     assert namespace(tp_size=2, agnostic=True) == namespace(agnostic=True)
     assert tiering_layout(tiering_config({}), ROW_BYTES, model_id="v2").namespace != base
+    # Rows read as float KV are another record than opaque rows of the same engine.
+    assert namespace(agnostic=True, dtype="float16") != namespace(agnostic=True)
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype"),
+    [
+        ({"agnostic": True}, "bfloat16"),
+        ({"agnostic": True, "dtype": "float32"}, "float32"),
+        ({"agnostic": False}, "uint8"),
+        ({"agnostic": True, "dtype": "fp8"}, "uint8"),
+    ],
+)
+def test_rows_are_float_kv_only_where_vllm_certifies_them(
+    config: dict[str, Any], dtype: str
+) -> None:
+    layout = tiering_layout(tiering_config({}, **config), ROW_BYTES)
+    assert layout.dtype == dtype
+    assert layout.slot_bytes == ROW_BYTES
+
+
+def test_an_int8_tier_loads_rows_within_the_codecs_bound(
+    tmp_path: Any, engines: Callable[..., Engine]
+) -> None:
+    tier = {"type": "fs", "root_dir": str(tmp_path / "kv"), "codec": "int8"}
+    engine = engines(tier, agnostic=True)
+    keys = offload_keys(3, tag=b"int8")
+    engine.store(keys, float_payload)
+    engine.evict_primary()
+    loaded = engine.load(keys)
+    assert list(loaded) == keys
+    for key, row in loaded.items():
+        exact, decoded = bf16_values(float_payload(key)), bf16_values(row)
+        # Half a step of each 64-element group's scale, then bf16's rounding.
+        step = np.repeat(np.abs(exact).reshape(-1, 64).max(axis=1) / 127, 64)
+        assert np.all(np.abs(decoded - exact) <= step / 2 * 1.01 + np.abs(exact) / 256)
+        assert not np.array_equal(row, float_payload(key)), "the chunk was stored exactly"
+    assert engine.adapter.tier.stats.chunks_loaded >= 3
+
+
+def test_an_engine_without_the_opt_in_never_loads_lossy_rows(
+    tmp_path: Any, engines: Callable[..., Engine]
+) -> None:
+    root = str(tmp_path / "kv")
+    keys = offload_keys(3, tag=b"lossy")
+    engines({"type": "fs", "root_dir": root, "codec": "int8"}, agnostic=True).store(
+        keys, float_payload
+    )
+    for codec in ("none", "lossless"):
+        exact = engines({"type": "fs", "root_dir": root, "codec": codec}, agnostic=True)
+        assert exact.load(keys) == {}
+        assert exact.adapter.tier.stats.chunks_loaded == 0
+    # The same opt-in shares them.
+    again = engines({"type": "fs", "root_dir": root, "codec": "int8"}, agnostic=True)
+    assert list(again.load(keys)) == keys
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({"agnostic": True, "dtype": "fp8"}, "vLLM's offload rows of a fp8 KV cache"),
+        ({"agnostic": False}, "elements whose type kvtier cannot tell"),
+    ],
+)
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
+def test_a_lossy_codec_on_rows_kvtier_cannot_read_is_refused_with_the_reason(
+    config: dict[str, Any], says: str, codec: str
+) -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.tier\.codec: ") as failure:
+        Engine({"type": "memory", "codec": codec}, **config)
+    assert says in str(failure.value)
+    assert "already quantised" not in str(failure.value)
 
 
 def test_vllms_backpressure_detector_reaches_the_tier(

@@ -9,7 +9,7 @@ import hashlib
 import itertools
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,10 +57,23 @@ def payload(key: OffloadKey) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, ROW_BYTES, dtype=np.uint8)
 
 
+def float_payload(key: OffloadKey) -> np.ndarray:
+    """A row of bf16 KV values (as its bytes), made from the key alone."""
+    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+    values = np.random.default_rng(seed).normal(0.0, 2.0, ROW_BYTES // 2).astype(np.float32)
+    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def bf16_values(row: np.ndarray) -> np.ndarray:
+    """The float32 values of a row of bf16 bytes."""
+    return (row.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
 def tiering_config(
     entry: dict[str, Any],
     *,
     model: str = "kvtier-test/model",
+    dtype: str = "bfloat16",
     chunks: int = 8,
     events: bool = False,
     tp_size: int = 1,
@@ -72,7 +85,7 @@ def tiering_config(
         enable_kv_cache_events=events,
         extra_config={"cpu_bytes_to_use": chunks * ROW_BYTES, "secondary_tiers": [entry]},
         engine_id=f"kvtier-test-{uuid.uuid4().hex[:8]}-{next(_engines)}",
-        model=OffloadingModelConfig(name=model, dtype="bfloat16"),
+        model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=2),
         parallel=OffloadingParallelConfig(
             rank=0,
@@ -131,14 +144,16 @@ class Engine:
             assert time.monotonic() < deadline, "transfers still in flight"
             time.sleep(0.002)
 
-    def store(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-        """Store ``keys``' chunks (their :func:`payload`) and let them cascade."""
+    def store(
+        self, keys: Sequence[OffloadKey], fill: Callable[[OffloadKey], np.ndarray] = payload
+    ) -> list[OffloadKey]:
+        """Store ``keys``' chunks (``fill``'s bytes of each) and let them cascade."""
         ctx = ReqContext(req_id=f"store-{uuid.uuid4().hex[:8]}")
         self.manager.on_new_request(ctx)
         prepared = self.manager.prepare_store(list(keys), ctx)
         assert prepared is not None, "the primary tier refused the store"
         for key, chunk in zip(prepared.keys_to_store, prepared.store_spec.chunk_ids, strict=True):
-            self.row(int(chunk))[:] = payload(key)
+            self.row(int(chunk))[:] = fill(key)
         self.manager.complete_store(prepared.keys_to_store, ctx)
         self.manager.on_request_finished(ctx)
         self.settle()

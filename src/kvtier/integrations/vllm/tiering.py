@@ -63,6 +63,9 @@ _ANNOUNCED_LIMIT = 1 << 20
 #: Keys of a ``secondary_tiers`` entry that vLLM's factory takes for itself.
 _FACTORY_KEYS = frozenset({"type", "module_path", "backpressure"})
 
+#: The float KV dtypes a row may be read as, and their widths in bytes.
+_FLOAT_KV_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
 
 class TieringOptions(BaseModel):
     """What a ``secondary_tiers`` entry of vLLM's tiering gives this tier, beside
@@ -107,8 +110,9 @@ def tiering_layout(config: Any, row_bytes: int, model_id: str | None = None) -> 
     namespace, so another model, dtype, block geometry, page format or
     parallel layout never finds these chunks.
 
-    kvtier never looks inside a row (vLLM's workers fill it), so the layout
-    describes it as one opaque ``uint8`` record of ``row_bytes``.
+    A row is described by its elements where :func:`row_elements` can tell
+    them (float KV, so the lossy codecs group consecutive elements), else as
+    one opaque ``uint8`` record of ``row_bytes``.
     """
     if row_bytes <= 0 or row_bytes % 2:
         raise ConfigError(
@@ -142,16 +146,45 @@ def tiering_layout(config: Any, row_bytes: int, model_id: str | None = None) -> 
         },
         "weights": _weights(str(config.model.name), model_id),
     }
+    dtype, _ = row_elements(config)
+    element_bytes = _FLOAT_KV_BYTES.get(dtype, 1)
+    if row_bytes % (2 * element_bytes):
+        raise ConfigError(
+            [("cpu_bytes_to_use", f"vLLM's primary rows are {row_bytes} bytes: not {dtype} KV")]
+        )
     return KVLayout(
         model_id=str(config.model.name),
         num_layers=1,
         num_kv_heads=1,
-        head_dim=row_bytes // 2,
-        dtype="uint8",
+        head_dim=row_bytes // (2 * element_bytes),
+        dtype=dtype,
         chunk_tokens=1,
         kv_order=f"vllm-offload-row[{row_bytes}]",
         extra=tuple(sorted((k, _text(v)) for k, v in facts.items())),
     )
+
+
+def row_elements(config: Any) -> tuple[str, str | None]:
+    """The element type of vLLM's offload rows and ``None``, or ``uint8`` and
+    why kvtier cannot read them as float KV.
+
+    A row is every worker's pages of a chunk, in the KV cache's dtype, then
+    zeros up to a memory page. Only where vLLM itself certifies the direct
+    layout parallelism-agnostic is it one plain full-attention group (not
+    MLA, no scales per token and head); other groups may hold latents, Mamba
+    state, scales or other layers' bytes, which kvtier cannot tell apart.
+    """
+    dtype = str(config.model.dtype)
+    if dtype not in _FLOAT_KV_BYTES:
+        return "uint8", f"vLLM's offload rows of a {dtype} KV cache are not float KV"
+    parallel = config.parallel
+    if config.canonical_layout or config.replicated_layout or not parallel.is_parallelism_agnostic:
+        return "uint8", (
+            "vLLM's offload rows hold elements whose type kvtier cannot tell (they are "
+            "plain float KV only where vLLM finds one full-attention group without "
+            "scales, its bytes parallelism-agnostic, in the direct layout)"
+        )
+    return dtype, None
 
 
 def _text(value: object) -> str:
@@ -236,6 +269,18 @@ class KVTierSecondaryTier(SecondaryTierManager):
                         "'p2p' serves chunks from kvtier's own CPU tier, which vLLM's "
                         "tiering replaces with its own; use kvtier's connector "
                         "(KVTierConnector) for p2p, or vLLM's own p2p tier here",
+                    )
+                ]
+            )
+        _, opaque = row_elements(offloading_spec.config)
+        codec = tier_config.codec
+        if opaque is not None and codec is not None and codec.codec_class.lossy:
+            raise ConfigError(
+                [
+                    (
+                        f"{path}.tier.codec",
+                        f"{codec.codec_type!r} is lossy and encodes float KV only, "
+                        f"but {opaque}; use codec none or lossless",
                     )
                 ]
             )
@@ -514,4 +559,4 @@ def _byte_rows(view: memoryview) -> tuple[memoryview, int]:
     return view.cast("B").cast("B", (rows, row_bytes)), row_bytes
 
 
-__all__ = ["KVTierSecondaryTier", "TieringOptions", "tiering_layout"]
+__all__ = ["KVTierSecondaryTier", "TieringOptions", "row_elements", "tiering_layout"]
