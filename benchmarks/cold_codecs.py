@@ -9,11 +9,13 @@ its own round trip of them for a lossy one. Per codec the report gives the
 load time (p50), GB/s of raw KV, the load time over ``none``'s in the same
 run, the stored ratio (raw bytes over the bytes the tier holds) and the
 decode share: of the tier's workers' time in reads and decodes, the part
-spent decoding.
+spent decoding; and the tier speed below which the codec starts to pay
+(:func:`pays_below_gbps`).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
@@ -80,6 +82,18 @@ def stored_ratio(tier: Any) -> float:
     return raw / stored if stored else 1.0
 
 
+def pays_below_gbps(run: dict[str, Any], reference: dict[str, Any]) -> float:
+    """The speed of ``none``'s load (GB/s of raw KV) below which this codec's
+    load of the same prefix is the faster: ``none``'s time taken to scale with
+    the bytes moved, and the codec's time beyond moving ``1/ratio`` of them
+    (decoding, its larger share of fixed costs) to stay. ``inf`` (reported as
+    ``None``): faster already, or ``none`` itself."""
+    ratio = run["stored_ratio"]
+    gigabytes = reference["gbps"] * reference["total_s"]
+    extra_s = run["total_s"] - reference["total_s"] / ratio
+    return gigabytes * (1 - 1 / ratio) / extra_s if extra_s > 0 else math.inf
+
+
 def codec_row(
     rounds: list[dict[str, Any]], reference: list[dict[str, Any]], summary: Any
 ) -> dict[str, Any]:
@@ -87,17 +101,25 @@ def codec_row(
     median = statistics.median
     paired = [r["total_s"] / n["total_s"] for r, n in zip(rounds, reference, strict=True)]
     shares = [r["decode_s"] / ((r["decode_s"] + r["io_s"]) or 1.0) for r in rounds]
+    pays = median(pays_below_gbps(r, n) for r, n in zip(rounds, reference, strict=True))
     return {
         "load_s": summary([r["total_s"] for r in rounds]),
         "time_vs_none": summary(paired),
         "stored_ratio": round(median(r["stored_ratio"] for r in rounds), 3),
         "decode_share": round(median(shares), 3),
+        "pays_below_gbps": round(pays, 3) if math.isfinite(pays) else None,
     }
 
 
 def label(name: str) -> str:
     """A system's name in the codec table: its codec's, or ``baseline``."""
     return REFERENCE if name == "kvtier" else name.partition(":")[2] or name
+
+
+def pays_text(name: str, pays: float | None) -> str:
+    if name == "kvtier":
+        return "-"
+    return "always" if pays is None else f"{pays:.2f}"
 
 
 def codec_table(result: dict[str, Any]) -> list[str]:
@@ -107,13 +129,14 @@ def codec_table(result: dict[str, Any]) -> list[str]:
         return []
     lines = [
         f"  {'codec':<10} {'load p50 s':>10} {'GB/s':>6} {'time/none':>9} "
-        f"{'stored ratio':>12} {'decode share':>12}"
+        f"{'stored ratio':>12} {'decode share':>12} {'pays below GB/s':>15}"
     ]
     for name, row in rows:
         codec = row["codec"]
         lines.append(
             f"  {label(name):<10} {codec['load_s']['p50']:>10.3f} "
             f"{row['gbps']['p50']:>6.2f} {codec['time_vs_none']['p50']:>8.2f}x "
-            f"{codec['stored_ratio']:>11.2f}x {codec['decode_share']:>12.0%}"
+            f"{codec['stored_ratio']:>11.2f}x {codec['decode_share']:>12.0%} "
+            f"{pays_text(name, codec['pays_below_gbps']):>15}"
         )
     return lines

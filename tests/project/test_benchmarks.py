@@ -163,11 +163,14 @@ def test_bench_cold_loads_the_prefix_through_each_codec_beside_none(
         if codec == "none":
             assert figures["time_vs_none"]["p50"] == pytest.approx(1.0)
             assert figures["stored_ratio"] == 1.0 and figures["decode_share"] == 0.0
+            assert figures["pays_below_gbps"] is None
         else:
             # KV-like bf16 values: both codecs store fewer bytes, and decoding costs time.
             assert figures["stored_ratio"] > 1.2, codec
             assert 0 < figures["decode_share"] < 1, codec
             assert row["breakdown"]["decode_s"] > 0, codec
+            pays = figures["pays_below_gbps"]
+            assert pays is None or pays > 0, codec
 
 
 # The peers' drivers run in the peers' own environments (scripts/peer-envs.sh);
