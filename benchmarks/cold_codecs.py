@@ -128,14 +128,15 @@ def codec_table(result: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     lines = [
-        f"  {'codec':<10} {'load p50 s':>10} {'GB/s':>6} {'time/none':>9} "
+        f"  {'codec':<10} {'load p50 s':>10} {'GB/s':>6} {'time/none (spread)':>18} "
         f"{'stored ratio':>12} {'decode share':>12} {'pays below GB/s':>15}"
     ]
     for name, row in rows:
         codec = row["codec"]
         lines.append(
             f"  {label(name):<10} {codec['load_s']['p50']:>10.3f} "
-            f"{row['gbps']['p50']:>6.2f} {codec['time_vs_none']['p50']:>8.2f}x "
+            f"{row['gbps']['p50']:>6.2f} {codec['time_vs_none']['p50']:>10.2f}x "
+            f"({codec['time_vs_none']['spread']:>4.0%}) "
             f"{codec['stored_ratio']:>11.2f}x {codec['decode_share']:>12.0%} "
             f"{pays_text(name, codec['pays_below_gbps']):>15}"
         )
