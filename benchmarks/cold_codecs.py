@@ -10,7 +10,8 @@ load time (p50), GB/s of raw KV, the load time over ``none``'s in the same
 run, the stored ratio (raw bytes over the bytes the tier holds) and the
 decode share: of the tier's workers' time in reads and decodes, the part
 spent decoding; and the tier speed below which the codec starts to pay
-(:func:`pays_below_gbps`).
+(:func:`pays_below_gbps`). A ``--baseline-src`` kvtier loads the same
+prefix with ``none``.
 """
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ def pays_below_gbps(run: dict[str, Any], reference: dict[str, Any]) -> float:
     load of the same prefix is the faster: ``none``'s time taken to scale with
     the bytes moved, and the codec's time beyond moving ``1/ratio`` of them
     (decoding, its larger share of fixed costs) to stay. ``inf`` (reported as
-    ``None``): faster already, or ``none`` itself."""
+    ``None``): faster already; ``0`` where it stores no fewer bytes (``none``)."""
     ratio = run["stored_ratio"]
+    if ratio <= 1:
+        return 0.0
     gigabytes = reference["gbps"] * reference["total_s"]
     extra_s = run["total_s"] - reference["total_s"] / ratio
     return gigabytes * (1 - 1 / ratio) / extra_s if extra_s > 0 else math.inf
@@ -116,9 +119,10 @@ def label(name: str) -> str:
     return REFERENCE if name == "kvtier" else name.partition(":")[2] or name
 
 
-def pays_text(name: str, pays: float | None) -> str:
-    if name == "kvtier":
-        return "-"
+def pays_text(codec: dict[str, Any]) -> str:
+    if codec["stored_ratio"] <= 1:
+        return "-"  # saves no bytes: pays at no speed
+    pays = codec["pays_below_gbps"]
     return "always" if pays is None else f"{pays:.2f}"
 
 
@@ -138,6 +142,6 @@ def codec_table(result: dict[str, Any]) -> list[str]:
             f"{row['gbps']['p50']:>6.2f} {codec['time_vs_none']['p50']:>10.2f}x "
             f"({codec['time_vs_none']['spread']:>4.0%}) "
             f"{codec['stored_ratio']:>11.2f}x {codec['decode_share']:>12.0%} "
-            f"{pays_text(name, codec['pays_below_gbps']):>15}"
+            f"{pays_text(codec):>15}"
         )
     return lines
