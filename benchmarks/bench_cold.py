@@ -53,6 +53,13 @@ machine is shared), then the median (p50) over runs, with the spread
 against its raw client instead (``bench_cold_remote.py``; ``--threads`` is
 then the tier's ``io_threads``, 4 by default, and the raw client's).
 
+``--codec NAME`` (repeatable, or a comma-separated list) measures the cold
+prefix through each named codec and ``none`` in the same runs, on KV-like
+bf16 values (``cold_codecs.py``; a table per chunk size follows the lines
+above):
+
+    python benchmarks/bench_cold.py --tier redis --codec none,lossless,int8,int4
+
 ``--quick`` (8 MiB, one run, no peer) checks the driver, as the test suite does.
 """
 
@@ -76,6 +83,16 @@ BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
 
 from bench_fs import clear_directory, parse_size  # noqa: E402
+from cold_codecs import (  # noqa: E402
+    codec_names,
+    codec_row,
+    codec_table,
+    prefix_rows,
+    served_rows,
+    stored_ratio,
+    system_name,
+    tier_entry,
+)
 from physical import drop_caches  # noqa: E402
 
 #: Bytes of one token across the layout's layers (4 layers, 2 KV heads, 64 dims, fp16, K and V).
@@ -86,12 +103,14 @@ PEER = "lmcache-disk-odirect"
 # One measurement, in its own process -----------------------------------------
 
 
-def layout_for(chunk: int) -> Any:
+def layout_for(chunk: int, codec: str | None = None) -> Any:
+    """The prefix's layout: fp16, or bf16 when measured through codecs."""
     from kvtier import KVLayout
 
     if chunk % TOKEN_BYTES:
         raise SystemExit(f"--chunk must be a multiple of {TOKEN_BYTES} bytes, got {chunk}")
-    return KVLayout("bench-cold", 4, 2, 64, "float16", chunk // TOKEN_BYTES)
+    dtype = "float16" if codec is None else "bfloat16"
+    return KVLayout("bench-cold", 4, 2, 64, dtype, chunk // TOKEN_BYTES)
 
 
 class Probe:
@@ -135,6 +154,9 @@ def probe_lookup_path(probe: Probe, cache: Any, tier: Any) -> None:
     entry = "lookup_pinned" if hasattr(manager, "lookup_pinned") else "lookup"
     probe.wrap(manager, entry, "lookup")
     probe.wrap(manager, "step", "step")
+    stage = getattr(tier, "codec_stage", None)  # kvtier releases before codecs have none
+    if stage is not None:
+        probe.wrap(stage, "decode", "decode")
 
 
 def bring_back(cache: Any, tokens: Any, expected: Any, out: Any) -> tuple[float, float, float]:
@@ -180,6 +202,7 @@ def breakdown(
         "jobs": counts.get("submit", 0),
         "io_s": sums.get("io", 0.0),
         "io_span_s": io_end - probe.first.get("io", begin),
+        "decode_s": sums.get("decode", 0.0),
         "tail_s": begin + prefix_s - io_end,
         "waits_s": prefix_s - sums.get("lookup", 0.0) - sums.get("step", 0.0),
         "checksum_s": checksum_s,
@@ -188,33 +211,37 @@ def breakdown(
 
 
 def measure_cold(
-    root: str, size: int, chunk: int, seed: int, threads: int, immediate: bool
+    root: str, size: int, chunk: int, seed: int, threads: int, immediate: bool, codec: str | None
 ) -> dict[str, Any]:
+    """One cold prefix from ``fs``; ``codec``: through it, on KV-like values."""
     import numpy as np
 
     from kvtier import KVCache
     from kvtier.tiers.fs import io as chunk_io
 
-    layout = layout_for(chunk)
+    layout = layout_for(chunk, codec)
     chunks = size // chunk
+    entry = {"type": "fs", "root_dir": root, "io_threads": threads}
     config = {
         "chunk_tokens": layout.chunk_tokens,
         "cpu_bytes_to_use": chunks * layout.slot_bytes,
-        "secondary_tiers": [{"type": "fs", "root_dir": root, "io_threads": threads}],
+        "secondary_tiers": [tier_entry(entry, codec)],
     }
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 2**31, chunks * layout.chunk_tokens)
-    expected = rng.integers(0, 256, (chunks, layout.slot_bytes), dtype=np.uint8)
+    tokens, rows = prefix_rows(layout, chunks, seed, kv=codec is not None)
+    expected = served_rows(rows, layout, codec)
     with KVCache(config, layout) as writer:
         mapped = getattr(writer.manager.primary.buffer, "wait_populated", None)
         if mapped is not None and not immediate:
             mapped()  # an engine stores once it is up, as it looks up (see below)
         started = time.perf_counter()
-        if writer.store(tokens, expected) != chunks:
+        if writer.store(tokens, rows) != chunks:
             raise SystemExit("the prefix was not stored whole")
         writer.drain()
         os.sync()
         store_s = time.perf_counter() - started
+        codec_figures = {}
+        if codec is not None:
+            codec_figures = {"stored_ratio": stored_ratio(writer.manager.tiers[0])}
     cold = drop_caches(root)
     out = np.ones_like(expected)  # the engine's memory: allocated and touched before
 
@@ -253,6 +280,7 @@ def measure_cold(
         "reindex_s": reindexed[0] - started if reindexed and reindexed[0] else None,
         "index_ready": index_ready,
         "io_threads": threads,
+        **codec_figures,
     }
 
 
@@ -260,7 +288,12 @@ def measure_cold(
 
 
 def child_command(
-    src: Path | None, args: argparse.Namespace, root: Path, chunk: int, seed: int
+    src: Path | None,
+    args: argparse.Namespace,
+    root: Path,
+    chunk: int,
+    seed: int,
+    codec: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if src is not None:
@@ -268,14 +301,19 @@ def child_command(
     command = [sys.executable, str(Path(__file__).resolve()), "--child", str(root)]
     command += ["--size", str(args.size), "--chunk", str(chunk), "--seed", str(seed)]
     command += ["--threads", str(args.threads)] + (["--immediate"] if args.immediate else [])
-    return command, env
+    return command + (["--codec", codec] if codec is not None else []), env
 
 
 def run_kvtier(
-    src: Path | None, args: argparse.Namespace, root: Path, chunk: int, seed: int
+    src: Path | None,
+    args: argparse.Namespace,
+    root: Path,
+    chunk: int,
+    seed: int,
+    codec: str | None = None,
 ) -> dict[str, Any]:
     clear_directory(root, args.root)
-    command, env = child_command(src, args, root, chunk, seed)
+    command, env = child_command(src, args, root, chunk, seed, codec)
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     shutil.rmtree(root, ignore_errors=True)
     if done.returncode != 0:
@@ -364,6 +402,8 @@ def measure_chunk(
             if PEER in runs:
                 paired = [p / o["gbps"] for p, o in zip(promotion, runs[PEER], strict=True)]
                 row[f"promotion_vs_{PEER}"] = summary(paired)
+            if "stored_ratio" in rounds[0]:
+                row["codec"] = codec_row(rounds, runs["kvtier"], summary)
         result[name] = row
     return result
 
@@ -384,14 +424,16 @@ def systems_for(
 ) -> dict[str, Callable[[int, Path], dict[str, Any]]]:
     """Each system's run ``(run index, fresh root) -> figures`` for one chunk size."""
 
-    def kvtier(src: Path | None) -> Callable[[int, Path], dict[str, Any]]:
-        return lambda index, root: run_kvtier(src, args, root, chunk, args.seed + index)
+    def kvtier(src: Path | None, codec: str | None = None) -> Callable[[int, Path], dict[str, Any]]:
+        return lambda index, root: run_kvtier(src, args, root, chunk, args.seed + index, codec)
 
-    systems = {"kvtier": kvtier(None)}
+    systems = {system_name(codec): kvtier(None, codec) for codec in args.codecs or [None]}
     if "fio" not in notes:
         systems["fio"] = lambda index, root: run_fio(args, chunk)
     if args.baseline_src is not None:
-        systems["baseline"] = kvtier(args.baseline_src.absolute())
+        # Through codecs, on the same KV-like prefix as the others, with none.
+        reference = args.codecs[0] if args.codecs else None
+        systems["baseline"] = kvtier(args.baseline_src.absolute(), reference)
     if peer is not None:
 
         def peer_run(index: int, root: Path) -> dict[str, Any]:
@@ -423,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-envs", type=Path, default=BENCHMARKS.parent)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--codec",
+        action="append",
+        help="measure through this codec too (repeatable or a,b,c; none is always run)",
+    )
+    parser.add_argument(
         "--immediate",
         action="store_true",
         help="look the prefix up right after construction, not once the buffer is mapped",
@@ -432,10 +479,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", metavar="ROOT", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.child:
-        chunk, root = args.chunk[0], args.child
-        figures = measure_cold(root, args.size, chunk, args.seed, args.threads, args.immediate)
+        chunk, root, codec = args.chunk[0], args.child, (args.codec or [None])[0]
+        figures = measure_cold(
+            root, args.size, chunk, args.seed, args.threads, args.immediate, codec
+        )
         print(json.dumps(figures))
         return 0
+    args.codecs = codec_names(args.codec)
     if args.threads is None:
         args.threads = 32 if args.tier == "fs" else 4
     if args.quick:
@@ -471,7 +521,8 @@ def run_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if args.runs < 1 or any(args.size < c for c in chunks):
         parser.error("need --runs >= 1 and --size of at least one chunk")
     results = []
-    with remote_server(args.tier, args.threads, args.size) as (config, new_client):
+    prefixes = len(args.codecs or [None])
+    with remote_server(args.tier, args.threads, args.size, prefixes) as (config, new_client):
         for chunk in chunks:
             systems = remote_systems(args, chunk, config, new_client)
             results.append(measure_chunk(args, chunk, systems))
@@ -481,6 +532,7 @@ def run_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 def report(args: argparse.Namespace, results: list[dict[str, Any]], notes: dict[str, str]) -> None:
     out = {"tier": args.tier, "io_threads": args.threads, "size": args.size, "runs": args.runs}
+    out["codecs"] = args.codecs
     out |= {"results": results, "skipped": notes}
     if args.json:
         print(json.dumps(out, indent=2))
@@ -500,6 +552,8 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], notes: dict[
             if "breakdown" in row:
                 parts = ", ".join(f"{k} {v}" for k, v in row["breakdown"].items())
                 print(f"    {parts}")
+        for line in codec_table(result):
+            print(line)
     for name, why in notes.items():
         print(f"skipped {name}: {why}")
 

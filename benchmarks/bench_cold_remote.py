@@ -17,6 +17,9 @@ started on loopback (``tests/support/servers.py``) for the whole run. In each ru
   set up before the clock starts (its connections and buffers made on first
   use), as the fresh ``KVCache`` is built before its clock starts.
 
+With ``--codec``, each codec's kvtier runs on a prefix of its own (the same
+values, stored through that codec); the raw client reads ``none``'s.
+
 Both run in this process; jobs get a 60 s deadline, so that the figure is
 the tier's rate, not its per-request deadline's (``deadline_s``).
 """
@@ -31,6 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from bench_cold import Probe, breakdown, bring_back, layout_for, probe_lookup_path
+from cold_codecs import (
+    REFERENCE,
+    prefix_rows,
+    served_rows,
+    stored_ratio,
+    system_name,
+    tier_entry,
+)
 
 #: A raw client of its own for one run, set up before the clock starts, as the
 #: fresh ``KVCache`` is: ``(its read of all the names, its close)``.
@@ -42,9 +53,10 @@ REMOTE_TIERS = ("redis", "obj", "mooncake")
 
 @contextmanager
 def remote_server(
-    tier: str, threads: int, size: int
+    tier: str, threads: int, size: int, prefixes: int = 1
 ) -> Iterator[tuple[dict[str, Any], NewRawClient]]:
-    """The tier's server on loopback: yields the tier's config and a maker of raw clients."""
+    """The tier's server on loopback: yields the tier's config and a maker of raw
+    clients. ``prefixes``: how many prefixes of ``size`` bytes it holds at once."""
     from bench_shared_tiers import WHOLE_JOBS, RawRedis, RawS3  # puts the checkout on sys.path
     from tests.support.servers import MooncakeMaster, RedisServer, S3Server
 
@@ -74,9 +86,9 @@ def remote_server(
         from kvtier import integrity
         from kvtier.tiers.mooncake import MooncakeTier
 
-        # Room for two prefixes at once (the last run's is removed before the
-        # next is stored) and the allocator's slack.
-        with MooncakeMaster(storage_bytes=2 * size + (64 << 20)) as master:
+        # Room for one more prefix than held at once (the last run's is
+        # removed before the next is stored) and the allocator's slack.
+        with MooncakeMaster(storage_bytes=(prefixes + 1) * size + (64 << 20)) as master:
 
             def raw_mooncake(chunk: int) -> RawClient:
                 value_bytes = integrity.HEADER_BYTES + chunk
@@ -92,45 +104,49 @@ class StoredPrefix:
     """One run's prefix, stored through kvtier once for both systems of the run
     (they share the run's seed), removed when the next run stores its own."""
 
-    def __init__(self, config: dict[str, Any], size: int, chunk: int) -> None:
-        self.config, self.size, self.chunk = config, size, chunk
+    def __init__(
+        self, config: dict[str, Any], size: int, chunk: int, codec: str | None = None
+    ) -> None:
+        self.config, self.size, self.chunk, self.codec = config, size, chunk, codec
         self.seed: int | None = None
         self.keys: list[Any] = []
         self.names: list[str] = []
         self.figures: dict[str, Any] = {}
+        self.expected: Any = None
 
     def ensure(self, seed: int) -> tuple[Any, Any, Any]:
-        """``(layout, tokens, expected rows)`` of ``seed``'s prefix, stored."""
-        import numpy as np
-
+        """``(layout, tokens, expected rows)`` of ``seed``'s prefix, stored
+        (expected: what the tier serves, a lossy codec's round trip)."""
         from kvtier import KVCache
 
-        layout = layout_for(self.chunk)
+        layout = layout_for(self.chunk, self.codec)
         chunks = self.size // self.chunk
-        rng = np.random.default_rng(seed)
-        tokens = rng.integers(0, 2**31, chunks * layout.chunk_tokens)
-        expected = rng.integers(0, 256, (chunks, layout.slot_bytes), dtype=np.uint8)
+        tokens, rows = prefix_rows(layout, chunks, seed, kv=self.codec is not None)
         if seed == self.seed:
-            return layout, tokens, expected
+            return layout, tokens, self.expected
         with KVCache(self.cache_config(), layout) as writer:
             tier: Any = writer.manager.tiers[0]
             tier.discard(self.keys)  # the last run's values: room for this one's
             writer.manager.primary.buffer.wait_populated()
             started = time.perf_counter()
-            if writer.store(tokens, expected) != chunks:
+            if writer.store(tokens, rows) != chunks:
                 raise SystemExit("the prefix was not stored whole")
             writer.drain()
             store_s = time.perf_counter() - started
             self.keys = writer.keys(tokens)
             self.names = [tier.store_name(key) for key in self.keys]
-        self.seed, self.figures = seed, {"store_s": store_s}
-        return layout, tokens, expected
+            self.figures = {"store_s": store_s}
+            if self.codec is not None:
+                self.figures["stored_ratio"] = stored_ratio(tier)
+        self.seed, self.expected = seed, served_rows(rows, layout, self.codec)
+        return layout, tokens, self.expected
 
     def cache_config(self) -> dict[str, Any]:
+        layout = layout_for(self.chunk, self.codec)
         return {
-            "chunk_tokens": layout_for(self.chunk).chunk_tokens,
-            "cpu_bytes_to_use": self.size // self.chunk * layout_for(self.chunk).slot_bytes,
-            "secondary_tiers": [self.config],
+            "chunk_tokens": layout.chunk_tokens,
+            "cpu_bytes_to_use": self.size // self.chunk * layout.slot_bytes,
+            "secondary_tiers": [tier_entry(self.config, self.codec)],
         }
 
 
@@ -183,9 +199,15 @@ def measure_raw(stored: StoredPrefix, new_client: NewRawClient, seed: int) -> di
 def remote_systems(
     args: argparse.Namespace, chunk: int, config: dict[str, Any], new_client: NewRawClient
 ) -> dict[str, Callable[[int, Path], dict[str, Any]]]:
-    """``bench_cold.measure_chunk``'s systems for a remote tier: kvtier and its raw client."""
-    stored = StoredPrefix({**config, "io_threads": args.threads}, args.size, chunk)
-    return {
-        "kvtier": lambda index, _: measure_kvtier(stored, args.seed + index),
-        "raw": lambda index, _: measure_raw(stored, new_client, args.seed + index),
-    }
+    """``bench_cold.measure_chunk``'s systems for a remote tier: kvtier (through
+    each of ``args.codecs``) and its raw client."""
+    entry = {**config, "io_threads": args.threads}
+    stored = {c: StoredPrefix(entry, args.size, chunk, c) for c in args.codecs or [None]}
+    reference = stored[REFERENCE if args.codecs else None]
+
+    def kvtier(prefix: StoredPrefix) -> Callable[[int, Path], dict[str, Any]]:
+        return lambda index, _: measure_kvtier(prefix, args.seed + index)
+
+    systems = {system_name(codec): kvtier(prefix) for codec, prefix in stored.items()}
+    systems["raw"] = lambda index, _: measure_raw(reference, new_client, args.seed + index)
+    return systems

@@ -142,6 +142,37 @@ def test_bench_cold_remote_tier_verifies_the_prefix_against_its_raw_client(
         assert result["raw"]["gbps"]["p50"] > 0 and row["vs_raw"]["p50"] > 0
 
 
+@pytest.mark.parametrize("tier", ["fs", "redis"])
+def test_bench_cold_loads_the_prefix_through_each_codec_beside_none(
+    tier: str, tmp_path: Path
+) -> None:
+    if tier == "redis":
+        need_redis_server()
+    where = ["--root", str(tmp_path)] if tier == "fs" else ["--tier", tier]
+    out = run_quick("bench_cold.py", *where, "--chunk", "256KiB", "--codec", "lossless,int8")
+    assert out["codecs"] == ["none", "lossless", "int8"]
+    [result] = out["results"]
+    systems = {"none": "kvtier", "lossless": "kvtier:lossless", "int8": "kvtier:int8"}
+    for codec, name in systems.items():
+        row = result[name]
+        # The driver compared every loaded byte with what the tier serves: the
+        # stored bytes (none, lossless) or the codec's own round trip (int8).
+        assert row["verified_chunks"] == [result["chunks"]], codec
+        figures = row["codec"]
+        assert figures["load_s"]["p50"] > 0 and row["gbps"]["p50"] > 0
+        if codec == "none":
+            assert figures["time_vs_none"]["p50"] == pytest.approx(1.0)
+            assert figures["stored_ratio"] == 1.0 and figures["decode_share"] == 0.0
+            assert figures["pays_below_gbps"] == 0.0
+        else:
+            # KV-like bf16 values: both codecs store fewer bytes, and decoding costs time.
+            assert figures["stored_ratio"] > 1.2, codec
+            assert 0 < figures["decode_share"] < 1, codec
+            assert row["breakdown"]["decode_s"] > 0, codec
+            pays = figures["pays_below_gbps"]
+            assert pays is None or pays > 0, codec
+
+
 # The peers' drivers run in the peers' own environments (scripts/peer-envs.sh);
 # where one is missing its systems skip, saying so. CI builds them all and sets
 # KVTIER_REQUIRE_PEER_ENVS, which turns such a skip into a failure.
