@@ -208,9 +208,10 @@ def test_an_engine_without_the_opt_in_never_loads_a_lossy_chunk(
     plain = _engine(tmp_path, "no-opt-in", spec)
 
     assert plain["tokens"] == stored["tokens"]
-    # The first prompt found nothing; the later ones only the shared prefix
-    # this engine computed itself, from its own primary tier.
-    assert plain["cached"][0] == 0
+    # At most the 3 shared chunks, which this engine computed itself and then
+    # found in its own primary tier: the three prompts are scheduled together,
+    # so whichever computed them first may not be the first prompt.
+    assert max(plain["cached"]) <= 3 * CHUNK
     tiers_stats = plain["stats"]["tiers"]
     assert sum(tier["misses"] for tier in tiers_stats) > 0  # they were asked
     for tier in tiers_stats:
