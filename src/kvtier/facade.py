@@ -373,13 +373,12 @@ class KVCache:
         self.manager.primary.buffer.unlink()
 
     def _unpin(self, keys: Sequence[ChunkKey]) -> None:
-        """Release chunks pinned for this cache's lookups (nothing to do once closed)."""
-        if keys:
-            try:
-                with self.lifecycle.running():
-                    self.manager.complete_load(keys)
-            except ClosedError:
-                pass
+        """Release chunks pinned for this cache's lookups (nothing to do once closed).
+
+        Not a call that close waits for: unpinning touches the primary tier's
+        counts under its own lock, never the buffer that closing unmaps."""
+        if keys and not self.closed:
+            self.manager.complete_load(keys)
 
     def close(self) -> None:
         """Drain and stop the tiers. Idempotent.
