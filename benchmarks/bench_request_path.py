@@ -153,7 +153,7 @@ def kvtier_cache(spec: TraceSpec) -> KVCache:
 
 
 def replay_kvtier(trace: list[list[int]], cache: KVCache) -> int:
-    """Each call takes the token ids: each checks them (the keys are memoised)."""
+    """Each call takes the token ids, the same list: checked and keyed once."""
     hits = 0
     for tokens in trace:
         with cache.lookup(tokens) as found:
@@ -265,13 +265,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--requests", type=int, default=TraceSpec.requests)
+    # Other trace shapes: shorter or longer shared prefixes, chunk sizes, room.
+    parser.add_argument("--prefix-chunks", type=int, default=TraceSpec.prefix_chunks)
+    parser.add_argument("--chunk-tokens", type=int, default=TraceSpec.chunk_tokens)
+    parser.add_argument("--prefixes", type=int, default=TraceSpec.prefixes)
+    parser.add_argument("--slots", type=int, default=TraceSpec.slots)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--quick", action="store_true", help="a tiny trace, once")
     parser.add_argument("--profile", type=int, metavar="TOP", help="profile one kvtier replay")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    spec = TraceSpec(requests=args.requests)
+    spec = TraceSpec(
+        requests=args.requests,
+        prefix_chunks=args.prefix_chunks,
+        chunk_tokens=args.chunk_tokens,
+        prefixes=args.prefixes,
+        slots=args.slots,
+    )
     if args.quick:
         spec, args.rounds = TraceSpec(requests=300, prefixes=4, slots=64), 1
     if args.profile:
