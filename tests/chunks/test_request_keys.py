@@ -81,3 +81,13 @@ def test_it_keeps_the_last_sequences_within_its_bounds(checked: list[int]) -> No
     keys.keys(long)
     keys.keys(long)
     assert checked == [8, 8, 8, 8, 24, 24]
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[1, 2**63], (2**64,), [-(2**63) - 1], np.array([2**63], dtype=np.uint64)],
+    ids=["list", "tuple", "negative", "uint64-array"],
+)
+def test_token_ids_past_64_bits_are_refused(tokens: Any) -> None:
+    with pytest.raises(ValueError, match="tokens: a token id does not fit in 64 bits"):
+        RequestKeys(NS, 4).keys(tokens)
