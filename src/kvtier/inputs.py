@@ -99,6 +99,8 @@ def _refuse_non_integer(tokens: Any, where: str) -> None:
 
 def seconds(value: Any, where: str) -> float:
     """A duration: a number >= 0 (``inf`` allowed: for ever; ``nan`` and ``bool`` refused)."""
+    if type(value) is float and value >= 0:  # every lookup's defaults, checked at once
+        return value
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ValueError(f"{where} must be a number of seconds >= 0, got {value!r}")
     return float(value)
