@@ -22,7 +22,10 @@ machine hits both alike; the ratio is the median of the per-round ratios.
 
 Run: ``python benchmarks/bench_request_path.py [--rounds N] [--json]``;
 ``--quick`` replays a tiny trace once (a check of the drivers, not a figure);
-``--profile`` prints cProfile's top functions of one kvtier replay instead.
+``--profile`` prints cProfile's top functions of one kvtier replay instead;
+``--record`` has kvtier record each request's keys to a trace file
+(``trace_recording``); ``--prefix-chunks``, ``--chunk-tokens``, ``--prefixes``
+and ``--slots`` change the trace's shape.
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ import pstats
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -142,13 +147,16 @@ class MinimalCache:
         return hits
 
 
-def kvtier_cache(spec: TraceSpec) -> KVCache:
+def kvtier_cache(spec: TraceSpec, record_to: Path | None = None) -> KVCache:
+    """``record_to``: a file each request's keys are recorded to (``trace_recording``)."""
     layout = bench_layout(spec)
-    config = {
+    config: dict[str, Any] = {
         "chunk_tokens": spec.chunk_tokens,
         "cpu_bytes_to_use": spec.slots * layout.slot_bytes,
         "eviction_policy": "lru",
     }
+    if record_to is not None:
+        config["trace_recording"] = {"path": str(record_to)}
     return KVCache(config, layout)
 
 
@@ -187,7 +195,7 @@ def replay_minimal(trace: list[list[int]], cache: MinimalCache) -> int:
 Runner = tuple[str, Callable[[], tuple[float, int]]]
 
 
-def runners(spec: TraceSpec, trace: list[list[int]]) -> list[Runner]:
+def runners(spec: TraceSpec, trace: list[list[int]], record_to: Path | None = None) -> list[Runner]:
     """Each replays the trace from an empty cache built outside the timing, and
     returns the CPU seconds of this thread the replay took (GC paused) and its hits."""
     layout = bench_layout(spec)
@@ -196,7 +204,7 @@ def runners(spec: TraceSpec, trace: list[list[int]]) -> list[Runner]:
         replay: Callable[[list[list[int]], KVCache], int],
     ) -> Callable[[], tuple[float, int]]:
         def run() -> tuple[float, int]:
-            with kvtier_cache(spec) as cache:
+            with kvtier_cache(spec, record_to) as cache:
                 return timed(lambda: replay(trace, cache))
 
         return run
@@ -220,11 +228,13 @@ def timed(replay: Callable[[], int]) -> tuple[float, int]:
     return seconds, hits
 
 
-def measure(spec: TraceSpec, rounds: int) -> dict[str, Any]:
+def measure(spec: TraceSpec, rounds: int, record_to: Path | None = None) -> dict[str, Any]:
     trace = make_trace(spec)
-    for _, warm_up in runners(spec, trace[:WARMUP_REQUESTS]):
+    for _, warm_up in runners(spec, trace[:WARMUP_REQUESTS], record_to):
         warm_up()
-    measured = [{system: run() for system, run in runners(spec, trace)} for _ in range(rounds)]
+    measured = [
+        {system: run() for system, run in runners(spec, trace, record_to)} for _ in range(rounds)
+    ]
     hits = {system: result[1] for system, result in measured[0].items()}
     if len(set(hits.values())) != 1:
         raise RuntimeError(f"the systems found different hits on the same trace: {hits}")
@@ -273,6 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--quick", action="store_true", help="a tiny trace, once")
     parser.add_argument("--profile", type=int, metavar="TOP", help="profile one kvtier replay")
+    parser.add_argument(
+        "--record", action="store_true", help="kvtier records each request's keys (a trace file)"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -288,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         profile(spec, args.profile)
         return
-    out = measure(spec, args.rounds)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = measure(spec, args.rounds, Path(scratch) / "trace.jsonl" if args.record else None)
     if args.json:
         json.dump(out, sys.stdout, indent=1)
         print()
