@@ -22,7 +22,10 @@ machine hits both alike; the ratio is the median of the per-round ratios.
 
 Run: ``python benchmarks/bench_request_path.py [--rounds N] [--json]``;
 ``--quick`` replays a tiny trace once (a check of the drivers, not a figure);
-``--profile`` prints cProfile's top functions of one kvtier replay instead.
+``--profile`` prints cProfile's top functions of one kvtier replay instead;
+``--record`` has kvtier record each request's keys to a trace file
+(``trace_recording``); ``--prefix-chunks``, ``--chunk-tokens``, ``--prefixes``
+and ``--slots`` change the trace's shape.
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ import pstats
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -142,18 +147,21 @@ class MinimalCache:
         return hits
 
 
-def kvtier_cache(spec: TraceSpec) -> KVCache:
+def kvtier_cache(spec: TraceSpec, record_to: Path | None = None) -> KVCache:
+    """``record_to``: a file each request's keys are recorded to (``trace_recording``)."""
     layout = bench_layout(spec)
-    config = {
+    config: dict[str, Any] = {
         "chunk_tokens": spec.chunk_tokens,
         "cpu_bytes_to_use": spec.slots * layout.slot_bytes,
         "eviction_policy": "lru",
     }
+    if record_to is not None:
+        config["trace_recording"] = {"path": str(record_to)}
     return KVCache(config, layout)
 
 
 def replay_kvtier(trace: list[list[int]], cache: KVCache) -> int:
-    """Each call takes the token ids: each checks them (the keys are memoised)."""
+    """Each call takes the token ids, the same list: checked and keyed once."""
     hits = 0
     for tokens in trace:
         with cache.lookup(tokens) as found:
@@ -187,7 +195,7 @@ def replay_minimal(trace: list[list[int]], cache: MinimalCache) -> int:
 Runner = tuple[str, Callable[[], tuple[float, int]]]
 
 
-def runners(spec: TraceSpec, trace: list[list[int]]) -> list[Runner]:
+def runners(spec: TraceSpec, trace: list[list[int]], record_to: Path | None = None) -> list[Runner]:
     """Each replays the trace from an empty cache built outside the timing, and
     returns the CPU seconds of this thread the replay took (GC paused) and its hits."""
     layout = bench_layout(spec)
@@ -196,7 +204,7 @@ def runners(spec: TraceSpec, trace: list[list[int]]) -> list[Runner]:
         replay: Callable[[list[list[int]], KVCache], int],
     ) -> Callable[[], tuple[float, int]]:
         def run() -> tuple[float, int]:
-            with kvtier_cache(spec) as cache:
+            with kvtier_cache(spec, record_to) as cache:
                 return timed(lambda: replay(trace, cache))
 
         return run
@@ -220,11 +228,13 @@ def timed(replay: Callable[[], int]) -> tuple[float, int]:
     return seconds, hits
 
 
-def measure(spec: TraceSpec, rounds: int) -> dict[str, Any]:
+def measure(spec: TraceSpec, rounds: int, record_to: Path | None = None) -> dict[str, Any]:
     trace = make_trace(spec)
-    for _, warm_up in runners(spec, trace[:WARMUP_REQUESTS]):
+    for _, warm_up in runners(spec, trace[:WARMUP_REQUESTS], record_to):
         warm_up()
-    measured = [{system: run() for system, run in runners(spec, trace)} for _ in range(rounds)]
+    measured = [
+        {system: run() for system, run in runners(spec, trace, record_to)} for _ in range(rounds)
+    ]
     hits = {system: result[1] for system, result in measured[0].items()}
     if len(set(hits.values())) != 1:
         raise RuntimeError(f"the systems found different hits on the same trace: {hits}")
@@ -265,19 +275,34 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--requests", type=int, default=TraceSpec.requests)
+    # Other trace shapes: shorter or longer shared prefixes, chunk sizes, room.
+    parser.add_argument("--prefix-chunks", type=int, default=TraceSpec.prefix_chunks)
+    parser.add_argument("--chunk-tokens", type=int, default=TraceSpec.chunk_tokens)
+    parser.add_argument("--prefixes", type=int, default=TraceSpec.prefixes)
+    parser.add_argument("--slots", type=int, default=TraceSpec.slots)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--quick", action="store_true", help="a tiny trace, once")
     parser.add_argument("--profile", type=int, metavar="TOP", help="profile one kvtier replay")
+    parser.add_argument(
+        "--record", action="store_true", help="kvtier records each request's keys (a trace file)"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    spec = TraceSpec(requests=args.requests)
+    spec = TraceSpec(
+        requests=args.requests,
+        prefix_chunks=args.prefix_chunks,
+        chunk_tokens=args.chunk_tokens,
+        prefixes=args.prefixes,
+        slots=args.slots,
+    )
     if args.quick:
         spec, args.rounds = TraceSpec(requests=300, prefixes=4, slots=64), 1
     if args.profile:
         profile(spec, args.profile)
         return
-    out = measure(spec, args.rounds)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = measure(spec, args.rounds, Path(scratch) / "trace.jsonl" if args.record else None)
     if args.json:
         json.dump(out, sys.stdout, indent=1)
         print()

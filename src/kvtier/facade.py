@@ -21,14 +21,15 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ClosedError
-from kvtier.inputs import TokenIds, chunk_rows, chunks_of, count, seconds, token_array
-from kvtier.keys import ChunkKey, KeyedTokens, KeyMemo
+from kvtier.inputs import TokenIds, chunk_rows, chunks_of, count, seconds
+from kvtier.keys import ChunkKey, KeyedTokens
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.manager import LookupResult, TieringManager
 from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.prefix import ChunkCopier, HeldPrefix, copy_out
 from kvtier.recording import TraceRecorder
+from kvtier.request_keys import Keyed, RequestKeys
 from kvtier.residency import ResidencyListener
 from kvtier.specs.factory import OffloadingSpecFactory
 from kvtier.status import CacheStatus
@@ -80,7 +81,7 @@ class KVCache:
         self.status = CacheStatus(self.manager)
         #: Admits calls until :meth:`close`, which waits for the copies in progress.
         self.lifecycle = Lifecycle("KVCache")
-        self._key_memo = KeyMemo(layout.namespace, layout.chunk_tokens)
+        self._request_keys = RequestKeys(layout.namespace, layout.chunk_tokens)
         self._close_lock = threading.Lock()
 
     @property
@@ -94,16 +95,14 @@ class KVCache:
     def keys(self, tokens: TokenIds) -> list[ChunkKey]:
         """Keys of the full chunks of ``tokens`` (ints: floats and bools are refused)."""
         self.lifecycle.check()
-        with self.lifecycle.running():
-            return self._key_memo.keys(token_array(tokens))
+        return list(self._request_keys.keys(tokens)[0])
 
     def keyed(self, tokens: TokenIds) -> KeyedTokens:
         """``tokens`` checked and keyed once, for :meth:`lookup`, :meth:`load` and
-        :meth:`store` to take in their place: a request's calls then skip the
-        per-call checks and the key memo's pass over the token ids."""
+        :meth:`store` to take in their place (a token array is otherwise
+        checked again by each call; a list or tuple handed over again is not)."""
         self.lifecycle.check()
-        array = token_array(tokens)
-        return KeyedTokens(self.layout.namespace, tuple(self._key_memo.keys(array)), len(array))
+        return KeyedTokens(self.layout.namespace, *self._request_keys.keys(tokens))
 
     def chunks(self, keys: Sequence[ChunkKey]) -> KeyedTokens:
         """Keys an engine made itself (say, from its own page hashes with
@@ -112,21 +111,14 @@ class KVCache:
         of ``len(keys)`` full chunks."""
         return KeyedTokens(self.layout.namespace, tuple(keys), len(keys) * self.chunk_tokens)
 
-    def _key_source(self, tokens: TokenIds | KeyedTokens) -> np.ndarray | KeyedTokens:
-        """The checked token ids, or ``tokens`` itself if keyed (by this cache's layout)."""
+    def _keyed(self, tokens: TokenIds | KeyedTokens) -> Keyed:
+        """The keys of the full chunks of ``tokens`` and its length: checked and
+        hashed once a request (see :mod:`kvtier.request_keys`)."""
         if isinstance(tokens, KeyedTokens):
             if tokens.namespace != self.layout.namespace:
                 raise ValueError("tokens: keyed by a cache of another layout (namespace)")
-            return tokens
-        return token_array(tokens)
-
-    def _keys(
-        self, source: np.ndarray | KeyedTokens, limit: int | None = None
-    ) -> Sequence[ChunkKey]:
-        if isinstance(source, KeyedTokens):
-            return source.keys if limit is None else source.keys[:limit]
-        # A request's lookup, load and store key the same prompt: hashed once.
-        return self._key_memo.keys(source, limit)
+            return tokens.keys, tokens.num_tokens
+        return self._request_keys.keys(tokens)
 
     def lookup(
         self,
@@ -147,14 +139,13 @@ class KVCache:
         request (the caller then ends it with :meth:`end_request`).
         """
         self.lifecycle.check()
-        source = self._key_source(tokens)
+        keys, num_tokens = self._keyed(tokens)
         # NaN would never compare past the deadline: a lookup waiting for ever.
         timeout = seconds(timeout, "timeout")
         poll_s = seconds(poll_s, "poll_s")
-        keys = self._keys(source)
         recorder = self.trace_recorder
         if recorder is not None and not self.closed:  # one record a lookup: what simulate replays
-            recorder.record(keys, len(source))
+            recorder.record(keys, num_tokens)
         owned = request_id is None
         request = next(_anonymous_requests) if request_id is None else request_id
         deadline = time.monotonic() + timeout
@@ -230,12 +221,13 @@ class KVCache:
         chunks of ``tokens`` is a ``ValueError``.
         """
         self.lifecycle.check()
-        source = self._key_source(tokens)
-        full = len(source) - len(source) % self.chunk_tokens
-        chunks = chunks_of(num_tokens, self.chunk_tokens, full, "num_tokens")
+        keys, _ = self._keyed(tokens)
+        chunks = chunks_of(
+            num_tokens, self.chunk_tokens, len(keys) * self.chunk_tokens, "num_tokens"
+        )
         if not callable(out):
             chunk_rows(out, chunks, self.layout, "out", writable=True)
-        keys = self._keys(source, chunks)
+        keys = keys[:chunks]
         with self.lifecycle.running():
             slots = self.manager.pin_prefix(keys)
             try:
@@ -262,8 +254,8 @@ class KVCache:
         stored, from the start.
         """
         self.lifecycle.check()
-        source = self._key_source(tokens)
-        full = len(source) // self.chunk_tokens
+        keys, _ = self._keyed(tokens)
+        full = len(keys)
         wanted = full if num_chunks is None else count(num_chunks, "num_chunks")
         if wanted > full:
             raise ValueError(f"num_chunks={wanted} exceeds the {full} full chunks of tokens")
@@ -272,7 +264,7 @@ class KVCache:
         rows = None
         if not callable(src):
             rows = chunk_rows(src, wanted, self.layout, "src", writable=False)
-        keys = self._keys(source, wanted)
+        keys = keys[:wanted]
         with self.lifecycle.running():
             reserved = self.manager.prepare_store(keys)
             if not reserved:
@@ -381,13 +373,12 @@ class KVCache:
         self.manager.primary.buffer.unlink()
 
     def _unpin(self, keys: Sequence[ChunkKey]) -> None:
-        """Release chunks pinned for this cache's lookups (nothing to do once closed)."""
-        if keys:
-            try:
-                with self.lifecycle.running():
-                    self.manager.complete_load(keys)
-            except ClosedError:
-                pass
+        """Release chunks pinned for this cache's lookups (nothing to do once closed).
+
+        Not a call that close waits for: unpinning touches the primary tier's
+        counts under its own lock, never the buffer that closing unmaps."""
+        if keys and not self.closed:
+            self.manager.complete_load(keys)
 
     def close(self) -> None:
         """Drain and stop the tiers. Idempotent.

@@ -206,7 +206,7 @@ class JobBook:
         The chunks come pinned once per tier (:meth:`PrimaryTier.complete_store`
         pinned them as they became ready); a job that cannot start unpins its share.
         """
-        if not ready:
+        if not ready or not tier_indexes:
             return
         keys, slots = tuple(ready), tuple(ready.values())
         for done, index in enumerate(tier_indexes, 1):

@@ -133,7 +133,17 @@ class KeyMemo:
 
     def keys(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> list[ChunkKey]:
         """The keys of the full chunks of ``tokens`` (the first ``limit`` of them, if given)."""
-        data, chunks = _full_chunk_bytes(tokens, self.chunk_tokens)
+        return self._keys(*_full_chunk_bytes(tokens, self.chunk_tokens), limit)
+
+    def keys_of_bytes(self, data: bytes, limit: int | None = None) -> list[ChunkKey]:
+        """:meth:`keys` of the tokens whose little-endian int64 ids are ``data``."""
+        step = self.chunk_tokens * _TOKEN_DTYPE.itemsize
+        chunks = len(data) // step
+        tail = len(data) - chunks * step
+        return self._keys(data[:-tail] if tail else data, chunks, limit)
+
+    def _keys(self, data: bytes, chunks: int, limit: int | None) -> list[ChunkKey]:
+        """``data``: the bytes of ``chunks`` full chunks."""
         with self._lock:
             known = self._memo.get(data)
             if known is not None:

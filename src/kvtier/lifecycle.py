@@ -41,26 +41,6 @@ class Lifecycle:
         :class:`ClosedError` once closed."""
         return self._running_call
 
-    def _enter(self) -> None:
-        thread = threading.get_ident()
-        with self._lock:
-            if self._closed:
-                raise ClosedError(f"{self.name} is closed")
-            running = self._running
-            running[thread] = running.get(thread, 0) + 1
-
-    def _exit(self) -> None:
-        thread = threading.get_ident()
-        with self._lock:
-            running = self._running
-            depth = running[thread] - 1
-            if depth:
-                running[thread] = depth
-                return
-            del running[thread]
-            if not running and self._idle is not None:
-                self._idle.set()
-
     def close(self) -> bool:
         """Refuse new calls and wait for the running ones to end.
 
@@ -88,8 +68,16 @@ class _Running:
     def __init__(self, lifecycle: Lifecycle) -> None:
         self._lifecycle = lifecycle
 
+    # Entered a few times by every request: the bookkeeping inline, one lock
+    # entry each way.
     def __enter__(self) -> None:
-        self._lifecycle._enter()
+        lifecycle = self._lifecycle
+        thread = threading.get_ident()
+        with lifecycle._lock:
+            if lifecycle._closed:
+                raise ClosedError(f"{lifecycle.name} is closed")
+            running = lifecycle._running
+            running[thread] = running.get(thread, 0) + 1
 
     def __exit__(
         self,
@@ -97,4 +85,14 @@ class _Running:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self._lifecycle._exit()
+        lifecycle = self._lifecycle
+        thread = threading.get_ident()
+        with lifecycle._lock:
+            running = lifecycle._running
+            depth = running[thread] - 1
+            if depth:
+                running[thread] = depth
+                return
+            del running[thread]
+            if not running and lifecycle._idle is not None:
+                lifecycle._idle.set()

@@ -112,8 +112,10 @@ class HeldPrefix:
         """
         self._cache.lifecycle.check()
         self._check_held()
-        wanted = self.num_tokens if num_tokens is None else num_tokens
-        chunks = chunks_of(wanted, self._cache.chunk_tokens, self.num_tokens, "num_tokens")
+        if num_tokens is None:
+            chunks = len(self._slots)
+        else:
+            chunks = chunks_of(num_tokens, self._cache.chunk_tokens, self.num_tokens, "num_tokens")
         with self._cache.lifecycle.running(), self._lock:
             self._check_held()
             self._loading += 1

@@ -20,6 +20,8 @@ class Progress:
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._mark = 0
+        # Threads in wait: an announce with none (every store) skips the notify.
+        self._waiting = 0
         #: Whether every followed tier announces its progress (else waiters poll).
         self.announced = True
 
@@ -38,7 +40,8 @@ class Progress:
         """Something a lookup may find changed: wake the waiters."""
         with self._changed:
             self._mark += 1
-            self._changed.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
 
     @property
     def mark(self) -> int:
@@ -49,4 +52,8 @@ class Progress:
         pass; whether it moved. Tiers that do not announce their progress
         (:attr:`announced`) never move it: poll them."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._mark != mark, timeout)
+            self._waiting += 1
+            try:
+                return self._changed.wait_for(lambda: self._mark != mark, timeout)
+            finally:
+                self._waiting -= 1

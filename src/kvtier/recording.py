@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
@@ -22,6 +22,11 @@ from kvtier.keys import ChunkKey
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+#: How long a recorded request may wait for the writer thread, which wakes
+#: this often (or as soon as the queue is half full) rather than once a
+#: request: a wake-up per request cost the request path more than the rest
+#: of its recording.
+_WRITE_EVERY_S = 0.05
 
 
 class TraceRecorder:
@@ -43,7 +48,11 @@ class TraceRecorder:
         self.max_bytes = max_bytes
         self._clock = clock
         self._started = clock()
-        self._queue: queue.Queue[object] = queue.Queue(queue_size)
+        self.queue_size = queue_size
+        # Appended to by any thread, taken from by the writer (deque operations
+        # are atomic): requests, flush marks (events) and the stop.
+        self._queue: deque[object] = deque()
+        self._wake = threading.Event()
         # Requests come from any thread: the drop count takes a lock (only when dropping).
         self._drop_lock = threading.Lock()
         #: Requests dropped because the queue was full, and writes that failed.
@@ -62,14 +71,17 @@ class TraceRecorder:
     def record(self, keys: Sequence[ChunkKey], input_length: int, output_length: int = 0) -> None:
         """Queue one request: its full chunks' keys, in order, and its tokens. Never blocks."""
         timestamp = int((self._clock() - self._started) * 1000)
-        try:
-            self._queue.put_nowait((tuple(keys), input_length, output_length, timestamp))
-        except queue.Full:
+        waiting = self._queue
+        if len(waiting) >= self.queue_size:
             with self._drop_lock:
                 self.dropped += 1
             self._warn_once(
                 "full", "trace queue full: requests are dropped (counted), not waited for"
             )
+            return
+        waiting.append((tuple(keys), input_length, output_length, timestamp))
+        if len(waiting) * 2 >= self.queue_size:
+            self._wake.set()  # a burst: written now rather than dropped
 
     @classmethod
     def from_config(cls, config: TraceRecordingConfig, block_size: int) -> TraceRecorder | None:
@@ -85,11 +97,17 @@ class TraceRecorder:
 
     def flush(self) -> None:
         """Wait until every queued request is written (or has failed)."""
-        self._queue.join()
+        written = threading.Event()
+        self._queue.append(written)
+        self._wake.set()
+        while not written.wait(_WRITE_EVERY_S):
+            if not self._writer.is_alive():  # closed: nothing will be written
+                return
 
     def close(self) -> None:
         """Write what is queued, then stop the writer and close the file."""
-        self._queue.put(_STOP)
+        self._queue.append(_STOP)
+        self._wake.set()
         self._writer.join()
 
     def __enter__(self) -> TraceRecorder:
@@ -101,16 +119,20 @@ class TraceRecorder:
     # -- the writer thread -------------------------------------------------------
 
     def _run(self) -> None:
+        waiting = self._queue
         while True:
-            item = self._queue.get()
-            try:
+            self._wake.wait(_WRITE_EVERY_S)
+            self._wake.clear()  # whatever is appended from here on is seen below
+            while waiting:
+                item = waiting.popleft()
                 if item is _STOP:
                     if self._file is not None:
                         self._file.close()
                     return
-                self._write(item)  # type: ignore[arg-type]
-            finally:
-                self._queue.task_done()
+                if isinstance(item, threading.Event):
+                    item.set()  # a flush: everything queued before it is written
+                else:
+                    self._write(item)  # type: ignore[arg-type]
 
     def _write(self, item: tuple[tuple[ChunkKey, ...], int, int, int]) -> None:
         keys, input_length, output_length, timestamp = item

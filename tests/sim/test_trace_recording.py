@@ -100,6 +100,20 @@ def test_a_full_queue_drops_and_counts_and_never_blocks(tmp_path: Path) -> None:
     assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 2
 
 
+def test_flush_writes_what_was_queued_and_returns_once_closed(tmp_path: Path) -> None:
+    recorder = TraceRecorder(tmp_path / "t.jsonl", block_size=BLOCK)
+    keys = chunk_keys(NAMESPACE, list(range(8)), BLOCK)
+    for _ in range(3):  # far from half the queue: left to the writer's next wake-up
+        recorder.record(keys, 8)
+    recorder.flush()
+    assert recorder.written == 3
+    recorder.close()
+    recorder.record(keys, 8)
+    recorder.flush()  # the writer has stopped: nothing to wait for
+    assert recorder.written == 3
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 3
+
+
 def test_files_rotate_at_the_byte_cap_and_each_replays_alone(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     (path.parent / "t.jsonl").write_text('{"hash_ids": [7]}\n')  # an earlier process's file

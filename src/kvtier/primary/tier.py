@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
@@ -168,13 +169,14 @@ class PrimaryTier:
             return self.policy.evict(n, pins)
         # Idle, so not pinned: lent to the pinned keys for this one call, which
         # keeps each membership test the policy makes a single dict lookup.
-        for key in own:
-            pins[key] = 0
+        # Lent and taken back by C-level passes (a store after a lookup lends
+        # the whole prefix it found), each key once.
+        lent = dict.fromkeys(own, 0)
+        pins.update(lent)
         try:
             return self.policy.evict(n, pins)
         finally:
-            for key in own:
-                pins.pop(key, None)  # a key listed twice was lent once
+            deque(map(pins.pop, lent), maxlen=0)
 
     def complete_store(
         self, keys: Iterable[ChunkKey], success: bool = True, *, pins: int = 0

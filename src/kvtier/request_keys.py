@@ -1,0 +1,69 @@
+"""The chunk keys of the token ids handed to :class:`~kvtier.KVCache`: a
+request's lookup, load and store check and hash its tokens once.
+
+Those calls most often hand over the same list: it is found again by
+identity and compared with a copy taken when it was keyed (a list changed in
+place is keyed afresh), one pointer comparison per token. Any other sequence
+of the same tokens is checked, then found by content (:class:`KeyMemo`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from kvtier.inputs import TokenIds, token_array, token_bytes
+from kvtier.keys import ChunkKey, KeyMemo
+
+#: The keys of a sequence's full chunks, and its length in tokens.
+Keyed = tuple[tuple[ChunkKey, ...], int]
+
+
+class RequestKeys:
+    """Chunk keys of token id sequences, each checked and hashed once while
+    among the last ``entries`` keyed. Thread-safe; bounded in entries and in
+    the tokens whose copies it keeps."""
+
+    def __init__(
+        self, namespace: bytes, chunk_tokens: int, *, entries: int = 32, max_tokens: int = 1 << 21
+    ) -> None:
+        self.memo = KeyMemo(namespace, chunk_tokens, entries=entries)
+        self.entries = entries
+        self.max_tokens = max_tokens
+        # id(tokens) -> (tokens, its copy when keyed, keys). Holding the
+        # sequence keeps its id from going to another object meanwhile.
+        self._known: dict[int, tuple[Any, Any, tuple[ChunkKey, ...]]] = {}
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def keys(self, tokens: TokenIds) -> Keyed:
+        """The keys of the full chunks of ``tokens`` and its length.
+
+        ``TypeError`` or ``ValueError`` naming the token id that is not an
+        int (see :func:`~kvtier.inputs.token_array`).
+        """
+        if type(tokens) is list or type(tokens) is tuple:
+            known = self._known.get(id(tokens))  # a dict read: atomic, no lock
+            if known is not None and known[0] is tokens and known[1] == tokens:
+                return known[2], len(tokens)
+            # Checked and keyed from a copy, so that a change made meanwhile
+            # by another thread can never pair these keys with other tokens.
+            copy = tokens if isinstance(tokens, tuple) else list(tokens)
+            keys = tuple(self.memo.keys_of_bytes(token_bytes(copy)))
+            self._remember(tokens, copy, keys)
+            return keys, len(copy)
+        array = token_array(tokens)
+        return tuple(self.memo.keys(array)), len(array)
+
+    def _remember(self, tokens: Any, copy: Any, keys: tuple[ChunkKey, ...]) -> None:
+        if len(copy) > self.max_tokens:
+            return
+        known = self._known
+        with self._lock:
+            replaced = known.pop(id(tokens), None)
+            if replaced is not None:
+                self._tokens -= len(replaced[1])
+            known[id(tokens)] = (tokens, copy, keys)
+            self._tokens += len(copy)
+            while len(known) > self.entries or self._tokens > self.max_tokens:
+                self._tokens -= len(known.pop(next(iter(known)))[1])
