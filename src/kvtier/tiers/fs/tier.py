@@ -35,7 +35,7 @@ from kvtier.tiers.fs.io import (
 )
 from kvtier.tiers.fs.layout import ChunkFile, NamespaceDir, OddEntry, mode_kind, remove_entry
 from kvtier.tiers.fs.shared_index import NETWORK_FILESYSTEMS, SharedIndex, filesystem_type
-from kvtier.tiers.threaded import _CHECK, ThreadedTier, ThreadedTierOptions
+from kvtier.tiers.threaded import Priority, ThreadedTier, ThreadedTierOptions
 
 logger = logging.getLogger(__name__)
 
@@ -513,7 +513,9 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         super().on_step_end()
         if self._bound is not None and self.shared and not self._poll_queued and not self.shut_down:
             self._poll_queued = True
-            self._threaded_enqueue(_CHECK, functools.partial(self._poll_evictions, self._bound))
+            self._threaded_enqueue(
+                Priority.CHECK, functools.partial(self._poll_evictions, self._bound)
+            )
 
     @property
     def held_bytes(self) -> int:
