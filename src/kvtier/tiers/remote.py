@@ -42,6 +42,7 @@ from kvtier.tiers.budgets import RequestBudgets
 from kvtier.tiers.circuit import BreakerState, CircuitBreaker
 from kvtier.tiers.deadlines import Deadlines, call_within
 from kvtier.tiers.prefetch import Prefetched
+from kvtier.tiers.probes import Probes
 from kvtier.tiers.threaded import JobState, ThreadedBatchTier
 
 __all__ = [
@@ -108,12 +109,6 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     #: The backend this tier runs; :attr:`Options` and the batch sizes are its.
     backend_class: ClassVar[type[Backend[Any]]]
     Stats: ClassVar[type[TierStats]] = RemoteTierStats
-    #: Probe threads alive at once, at most. A probe past its deadline is left
-    #: behind in its call (a thread cannot be interrupted) and the next one
-    #: goes out on a thread of its own after the backoff, so a thawed backend
-    #: is seen at the next probe whatever the stuck ones do; this bounds the
-    #: threads a long freeze strands (each ends with its client's timeout).
-    max_probe_threads: ClassVar[int] = 8
     stats: RemoteTierStats
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -139,10 +134,6 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             f"{backend_class.name_separator}"
         )
         self._worker_local = threading.local()
-        #: Probe threads started and maybe still in a call (see ``max_probe_threads``).
-        self._probe_threads: list[threading.Thread] = []
-        self._probe_lock = threading.Lock()
-        self._probes_capped = False  # warned that max_probe_threads are stuck
         #: When a backend call last got an answer (``time.perf_counter``).
         self._last_answer = time.perf_counter()
         # The guards, each one object built from the options.
@@ -153,6 +144,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             on_change=self._breaker_changed,
         )
         self._deadlines = Deadlines(f"kvtier-{self.tier_type}-deadlines")
+        self.probes = Probes(self.tier_type, self.breaker, self._probe)
         #: Each request's wait on the backend, so that its checks and its
         #: loads share one ``deadline_s`` (see :mod:`kvtier.tiers.budgets`).
         self.budgets = RequestBudgets(options.deadline_s)
@@ -251,7 +243,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
 
     def threads_in_calls(self) -> list[threading.Thread]:
         """Workers and probes alive: any may be inside a backend call."""
-        return [t for t in self._threaded_workers if t.is_alive()] + self.probe_threads
+        return [t for t in self._threaded_workers if t.is_alive()] + self.probes.threads
 
     def store_name(self, key: ChunkKey) -> str:
         """The name ``key`` has in the store."""
@@ -311,36 +303,9 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         """Whether a request may go to the backend; starts the probe when due."""
         if self.breaker.closed:
             return True
-        # One probe at a time is the breaker's rule (half-open until the probe
-        # answers or misses its deadline); a stuck one only holds a thread.
-        with self._probe_lock:
-            self._probe_threads = [t for t in self._probe_threads if t.is_alive()]
-            if len(self._probe_threads) >= self.max_probe_threads:
-                if not self._probes_capped:
-                    self._probes_capped = True
-                    logger.warning(
-                        "tier %s: %d probes stuck in backend calls; the next waits for one "
-                        "to end (the client's own timeouts bound them)",
-                        self.tier_type,
-                        len(self._probe_threads),
-                    )
-                return False
-            if not self.breaker.take_probe():
-                return False
-            self._probes_capped = False
-            probe = threading.Thread(
-                target=self._probe, name=f"kvtier-{self.tier_type}-probe", daemon=True
-            )
-            self._probe_threads.append(probe)
-        self.count(breaker_probes=1)
-        probe.start()
+        if self.probes.start_if_due():
+            self.count(breaker_probes=1)
         return False
-
-    @property
-    def probe_threads(self) -> list[threading.Thread]:
-        """Probe threads still alive: the one in flight and those stuck past their deadline."""
-        with self._probe_lock:
-            return [t for t in self._probe_threads if t.is_alive()]
 
     def _probe(self) -> None:
         done = threading.Event()
@@ -524,7 +489,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             self.backend.refresh_many(
                 [n for n, present in zip(names, held, strict=True) if present]
             )
-        self._outcome_of(errors, writes=True)
+        self._outcome_of_writes(errors)
         ok = [True] * len(keys)
         for index, error in zip(todo, errors, strict=True):
             ok[index] = error is None
@@ -563,16 +528,21 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         return ok
 
     def _fetch(self, names: list[str]) -> list[Fetched]:
+        """Each value, read from the backend (or held by the checks: :meth:`_fetch_held`)."""
+        if self._prefetched is not None:
+            return self._fetch_held(self._prefetched, names)
+        fetched = self.backend.get_many(names)
+        self._outcome_of(fetched)
+        return fetched
+
+    def _fetch_held(self, held: Prefetched, names: list[str]) -> list[Fetched]:
         """Each value: taken from those the checks held, else read from the backend."""
-        held = self._prefetched
-        values: list[Fetched] = [None] * len(names)
-        if held is not None:
-            values = [held.take(name) for name in names]
-            taken = sum(value is not None for value in values)
-            if taken:
-                self.count(prefetch_served=taken)
-            if taken == len(names):
-                return values
+        values: list[Fetched] = [held.take(name) for name in names]
+        taken = sum(value is not None for value in values)
+        if taken:
+            self.count(prefetch_served=taken)
+        if taken == len(names):
+            return values
         missing = [i for i, value in enumerate(values) if value is None]
         fetched = self.backend.get_many([names[i] for i in missing])
         self._outcome_of(fetched)
@@ -588,28 +558,31 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
 
     # Health -----------------------------------------------------------------
 
-    def _outcome_of(self, items: Sequence[object], *, writes: bool = False) -> None:
-        """Account a batch by its per-item results (errors are ``BaseException`` items).
-
-        For ``writes``, items the backend refused (:meth:`Backend.refuses_write`) are
-        counted apart and take no part in the breaker's verdict.
-        """
+    def _outcome_of(self, items: Sequence[object]) -> None:
+        """Account a batch by its per-item results (errors are ``BaseException`` items)."""
         errors = [
             item
             for item in items
             if isinstance(item, BaseException) and not isinstance(item, CorruptChunkError)
         ]
+        self._outcome(len(errors), len(items), errors[0] if errors else None)
+
+    def _outcome_of_writes(self, errors: PutErrors) -> None:
+        """:meth:`_outcome_of` a batch of writes: items the backend refused
+        (:meth:`Backend.refuses_write`) are counted apart and take no part in
+        the breaker's verdict."""
+        kept: PutErrors = []
         refused: list[BaseException] = []
-        if writes:
-            failed: list[BaseException] = []
-            for error in errors:
-                (refused if self.backend.refuses_write(error) else failed).append(error)
-            errors = failed
+        for error in errors:
+            if error is not None and self.backend.refuses_write(error):
+                refused.append(error)
+            else:
+                kept.append(error)
         if refused:
             self.count(backend_errors=len(refused), refused_stores=len(refused))
             self.answered()
             logger.debug("tier %s: %d writes refused: %r", self.tier_type, len(refused), refused[0])
-        self._outcome(len(errors), len(items) - len(refused), errors[0] if errors else None)
+        self._outcome_of(kept)
 
     def _outcome(self, errors: int, items: int, first: BaseException | None) -> None:
         """One breaker verdict per batch, so mixed per-item results never flap.

@@ -453,6 +453,13 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         if state.loading:
             ok = self._transfer(state, keys, buffers)
             return self._decode(state, keys, slots, buffers, ok)
+        return self._encode_and_store(state, keys, slots, buffers)
+
+    def _encode_and_store(
+        self, state: JobState, keys: list[ChunkKey], slots: list[int], buffers: list[memoryview]
+    ) -> list[bool]:
+        """Encode one batch's slots into ``buffers``, then :meth:`_transfer` what encoded."""
+        stage = self.codec_stage
         payloads: list[memoryview] = []
         encoded: list[int] = []
         raw_bytes = 0
