@@ -197,8 +197,11 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         :attr:`check_attempts` times), never taken as absent.
         """
 
-    def _discard(self, key: ChunkKey) -> None:
-        """Delete a chunk found corrupt. Default: nothing to delete."""
+    def _discard(self, key: ChunkKey) -> bool | None:
+        """Delete a chunk found corrupt. ``False`` when it was gone already,
+        removed (and counted) by another path of the tier; ``None`` or
+        ``True``: counted here. Default: nothing to delete."""
+        return None
 
     def discard(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:
@@ -350,11 +353,13 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         logger.warning(
             "tier %s: discarding corrupt chunk %s: %s", self.tier_type, key.hex()[:16], exc
         )
-        self.count(corrupt_chunks=1)
+        removed_here = True
         try:
-            self._discard(key)
+            removed_here = self._discard(key) is not False
         except Exception:
             logger.exception("tier %s: could not discard corrupt chunk", self.tier_type)
+        if removed_here:  # else the path that removed it counted it
+            self.count(corrupt_chunks=1)
         self.report_removed([key])
 
     def _run_check(self, keys: list[ChunkKey]) -> Callable[[], None]:
