@@ -11,7 +11,7 @@ started on loopback (``tests/support/servers.py``) for the whole run. In each ru
 * ``raw``: the tier's client library alone reads the very values kvtier
   stored, under their names, with the tier's parallelism: ``io_threads``
   threads, each moving batches of the tier's size (redis-py pipelines of
-  ``RedisTier.batch_chunks`` GETs, boto3 ``get_object`` per value, Mooncake
+  ``RedisBackend.batch_chunks`` GETs, boto3 ``get_object`` per value, Mooncake
   ``batch_get_into`` of ``io_batch`` values into a registered buffer), no
   existence check, no verification, no copy. A client of its own each run,
   set up before the clock starts (its connections and buffers made on first
@@ -61,13 +61,13 @@ def remote_server(
     from tests.support.servers import MooncakeMaster, RedisServer, S3Server
 
     if tier == "redis":
-        from kvtier.tiers.redis import RedisTier
+        from kvtier.tiers.redis import RedisBackend
 
         with RedisServer() as redis_server:
 
             def raw_redis(chunk: int) -> RawClient:
                 raw = RawRedis(redis_server.url, threads)
-                raw.batch = RedisTier.batch_chunks(chunk)  # the tier's pipeline depth
+                raw.batch = RedisBackend.batch_chunks(chunk)  # the tier's pipeline depth
                 return raw.load, raw.client.close
 
             yield {"type": "redis", "url": redis_server.url, **WHOLE_JOBS}, raw_redis

@@ -38,7 +38,7 @@ from pydantic import ByteSize, TypeAdapter
 from kvtier.keys import ChunkKey
 from kvtier.testing import TierHarness, small_layout
 from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
-from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis import RedisBackend
 
 # The loopback servers are kvtier's test fixtures (tests/support/servers.py), not part
 # of the installed package: import them from this checkout.
@@ -118,7 +118,7 @@ def in_parallel(threads: int, items: list[Any], work: Callable[[list[Any]], None
 
 class RawRedis:
     """redis-py pipelines of as many chunks as the tier pipelines (see
-    ``RedisTier.batch_chunks``; a load pipelines as the last store did)."""
+    ``RedisBackend.batch_chunks``; a load pipelines as the last store did)."""
 
     def __init__(self, url: str, threads: int) -> None:
         import redis
@@ -131,10 +131,10 @@ class RawRedis:
         packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
         pool = redis.BlockingConnectionPool.from_url(url, command_packer=packer)
         self.client = redis.Redis(connection_pool=pool)
-        self.threads, self.batch = threads, RedisTier.io_batch
+        self.threads, self.batch = threads, RedisBackend.io_batch
 
     def store(self, names: list[str], values: list[Any]) -> None:
-        self.batch = RedisTier.batch_chunks(len(values[0]) if values else 1)
+        self.batch = RedisBackend.batch_chunks(len(values[0]) if values else 1)
 
         def work(share: list[tuple[str, Any]]) -> None:
             for start in range(0, len(share), self.batch):

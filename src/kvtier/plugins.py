@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any, ClassVar, Generic, TypeVar, cast
@@ -65,11 +65,15 @@ class PluginRegistry(Generic[T]):
         name_key: str = "type",
         module_key: str = "module_path",
         builtins: Iterable[tuple[str, str, str]] = (),
+        adapt: Callable[[object], object] | None = None,
     ) -> None:
         """``builtins``: ``(name, module_path, class_name)`` of each built-in,
-        registered as :meth:`register` would (imported on first use)."""
+        registered as :meth:`register` would (imported on first use).
+        ``adapt``: turns what a module holds into a subclass of ``base`` where
+        it can (a tier backend into the tier running it), before the check."""
         self.kind = kind
         self.base = base
+        self._adapt = adapt
         self.name_key = name_key
         self.module_key = module_key
         self.entry_point_group = entry_point_group
@@ -251,6 +255,8 @@ class PluginRegistry(Generic[T]):
                 module=module_path,
                 name=name,
             ) from None
+        if self._adapt is not None:
+            loaded = self._adapt(loaded)
         # An explicit check, not an assert: asserts vanish under ``python -O``. The base
         # must be in the MRO: a virtual subclass (``Base.register(cls)``) passes
         # ``issubclass`` but inherits none of the base's methods.

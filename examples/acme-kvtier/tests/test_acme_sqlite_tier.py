@@ -1,29 +1,35 @@
-"""The SQLite tier passes kvtier's whole tier contract, and keeps its own promises."""
+"""The SQLite backend passes kvtier's whole tier contract, keeps its own
+promises, and gets the runtime's guards without a line of its own."""
 
 from __future__ import annotations
 
 import sqlite3
 from typing import Any, ClassVar
 
+from acme_kvtier import SQLiteTier
+
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.tiers import Lookup
 
 
-class TestSQLiteTier(TierContractTests):
+class TestSQLiteTier(TierContractTests[SQLiteTier]):
     tier_config: ClassVar[dict[str, Any]] = {"type": "acme_sqlite", "path": "chunks.sqlite3"}
     persistent = True
 
 
 def test_a_corrupt_row_is_never_served_and_is_deleted() -> None:
-    harness = TierHarness({"type": "acme_sqlite", "path": "chunks.sqlite3"}, small_layout())
+    harness = TierHarness[SQLiteTier](
+        {"type": "acme_sqlite", "path": "chunks.sqlite3"}, small_layout()
+    )
     try:
         key, other = harness.keys(2)
         harness.fill([0, 1])
         assert harness.store([key, other], [0, 1]).success
+        name = harness.tier.store_name(key)
         with sqlite3.connect("chunks.sqlite3") as db:
-            (value,) = db.execute("SELECT value FROM chunks WHERE key = ?", (key,)).fetchone()
+            (value,) = db.execute("SELECT value FROM chunks WHERE name = ?", (name,)).fetchone()
             flipped = bytes(value[:-1]) + bytes([value[-1] ^ 0xFF])
-            db.execute("UPDATE chunks SET value = ? WHERE key = ?", (flipped, key))
+            db.execute("UPDATE chunks SET value = ? WHERE name = ?", (flipped, name))
         harness.buffer.array[2] = 0
         result = harness.load([key], [2])
         assert not result.success
@@ -52,7 +58,8 @@ def test_max_bytes_evicts_least_recently_used_rows() -> None:
         assert [harness.lookup(k) for k in keys] == [
             Lookup.HIT, Lookup.MISS, Lookup.HIT, Lookup.HIT
         ]  # fmt: skip
-        held = {m.name: m.value for m in harness.tier.metrics()}["sqlite_held_bytes"]
+        with sqlite3.connect("chunks.sqlite3") as db:
+            (held,) = db.execute("SELECT SUM(LENGTH(value)) FROM chunks").fetchone()
         assert 3 * layout.slot_bytes < held <= max_bytes
     finally:
         harness.close()
@@ -62,7 +69,51 @@ def test_health_checks_pass_on_a_writable_directory() -> None:
     harness = TierHarness({"type": "acme_sqlite", "path": "db/chunks.sqlite3"}, small_layout())
     try:
         checks = {check.name: check for check in harness.tier.health()}
-        assert set(checks) == {"writable", "free space", "database"}
+        assert set(checks) == {"backend answers"}
         assert all(check.ok for check in checks.values()), checks
+    finally:
+        harness.close()
+
+
+def test_a_locked_database_costs_one_deadline_then_lookups_miss_without_calls() -> None:
+    """Deadlines and the circuit breaker come with the runtime: the backend
+    wrote none of them, and its SQLite call waits for the lock far longer."""
+    config = {
+        "type": "acme_sqlite",
+        "path": "chunks.sqlite3",
+        "deadline_s": 0.5,
+        "breaker_backoff_s": 60,
+        "breaker_max_backoff_s": 60,
+    }
+    harness = TierHarness[SQLiteTier](config, small_layout())
+    locker = sqlite3.connect("chunks.sqlite3", timeout=0)
+    try:
+        key, other = harness.keys(2)
+        harness.fill([0, 1])
+        assert harness.store([key], [0]).success
+        locker.execute("BEGIN EXCLUSIVE")  # no other connection may read or write now
+        assert not harness.store([other], [1]).success  # answered at its deadline
+        assert harness.tier.stats.deadline_misses == 1
+        assert harness.tier.backend_down
+        assert harness.lookup(key) is Lookup.MISS  # answered without asking SQLite
+        assert harness.tier.stats.outage_skipped_lookups >= 1
+    finally:
+        locker.close()
+        harness.close()
+
+
+def test_a_backend_class_is_named_in_configuration_like_a_tier() -> None:
+    config = {
+        "type": "SQLiteBackend",
+        "module_path": "acme_kvtier.sqlite_tier",
+        "path": "chunks.sqlite3",
+    }
+    harness = TierHarness(config, small_layout())
+    try:
+        [key] = harness.keys(1)
+        harness.fill([0])
+        assert harness.store([key], [0]).success
+        assert harness.lookup(key) is Lookup.HIT
+        assert harness.tier.describe()["path"] == "chunks.sqlite3"
     finally:
         harness.close()

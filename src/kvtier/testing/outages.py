@@ -53,9 +53,9 @@ def recover(tier: RemoteTier, clock: FakeClock, timeout: float = 30.0) -> bool:
     if tier.breaker.closed:
         return True
     clock.advance(tier.breaker.max_backoff_s)
-    stuck = set(tier.probe_threads)
+    stuck = set(tier.probes.threads)
     tier._admit()
-    for probe in tier.probe_threads:
+    for probe in tier.probes.threads:
         if probe not in stuck:  # the one just started; stuck ones may never end
             probe.join(timeout)
     return tier.breaker.closed

@@ -39,7 +39,7 @@ def read_stored(tier: SecondaryTier, key: ChunkKey) -> bytes:
         with open(tier.dir.chunk_path(key), "rb") as handle:
             return handle.read()
     if isinstance(tier, RemoteTier):
-        [value] = tier._get_many([tier.store_name(key)])
+        [value] = tier.backend.get_many([tier.store_name(key)])
         if not isinstance(value, bytes | bytearray | memoryview):
             raise LookupError(f"{tier.tier_type}: no value for {key.hex()}: {value!r}")
         return bytes(value)
@@ -61,12 +61,12 @@ def write_stored(tier: SecondaryTier, key: ChunkKey, value: bytes) -> None:
         return
     if isinstance(tier, RemoteTier):
         name = tier.store_name(key)
-        tier._delete(name)  # some stores keep the first value put under a name
+        tier.backend.delete(name)  # some stores keep the first value put under a name
         # The tier's own buffers: a store moving values from registered
         # memory takes no other.
-        buffer = memoryview(tier._scratch(1)[0])
+        buffer = memoryview(tier.scratch_values(1)[0])
         buffer[: len(value)] = value
-        [error] = tier._put_many([name], [buffer[: len(value)]])
+        [error] = tier.backend.put_many([name], [buffer[: len(value)]])
         if error is not None:
             raise error
         return

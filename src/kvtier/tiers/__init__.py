@@ -1,5 +1,6 @@
 """Secondary tiers and their factory."""
 
+from kvtier.tiers.backend import Backend, BackendRuntime, RemoteTierOptions
 from kvtier.tiers.base import (
     HealthCheck,
     JobResult,
@@ -15,10 +16,13 @@ from kvtier.tiers.factory import SecondaryTierFactory, register_tier, tier_regis
 from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
 
 __all__ = [
+    "Backend",
+    "BackendRuntime",
     "HealthCheck",
     "JobResult",
     "Lookup",
     "LookupContext",
+    "RemoteTierOptions",
     "SecondaryTier",
     "SecondaryTierFactory",
     "ThreadedTier",

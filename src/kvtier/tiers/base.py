@@ -231,6 +231,8 @@ class SecondaryTier(ABC, Generic[OptionsT]):
 
     #: The typed options this tier accepts.
     Options: ClassVar[type[TierOptions]] = TierOptions
+    #: The counters :attr:`stats` holds (a subclass of :class:`TierStats` adds its own).
+    Stats: ClassVar[type[TierStats]] = TierStats
     #: ``False`` for a tier that never keeps what it is given to store (``p2p``
     #: pulls chunks from peers instead): tools then probe it with lookups only.
     holds_stores: ClassVar[bool] = True
@@ -266,7 +268,7 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         #: configuration that validated them hands them over as they are).
         handed = options.pop(VALIDATED_OPTIONS, None)
         self.options = cast(OptionsT, _validated(self.Options, options, handed))
-        self.stats = TierStats()
+        self.stats = self.Stats()
         self._stats_lock = threading.Lock()
         #: Observers of the chunks the tier drops (:meth:`report_removed`).
         self.removal_listeners: list[RemovalListener] = []

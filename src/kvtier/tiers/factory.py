@@ -10,7 +10,17 @@ from typing import Any
 from kvtier.codecs import CodecConfig, codec_config
 from kvtier.errors import BackendUnavailableError
 from kvtier.plugins import PluginFactory, PluginRegistry
+from kvtier.tiers.backend import Backend
 from kvtier.tiers.base import SecondaryTier, TierOptions, TierSpec, constructor_arguments
+from kvtier.tiers.remote import remote_tier
+
+
+def _tier_of(loaded: object) -> object:
+    """A configured :class:`Backend` class stands for the remote tier running it."""
+    if isinstance(loaded, type) and issubclass(loaded, Backend):
+        return remote_tier(loaded)
+    return loaded
+
 
 tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
     kind="secondary tier",
@@ -25,6 +35,7 @@ tier_registry: PluginRegistry[SecondaryTier] = PluginRegistry(
         ("p2p", "kvtier.tiers.p2p", "PeerTier"),
         ("mooncake", "kvtier.tiers.mooncake", "MooncakeTier"),
     ],
+    adapt=_tier_of,
 )
 
 

@@ -29,15 +29,16 @@ from kvtier.errors import (
 )
 from kvtier.primary.buffer import populate_now
 from kvtier.tiers.addresses import parse_host_port
-from kvtier.tiers.base import TierOptions
-from kvtier.tiers.remote import (
+from kvtier.tiers.backend import (
+    Backend,
+    BackendRuntime,
     Exists,
     Fetched,
     PutErrors,
-    RemoteTier,
     RemoteTierOptions,
     ValueBuffer,
 )
+from kvtier.tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -108,20 +109,18 @@ class MooncakeTierOptions(RemoteTierOptions):
         return protocol.lower() if isinstance(protocol, str) else protocol
 
 
-class MooncakeTier(RemoteTier[MooncakeTierOptions]):
-    """Chunks as framed values in a Mooncake Store, moved from registered buffers."""
+class MooncakeBackend(Backend[MooncakeTierOptions]):
+    """Chunks as values in a Mooncake Store, moved from registered buffers."""
 
-    Options: ClassVar[type[TierOptions]] = MooncakeTierOptions
+    Options: ClassVar[type[RemoteTierOptions]] = MooncakeTierOptions
     #: Chunks per batched call, and per worker's registered buffer.
     io_batch: ClassVar[int] = 8
     #: A value is put with its own length and read into a buffer of the
     #: largest, which reports the length it got: any shorter one fits.
     variable_payloads: ClassVar[bool] = True
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        options = self.options
-        self._set_name_prefix(options.key_prefix)
+    def __init__(self, options: MooncakeTierOptions, runtime: BackendRuntime) -> None:
+        super().__init__(options, runtime)
         self._target = f"mooncake master {options.master_server_address}"
         master_host, _ = parse_host_port(options.master_server_address)
         if _loopback(options.local_hostname) and not _loopback(master_host):
@@ -129,32 +128,37 @@ class MooncakeTier(RemoteTier[MooncakeTierOptions]):
                 "tier %s: local_hostname=%s while the master is at %s: clients on other "
                 "machines cannot reach this one; set local_hostname to this machine's "
                 "address in the cluster",
-                self.tier_type,
+                runtime.tier_type,
                 options.local_hostname,
                 master_host,
             )
         #: Registered memory: (mapping, address), unregistered at close.
-        self._registered: list[tuple[mmap.mmap, int]] = []
+        self.registered: list[tuple[mmap.mmap, int]] = []
         self._registered_lock = threading.Lock()
         self._client: Any = None
         try:
-            self._client = self._start(
+            self._client = runtime.start_backend(
                 lambda: _connected(options), lambda store: store.close(), self._target
             )
         except (MissingDependencyError, BackendUnavailableError):
             raise
         except Exception as exc:
             raise BackendUnavailableError(
-                self.tier_type, self._target, describe_error(exc)
+                runtime.tier_type, self._target, describe_error(exc)
             ) from exc
+
+    @classmethod
+    def name_prefix(cls, options: MooncakeTierOptions) -> str:
+        return options.key_prefix
 
     # Registered value buffers --------------------------------------------
 
-    def _allocate_values(self, count: int) -> list[ValueBuffer]:
+    def allocate_values(self, count: int) -> list[ValueBuffer]:
         # One page-aligned mapping per worker, for a whole batch, registered
         # once: the transfer engine moves values straight out of it and into it.
+        value_bytes = self.runtime.value_bytes
         count = max(count, self.io_batch)
-        size = count * self.value_bytes
+        size = count * value_bytes
         mapping = mmap.mmap(-1, size)
         # Mapped before it is registered: left to the first reads, a fresh
         # worker's pages were faulted in as the transfer engine wrote them,
@@ -166,17 +170,17 @@ class MooncakeTier(RemoteTier[MooncakeTierOptions]):
             mapping.close()
             raise MooncakeError("register_buffer", code)
         with self._registered_lock:
-            self._registered.append((mapping, address))
+            self.registered.append((mapping, address))
         whole = memoryview(mapping)
-        return [whole[i * self.value_bytes : (i + 1) * self.value_bytes] for i in range(count)]
+        return [whole[i * value_bytes : (i + 1) * value_bytes] for i in range(count)]
 
-    # Backend hooks ----------------------------------------------------------
+    # Batched calls ----------------------------------------------------------
 
-    def _exists_many(self, names: Sequence[str]) -> list[Exists]:
+    def exists_many(self, names: Sequence[str]) -> list[Exists]:
         codes = self._client.batch_is_exist(list(names))
         return [code == 1 if code >= 0 else MooncakeError("batch_is_exist", code) for code in codes]
 
-    def _put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
+    def put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
         if not names:
             return []
         codes = self._client.batch_put_from(
@@ -185,8 +189,8 @@ class MooncakeTier(RemoteTier[MooncakeTierOptions]):
         # 0 also for a name the pool holds already: chunk names are content hashes.
         return [None if code == 0 else MooncakeError("batch_put_from", code) for code in codes]
 
-    def _get_many(self, names: Sequence[str]) -> list[Fetched]:
-        buffers = self._scratch(len(names))[: len(names)]
+    def get_many(self, names: Sequence[str]) -> list[Fetched]:
+        buffers = self.runtime.scratch_values(len(names))[: len(names)]
         sizes = [len(b) for b in buffers]
         codes = self._client.batch_get_into(list(names), [_address(b) for b in buffers], sizes)
         fetched: list[Fetched] = []
@@ -203,36 +207,35 @@ class MooncakeTier(RemoteTier[MooncakeTierOptions]):
                 fetched.append(MooncakeError("batch_get_into", code))
         return fetched
 
-    def _delete(self, name: str) -> None:
+    def delete(self, name: str) -> None:
         # force: a value read in the last seconds holds a lease that would
         # otherwise keep it (and keep serving it as corrupt) until it expires.
         codes = self._client.batch_remove([name], True)
         if codes and codes[0] not in (0, OBJECT_NOT_FOUND):
             raise MooncakeError("batch_remove", codes[0])
 
-    def _ping(self) -> None:
+    def ping(self) -> None:
         # health_check() answers 0 with the master gone; an RPC to it does not.
-        [code] = self._client.batch_is_exist([self._names_prefix + "ping"])
+        [code] = self._client.batch_is_exist([self.runtime.names_prefix + "ping"])
         if code < 0:
             raise MooncakeError("batch_is_exist", code)
 
-    def _close(self) -> None:
-        super()._close()
+    def close(self) -> None:
         client, self._client = self._client, None
         if client is None:
             return
-        stuck = [t for t in self._threaded_workers if t.is_alive()] + self.probe_threads
+        stuck = self.runtime.threads_in_calls()
         if stuck:
             # Closing the client under a call still in it (a frozen master)
             # could crash the process: it is left open for the process to end.
             logger.warning(
                 "tier %s: %d threads still in a Mooncake call at shutdown; leaving its client open",
-                self.tier_type,
+                self.runtime.tier_type,
                 len(stuck),
             )
             return
         with self._registered_lock:
-            registered, self._registered = self._registered, []
+            registered, self.registered = self.registered, []
         for _, address in registered:
             client.unregister_buffer(address)
         client.close()
@@ -242,12 +245,17 @@ class MooncakeTier(RemoteTier[MooncakeTierOptions]):
     def describe(self) -> dict[str, object]:
         options = self.options
         return {
-            **super().describe(),
             "target": self._target,
             "protocol": options.protocol,
             "global_segment_size": int(options.global_segment_size),
             "key_prefix": options.key_prefix,
         }
+
+
+class MooncakeTier(RemoteTier[MooncakeTierOptions]):
+    """The ``mooncake`` tier: the remote-tier runtime over :class:`MooncakeBackend`."""
+
+    backend_class = MooncakeBackend
 
 
 def _loopback(host: str) -> bool:

@@ -6,7 +6,6 @@ See docs/shared-tiers.md for its behaviour, outages and why boto3.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
@@ -20,18 +19,18 @@ from kvtier.errors import (
     MissingDependencyError,
     describe_error,
 )
-from kvtier.keys import ChunkKey
 from kvtier.tiers.addresses import host_problem, split_url
-from kvtier.tiers.base import TierOptions
-from kvtier.tiers.remote import (
+from kvtier.tiers.backend import (
     MAX_WAIT_S,
+    Backend,
+    BackendRuntime,
     Exists,
     Fetched,
     PutErrors,
-    RemoteTier,
     RemoteTierOptions,
     ValueBuffer,
 )
+from kvtier.tiers.remote import RemoteTier
 
 #: Error codes of a GET on an object the bucket does not hold. A missing
 #: bucket (``NoSuchBucket``) is not among them: that is an outage.
@@ -125,52 +124,49 @@ class ObjectStoreTierOptions(RemoteTierOptions):
         return self
 
 
-class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
-    """Chunks as framed objects, one request per chunk, requests in parallel."""
+class ObjectStoreBackend(Backend[ObjectStoreTierOptions]):
+    """Chunks as objects, one request per chunk, requests in parallel."""
 
-    Options: ClassVar[type[TierOptions]] = ObjectStoreTierOptions
+    Options: ClassVar[type[RemoteTierOptions]] = ObjectStoreTierOptions
     name_separator: ClassVar[str] = "/"
-    #: Most chunks of one task; :meth:`_split` spreads a job over the workers.
+    #: Most chunks of one task; a job is spread over the workers.
     io_batch: ClassVar[int] = 64
+    spreads_batches: ClassVar[bool] = True
     #: Objects per existence-check task: small, so a step's checks run in parallel.
     check_batch: ClassVar[int] = 4
     #: An object is as long as its value: any length up to the largest is read.
     variable_payloads: ClassVar[bool] = True
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        options = self.options
+    def __init__(self, options: ObjectStoreTierOptions, runtime: BackendRuntime) -> None:
+        super().__init__(options, runtime)
         self._bucket = options.bucket
-        self._set_name_prefix(options.prefix)
         where = f" at {options.endpoint_url}" if options.endpoint_url else ""
         self._target = f"bucket {options.bucket!r}{where}"
-        self._client: Any = None
+        self._client_error, self.client = _connect(options)
         try:
-            self._client_error, self._client = _connect(options)
             self._check_bucket()
-            if options.prefetch_bytes:
-                # Each check is a GET already, and _get_many's values are fresh bytes.
-                self._hold_checked_values(int(options.prefetch_bytes))
         except BaseException:
-            self.shutdown()
+            self.client.close()
             raise
 
-    def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
-        # One request per chunk, so a task per worker: a job's chunks run in
-        # parallel, and once the backend is known down each task stops
-        # sending instead of a queue of one-chunk tasks each paying a timeout.
-        options = self.options
-        size = min(self.io_batch, max(1, math.ceil(len(pending) / options.io_threads)))
-        return [pending[i : i + size] for i in range(0, len(pending), size)]
+    @classmethod
+    def name_prefix(cls, options: ObjectStoreTierOptions) -> str:
+        return options.prefix
+
+    @property
+    def prefetch_bytes(self) -> int:
+        # Each check is a GET already, and get_many's values are fresh bytes.
+        return int(self.options.prefetch_bytes)
 
     def _check_bucket(self) -> None:
         from botocore.exceptions import ClientError, NoCredentialsError
 
+        tier_type = self.runtime.tier_type
         try:
-            self._start(self._ping, lambda _: None, self._target)
+            self.runtime.start_backend(self.ping, lambda _: None, self._target)
         except NoCredentialsError as exc:
             raise BackendUnavailableError(
-                self.tier_type,
+                tier_type,
                 self._target,
                 "no credentials: set access_key_id and secret_access_key, or a profile, "
                 "or configure the standard AWS credential chain",
@@ -184,10 +180,10 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
                 "NoSuchBucket": "the bucket does not exist",
                 "403": "access denied: check the credentials and the bucket policy",
             }.get(code, describe_error(exc))
-            raise BackendUnavailableError(self.tier_type, self._target, reason) from exc
+            raise BackendUnavailableError(tier_type, self._target, reason) from exc
         except Exception as exc:
             raise BackendUnavailableError(
-                self.tier_type, self._target, f"endpoint unreachable: {describe_error(exc)}"
+                tier_type, self._target, f"endpoint unreachable: {describe_error(exc)}"
             ) from exc
 
     def _error_code(self, exc: Exception) -> str | None:
@@ -200,15 +196,15 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
     def _is_absent(self, exc: Exception) -> bool:
         return self._error_code(exc) in _ABSENT
 
-    def _refuses_write(self, error: BaseException) -> bool:
+    def refuses_write(self, error: BaseException) -> bool:
         return isinstance(error, Exception) and self._error_code(error) in _REFUSED_WRITES
 
-    def _exists_many(self, names: Sequence[str]) -> list[Exists]:
+    def exists_many(self, names: Sequence[str]) -> list[Exists]:
         found: list[Exists] = []
         for name in names:
-            self._check_sending()
+            self.runtime.check_sending()
             try:
-                reply = self._client.get_object(Bucket=self._bucket, Key=name, Range="bytes=0-0")
+                reply = self.client.get_object(Bucket=self._bucket, Key=name, Range="bytes=0-0")
                 reply["Body"].close()
                 found.append(True)
             except Exception as exc:
@@ -219,35 +215,35 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
                     found.append(False)
                 else:
                     raise
-            self._answered()
+            self.runtime.answered()
         return found
 
-    def _put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
+    def put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
         errors: PutErrors = []
         for name, value in zip(names, values, strict=True):
-            self._check_sending()
+            self.runtime.check_sending()
             try:
                 # botocore takes bytes-like bodies but not a memoryview (a
                 # variable-size value is a view of the start of its buffer).
                 body = bytes(value) if isinstance(value, memoryview) else value
-                self._client.put_object(Bucket=self._bucket, Key=name, Body=body)
+                self.client.put_object(Bucket=self._bucket, Key=name, Body=body)
                 errors.append(None)
-                self._answered()
+                self.runtime.answered()
             except self._client_error as exc:
                 errors.append(exc)
         return errors
 
-    def _get_many(self, names: Sequence[str]) -> list[Fetched]:
+    def get_many(self, names: Sequence[str]) -> list[Fetched]:
         values: list[Fetched] = []
         for name in names:
-            self._check_sending()
+            self.runtime.check_sending()
             try:
-                reply = self._client.get_object(Bucket=self._bucket, Key=name)
+                reply = self.client.get_object(Bucket=self._bucket, Key=name)
             except Exception as exc:
                 if not self._is_absent(exc):
                     raise
                 values.append(None)
-                self._answered()
+                self.runtime.answered()
                 continue
             body = reply["Body"]
             try:
@@ -256,47 +252,50 @@ class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
                     values.append(
                         CorruptChunkError(
                             f"object holds {reply.get('ContentLength')} bytes, "
-                            f"a chunk is {self.value_bytes}"
+                            f"a chunk is {self.runtime.value_bytes}"
                         )
                     )
                 else:
                     values.append(body.read())
             finally:
                 body.close()
-            self._answered()
+            self.runtime.answered()
         return values
 
     def _sized_as_a_value(self, length: object) -> bool:
         """Whether an object of ``length`` bytes may hold one of this tier's
-        values: exactly :attr:`value_bytes`, or under a variable-size codec
-        a header and at most a chunk's largest payload (its header's length
-        and checksum then decide)."""
+        values: exactly the runtime's value size, or under a variable-size
+        codec a header and at most a chunk's largest payload (its header's
+        length and checksum then decide)."""
         if type(length) is not int:
             return False
-        if self.codec_stage.fixed_size:
-            return length == self.value_bytes
-        return integrity.HEADER_BYTES < length <= self.value_bytes
+        if self.runtime.fixed_value_size:
+            return length == self.runtime.value_bytes
+        return integrity.HEADER_BYTES < length <= self.runtime.value_bytes
 
-    def _delete(self, name: str) -> None:
-        self._client.delete_object(Bucket=self._bucket, Key=name)
+    def delete(self, name: str) -> None:
+        self.client.delete_object(Bucket=self._bucket, Key=name)
 
-    def _ping(self) -> None:
-        self._client.head_bucket(Bucket=self._bucket)
+    def ping(self) -> None:
+        self.client.head_bucket(Bucket=self._bucket)
 
-    def _close(self) -> None:
-        super()._close()
-        if self._client is not None:
-            self._client.close()
+    def close(self) -> None:
+        self.client.close()
 
     def describe(self) -> dict[str, object]:
         options = self.options
         return {
-            **super().describe(),
             "bucket": options.bucket,
             "prefix": options.prefix,
             "endpoint_url": options.endpoint_url,
-            "region": self._client.meta.region_name if self._client is not None else None,
+            "region": self.client.meta.region_name,
         }
+
+
+class ObjectStoreTier(RemoteTier[ObjectStoreTierOptions]):
+    """The ``obj`` tier: the remote-tier runtime over :class:`ObjectStoreBackend`."""
+
+    backend_class = ObjectStoreBackend
 
 
 def _endpoint_problem(url: str) -> str | None:

@@ -20,18 +20,19 @@ from kvtier.errors import (
     describe_error,
 )
 from kvtier.tiers.addresses import host_problem, parse_host_port, split_url
-from kvtier.tiers.base import TierOptions
-from kvtier.tiers.redis_reads import get_into
-from kvtier.tiers.remote import (
+from kvtier.tiers.backend import (
     MAX_WAIT_S,
+    Backend,
+    BackendRuntime,
     Exists,
     Fetched,
     FramedValue,
     PutErrors,
-    RemoteTier,
     RemoteTierOptions,
     ValueBuffer,
 )
+from kvtier.tiers.redis_reads import get_into
+from kvtier.tiers.remote import RemoteTier
 
 _URL_SCHEMES = ("redis", "rediss", "unix")
 #: Longest ``ttl_s`` (ten years): Redis refuses expiry times past its clock's range.
@@ -123,38 +124,30 @@ class RedisTierOptions(RemoteTierOptions, RedisServerOptions):
         return self
 
 
-class RedisTier(RemoteTier[RedisTierOptions]):
-    """Chunks as framed values in Redis/Valkey, moved in pipelines."""
+class RedisBackend(Backend[RedisTierOptions]):
+    """Chunks as values in Redis/Valkey, moved in pipelines."""
 
-    Options: ClassVar[type[TierOptions]] = RedisTierOptions
+    Options: ClassVar[type[RemoteTierOptions]] = RedisTierOptions
     #: Most chunks per pipeline: enough to hide the round trip of small
     #: chunks, few enough that a job's batches spread over the workers.
     io_batch: ClassVar[int] = 8
-    #: Values are read into buffers of the largest size, so any shorter one fits.
-    variable_payloads: ClassVar[bool] = True
     #: Payload bytes per pipeline, which caps it for large chunks: a worker
     #: verifies a value while it is still in cache, and the server serves
     #: many workers' short pipelines at once rather than a few long ones
     #: (2 MiB chunks: 2 a pipeline loaded 1.3-1.5x faster than 8, in one run).
-    pipeline_bytes: ClassVar[int] = 4 << 20
+    batch_bytes: ClassVar[int] = 4 << 20
+    #: Values are read into buffers of the largest size, so any shorter one fits.
+    variable_payloads: ClassVar[bool] = True
 
-    @classmethod
-    def batch_chunks(cls, slot_bytes: int) -> int:
-        """Chunks per pipeline for chunks of ``slot_bytes``."""
-        return max(1, min(cls.io_batch, cls.pipeline_bytes // max(1, slot_bytes)))
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        options = self.options
-        self._set_name_prefix(options.key_prefix)
+    def __init__(self, options: RedisTierOptions, runtime: BackendRuntime) -> None:
+        super().__init__(options, runtime)
         self._ttl_ms = None if options.ttl_s is None else max(1, round(options.ttl_s * 1000))
         self._target = _target(options)
         # A cluster client keeps redis-py's own connections (and packer).
         self.sends_framed = not options.is_cluster
-        self._client: Any = None
+        tls = (options.url or "").lower().startswith("rediss://")
         try:
-            tls = (options.url or "").lower().startswith("rediss://")
-            self._client = self._start(
+            self.client: Any = runtime.start_backend(
                 lambda: _connected(options),
                 lambda client: client.close(),
                 self._target,
@@ -163,21 +156,20 @@ class RedisTier(RemoteTier[RedisTierOptions]):
                 else "",
             )
         except (MissingDependencyError, BackendUnavailableError):
-            self.shutdown()
             raise
         except Exception as exc:
-            self.shutdown()
             raise BackendUnavailableError(
-                self.tier_type, self._target, describe_error(exc)
+                runtime.tier_type, self._target, describe_error(exc)
             ) from exc
 
-    def _batch_chunks(self) -> int:
-        return self.batch_chunks(self.stored_bytes)
+    @classmethod
+    def name_prefix(cls, options: RedisTierOptions) -> str:
+        return options.key_prefix
 
     def _pipeline(self) -> Any:
-        return self._client.pipeline(transaction=False)
+        return self.client.pipeline(transaction=False)
 
-    def _exists_many(self, names: Sequence[str]) -> list[Exists]:
+    def exists_many(self, names: Sequence[str]) -> list[Exists]:
         pipe = self._pipeline()
         for name in names:
             pipe.exists(name)
@@ -187,10 +179,10 @@ class RedisTier(RemoteTier[RedisTierOptions]):
             for reply in pipe.execute(raise_on_error=False)
         ]
 
-    def _put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
+    def put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
         return self._set_many(names, values)
 
-    def _put_framed(self, names: Sequence[str], values: Sequence[FramedValue]) -> PutErrors:
+    def put_framed(self, names: Sequence[str], values: Sequence[FramedValue]) -> PutErrors:
         return self._set_many(names, values)  # see _framed_serializer_class
 
     def _set_many(self, names: Sequence[str], values: Sequence[object]) -> PutErrors:
@@ -200,7 +192,7 @@ class RedisTier(RemoteTier[RedisTierOptions]):
         replies = pipe.execute(raise_on_error=False)
         return [reply if isinstance(reply, BaseException) else None for reply in replies]
 
-    def _get_many(self, names: Sequence[str]) -> list[Fetched]:
+    def get_many(self, names: Sequence[str]) -> list[Fetched]:
         if not self.options.is_cluster:
             return self._get_into_scratch(names)
         pipe = self._pipeline()
@@ -213,8 +205,8 @@ class RedisTier(RemoteTier[RedisTierOptions]):
 
     def _get_into_scratch(self, names: Sequence[str]) -> list[Fetched]:
         """Values received straight into this worker's buffers (see :mod:`.redis_reads`)."""
-        buffers = self._scratch(len(names))[: len(names)]
-        pool = self._client.connection_pool
+        buffers = self.runtime.scratch_values(len(names))[: len(names)]
+        pool = self.client.connection_pool
         connection = pool.get_connection()
         try:
             # A failed attempt closed the connection; the next one reconnects.
@@ -226,7 +218,7 @@ class RedisTier(RemoteTier[RedisTierOptions]):
         finally:
             pool.release(connection)
 
-    def _refresh_many(self, names: Sequence[str]) -> None:
+    def refresh_many(self, names: Sequence[str]) -> None:
         if self._ttl_ms is None or not names:
             return
         pipe = self._pipeline()
@@ -234,24 +226,24 @@ class RedisTier(RemoteTier[RedisTierOptions]):
             pipe.pexpire(name, self._ttl_ms)
         pipe.execute(raise_on_error=False)
 
-    def _delete(self, name: str) -> None:
-        self._client.delete(name)
+    def delete(self, name: str) -> None:
+        self.client.delete(name)
 
-    def _refuses_write(self, error: BaseException) -> bool:
+    def refuses_write(self, error: BaseException) -> bool:
         # OOM (full under maxmemory-policy noeviction, Redis's default),
         # READONLY (a replica), NOPERM (an ACL user that may only read).
         from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError
 
         return isinstance(error, (OutOfMemoryError, ReadOnlyError, NoPermissionError))
 
-    def _ping(self) -> None:
+    def ping(self) -> None:
         if self.options.is_cluster:
-            self._client.ping()
+            self.client.ping()
             return
         # A connection of the probe's own, made as the pool makes them: a probe
         # never waits for a pooled connection that stuck workers hold, and it
         # tries what recovery needs, a fresh connect.
-        pool = self._client.connection_pool
+        pool = self.client.connection_pool
         connection = pool.connection_class(**pool.connection_kwargs)
         try:
             connection.send_command("PING")
@@ -261,24 +253,27 @@ class RedisTier(RemoteTier[RedisTierOptions]):
         if reply not in (b"PONG", "PONG", True):
             raise ConnectionError(f"PING answered {reply!r}")
 
-    def _close(self) -> None:
-        super()._close()
-        if self._client is not None:
-            self._client.close()
-            if not self.options.is_cluster:
-                # A client given its pool leaves the pool open on close(): its
-                # connections would stay open on the server until collected.
-                self._client.connection_pool.disconnect()
+    def close(self) -> None:
+        self.client.close()
+        if not self.options.is_cluster:
+            # A client given its pool leaves the pool open on close(): its
+            # connections would stay open on the server until collected.
+            self.client.connection_pool.disconnect()
 
     def describe(self) -> dict[str, object]:
         options = self.options
         return {
-            **super().describe(),
             "target": self._target,
             "cluster": options.is_cluster,
             "key_prefix": options.key_prefix,
             "ttl_s": options.ttl_s,
         }
+
+
+class RedisTier(RemoteTier[RedisTierOptions]):
+    """The ``redis`` tier: the remote-tier runtime over :class:`RedisBackend`."""
+
+    backend_class = RedisBackend
 
 
 def _wrong_type_is_corrupt(reply: Any) -> Fetched:

@@ -1,7 +1,6 @@
-"""A base for tiers over a shared remote key-value store (Redis, S3...): it
-names, frames and verifies values, bounds every job by a deadline behind a
-circuit breaker, and holds values read by existence checks, so that a backend
-only writes batched client calls.
+"""The runtime of every remote tier: it runs a :class:`~kvtier.tiers.backend.Backend`
+on worker threads, names, frames and verifies its values, bounds every job by a
+deadline behind a circuit breaker, and holds values read by existence checks.
 
 See docs/shared-tiers.md, 'How they behave' and 'When the backend fails'.
 """
@@ -12,23 +11,30 @@ import functools
 import logging
 import threading
 import time
-from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, TypeVar
-
-from pydantic import Field, model_validator
+from typing import Any, ClassVar, TypeVar
 
 from kvtier import integrity
 from kvtier.errors import BackendUnavailableError, CorruptChunkError, describe_error
 from kvtier.keys import ChunkKey
+from kvtier.tiers.backend import (
+    MAX_WAIT_S,
+    Backend,
+    BackendSkipped,
+    Exists,
+    Fetched,
+    FramedValue,
+    PutErrors,
+    RemoteTierOptions,
+    ValueBuffer,
+)
 from kvtier.tiers.base import (
     HealthCheck,
     JobResult,
     Lookup,
     LookupContext,
     TierMetric,
-    TierOptions,
     TierStats,
     TransferJob,
 )
@@ -36,28 +42,24 @@ from kvtier.tiers.budgets import RequestBudgets
 from kvtier.tiers.circuit import BreakerState, CircuitBreaker
 from kvtier.tiers.deadlines import Deadlines, call_within
 from kvtier.tiers.prefetch import Prefetched
-from kvtier.tiers.threaded import ThreadedBatchTier, ThreadedTierOptions, _JobState
+from kvtier.tiers.probes import Probes
+from kvtier.tiers.threaded import JobState, ThreadedBatchTier
+
+__all__ = [
+    "MAX_WAIT_S",
+    "BackendSkipped",
+    "Exists",
+    "Fetched",
+    "FramedValue",
+    "PutErrors",
+    "RemoteTier",
+    "RemoteTierOptions",
+    "RemoteTierStats",
+    "ValueBuffer",
+    "remote_tier",
+]
 
 logger = logging.getLogger(__name__)
-
-#: What a batched read gives back per name: the value, ``None`` when the store
-#: does not hold it, or the error that one item met.
-Fetched = bytes | memoryview | None | BaseException
-#: What a batched existence check gives back per name: held or not, or the error that item met.
-Exists = bool | BaseException
-#: A reusable buffer a worker frames one value into (see ``RemoteTier._allocate_values``).
-ValueBuffer = bytearray | memoryview
-#: What a batched write gives back per name: ``None``, or the error that item met.
-PutErrors = list[BaseException | None]
-
-
-class FramedValue(NamedTuple):
-    """A value in its two parts, for a backend that sends them one after the
-    other: the integrity header, then the payload straight from its slot."""
-
-    header: bytes
-    payload: memoryview
-
 
 T = TypeVar("T")
 
@@ -65,59 +67,6 @@ T = TypeVar("T")
 def _fitted(buffer: ValueBuffer, size: int) -> ValueBuffer:
     """``buffer`` itself when ``size`` fills it, else a view of its start."""
     return buffer if len(buffer) == size else memoryview(buffer)[:size]
-
-
-class BackendSkipped(ConnectionError):
-    """A call not sent because the backend is known to be down (breaker open)."""
-
-
-#: Longest wait any timeout or backoff option takes (an hour): longer ones are
-#: typos, and an infinite one would never recover or would overflow the
-#: clients' timers when the tier starts, far from the config that caused it.
-MAX_WAIT_S = 3600.0
-
-
-class RemoteTierOptions(ThreadedTierOptions):
-    skip_existing: bool = False
-    """Before a store, check which chunks the store already holds (one batched
-    round trip) and send only the others. Worth it when many engines compute
-    the same chunks at once; otherwise the extra round trip costs more than it
-    saves, since the manager never writes a promoted chunk back to its tier."""
-
-    deadline_s: float = Field(default=0.75, gt=0, le=60)
-    """Most seconds one job (a request's loads or stores) or existence check
-    may take, whatever its number of chunks, threads and retries. A job still
-    running then is answered with the chunks done so far (the others fail, and
-    the request recomputes them), and the circuit breaker opens. Also bounds
-    how long ``shutdown`` waits for workers stuck in a backend call."""
-
-    breaker_failures: int = Field(default=3, ge=1)
-    """Failed backend calls in a row that open the circuit breaker (one
-    missed deadline opens it at once). While open, lookups answer MISS and
-    stores are dropped without a call to the backend."""
-
-    breaker_backoff_s: float = Field(default=0.25, gt=0, le=MAX_WAIT_S)
-    """Seconds the breaker stays open before one probe; doubled after each
-    failed probe up to ``breaker_max_backoff_s``, shortened by up to 20%
-    of random jitter."""
-
-    breaker_max_backoff_s: float = Field(default=1.0, gt=0, le=MAX_WAIT_S)
-    """Longest wait between two probes of a backend that stays down, and so
-    the longest a recovered backend goes unused. A probe is one cheap request
-    (``PING``, a bucket ``HEAD``)."""
-
-    startup_timeout_s: float = Field(default=5.0, gt=0, le=MAX_WAIT_S)
-    """Most seconds the tier waits, when it starts, to connect and get a first
-    answer; an endpoint that accepts connections but never answers fails then."""
-
-    @model_validator(mode="after")
-    def _check_backoff(self) -> RemoteTierOptions:
-        if self.breaker_backoff_s > self.breaker_max_backoff_s:
-            raise ValueError(
-                f"breaker_backoff_s={self.breaker_backoff_s} is above "
-                f"breaker_max_backoff_s={self.breaker_max_backoff_s}"
-            )
-        return self
 
 
 @dataclass
@@ -153,33 +102,41 @@ RemoteOptionsT = TypeVar("RemoteOptionsT", bound=RemoteTierOptions)
 
 
 class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
-    """Framing, verification, naming and outage handling over a batched remote store."""
+    """A tier over a :class:`Backend`: framing, verification, naming and outage
+    handling around its batched calls. A tier class names its backend in
+    :attr:`backend_class` and nothing else (see :func:`remote_tier`)."""
 
-    Options: ClassVar[type[TierOptions]] = RemoteTierOptions
-    #: Between the store's prefix and namespace digest and the key digest.
-    name_separator: ClassVar[str] = ":"
-    #: Probe threads alive at once, at most. A probe past its deadline is left
-    #: behind in its call (a thread cannot be interrupted) and the next one
-    #: goes out on a thread of its own after the backoff, so a thawed backend
-    #: is seen at the next probe whatever the stuck ones do; this bounds the
-    #: threads a long freeze strands (each ends with its client's timeout).
-    max_probe_threads: ClassVar[int] = 8
+    #: The backend this tier runs; :attr:`Options` and the batch sizes are its.
+    backend_class: ClassVar[type[Backend[Any]]]
+    Stats: ClassVar[type[TierStats]] = RemoteTierStats
     stats: RemoteTierStats
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        backend = cls.__dict__.get("backend_class")
+        if backend is not None:  # the tier takes what its backend declares
+            cls.Options = backend.Options
+            cls.io_batch = backend.io_batch
+            cls.check_batch = backend.check_batch
+            cls.variable_payloads = backend.variable_payloads
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         options = self.options
-        self._skip_existing = options.skip_existing
-        self._deadline_s = options.deadline_s
-        self._names_prefix = ""
+        backend_class = getattr(type(self), "backend_class", None)
+        if backend_class is None:
+            raise TypeError(
+                f"{type(self).__qualname__} names no backend_class: set it, "
+                "or build the tier class with remote_tier(YourBackend)"
+            )
+        self._names_prefix = (
+            f"{backend_class.name_prefix(options)}{self.namespace.hex()}"
+            f"{backend_class.name_separator}"
+        )
         self._worker_local = threading.local()
-        #: Probe threads started and maybe still in a call (see ``max_probe_threads``).
-        self._probe_threads: list[threading.Thread] = []
-        self._probe_lock = threading.Lock()
-        self._probes_capped = False  # warned that max_probe_threads are stuck
         #: When a backend call last got an answer (``time.perf_counter``).
         self._last_answer = time.perf_counter()
-        self.stats = RemoteTierStats()
+        # The guards, each one object built from the options.
         self.breaker = CircuitBreaker(
             failures=options.breaker_failures,
             backoff_s=options.breaker_backoff_s,
@@ -187,31 +144,106 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             on_change=self._breaker_changed,
         )
         self._deadlines = Deadlines(f"kvtier-{self.tier_type}-deadlines")
+        self.probes = Probes(self.tier_type, self.breaker, self._probe)
         #: Each request's wait on the backend, so that its checks and its
         #: loads share one ``deadline_s`` (see :mod:`kvtier.tiers.budgets`).
         self.budgets = RequestBudgets(options.deadline_s)
-        #: Values existence checks read whole (see :meth:`_hold_checked_values`).
+        try:
+            self.backend: Backend[RemoteOptionsT] = backend_class(options, self)
+        except BaseException:  # no worker started yet: the guards' threads only
+            self._deadlines.close()
+            if self._codec_calls is not None:
+                self._codec_calls.close()
+            raise
+        #: Values existence checks read whole, for the loads that follow.
         self._prefetched: Prefetched | None = None
-
-    def _hold_checked_values(self, budget_bytes: int) -> None:
-        """Have existence checks read whole values, up to ``budget_bytes``
-        held at once, and loads take them instead of asking again.
-
-        For a backend whose check is a request per value anyway (a missing
-        value then answers as fast) and whose :meth:`_get_many` returns
-        values the caller may keep, not a worker's reused buffer.
-        """
-        self._prefetched = Prefetched(
-            budget_bytes, on_expired=lambda count: self.count(prefetch_expired=count)
-        )
+        if self.backend.prefetch_bytes:
+            self._prefetched = Prefetched(
+                self.backend.prefetch_bytes,
+                on_expired=lambda count: self.count(prefetch_expired=count),
+            )
 
     def _codec_timeout_s(self) -> float:
         # A job is answered at its deadline anyway; a codec call holding its
         # slots must not outlast it by more.
         return self.options.codec_timeout_s or self.options.deadline_s
 
-    def _set_name_prefix(self, prefix: str) -> None:
-        self._names_prefix = f"{prefix}{self.namespace.hex()}{self.name_separator}"
+    def _batch_chunks(self) -> int:
+        return self.backend_class.batch_chunks(self.stored_bytes)
+
+    def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
+        if not self.backend_class.spreads_batches:
+            return super()._split(pending)
+        # One request per chunk, so a task per worker: a job's chunks run in
+        # parallel, and once the backend is known down each task stops
+        # sending instead of a queue of one-chunk tasks each paying a timeout.
+        size = min(self.io_batch, max(1, -(-len(pending) // self.io_threads)))
+        return [pending[i : i + size] for i in range(0, len(pending), size)]
+
+    # What a backend may ask of its runtime (kvtier.tiers.backend.BackendRuntime)
+
+    @property
+    def names_prefix(self) -> str:
+        """The start of every name in the store: prefix, namespace, separator."""
+        return self._names_prefix
+
+    @property
+    def value_bytes(self) -> int:
+        """Length of one stored value: header and one chunk's stored payload
+        (the most, under a variable-size codec)."""
+        return integrity.HEADER_BYTES + self.stored_bytes
+
+    @property
+    def fixed_value_size(self) -> bool:
+        """Whether every value is exactly :attr:`value_bytes` long."""
+        return self.codec_stage.fixed_size
+
+    def check_sending(self) -> None:
+        """Raise :class:`BackendSkipped` once the backend is known down."""
+        if not self._sending():
+            raise BackendSkipped("backend known down: request not sent")
+
+    def answered(self) -> None:
+        """A backend call got an answer (backends with per-item requests call it per item)."""
+        self._last_answer = time.perf_counter()
+
+    def scratch_values(self, count: int) -> list[ValueBuffer]:
+        """This worker's reusable value buffers, at least ``count`` of them.
+
+        Framing into buffers that stay mapped spares a fresh allocation, and
+        its page faults, per chunk; the clients are done with a buffer when
+        ``put_many`` returns.
+        """
+        buffers: list[ValueBuffer] = getattr(self._worker_local, "buffers", [])
+        if len(buffers) < count:
+            buffers = buffers + self.backend.allocate_values(count - len(buffers))
+            self._worker_local.buffers = buffers
+        return buffers
+
+    def start_backend(
+        self, connect: Callable[[], T], dispose: Callable[[T], None], target: str, hint: str = ""
+    ) -> T:
+        """Connect and ping within ``startup_timeout_s``, or fail with a clear message.
+
+        ``connect`` builds the client and pings it; errors other than the
+        timeout propagate as they are, for the backend to explain. ``hint``
+        ends the message of a timeout (another likely cause).
+        """
+        options = self.options
+        try:
+            return self._bounded(connect, options.startup_timeout_s, dispose)
+        except TimeoutError as exc:
+            raise BackendUnavailableError(
+                self.tier_type,
+                target,
+                f"no answer within startup_timeout_s={options.startup_timeout_s}s: "
+                "the endpoint accepts connections but does not serve; check the address "
+                f"and that the server is running and not overloaded{hint}",
+            ) from exc
+
+    def threads_in_calls(self) -> list[threading.Thread]:
+        """Workers and probes alive: any may be inside a backend call."""
+        return [t for t in self._threaded_workers if t.is_alive()] + self.probes.threads
 
     def store_name(self, key: ChunkKey) -> str:
         """The name ``key`` has in the store."""
@@ -222,72 +254,9 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         """Whether calls skip the backend: the breaker is open or probing."""
         return not self.breaker.closed
 
-    @property
-    def value_bytes(self) -> int:
-        """Length of one stored value: header and one chunk's stored payload
-        (the most, under a variable-size codec)."""
-        return integrity.HEADER_BYTES + self.stored_bytes
-
-    # Backend hooks: blocking, batched, called on worker threads ----------
-
-    @abstractmethod
-    def _exists_many(self, names: Sequence[str]) -> list[Exists]:
-        """Whether the store holds each name (see :data:`Exists`); raise when
-        the whole batch failed."""
-
-    @abstractmethod
-    def _put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
-        """Write each value; ``None`` per success or the error of that item.
-
-        Raise when the whole batch failed (connection lost, timeout).
-        """
-
-    #: Whether stores go through :meth:`_put_framed` (no copy of the payload)
-    #: instead of :meth:`_put_many` with values framed into buffers.
-    sends_framed: bool = False
-
-    def _put_framed(self, names: Sequence[str], values: Sequence[FramedValue]) -> PutErrors:
-        """:meth:`_put_many` with each value in its two parts, for a backend
-        whose :attr:`sends_framed` is true: send them as one value."""
-        raise NotImplementedError(f"{type(self).__name__} does not send framed values")
-
-    @abstractmethod
-    def _get_many(self, names: Sequence[str]) -> list[Fetched]:
-        """Read each value (see :data:`Fetched`); raise when the whole batch failed.
-
-        A value that cannot be a chunk (wrong size, wrong type) is a
-        :class:`CorruptChunkError` item: deleted and counted, not an outage.
-        """
-
-    @abstractmethod
-    def _delete(self, name: str) -> None:
-        """Remove one value (a corrupt one)."""
-
-    def _refresh_many(self, names: Sequence[str]) -> None:
-        """Chunks that were stored again while held: extend their life. Default: nothing."""
-
-    def _refuses_write(self, error: BaseException) -> bool:
-        """Whether a write's item error is the backend answering "no" to that
-        write (full, read-only, not permitted) rather than failing to serve.
-
-        Such a backend still serves reads, so these errors fail their chunks
-        but never open the breaker: a full store would otherwise turn every
-        lookup of the chunks it holds into a miss. Default: never.
-        """
-        return False
-
-    @abstractmethod
-    def _ping(self) -> None:
-        """One cheap request that raises unless the backend serves this tier."""
-
     def _sending(self) -> bool:
         """Whether to go on sending requests (backends check it between requests)."""
         return self.breaker.closed and not self.shut_down
-
-    def _check_sending(self) -> None:
-        """Raise :class:`BackendSkipped` once the backend is known down."""
-        if not self._sending():
-            raise BackendSkipped("backend known down: request not sent")
 
     # The contract: fail fast while the breaker is open ------------------------
 
@@ -326,7 +295,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         left, waiting_since = self.budgets.take(job.request_id) if loading else (None, None)
         super()._submit(job, loading=loading)
         self._deadlines.after(
-            self._deadline_s if left is None else left,
+            self.options.deadline_s if left is None else left,
             lambda: self._answer_at_deadline(job.job_id, waiting_since),
         )
 
@@ -334,36 +303,9 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         """Whether a request may go to the backend; starts the probe when due."""
         if self.breaker.closed:
             return True
-        # One probe at a time is the breaker's rule (half-open until the probe
-        # answers or misses its deadline); a stuck one only holds a thread.
-        with self._probe_lock:
-            self._probe_threads = [t for t in self._probe_threads if t.is_alive()]
-            if len(self._probe_threads) >= self.max_probe_threads:
-                if not self._probes_capped:
-                    self._probes_capped = True
-                    logger.warning(
-                        "tier %s: %d probes stuck in backend calls; the next waits for one "
-                        "to end (the client's own timeouts bound them)",
-                        self.tier_type,
-                        len(self._probe_threads),
-                    )
-                return False
-            if not self.breaker.take_probe():
-                return False
-            self._probes_capped = False
-            probe = threading.Thread(
-                target=self._probe, name=f"kvtier-{self.tier_type}-probe", daemon=True
-            )
-            self._probe_threads.append(probe)
-        self.count(breaker_probes=1)
-        probe.start()
+        if self.probes.start_if_due():
+            self.count(breaker_probes=1)
         return False
-
-    @property
-    def probe_threads(self) -> list[threading.Thread]:
-        """Probe threads still alive: the one in flight and those stuck past their deadline."""
-        with self._probe_lock:
-            return [t for t in self._probe_threads if t.is_alive()]
 
     def _probe(self) -> None:
         done = threading.Event()
@@ -371,11 +313,11 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         # the breaker must not stay half-open on a probe that hangs.
         self._watch(done, "probe", then=lambda: self.breaker.trip("probe missed its deadline"))
         try:
-            self._ping()
+            self.backend.ping()
         except BaseException as exc:  # whatever it is, the probe must end half-open
             self.breaker.record_failure(f"probe failed: {describe_error(exc)}")
         else:
-            self._answered()
+            self.answered()
             self.breaker.record_success()
         finally:
             done.set()
@@ -409,14 +351,14 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 if then is not None:
                     then()
 
-        self._deadlines.after(self._deadline_s, check)
+        self._deadlines.after(self.options.deadline_s, check)
 
     def shutdown(self) -> None:
         """Drain and close within ``deadline_s``, whatever the backend does."""
         if self.shut_down:
             return
-        give_up = time.monotonic() + self._deadline_s
-        self.drain(timeout=self._deadline_s)
+        give_up = time.monotonic() + self.options.deadline_s
+        self.drain(timeout=self.options.deadline_s)
         with self._threaded_lock:
             late = list(self._threaded_jobs)
         for job_id in late:  # answered now, their slots left alone from here on
@@ -429,11 +371,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         # A backend that answered anything meanwhile is slow, not stalled:
         # the late work is cut short, but the tier stays in service.
         if self._last_answer < since:
-            self.breaker.trip(f"{what} missed its {self._deadline_s}s deadline")
-
-    def _answered(self) -> None:
-        """A backend call got an answer (backends with per-item requests call it per item)."""
-        self._last_answer = time.perf_counter()
+            self.breaker.trip(f"{what} missed its {self.options.deadline_s}s deadline")
 
     def _run_check(self, keys: list[ChunkKey]) -> Callable[[], None]:
         check = super()._run_check(keys)
@@ -466,7 +404,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             if held is not None and held.reserve(reserved):
                 found = self._read_checked(held, reserved, names)
             else:
-                found = self._exists_many(names)
+                found = self.backend.exists_many(names)
         except Exception as exc:
             self._outcome(len(keys), len(keys), exc)
             return [None] * len(keys)
@@ -482,7 +420,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         """
         kept: list[tuple[str, bytes]] = []
         try:
-            values = self._get_many(names)
+            values = self.backend.get_many(names)
             found: list[Exists] = []
             for name, value in zip(names, values, strict=True):
                 if value is None:
@@ -500,7 +438,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         return found
 
     def _transfer(
-        self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
+        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
     ) -> list[bool]:
         if not self._sending():
             return [False] * len(keys)
@@ -513,19 +451,19 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             return [False] * len(keys)
 
     def _store(
-        self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
+        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
     ) -> list[bool]:
         names = [self.store_name(k) for k in keys]
         held = [False] * len(names)
-        if self._skip_existing:
+        if self.options.skip_existing:
             # An item the store could not check is sent: a write is never wrong.
-            held = [f is True for f in self._exists_many(names)]
+            held = [f is True for f in self.backend.exists_many(names)]
         todo = [i for i, present in enumerate(held) if not present]
         todo_names = [names[i] for i in todo]
         with state.slots_guard:
             if state.reported:  # answered at its deadline: the slots may hold other chunks now
                 return [False] * len(keys)
-            if self.sends_framed:
+            if self.backend.sends_framed:
                 # Checksummed here, sent after from the slot itself: should the
                 # job be answered at its deadline meanwhile and a slot written
                 # again, its value no longer matches its checksum, and no load
@@ -535,28 +473,30 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                     payload = payloads[i]
                     header = integrity.pack_header(self.namespace, keys[i], payload)
                     framed.append(FramedValue(header, payload))
-                send = functools.partial(self._put_framed, todo_names, framed)
+                send = functools.partial(self.backend.put_framed, todo_names, framed)
             else:
                 # A backend's own buffer type where a value fills it (some
                 # clients take bytearray, not memoryview; those take fixed sizes).
                 values = [
                     _fitted(value, integrity.HEADER_BYTES + len(payloads[i]))
-                    for value, i in zip(self._scratch(len(todo)), todo, strict=False)
+                    for value, i in zip(self.scratch_values(len(todo)), todo, strict=False)
                 ]
                 for value, i in zip(values, todo, strict=True):
                     integrity.frame_into(value, self.namespace, keys[i], payloads[i])
-                send = functools.partial(self._put_many, todo_names, values)
+                send = functools.partial(self.backend.put_many, todo_names, values)
         errors = send()  # outside the guard: the network is slow
         if len(todo) < len(names):
-            self._refresh_many([n for n, present in zip(names, held, strict=True) if present])
-        self._outcome_of(errors, writes=True)
+            self.backend.refresh_many(
+                [n for n, present in zip(names, held, strict=True) if present]
+            )
+        self._outcome_of_writes(errors)
         ok = [True] * len(keys)
         for index, error in zip(todo, errors, strict=True):
             ok[index] = error is None
         return ok
 
     def _load(
-        self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
+        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
     ) -> list[bool]:
         values = self._fetch([self.store_name(k) for k in keys])
         ok = [False] * len(keys)
@@ -588,73 +528,61 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         return ok
 
     def _fetch(self, names: list[str]) -> list[Fetched]:
+        """Each value, read from the backend (or held by the checks: :meth:`_fetch_held`)."""
+        if self._prefetched is not None:
+            return self._fetch_held(self._prefetched, names)
+        fetched = self.backend.get_many(names)
+        self._outcome_of(fetched)
+        return fetched
+
+    def _fetch_held(self, held: Prefetched, names: list[str]) -> list[Fetched]:
         """Each value: taken from those the checks held, else read from the backend."""
-        held = self._prefetched
-        values: list[Fetched] = [None] * len(names)
-        if held is not None:
-            values = [held.take(name) for name in names]
-            taken = sum(value is not None for value in values)
-            if taken:
-                self.count(prefetch_served=taken)
-            if taken == len(names):
-                return values
+        values: list[Fetched] = [held.take(name) for name in names]
+        taken = sum(value is not None for value in values)
+        if taken:
+            self.count(prefetch_served=taken)
+        if taken == len(names):
+            return values
         missing = [i for i, value in enumerate(values) if value is None]
-        fetched = self._get_many([names[i] for i in missing])
+        fetched = self.backend.get_many([names[i] for i in missing])
         self._outcome_of(fetched)
         for index, value in zip(missing, fetched, strict=True):
             values[index] = value
         return values
 
-    def _scratch(self, count: int) -> list[ValueBuffer]:
-        """This worker's reusable value buffers, at least ``count`` of them.
-
-        Framing into buffers that stay mapped spares a fresh allocation, and
-        its page faults, per chunk; the clients are done with a buffer when
-        ``_put_many`` returns.
-        """
-        buffers: list[ValueBuffer] = getattr(self._worker_local, "buffers", [])
-        if len(buffers) < count:
-            buffers = buffers + self._allocate_values(count - len(buffers))
-            self._worker_local.buffers = buffers
-        return buffers
-
-    def _allocate_values(self, count: int) -> list[ValueBuffer]:
-        """At least ``count`` new value buffers of :attr:`value_bytes` each,
-        for the calling worker to keep. Backends that move values from memory
-        they registered (RDMA, shared segments) override it to hand out that
-        memory, in as few registrations as they like."""
-        return [bytearray(self.value_bytes) for _ in range(count)]
-
     def _discard(self, key: ChunkKey) -> None:
         name = self.store_name(key)
         if self._prefetched is not None:
             self._prefetched.drop([name])
-        self._delete(name)
+        self.backend.delete(name)
 
     # Health -----------------------------------------------------------------
 
-    def _outcome_of(self, items: Sequence[object], *, writes: bool = False) -> None:
-        """Account a batch by its per-item results (errors are ``BaseException`` items).
-
-        For ``writes``, items the backend refused (:meth:`_refuses_write`) are
-        counted apart and take no part in the breaker's verdict.
-        """
+    def _outcome_of(self, items: Sequence[object]) -> None:
+        """Account a batch by its per-item results (errors are ``BaseException`` items)."""
         errors = [
             item
             for item in items
             if isinstance(item, BaseException) and not isinstance(item, CorruptChunkError)
         ]
+        self._outcome(len(errors), len(items), errors[0] if errors else None)
+
+    def _outcome_of_writes(self, errors: PutErrors) -> None:
+        """:meth:`_outcome_of` a batch of writes: items the backend refused
+        (:meth:`Backend.refuses_write`) are counted apart and take no part in
+        the breaker's verdict."""
+        kept: PutErrors = []
         refused: list[BaseException] = []
-        if writes:
-            failed: list[BaseException] = []
-            for error in errors:
-                (refused if self._refuses_write(error) else failed).append(error)
-            errors = failed
+        for error in errors:
+            if error is not None and self.backend.refuses_write(error):
+                refused.append(error)
+            else:
+                kept.append(error)
         if refused:
             self.count(backend_errors=len(refused), refused_stores=len(refused))
-            self._answered()
+            self.answered()
             logger.debug("tier %s: %d writes refused: %r", self.tier_type, len(refused), refused[0])
-        self._outcome(len(errors), len(items) - len(refused), errors[0] if errors else None)
+        self._outcome_of(kept)
 
     def _outcome(self, errors: int, items: int, first: BaseException | None) -> None:
         """One breaker verdict per batch, so mixed per-item results never flap.
@@ -670,7 +598,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         if items and errors == items:
             self.breaker.record_failure(describe_error(first) if first else "a call failed")
         elif items:
-            self._answered()
+            self.answered()
             self.breaker.record_success()
 
     def _breaker_changed(self, old: BreakerState, new: BreakerState, reason: str) -> None:
@@ -700,43 +628,24 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         """:func:`call_within` on a thread named after this tier."""
         return call_within(call, timeout_s, name=f"kvtier-{self.tier_type}-call", dispose=dispose)
 
-    def _start(
-        self, connect: Callable[[], T], dispose: Callable[[T], None], target: str, hint: str = ""
-    ) -> T:
-        """Connect and ping within ``startup_timeout_s``, or fail with a clear message.
-
-        ``connect`` builds the client and pings it; errors other than the
-        timeout propagate as they are, for the tier to explain. ``hint``
-        ends the message of a timeout (another likely cause).
-        """
-        options = self.options
-        try:
-            return self._bounded(connect, options.startup_timeout_s, dispose)
-        except TimeoutError as exc:
-            raise BackendUnavailableError(
-                self.tier_type,
-                target,
-                f"no answer within startup_timeout_s={options.startup_timeout_s}s: "
-                "the endpoint accepts connections but does not serve; check the address "
-                f"and that the server is running and not overloaded{hint}",
-            ) from exc
-
     def _close(self) -> None:
         self._deadlines.close()
         if self._prefetched is not None:
             self._prefetched.clear()
+        self.backend.close()
 
     def describe(self) -> dict[str, object]:
         return {
             "type": self.tier_type,
             "backend_down": self.backend_down,
             "breaker": self.breaker.state.name.lower(),
+            **self.backend.describe(),
         }
 
     def health(self) -> Sequence[HealthCheck]:
         options = self.options
         try:
-            self._bounded(self._ping, options.startup_timeout_s, lambda _: None)
+            self._bounded(self.backend.ping, options.startup_timeout_s, lambda _: None)
         except Exception as exc:
             return [HealthCheck("backend answers", False, describe_error(exc))]
         return [HealthCheck("backend answers", True)]
@@ -755,3 +664,12 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 "Circuit breaker of the tier's backend: 0 closed, 1 half-open (probing), 2 open.",
             ),
         ]
+
+
+@functools.cache
+def remote_tier(backend_class: type[Backend[Any]]) -> type[RemoteTier[Any]]:
+    """The tier class running ``backend_class`` (one per backend class), as
+    the factory builds for a configuration entry that names a backend."""
+    name = backend_class.__name__.removesuffix("Backend") + "Tier"
+    namespace = {"backend_class": backend_class, "__module__": backend_class.__module__}
+    return type(name, (RemoteTier,), namespace)

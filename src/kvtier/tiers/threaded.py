@@ -8,6 +8,7 @@ See docs/out-of-tree-tier.md, 'Start from ThreadedTier'.
 from __future__ import annotations
 
 import collections
+import enum
 import functools
 import itertools
 import logging
@@ -40,8 +41,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Queue priorities: cheaper and more latency-critical work first.
-_CHECK, _LOAD, _STORE = 0, 1, 2
+
+class Priority(enum.IntEnum):
+    """Queue priorities of worker tasks: cheaper and more latency-critical work first."""
+
+    CHECK = 0
+    LOAD = 1
+    STORE = 2
 
 
 #: How long a tier without deadlines of its own waits for its codec on one chunk.
@@ -62,7 +68,9 @@ class ThreadedTierOptions(TierOptions):
 
 
 @dataclass
-class _JobState:
+class JobState:
+    """A job in flight: what its batches did so far, and whether it was answered."""
+
     job: TransferJob
     loading: bool
     remaining: int
@@ -109,10 +117,10 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         # appended before its token is put, so a worker holding a token
         # finds one, except for the extra tokens shutdown puts to stop them.
         self._threaded_tasks: tuple[collections.deque[Callable[[], None]], ...] = tuple(
-            collections.deque() for _ in range(_STORE + 1)
+            collections.deque() for _ in Priority
         )
         self._threaded_tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
-        self._threaded_jobs: dict[int, _JobState] = {}
+        self._threaded_jobs: dict[int, JobState] = {}
         self._threaded_finished: list[JobResult] = []
         # Keys loads found gone, until their job reports them (see _vanished).
         self._threaded_vanished: set[ChunkKey] = set()
@@ -189,8 +197,11 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         :attr:`check_attempts` times), never taken as absent.
         """
 
-    def _discard(self, key: ChunkKey) -> None:
-        """Delete a chunk found corrupt. Default: nothing to delete."""
+    def _discard(self, key: ChunkKey) -> bool | None:
+        """Delete a chunk found corrupt. ``False`` when it was gone already,
+        removed (and counted) by another path of the tier; ``None`` or
+        ``True``: counted here. Default: nothing to delete."""
+        return None
 
     def discard(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:
@@ -248,7 +259,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         idle = max(1, self.io_threads - self._backlog())
         size = min(self.check_batch, max(1, -(-len(batch) // idle)))
         for start in range(0, len(batch), size):
-            self._threaded_enqueue(_CHECK, self._run_check(batch[start : start + size]))
+            self._threaded_enqueue(Priority.CHECK, self._run_check(batch[start : start + size]))
 
     def submit_store(self, job: TransferJob) -> None:
         self._submit(job, loading=False)
@@ -289,7 +300,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
 
     # Machinery --------------------------------------------------------------
 
-    def _threaded_enqueue(self, priority: int, task: Callable[[], None]) -> None:
+    def _threaded_enqueue(self, priority: Priority, task: Callable[[], None]) -> None:
         with self._threaded_lock:
             if self._threaded_closed:
                 raise RuntimeError(f"tier {self.tier_type!r} is shut down")
@@ -342,11 +353,13 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         logger.warning(
             "tier %s: discarding corrupt chunk %s: %s", self.tier_type, key.hex()[:16], exc
         )
-        self.count(corrupt_chunks=1)
+        removed_here = True
         try:
-            self._discard(key)
+            removed_here = self._discard(key) is not False
         except Exception:
             logger.exception("tier %s: could not discard corrupt chunk", self.tier_type)
+        if removed_here:  # else the path that removed it counted it
+            self.count(corrupt_chunks=1)
         self.report_removed([key])
 
     def _run_check(self, keys: list[ChunkKey]) -> Callable[[], None]:
@@ -389,7 +402,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         self._progressed()
 
     def _submit(self, job: TransferJob, *, loading: bool) -> None:
-        state = _JobState(job, loading, remaining=0, started=time.perf_counter())
+        state = JobState(job, loading, remaining=0, started=time.perf_counter())
         pending: list[tuple[ChunkKey, int]] = []
         for key, slot in zip(job.keys, job.slots, strict=True):
             if not loading and self._known(key):
@@ -405,7 +418,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
                 return
         for batch in batches:
             self._threaded_enqueue(
-                _LOAD if loading else _STORE, self._threaded_run_batch(state, batch)
+                Priority.LOAD if loading else Priority.STORE, self._threaded_run_batch(state, batch)
             )
 
     def _backlog(self) -> int:
@@ -423,7 +436,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
 
     @abstractmethod
     def _transfer(
-        self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
+        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
     ) -> list[bool]:
         """Move one batch of ``state``'s job (a load when ``state.loading``)
         between ``keys`` and their ``payloads``; whether each key made it.
@@ -436,7 +449,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         while ``state.reported`` is false.
         """
 
-    def _move(self, state: _JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+    def _move(self, state: JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
         """:meth:`_transfer` one batch, through the codec unless it is ``none``."""
         stage = self.codec_stage
         if stage.identity:
@@ -445,6 +458,13 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         if state.loading:
             ok = self._transfer(state, keys, buffers)
             return self._decode(state, keys, slots, buffers, ok)
+        return self._encode_and_store(state, keys, slots, buffers)
+
+    def _encode_and_store(
+        self, state: JobState, keys: list[ChunkKey], slots: list[int], buffers: list[memoryview]
+    ) -> list[bool]:
+        """Encode one batch's slots into ``buffers``, then :meth:`_transfer` what encoded."""
+        stage = self.codec_stage
         payloads: list[memoryview] = []
         encoded: list[int] = []
         raw_bytes = 0
@@ -488,7 +508,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
 
     def _decode(
         self,
-        state: _JobState,
+        state: JobState,
         keys: list[ChunkKey],
         slots: list[int],
         buffers: list[memoryview],
@@ -528,7 +548,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         return ok
 
     def _threaded_run_batch(
-        self, state: _JobState, batch: list[tuple[ChunkKey, int]]
+        self, state: JobState, batch: list[tuple[ChunkKey, int]]
     ) -> Callable[[], None]:
         def run() -> None:
             keys = [key for key, _ in batch]
@@ -557,7 +577,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
 
         return run
 
-    def _threaded_finish(self, state: _JobState) -> None:
+    def _threaded_finish(self, state: JobState) -> None:
         """Report a job as it stands; the caller holds the lock."""
         state.reported = True
         del self._threaded_jobs[state.job.job_id]
@@ -612,7 +632,7 @@ class ThreadedTier(ThreadedBatchTier[ThreadedOptionsT]):
         return [self._attempt(self._load_chunk, k, o) for k, o in zip(keys, outs, strict=True)]
 
     def _transfer(
-        self, state: _JobState, keys: list[ChunkKey], payloads: list[memoryview]
+        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
     ) -> list[bool]:
         if state.loading:
             return self._load_batch(keys, payloads)

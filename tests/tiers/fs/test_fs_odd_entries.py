@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.errors import CorruptChunkError
+from kvtier.keys import ChunkKey
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup, LookupContext
 from tests.tiers.fs.fs_support import FILE_BYTES, LAYOUT, fs_tier, open_tier
@@ -312,3 +314,30 @@ def test_a_start_replaces_a_bucket_that_is_not_a_directory(
         assert not outside.exists() or list(outside.iterdir()) == []  # nothing written through
     finally:
         harness.close()
+
+
+def test_a_damaged_file_the_re_index_removes_during_its_load_counts_once(
+    harness: TierHarness,
+) -> None:
+    """A load's verification and the start-up re-index may both find one damaged
+    file: whichever removes it counts it, the other does not."""
+    tier = fs_tier(harness)
+    key = harness.keys(1)[0]
+    harness.fill([0])
+    assert harness.store([key], [0]).success
+    path = chunk_path(harness, key)
+    with open(path, "r+b") as handle:
+        handle.truncate(path.stat().st_size - 1)  # torn: the wrong size for a chunk
+    real_load = tier._load_chunk
+
+    def load_raced_by_the_re_index(key: ChunkKey, out: memoryview) -> None:
+        try:
+            real_load(key, out)
+        except CorruptChunkError:
+            tier._drop_broken([str(path)])  # the re-index removes it first
+            raise
+
+    tier._load_chunk = load_raced_by_the_re_index  # type: ignore[method-assign]
+    assert not harness.load([key], [1]).success
+    assert not path.exists()
+    assert tier.stats.corrupt_chunks == 1

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
 
-from kvtier.tiers.remote import (
+from kvtier.tiers.backend import (
+    Backend,
+    BackendRuntime,
     Exists,
     Fetched,
     FramedValue,
     PutErrors,
-    RemoteTier,
+    RemoteTierOptions,
     ValueBuffer,
 )
+from kvtier.tiers.remote import RemoteTier
 
 
-class Backend:
+class FreezableStore:
     """A key-value store that can freeze: calls made while frozen hang until
     :meth:`release_stuck`, even after :meth:`thaw` (a connection blackholed
     during an outage stays dead when the server comes back)."""
@@ -54,49 +56,68 @@ class Backend:
         raise ConnectionError("connection lost during the outage")
 
 
-class FreezableTier(RemoteTier):
-    """Chunks in :attr:`backend`, which tests freeze and thaw."""
+class FreezableBackend(Backend[RemoteTierOptions]):
+    """Chunks in a :class:`FreezableStore`, which tests freeze and thaw
+    through the backend (``tier.backend.freeze()``)."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._set_name_prefix("t:")
-        self.backend = Backend()
+    def __init__(self, options: RemoteTierOptions, runtime: BackendRuntime) -> None:
+        super().__init__(options, runtime)
+        self.store = FreezableStore()
+        self.values = self.store.values
+        self.freeze, self.thaw = self.store.freeze, self.store.thaw
+        self.release_stuck = self.store.release_stuck
 
-    def _exists_many(self, names: Sequence[str]) -> list[Exists]:
-        self.backend.call()
-        return [name in self.backend.values for name in names]
+    @classmethod
+    def name_prefix(cls, options: RemoteTierOptions) -> str:
+        return "t:"
 
-    def _put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
-        self.backend.call()
+    @property
+    def stuck(self) -> int:
+        return self.store.stuck
+
+    def exists_many(self, names: Sequence[str]) -> list[Exists]:
+        self.store.call()
+        return [name in self.values for name in names]
+
+    def put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
+        self.store.call()
         for name, value in zip(names, values, strict=False):
-            self.backend.values[name] = bytes(value)
+            self.values[name] = bytes(value)
         return [None] * len(names)
 
-    def _get_many(self, names: Sequence[str]) -> list[Fetched]:
-        self.backend.call()
-        return [self.backend.values.get(name) for name in names]
+    def get_many(self, names: Sequence[str]) -> list[Fetched]:
+        self.store.call()
+        return [self.values.get(name) for name in names]
 
-    def _delete(self, name: str) -> None:
-        self.backend.call()
-        self.backend.values.pop(name, None)
+    def delete(self, name: str) -> None:
+        self.store.call()
+        self.values.pop(name, None)
 
-    def _ping(self) -> None:
-        self.backend.call()
+    def ping(self) -> None:
+        self.store.call()
 
 
-class LateSendingTier(FreezableTier):
+class FreezableTier(RemoteTier[RemoteTierOptions]):
+    backend_class = FreezableBackend
+
+
+class LateSendingBackend(FreezableBackend):
     """Sends framed values in place (:attr:`sends_framed`), reading the slot
     only when the send goes out: :attr:`gate` holds every send until set, as a
     socket whose buffer is full holds the rest of a value."""
 
     sends_framed = True
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, options: RemoteTierOptions, runtime: BackendRuntime) -> None:
+        super().__init__(options, runtime)
         self.gate = threading.Event()
 
-    def _put_framed(self, names: Sequence[str], values: Sequence[FramedValue]) -> PutErrors:
+    def put_framed(self, names: Sequence[str], values: Sequence[FramedValue]) -> PutErrors:
         self.gate.wait()
         for name, (header, payload) in zip(names, values, strict=True):
-            self.backend.values[name] = header + bytes(payload)
+            self.values[name] = header + bytes(payload)
         return [None] * len(names)
+
+
+class LateSendingTier(RemoteTier[RemoteTierOptions]):
+    backend_class = LateSendingBackend

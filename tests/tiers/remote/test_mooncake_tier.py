@@ -84,7 +84,7 @@ def test_workers_reuse_one_registered_buffer_each(
             assert harness.load(keys, list(range(16, 32))).success
             np.testing.assert_array_equal(harness.buffer.array[16:32], data, err_msg=str(round_))
         # Registered once per worker, however many jobs: no registration per call.
-        assert 1 <= len(tier._registered) <= 2
+        assert 1 <= len(tier.backend.registered) <= 2
     finally:
         harness.close()
 
@@ -106,10 +106,10 @@ def test_workers_map_their_buffers_before_registering_them(
         keys = harness.keys(8)
         harness.fill(range(8))
         assert harness.store(keys, list(range(8))).success
-        assert tier._registered
+        assert tier.backend.registered
         # Each registered mapping was populated first: a fresh worker's first
         # reads then write pages already mapped (see populate_now).
-        assert {id(m) for m, _ in tier._registered} <= {id(r) for r in populated}
+        assert {id(m) for m, _ in tier.backend.registered} <= {id(r) for r in populated}
     finally:
         harness.close()
 

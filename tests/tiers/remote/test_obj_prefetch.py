@@ -45,7 +45,7 @@ class Requests:
         self.whole = 0
         self.ranged = 0
         self._lock = threading.Lock()
-        client = tier._client
+        client = tier.backend.client
         real = client.get_object
 
         def counted(**kwargs: Any) -> Any:

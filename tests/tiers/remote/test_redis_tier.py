@@ -509,7 +509,7 @@ def test_per_item_check_errors_never_flap_the_outage_state(
         keys = harness.keys(3)
         held = {tier.store_name(keys[0])}
         failing = tier.store_name(keys[1])
-        tier._pipeline = lambda: _MixedPipeline(held, failing)  # type: ignore[method-assign]
+        tier.backend._pipeline = lambda: _MixedPipeline(held, failing)  # type: ignore[method-assign]
         ctx = LookupContext()
         answers = []
         for _ in range(tier.check_attempts + 1):
@@ -644,9 +644,9 @@ def test_an_oversized_value_is_corrupt_and_its_neighbours_load_byte_exact(
 def test_pipelines_carry_a_few_mib_of_large_chunks_and_io_batch_of_small_ones(
     slot_bytes: int, chunks: int
 ) -> None:
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.tiers.redis import RedisBackend
 
-    assert RedisTier.batch_chunks(slot_bytes) == chunks
+    assert RedisBackend.batch_chunks(slot_bytes) == chunks
 
 
 def test_a_probe_never_waits_for_a_pooled_connection(
@@ -660,10 +660,10 @@ def test_a_probe_never_waits_for_a_pooled_connection(
     try:
         tier = harness.tier
         assert isinstance(tier, RedisTier)
-        pool = tier._client.connection_pool
+        pool = tier.backend.client.connection_pool
         held = [pool.get_connection() for _ in range(2)]
         try:
-            tier._ping()  # before: waited socket_timeout_s, then "No connection available"
+            tier.backend.ping()  # before: waited socket_timeout_s, then "No connection available"
         finally:
             for connection in held:
                 pool.release(connection)

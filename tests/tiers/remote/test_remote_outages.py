@@ -68,9 +68,9 @@ def backend_calls(tier: RemoteTier) -> Calls:
     """Every request the tier sends: one per object for obj, one per pipeline for redis."""
     calls = Calls()
     if isinstance(tier, ObjectStoreTier):
-        client = tier._client
+        client = tier.backend.client
         return calls.wrap(client, "get_object", "put_object", "head_bucket", "delete_object")
-    return calls.wrap(tier, "_get_many", "_put_many", "_exists_many", "_ping", "_delete")
+    return calls.wrap(tier.backend, "get_many", "put_many", "exists_many", "ping", "delete")
 
 
 class BrokenBackend:
@@ -234,7 +234,7 @@ def test_existence_checks_that_fail_when_a_stall_ends_are_asked_again(
 #: An object store's existence check, by ``prefetch_bytes``: a read of the
 #: whole value held for the load, or (past that bound) an existence check alone.
 CHECK_REQUESTS = pytest.mark.parametrize(
-    ("prefetch_bytes", "check"), [("1MiB", "_get_many"), (0, "_exists_many")]
+    ("prefetch_bytes", "check"), [("1MiB", "get_many"), (0, "exists_many")]
 )
 
 
@@ -257,7 +257,7 @@ def test_a_failed_check_is_retried_then_taken_as_a_miss(
         keys = harness.keys(2)
         harness.fill([0, 1])
         assert harness.store(keys, [0, 1]).success
-        real = getattr(tier, check)
+        real = getattr(tier.backend, check)
         failures = {"left": 1}
 
         def flaky(names: Any) -> Any:
@@ -266,13 +266,13 @@ def test_a_failed_check_is_retried_then_taken_as_a_miss(
                 raise ConnectionError("injected")
             return real(names)
 
-        setattr(tier, check, flaky)
+        setattr(tier.backend, check, flaky)
         assert harness.lookup(keys[0]) is Lookup.HIT  # asked again after the failure
         assert tier.stats.backend_errors == 1
 
         broken = BrokenBackend()
         calls = Calls().wrap(broken, "exists_many")
-        setattr(tier, check, broken.exists_many)
+        setattr(tier.backend, check, broken.exists_many)
         # A key the backend keeps failing for: asked check_attempts times, then a miss.
         assert harness.lookup(keys[1]) is Lookup.MISS
         assert calls.started == tier.check_attempts
@@ -376,7 +376,7 @@ def test_cut_replies_fail_the_chunks_and_never_reach_a_slot(
             harness.buffer.array[2:4] = 9
             proxy.delay_s = 0.01
             proxy.set_mode("delay")  # late, yet well within the deadline: served
-            harness.tier._client.close()  # new connections
+            harness.tier.backend.client.close()  # new connections
             assert harness.load(keys, [2, 3]).success
             assert proxy.connections > connections
             np.testing.assert_array_equal(harness.buffer.array[2:4], data)
@@ -425,7 +425,7 @@ def test_a_missed_deadline_opens_the_breaker_only_when_nothing_answered(
     assert isinstance(tier, RemoteTier)
     try:
         started = time.perf_counter()
-        tier._answered()  # a slow backend: some call came back while the job ran
+        tier.answered()  # a slow backend: some call came back while the job ran
         tier._missed_deadline("load job", since=started)
         assert tier.breaker.closed and tier.stats.deadline_misses == 1
         tier._missed_deadline("load job", since=time.perf_counter())  # nothing since: stalled
@@ -450,13 +450,13 @@ def test_lookups_wait_for_the_probe_so_the_first_request_after_recovery_hits(
             tier.breaker.trip("injected outage")
             ctx = LookupContext()
             assert tier.lookup(keys[0], ctx) is Lookup.MISS  # open: no wait at all
-            real_ping, release = tier._ping, threading.Event()
+            real_ping, release = tier.backend.ping, threading.Event()
 
             def held_ping() -> None:
                 release.wait(60)
                 real_ping()
 
-            tier._ping = held_ping  # type: ignore[method-assign]
+            tier.backend.ping = held_ping  # type: ignore[method-assign]
             clock.advance(tier.breaker.max_backoff_s)
             # Half-open while the probe runs: lookups wait instead of missing.
             assert [tier.lookup(k, ctx) for k in keys] == [Lookup.PENDING] * 2
@@ -484,7 +484,7 @@ def test_a_value_sent_in_place_after_its_deadline_from_a_reused_slot_is_never_se
             harness.buffer.array[0] = 1
             assert not harness.store([key], [0]).success  # answered at its deadline, send held
             harness.buffer.array[0] = 2  # the slot's next chunk
-            tier.gate.set()
+            tier.backend.gate.set()
             wait_until(lambda: bool(tier.backend.values), what="the late send")
             assert recover(tier, clock)
             assert harness.lookup(key) is Lookup.HIT
@@ -494,7 +494,7 @@ def test_a_value_sent_in_place_after_its_deadline_from_a_reused_slot_is_never_se
             assert tier.stats.corrupt_chunks == 1
             assert not tier.backend.values  # and the bad value is gone
         finally:
-            tier.gate.set()
+            tier.backend.gate.set()
 
 
 def test_an_object_store_refusing_writes_is_no_outage(s3_server: S3Server, s3_bucket: str) -> None:
@@ -552,16 +552,16 @@ def test_every_request_waiting_on_a_check_past_its_deadline_answers_miss(
     assert isinstance(tier, RemoteTier)
     try:
         [key] = harness.keys(1)
-        real = getattr(tier, check)
+        real = getattr(tier.backend, check)
         started, release = threading.Event(), threading.Event()
 
         def slow(names: Any) -> Any:
             started.set()
-            tier._answered()  # slow, not stalled: the breaker stays closed
+            tier.answered()  # slow, not stalled: the breaker stays closed
             release.wait(60)
             return real(names)
 
-        setattr(tier, check, slow)
+        setattr(tier.backend, check, slow)
         # Requests (threads of one engine, or engine steps) ask for the same
         # chunk: one check goes out for them all.
         requests = [LookupContext(f"request-{i}") for i in range(waiting)]
@@ -592,7 +592,7 @@ def test_a_requests_checks_and_loads_share_one_deadline(
     assert isinstance(tier, RemoteTier)
     now = [time.perf_counter()]
     tier.budgets.clock = lambda: now[0]  # the backend's time, as the test says it passes
-    real_exists, real_get = tier._exists_many, tier._get_many
+    real_exists, real_get = tier.backend.exists_many, tier.backend.get_many
     check_gate, get_gate = threading.Event(), threading.Event()
 
     def held_check(names: Any) -> Any:
@@ -603,8 +603,8 @@ def test_a_requests_checks_and_loads_share_one_deadline(
         get_gate.wait(60)
         return real_get(names)
 
-    tier._exists_many = held_check  # type: ignore[method-assign]
-    tier._get_many = held_get  # type: ignore[method-assign]
+    tier.backend.exists_many = held_check  # type: ignore[method-assign]
+    tier.backend.get_many = held_get  # type: ignore[method-assign]
 
     def request(name: str, key: Any, slot: int, check_takes: float, engine_away: float) -> Any:
         ctx = LookupContext(name)

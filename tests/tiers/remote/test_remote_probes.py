@@ -67,7 +67,7 @@ def test_a_thawed_backend_serves_at_the_next_probe_though_earlier_probes_hang(
         assert tier.stats.breaker_probes == stuck
         wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="probe given up")
         wait_until(lambda n=stuck: tier.backend.stuck == n, what=f"{stuck} calls stuck")
-        assert len(tier.probe_threads) == stuck  # each still in its call
+        assert len(tier.probes.threads) == stuck  # each still in its call
     tier.backend.thaw()
     clock.advance(tier.breaker.max_backoff_s)
     tier.lookup(keys[0], LookupContext())
@@ -83,7 +83,7 @@ def test_a_long_freeze_strands_at_most_max_probe_threads(
 ) -> None:
     tier = harness.tier
     assert isinstance(tier, FreezableTier)
-    tier.max_probe_threads = 3  # type: ignore[misc]
+    tier.probes.max_threads = 3
     key = harness.keys(1)[0]
     tier.backend.freeze()
     tier.breaker.trip("injected outage")
@@ -91,7 +91,7 @@ def test_a_long_freeze_strands_at_most_max_probe_threads(
         clock.advance(tier.breaker.max_backoff_s)
         tier.lookup(key, LookupContext())
         wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="probe given up")
-        assert len(tier.probe_threads) <= 3
+        assert len(tier.probes.threads) <= 3
     assert tier.stats.breaker_probes == 3
     wait_until(lambda: tier.backend.stuck == 3, what="3 calls stuck")
     stuck_warnings = [r for r in caplog.records if "probes stuck" in r.getMessage()]
@@ -99,7 +99,7 @@ def test_a_long_freeze_strands_at_most_max_probe_threads(
     # Once a stuck call ends (its client's timeout), probing resumes.
     tier.backend.thaw()
     tier.backend.release_stuck()
-    wait_until(lambda: not tier.probe_threads, what="stuck probes ended")
+    wait_until(lambda: not tier.probes.threads, what="stuck probes ended")
     clock.advance(tier.breaker.max_backoff_s)
     tier.lookup(key, LookupContext())
     assert tier.stats.breaker_probes == 4

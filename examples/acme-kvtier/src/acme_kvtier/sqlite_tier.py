@@ -1,190 +1,118 @@
-"""``acme_sqlite``: kvtier chunks in one SQLite database file.
-
-A complete out-of-tree tier in about two hundred lines. It builds on
-:class:`kvtier.ThreadedTier`, so it writes plain blocking code and kvtier runs
-it on worker threads; it frames every chunk with kvtier's integrity header,
-so a corrupt or foreign row is never served. It is bounded (least recently
-used rows go first), survives restarts, and reports health checks and an
-extra metric.
+"""``acme_sqlite``: kvtier chunks in one SQLite database file, as a kvtier
+:class:`~kvtier.tiers.backend.Backend`: a few blocking, batched calls. kvtier's
+remote-tier runtime adds the worker threads, checksummed framing, deadlines,
+the circuit breaker and the existence-check cache.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import sqlite3
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import ByteSize, Field
 
-from kvtier import integrity
-from kvtier.keys import ChunkKey
-from kvtier.tiers import HealthCheck, ThreadedTier, TierMetric, TierOptions
-from kvtier.tiers.threaded import ThreadedTierOptions
+from kvtier.tiers.backend import (
+    Backend,
+    BackendRuntime,
+    Exists,
+    Fetched,
+    PutErrors,
+    RemoteTierOptions,
+    ValueBuffer,
+)
+from kvtier.tiers.remote import RemoteTier
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS chunks (
-    key BLOB PRIMARY KEY,
-    value BLOB NOT NULL,
-    size INTEGER NOT NULL,
-    used INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks (used);
-"""
+_SCHEMA = "CREATE TABLE IF NOT EXISTS chunks (name TEXT PRIMARY KEY, value BLOB, used INTEGER)"
 
 
-class SQLiteTierOptions(ThreadedTierOptions):
+class SQLiteTierOptions(RemoteTierOptions):
     path: Path
     """SQLite database file holding the chunks; created (with its directory) if missing."""
 
     max_bytes: ByteSize | None = Field(default=None, gt=0)
-    """Bound on the bytes of stored chunks; least recently used ones are deleted
-    beyond it. Unset: no bound."""
+    """Bound on the bytes of stored values; least recently used ones go beyond it."""
 
     io_threads: int = Field(default=2, ge=1, le=16)
     """Worker threads; SQLite serialises writers, so a few are plenty."""
 
-    busy_timeout_s: float = Field(default=10.0, gt=0)
-    """Seconds a worker waits for another writer's lock before the chunk fails."""
 
+class SQLiteBackend(Backend[SQLiteTierOptions]):
+    """Chunks as rows of one table, a batch per transaction."""
 
-class SQLiteTier(ThreadedTier[SQLiteTierOptions]):
-    """Chunks as rows of one SQLite table, framed with kvtier's integrity header."""
+    Options: ClassVar[type[RemoteTierOptions]] = SQLiteTierOptions
+    io_batch: ClassVar[int] = 8
+    variable_payloads: ClassVar[bool] = True  # a row holds a value of any length
 
-    Options: ClassVar[type[TierOptions]] = SQLiteTierOptions
-    # One existence query answers many keys.
-    check_batch: ClassVar[int] = 256
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        options = self.options
+    def __init__(self, options: SQLiteTierOptions, runtime: BackendRuntime) -> None:
+        super().__init__(options, runtime)
         self.path = options.path.expanduser()
-        self.max_bytes = None if options.max_bytes is None else int(options.max_bytes)
-        self.busy_timeout_s = options.busy_timeout_s
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
-        self._connections_lock = threading.Lock()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = self._db()
-        db.executescript(_SCHEMA)
-        db.execute("PRAGMA journal_mode=WAL")
-        (held,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM chunks").fetchone()
-        self._held_bytes = int(held)
+        self._db().execute(_SCHEMA)
 
     def _db(self) -> sqlite3.Connection:
-        """This thread's connection (SQLite connections are not shared between threads)."""
-        db: sqlite3.Connection | None = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(
-                self.path,
-                timeout=self.busy_timeout_s,
-                isolation_level=None,  # autocommit; explicit BEGIN where it matters
-                check_same_thread=False,  # closed by shutdown, from another thread
-            )
-            self._local.db = db
-            with self._connections_lock:
-                self._connections.append(db)
+        """This thread's connection (a connection serves one thread at a time)."""
+        if not hasattr(self._local, "db"):
+            self._local.db = sqlite3.connect(self.path, timeout=10, check_same_thread=False)
+            self._connections.append(self._local.db)
+        db: sqlite3.Connection = self._local.db
         return db
 
-    # ThreadedTier hooks: blocking, on worker threads ------------------------
+    def exists_many(self, names: Sequence[str]) -> list[Exists]:
+        marks = ",".join("?" * len(names))
+        rows = self._db().execute(f"SELECT name FROM chunks WHERE name IN ({marks})", names)
+        held = {name for (name,) in rows}
+        return [name in held for name in names]
 
-    def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        marks = ",".join("?" * len(keys))
-        rows = self._db().execute(f"SELECT key FROM chunks WHERE key IN ({marks})", list(keys))
-        present = {bytes(key) for (key,) in rows}
-        return [bytes(key) in present for key in keys]
+    def get_many(self, names: Sequence[str]) -> list[Fetched]:
+        with self._db() as db:  # a transaction: values read and marked used together
+            query = "UPDATE chunks SET used = ? WHERE name = ? RETURNING value"
+            rows = [db.execute(query, (time.time_ns(), name)).fetchone() for name in names]
+        return [None if row is None else row[0] for row in rows]
 
-    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        value = integrity.frame(self.namespace, key, payload)
-        if self.max_bytes is not None and len(value) > self.max_bytes:
-            raise ValueError(f"a {len(value)}-byte chunk exceeds max_bytes={self.max_bytes}")
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            old = db.execute("SELECT size FROM chunks WHERE key = ?", (key,)).fetchone()
-            db.execute(
-                "INSERT OR REPLACE INTO chunks (key, value, size, used) VALUES (?, ?, ?, ?)",
-                (key, value, len(value), time.time_ns()),
-            )
-            grown = len(value) - (old[0] if old else 0)
-            evicted, freed = self._evict(db, key, self._held_bytes + grown)
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        with self._connections_lock:
-            self._held_bytes += grown - freed
-        if evicted:
-            self.count(evictions=evicted)
+    def put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
+        with self._db() as db:
+            now = time.time_ns()
+            rows = [(name, bytes(value), now) for name, value in zip(names, values, strict=True)]
+            db.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?)", rows)
+            if self.options.max_bytes is not None:
+                self._evict(db, int(self.options.max_bytes))
+        return [None] * len(names)
 
-    def _evict(self, db: sqlite3.Connection, keep: ChunkKey, held: int) -> tuple[int, int]:
-        """Delete least recently used rows until ``held`` fits; returns (rows, bytes)."""
-        if self.max_bytes is None or held <= self.max_bytes:
-            return 0, 0
-        evicted = freed = 0
-        victims = db.execute("SELECT key, size FROM chunks WHERE key != ? ORDER BY used", (keep,))
-        for victim, size in victims.fetchall():
-            if held - freed <= self.max_bytes:
+    def _evict(self, db: sqlite3.Connection, max_bytes: int) -> None:
+        """Delete least recently used rows until the values fit in ``max_bytes``."""
+        (held,) = db.execute("SELECT COALESCE(SUM(LENGTH(value)), 0) FROM chunks").fetchone()
+        evicted = 0
+        for name, size in db.execute(
+            "SELECT name, LENGTH(value) FROM chunks ORDER BY used"
+        ).fetchall():
+            if held <= max_bytes:
                 break
-            db.execute("DELETE FROM chunks WHERE key = ?", (victim,))
-            evicted += 1
-            freed += size
-        return evicted, freed
+            db.execute("DELETE FROM chunks WHERE name = ?", (name,))
+            held, evicted = held - size, evicted + 1
+        self.runtime.count(evictions=evicted)
 
-    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
-        db = self._db()
-        row = db.execute("SELECT value FROM chunks WHERE key = ?", (key,)).fetchone()
-        if row is None:
-            raise KeyError("chunk not in the database")
-        # Raises CorruptChunkError before touching ``out`` if the row is bad;
-        # ThreadedTier then counts it and calls _discard.
-        integrity.unframe_into(row[0], out, namespace=self.namespace, key=key)
-        db.execute("UPDATE chunks SET used = ? WHERE key = ?", (time.time_ns(), key))
+    def delete(self, name: str) -> None:
+        with self._db() as db:
+            db.execute("DELETE FROM chunks WHERE name = ?", (name,))
 
-    def _discard(self, key: ChunkKey) -> None:
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            row = db.execute("SELECT size FROM chunks WHERE key = ?", (key,)).fetchone()
-            db.execute("DELETE FROM chunks WHERE key = ?", (key,))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        if row is not None:
-            with self._connections_lock:
-                self._held_bytes -= row[0]
+    def ping(self) -> None:
+        self._db().execute("SELECT 1 FROM chunks LIMIT 1")
 
-    def _close(self) -> None:
-        with self._connections_lock:
-            for db in self._connections:
-                db.close()
-            self._connections.clear()
-
-    # Optional hooks -----------------------------------------------------------
-
-    def health(self) -> Sequence[HealthCheck]:
-        directory = self.path.parent
-        writable = os.access(directory, os.W_OK)
-        free = shutil.disk_usage(directory).free
-        try:
-            (verdict,) = self._db().execute("PRAGMA quick_check").fetchone()
-        except sqlite3.Error as exc:
-            verdict = f"{type(exc).__name__}: {exc}"
-        return (
-            HealthCheck(
-                "writable", writable, f"{directory} is {'' if writable else 'not '}writable"
-            ),
-            HealthCheck("free space", free > 0, f"{free / 2**30:.1f} GiB free in {directory}"),
-            HealthCheck("database", verdict == "ok", f"quick_check: {verdict}"),
-        )
-
-    def metrics(self) -> Sequence[TierMetric]:
-        return (TierMetric("sqlite_held_bytes", self._held_bytes, "Bytes of stored chunk rows."),)
+    def close(self) -> None:
+        for db in self._connections:
+            db.close()
 
     def describe(self) -> dict[str, object]:
-        return {"type": self.tier_type, "path": str(self.path), "max_bytes": self.max_bytes}
+        return {"path": str(self.path), "max_bytes": self.options.max_bytes}
+
+
+class SQLiteTier(RemoteTier[SQLiteTierOptions]):
+    """The tier class of :class:`SQLiteBackend`, for type hints (``TierHarness[SQLiteTier]``)."""
+
+    backend_class = SQLiteBackend

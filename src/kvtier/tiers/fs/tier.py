@@ -35,7 +35,7 @@ from kvtier.tiers.fs.io import (
 )
 from kvtier.tiers.fs.layout import ChunkFile, NamespaceDir, OddEntry, mode_kind, remove_entry
 from kvtier.tiers.fs.shared_index import NETWORK_FILESYSTEMS, SharedIndex, filesystem_type
-from kvtier.tiers.threaded import _CHECK, ThreadedTier, ThreadedTierOptions
+from kvtier.tiers.threaded import Priority, ThreadedTier, ThreadedTierOptions
 
 logger = logging.getLogger(__name__)
 
@@ -359,8 +359,7 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
                 path,
                 info.st_size,
             )
-            self._forget(key)
-            if _removed_or_kept(path):  # else the re-index got there first, and counted it
+            if self._discard(key):  # else the re-index got there first, and counted it
                 self.count(corrupt_chunks=1)
             return False
         self._keys.add(key)
@@ -483,9 +482,11 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
             except sqlite3.Error as exc:  # the chunk was loaded all the same
                 logger.warning("tier %s: use stamps not written: %s", self.tier_type, exc)
 
-    def _discard(self, key: ChunkKey) -> None:
+    def _discard(self, key: ChunkKey) -> bool:
+        # One removal for every path that finds damage (a load's verification,
+        # a lookup, the re-index): only the one that removes the entry counts it.
         self._forget(key)
-        remove_entry(self.dir.chunk_path(key))
+        return _removed_or_kept(self.dir.chunk_path(key))
 
     def _forget(self, key: ChunkKey) -> None:
         self._keys.discard(key)
@@ -513,7 +514,9 @@ class FilesystemTier(ThreadedTier[FilesystemTierOptions]):
         super().on_step_end()
         if self._bound is not None and self.shared and not self._poll_queued and not self.shut_down:
             self._poll_queued = True
-            self._threaded_enqueue(_CHECK, functools.partial(self._poll_evictions, self._bound))
+            self._threaded_enqueue(
+                Priority.CHECK, functools.partial(self._poll_evictions, self._bound)
+            )
 
     @property
     def held_bytes(self) -> int:

@@ -1,0 +1,234 @@
+"""The backend of a remote tier: a small class of blocking, batched calls to
+a shared store (contains, get, put, delete), built from one typed options
+object. :class:`~kvtier.tiers.remote.RemoteTier` runs it on worker threads
+behind deadlines, a circuit breaker and checksums.
+
+See docs/out-of-tree-tier.md, 'Write a backend'.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
+
+from pydantic import Field, model_validator
+
+from kvtier.tiers.threaded import ThreadedTierOptions
+
+#: What a batched read gives back per name: the value, ``None`` when the store
+#: does not hold it, or the error that one item met.
+Fetched = bytes | memoryview | None | BaseException
+#: What a batched existence check gives back per name: held or not, or the error that item met.
+Exists = bool | BaseException
+#: A reusable buffer a worker frames one value into (see :meth:`Backend.allocate_values`).
+ValueBuffer = bytearray | memoryview
+#: What a batched write gives back per name: ``None``, or the error that item met.
+PutErrors = list[BaseException | None]
+
+#: Longest wait any timeout or backoff option takes (an hour): longer ones are
+#: typos, and an infinite one would never recover or would overflow the
+#: clients' timers when the tier starts, far from the config that caused it.
+MAX_WAIT_S = 3600.0
+
+T = TypeVar("T")
+
+
+class FramedValue(NamedTuple):
+    """A value in its two parts, for a backend that sends them one after the
+    other: the integrity header, then the payload straight from its slot."""
+
+    header: bytes
+    payload: memoryview
+
+
+class BackendSkipped(ConnectionError):
+    """A call not sent because the backend is known to be down (breaker open)."""
+
+
+class RemoteTierOptions(ThreadedTierOptions):
+    """Options every remote tier takes: its guards. A backend's ``Options`` subclass it."""
+
+    skip_existing: bool = False
+    """Before a store, check which chunks the store already holds (one batched
+    round trip) and send only the others. Worth it when many engines compute
+    the same chunks at once; otherwise the extra round trip costs more than it
+    saves, since the manager never writes a promoted chunk back to its tier."""
+
+    deadline_s: float = Field(default=0.75, gt=0, le=60)
+    """Most seconds one job (a request's loads or stores) or existence check
+    may take, whatever its number of chunks, threads and retries. A job still
+    running then is answered with the chunks done so far (the others fail, and
+    the request recomputes them), and the circuit breaker opens. Also bounds
+    how long ``shutdown`` waits for workers stuck in a backend call."""
+
+    breaker_failures: int = Field(default=3, ge=1)
+    """Failed backend calls in a row that open the circuit breaker (one
+    missed deadline opens it at once). While open, lookups answer MISS and
+    stores are dropped without a call to the backend."""
+
+    breaker_backoff_s: float = Field(default=0.25, gt=0, le=MAX_WAIT_S)
+    """Seconds the breaker stays open before one probe; doubled after each
+    failed probe up to ``breaker_max_backoff_s``, shortened by up to 20%
+    of random jitter."""
+
+    breaker_max_backoff_s: float = Field(default=1.0, gt=0, le=MAX_WAIT_S)
+    """Longest wait between two probes of a backend that stays down, and so
+    the longest a recovered backend goes unused. A probe is one cheap request
+    (``PING``, a bucket ``HEAD``)."""
+
+    startup_timeout_s: float = Field(default=5.0, gt=0, le=MAX_WAIT_S)
+    """Most seconds the tier waits, when it starts, to connect and get a first
+    answer; an endpoint that accepts connections but never answers fails then."""
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> RemoteTierOptions:
+        if self.breaker_backoff_s > self.breaker_max_backoff_s:
+            raise ValueError(
+                f"breaker_backoff_s={self.breaker_backoff_s} is above "
+                f"breaker_max_backoff_s={self.breaker_max_backoff_s}"
+            )
+        return self
+
+
+class BackendRuntime(Protocol):
+    """What a backend may ask of the tier that runs it."""
+
+    @property
+    def tier_type(self) -> str:
+        """The tier's configured ``type``, for messages."""
+
+    @property
+    def names_prefix(self) -> str:
+        """The start of every name in the store: prefix, namespace, separator."""
+
+    @property
+    def value_bytes(self) -> int:
+        """Length of the largest stored value (header and payload)."""
+
+    @property
+    def fixed_value_size(self) -> bool:
+        """Whether every value is exactly :attr:`value_bytes` long (no variable-size codec)."""
+
+    def check_sending(self) -> None:
+        """Raise :class:`BackendSkipped` once the backend is known down: a
+        backend that sends a request per item calls it between requests."""
+
+    def answered(self) -> None:
+        """A call got an answer (per item, for a backend of per-item requests)."""
+
+    def scratch_values(self, count: int) -> list[ValueBuffer]:
+        """The calling worker's reusable value buffers, at least ``count``."""
+
+    def start_backend(
+        self, connect: Callable[[], T], dispose: Callable[[T], None], target: str, hint: str = ""
+    ) -> T:
+        """``connect()`` within ``startup_timeout_s``, else a clear error naming ``target``."""
+
+    def threads_in_calls(self) -> list[threading.Thread]:
+        """Threads that may still be inside a backend call (workers, probes)."""
+
+    def count(self, **deltas: int) -> None:
+        """Add to the tier's counters (``evictions=1``), from any thread."""
+
+
+OptionsT = TypeVar("OptionsT", bound=RemoteTierOptions)
+
+
+class Backend(ABC, Generic[OptionsT]):
+    """Blocking, batched calls to one store, run on the tier's worker threads.
+
+    Names are strings the runtime builds (:attr:`BackendRuntime.names_prefix`
+    and a key's digest); values are framed and verified by the runtime, so a
+    backend moves opaque bytes. Per-item errors go back as items; raise when
+    a whole batch failed.
+    """
+
+    #: The typed options the tier's configuration entry is validated against.
+    Options: ClassVar[type[RemoteTierOptions]] = RemoteTierOptions
+    #: Most chunks per call of :meth:`get_many` and :meth:`put_many`.
+    io_batch: ClassVar[int] = 1
+    #: Most names per call of :meth:`exists_many`.
+    check_batch: ClassVar[int] = 256
+    #: Payload bytes per batch, which caps a batch of large chunks; ``0``: no cap.
+    batch_bytes: ClassVar[int] = 0
+    #: Spread a job over the workers (one request per chunk: a batch is no cheaper).
+    spreads_batches: ClassVar[bool] = False
+    #: Values may be shorter than :attr:`BackendRuntime.value_bytes` (variable-size codecs).
+    variable_payloads: ClassVar[bool] = False
+    #: Between the store's prefix and namespace digest and the key digest.
+    name_separator: ClassVar[str] = ":"
+    #: Whether stores go through :meth:`put_framed` (no copy of the payload)
+    #: instead of :meth:`put_many`. Set in ``__init__`` where options decide it.
+    sends_framed: bool = False
+
+    def __init__(self, options: OptionsT, runtime: BackendRuntime) -> None:
+        """Connect (through :meth:`BackendRuntime.start_backend`, bounded) or raise."""
+        self.options = options
+        self.runtime = runtime
+
+    @classmethod
+    def name_prefix(cls, options: OptionsT) -> str:
+        """What every name in the store starts with (an option, usually). Default: nothing."""
+        return ""
+
+    @classmethod
+    def batch_chunks(cls, value_bytes: int) -> int:
+        """Chunks per batch for values of ``value_bytes``."""
+        if not cls.batch_bytes:
+            return cls.io_batch
+        return max(1, min(cls.io_batch, cls.batch_bytes // max(1, value_bytes)))
+
+    @property
+    def prefetch_bytes(self) -> int:
+        """Most bytes existence checks read whole and hold for the loads that
+        follow. For a store whose check costs a request per value anyway, and
+        whose :meth:`get_many` returns values the caller may keep. Default: 0."""
+        return 0
+
+    @abstractmethod
+    def exists_many(self, names: Sequence[str]) -> list[Exists]:
+        """Whether the store holds each name."""
+
+    @abstractmethod
+    def get_many(self, names: Sequence[str]) -> list[Fetched]:
+        """Read each value. One that cannot be a chunk (wrong size or type) is
+        a :class:`~kvtier.errors.CorruptChunkError` item: deleted and counted."""
+
+    @abstractmethod
+    def put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
+        """Write each value (the buffers are reused once this returns)."""
+
+    def put_framed(self, names: Sequence[str], values: Sequence[FramedValue]) -> PutErrors:
+        """:meth:`put_many` with each value in its two parts (see :attr:`sends_framed`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not send framed values")
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove one value (a corrupt one)."""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """One cheap request that raises unless the store serves this tier."""
+
+    def refresh_many(self, names: Sequence[str]) -> None:
+        """Chunks stored again while held: extend their life. Default: nothing."""
+
+    def refuses_write(self, error: BaseException) -> bool:
+        """Whether a write's item error is the store answering "no" (full,
+        read-only, not permitted) rather than failing to serve: it fails that
+        chunk but never opens the breaker. Default: never."""
+        return False
+
+    def allocate_values(self, count: int) -> list[ValueBuffer]:
+        """At least ``count`` new value buffers for a worker to keep. A store
+        moving values from memory it registered (RDMA) hands out that memory."""
+        return [bytearray(self.runtime.value_bytes) for _ in range(count)]
+
+    def close(self) -> None:
+        """Release the client once no worker uses it. Default: nothing."""
+
+    def describe(self) -> dict[str, Any]:
+        """What status pages show of this backend, beside the tier's own."""
+        return {}
