@@ -97,6 +97,17 @@ def test_without_the_wait_an_idle_engine_asks_again(cache: KVCache) -> None:
         scheduler.shutdown()
 
 
+def test_the_wait_never_outlasts_the_lookup_timeout(cache: KVCache) -> None:
+    shape = VllmGeometry(("layer",), CHUNK, 1, cache.layout.slot_bytes, 64)
+    scheduler = SchedulerSide(cache, shape, lookup_timeout_s=0, idle_wait_s=60.0)
+    try:
+        # A timeout of 0: go ahead with what is ready now, without waiting.
+        assert scheduler.get_num_new_matched_tokens(request("a", [*PREFIX, 99]), 0) == (0, False)
+        assert scheduler.counters.promotion_timeouts == 1
+    finally:
+        scheduler.shutdown()
+
+
 def test_a_failed_promotion_ends_the_wait_as_a_miss(cache: KVCache) -> None:
     (tier,) = cache.manager.tiers
     tier.fail_rate = 1.0  # type: ignore[attr-defined]

@@ -193,9 +193,11 @@ class SchedulerSide:
                 if self.events is not None:  # promotions: their stores will be announced
                     first_pending = first + result.hit_chunks
                     self.events.remember(state.request, range(first_pending, usable), state.keys)
-            if self.idle_wait_s > 0 and self._requests.keys() == {request.request_id}:
+            # Never past the request's own timeout.
+            wait = min(self.idle_wait_s, self.lookup_timeout_s - (self.clock() - since))
+            if wait > 0 and self._requests.keys() == {request.request_id}:
                 result = self._await_promotions(
-                    state.keys[first:usable], request.request_id, result
+                    state.keys[first:usable], request.request_id, result, wait
                 )
             if result.pending:
                 if self.clock() - since < self.lookup_timeout_s:
@@ -209,9 +211,9 @@ class SchedulerSide:
         return external, False
 
     def _await_promotions(
-        self, keys: list[ChunkKey], request_id: str, result: LookupResult
+        self, keys: list[ChunkKey], request_id: str, result: LookupResult, wait_s: float
     ) -> LookupResult:
-        """Wait here, up to ``idle_wait_s``, for the promotions of a request the
+        """Wait here, up to ``wait_s``, for the promotions of a request the
         engine has nothing else to run beside.
 
         Answering "ask again" would cost the request at least one more engine
@@ -223,7 +225,7 @@ class SchedulerSide:
         """
         # Submitted now, not when vLLM builds this step's metadata.
         self._safely(self.cache.step)
-        deadline = time.monotonic() + self.idle_wait_s
+        deadline = time.monotonic() + wait_s
         try:
             while result.pending and time.monotonic() < deadline:
                 time.sleep(self.poll_s)
