@@ -18,6 +18,7 @@ from kvtier.keys import ChunkKey, KeyedTokens, chain_key, chunk_keys
 from kvtier.layout import FORMAT_VERSION, KVLayout
 from kvtier.manager import LookupResult, TieringManager
 from kvtier.policies import CachePolicy, CachePolicyFactory, register_policy
+from kvtier.residency import PRIMARY_TIER_NAME, ResidencyListener, tier_names
 from kvtier.specs import OffloadingSpec, OffloadingSpecFactory, register_spec
 from kvtier.status import CacheStatus, PrimaryStatus, TierStatus
 from kvtier.tiers import (
@@ -57,9 +58,11 @@ __all__ = [
     "MissingDependencyError",
     "OffloadingSpec",
     "OffloadingSpecFactory",
+    "PRIMARY_TIER_NAME",
     "PrimaryStatus",
     "PluginLoadError",
     "PluginTypeError",
+    "ResidencyListener",
     "SecondaryTier",
     "SecondaryTierFactory",
     "ThreadedTier",
@@ -76,4 +79,5 @@ __all__ = [
     "register_policy",
     "register_spec",
     "register_tier",
+    "tier_names",
 ]

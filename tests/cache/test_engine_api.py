@@ -141,3 +141,17 @@ def test_no_integration_reaches_the_manager_or_the_primary_tier() -> None:
         if (found := internals_reached(path.read_text()))
     }
     assert reached == {}
+
+
+def test_the_exported_tier_names_are_those_residency_listeners_hear() -> None:
+    types = ["memory", "example", "memory"]
+    config = {"chunk_tokens": 4, "secondary_tiers": [{"type": t} for t in types]}
+    names = [kvtier.PRIMARY_TIER_NAME, *kvtier.tier_names(types)]
+    assert names == ["cpu", "memory:1", "example", "memory:2"]
+    heard: set[str] = set()
+    with KVCache(config, LAYOUT) as cache:
+        cache.watch_residency(lambda tier, keys, stored: heard.add(tier))
+        rows = np.zeros((len(TOKENS) // 4, LAYOUT.slot_bytes), dtype=np.uint8)
+        assert cache.store(TOKENS, rows) == 4
+        cache.drain()  # the cascades to every tier
+    assert heard == set(names)

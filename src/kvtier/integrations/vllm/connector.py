@@ -75,6 +75,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 KVCache(config, layout),
                 shape,
                 lookup_timeout_s=options.kvtier_lookup_timeout_s,
+                idle_wait_s=options.kvtier_idle_wait_s,
                 stats_file=options.kvtier_stats_file,
                 events=events,
             )

@@ -48,6 +48,11 @@ class ConnectorOptions(BaseModel):
     """How long a request may wait for promotions from secondary tiers before it
     goes ahead with the chunks that are ready (the rest is recomputed)."""
 
+    kvtier_idle_wait_s: float = Field(default=0.05, ge=0)
+    """While the engine has no other request, how long a lookup waits in place
+    for the promotions it started before vLLM's next step asks again (``0``:
+    never wait; a request waiting on promotions then costs an engine step per ask)."""
+
     kvtier_stats_file: str | None = None
     """Write the connector's and every tier's counters here (JSON) at shutdown."""
 

@@ -28,10 +28,10 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
+from kvtier import PRIMARY_TIER_NAME, tier_names
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
-from kvtier.residency import PRIMARY_TIER_NAME, tier_names
 
 from .engine_config import ConnectorOptions, VllmGeometry
 

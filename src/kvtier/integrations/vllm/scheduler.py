@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier import LookupResult
 from kvtier.facade import KVCache
 from kvtier.identity import AdapterIdentities
 from kvtier.keys import ChunkKey, chunk_keys
@@ -121,6 +122,8 @@ class SchedulerSide:
         shape: VllmGeometry,
         *,
         lookup_timeout_s: float,
+        idle_wait_s: float = 0.05,
+        poll_s: float = 0.0005,
         stats_file: str | None = None,
         events: TierEvents | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -133,6 +136,8 @@ class SchedulerSide:
         self.layout: KVLayout = cache.layout
         self.shape = shape
         self.lookup_timeout_s = lookup_timeout_s
+        self.idle_wait_s = idle_wait_s
+        self.poll_s = poll_s
         self.stats_file = stats_file
         self.clock = clock
         self.counters = ConnectorCounters()
@@ -182,21 +187,53 @@ class SchedulerSide:
             logger.exception("kvtier lookup failed for request %s; recomputing", request.request_id)
             return 0, False
         if result.pending:
-            now = self.clock()
-            if state.waiting_since is None:
-                state.waiting_since = now
+            since = state.waiting_since
+            if since is None:
+                since = state.waiting_since = self.clock()
                 if self.events is not None:  # promotions: their stores will be announced
                     first_pending = first + result.hit_chunks
                     self.events.remember(state.request, range(first_pending, usable), state.keys)
-            if now - state.waiting_since < self.lookup_timeout_s:
-                return None, False  # promotions in flight: vLLM asks again next step
-            self.counters.promotion_timeouts += 1
+            # Never past the request's own timeout.
+            wait = min(self.idle_wait_s, self.lookup_timeout_s - (self.clock() - since))
+            if wait > 0 and self._requests.keys() == {request.request_id}:
+                result = self._await_promotions(
+                    state.keys[first:usable], request.request_id, result, wait
+                )
+            if result.pending:
+                if self.clock() - since < self.lookup_timeout_s:
+                    return None, False  # promotions in flight: vLLM asks again next step
+                self.counters.promotion_timeouts += 1
         state.waiting_since = None
         external = (first + result.hit_chunks) * self.chunk_tokens - num_computed_tokens
         if external <= 0:
             return 0, False
         state.local_hit = num_computed_tokens
         return external, False
+
+    def _await_promotions(
+        self, keys: list[ChunkKey], request_id: str, result: LookupResult, wait_s: float
+    ) -> LookupResult:
+        """Wait here, up to ``wait_s``, for the promotions of a request the
+        engine has nothing else to run beside.
+
+        Answering "ask again" would cost the request at least one more engine
+        step after its chunks land: an empty step (a round trip to every
+        worker) at a time, each spent in Python beside the tier's I/O threads.
+        With no other request known to the scheduler, no one else waits on
+        this one; the bound keeps a request that arrives meanwhile from
+        waiting longer than that.
+        """
+        # Submitted now, not when vLLM builds this step's metadata.
+        self._safely(self.cache.step)
+        deadline = time.monotonic() + wait_s
+        try:
+            while result.pending and time.monotonic() < deadline:
+                time.sleep(self.poll_s)
+                self.cache.collect()
+                result = self.cache.probe(keys, request_id=request_id)
+        except Exception:
+            logger.exception("kvtier: waiting for promotions of %s failed", request_id)
+        return result
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
