@@ -82,6 +82,7 @@ class KVCache:
         #: Admits calls until :meth:`close`, which waits for the copies in progress.
         self.lifecycle = Lifecycle("KVCache")
         self._request_keys = RequestKeys(layout.namespace, layout.chunk_tokens)
+        self._num_slots = self.manager.primary.num_slots  # read by every store
         self._close_lock = threading.Lock()
 
     @property
@@ -164,8 +165,9 @@ class KVCache:
                         keys[len(slots) :], request, end_request=owned
                     )
                     slots += pinned
-                    left = deadline - time.monotonic()
                     more = pending or evicted
+                    # The clock is read only when more may come (most lookups: never).
+                    left = deadline - time.monotonic() if more else 0.0
                     if not more or left <= 0:
                         if owned and more:
                             manager.on_request_finished(request)
@@ -260,7 +262,7 @@ class KVCache:
         if wanted > full:
             raise ValueError(f"num_chunks={wanted} exceeds the {full} full chunks of tokens")
         # No more than the primary tier holds: a prefix is only worth its first chunks.
-        wanted = min(wanted, self.manager.primary.num_slots)
+        wanted = min(wanted, self._num_slots)
         rows = None
         if not callable(src):
             rows = chunk_rows(src, wanted, self.layout, "src", writable=False)
@@ -277,9 +279,9 @@ class KVCache:
                     else:
                         src(index, slot_rows[slot])  # type: ignore[operator]
             except BaseException:
-                self.manager.complete_store(list(reserved), success=False)
+                self.manager.complete_store(reserved.keys(), success=False)
                 raise
-            self.manager.complete_store(list(reserved), success=True)
+            self.manager.complete_store(reserved.keys(), success=True)
         return len(reserved)
 
     def step(self) -> None:
@@ -377,8 +379,8 @@ class KVCache:
 
         Not a call that close waits for: unpinning touches the primary tier's
         counts under its own lock, never the buffer that closing unmaps."""
-        if keys and not self.closed:
-            self.manager.complete_load(keys)
+        if keys and not self.lifecycle.closed:
+            self.manager.primary.complete_load(keys)  # the manager's own is this call
 
     def close(self) -> None:
         """Drain and stop the tiers. Idempotent.

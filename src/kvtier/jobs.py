@@ -104,6 +104,10 @@ class FailedLoads(Generic[_K]):
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._by_request
 
+    def __bool__(self) -> bool:
+        """Whether any request has a failed load."""
+        return bool(self._by_request)
+
 
 @dataclass(frozen=True)
 class JobOutcome:

@@ -7,6 +7,10 @@ from types import TracebackType
 
 from kvtier.errors import ClosedError, KVTierError
 
+#: Longest a close sleeps between looks at the calls still running: the last
+#: one to end wakes it at once; the bound only guards against a missed wake.
+_CLOSE_POLL_S = 0.05
+
 
 class Lifecycle:
     """Admits calls until :meth:`close`; ``close`` then waits for those still running.
@@ -17,13 +21,17 @@ class Lifecycle:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        # Serialises closes only: entering and leaving a call take no lock.
         self._lock = threading.Lock()
         self._closed = False
         # Calls running now, per thread (a close from within one would wait
-        # for itself); their total is what a close waits for.
+        # for itself); only a thread changes its own entry, so no lock guards
+        # it. A call counts itself, then looks at _closed; a close sets
+        # _closed, then looks at the counts: one of the two always sees the
+        # other, so a close never misses a call that goes on.
         self._running: dict[int, int] = {}
-        # Set by a close while calls still run; the last call to end sets it.
-        self._idle: threading.Event | None = None
+        # Set by the last call to end once closed.
+        self._idle = threading.Event()
         self._running_call = _Running(self)
 
     @property
@@ -52,10 +60,8 @@ class Lifecycle:
             if self._closed:
                 return False
             self._closed = True
-            if not self._running:
-                return True
-            idle = self._idle = threading.Event()
-        idle.wait()
+        while self._running:
+            self._idle.wait(_CLOSE_POLL_S)
         return True
 
 
@@ -68,16 +74,16 @@ class _Running:
     def __init__(self, lifecycle: Lifecycle) -> None:
         self._lifecycle = lifecycle
 
-    # Entered a few times by every request: the bookkeeping inline, one lock
-    # entry each way.
+    # Entered a few times by every request: no lock, a dict entry of the
+    # thread's own each way.
     def __enter__(self) -> None:
         lifecycle = self._lifecycle
+        running = lifecycle._running
         thread = threading.get_ident()
-        with lifecycle._lock:
-            if lifecycle._closed:
-                raise ClosedError(f"{lifecycle.name} is closed")
-            running = lifecycle._running
-            running[thread] = running.get(thread, 0) + 1
+        running[thread] = running.get(thread, 0) + 1
+        if lifecycle._closed:  # looked at after counting itself (see Lifecycle)
+            self.__exit__(None, None, None)
+            raise ClosedError(f"{lifecycle.name} is closed")
 
     def __exit__(
         self,
@@ -86,13 +92,12 @@ class _Running:
         traceback: TracebackType | None,
     ) -> None:
         lifecycle = self._lifecycle
+        running = lifecycle._running
         thread = threading.get_ident()
-        with lifecycle._lock:
-            running = lifecycle._running
-            depth = running[thread] - 1
-            if depth:
-                running[thread] = depth
-                return
-            del running[thread]
-            if not running and lifecycle._idle is not None:
-                lifecycle._idle.set()
+        depth = running[thread] - 1
+        if depth:
+            running[thread] = depth
+            return
+        del running[thread]
+        if lifecycle._closed and not running:
+            lifecycle._idle.set()

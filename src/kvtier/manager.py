@@ -124,9 +124,8 @@ class TieringManager:
     @_serialised
     def lookup(self, keys: Sequence[ChunkKey], request_id: str | None = None) -> LookupResult:
         """How many leading chunks are ready; starts promotions for the rest it finds."""
-        return self._lookup(keys, request_id)
+        return LookupResult(*self._lookup(keys, request_id))
 
-    @_serialised
     def lookup_pinned(
         self, keys: Sequence[ChunkKey], request_id: str, *, end_request: bool = False
     ) -> PinnedLookup:
@@ -136,15 +135,18 @@ class TieringManager:
         or a chunk was evicted before its pin, and then it ends here as by
         :meth:`on_request_finished`.
         """
-        result = self._lookup(keys, request_id)
-        slots = self.primary.pin_prefix(keys[: result.hit_chunks])
-        evicted = len(slots) < result.hit_chunks
-        if end_request and not (result.pending or evicted):
-            self._end_request(request_id)
-        return PinnedLookup(slots, result.pending, evicted)
+        # The lock taken here, not by _serialised: once a request, a call less.
+        with self._lock:
+            hits, pending = self._lookup(keys, request_id)
+            slots = self.primary.pin_prefix(keys[:hits])
+            evicted = len(slots) < hits
+            if end_request and not (pending or evicted):
+                self._end_request(request_id)
+            return PinnedLookup(slots, pending, evicted)
 
-    def _lookup(self, keys: Sequence[ChunkKey], request_id: str | None) -> LookupResult:
-        """:meth:`lookup`, under the lock.
+    def _lookup(self, keys: Sequence[ChunkKey], request_id: str | None) -> tuple[int, bool]:
+        """:meth:`lookup`, under the lock, as a plain tuple (a named one costs a
+        Python-level call to build, once a request).
 
         Linear in ``keys``: the leading ready chunks are found and touched in
         one pass (touched first, so that the promotions' evictions meet them
@@ -175,7 +177,7 @@ class TieringManager:
                 self._asking.add(request_id)
             elif asked_before:
                 self._asking.discard(request_id)
-        return LookupResult(hits, pending)
+        return hits, pending
 
     def _lookup_secondary(
         self, key: ChunkKey, ctx: LookupContext, chain: set[ChunkKey]
@@ -220,10 +222,10 @@ class TieringManager:
     def complete_load(self, keys: Sequence[ChunkKey]) -> None:
         self.primary.complete_load(keys)
 
-    @_serialised
     def prepare_store(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, int] | None:
         """Slots for the chunks not yet resident, or ``None`` if there is no room."""
-        return self._reserve(keys)
+        with self._lock:  # as _serialised, a call less: once a store
+            return self._reserve(keys)
 
     def _reserve(
         self, keys: Sequence[ChunkKey], protect: Collection[ChunkKey] = ()
@@ -241,25 +243,31 @@ class TieringManager:
             reserved = self.primary.prepare_store(keys, protect)
         return reserved
 
-    @_serialised
-    def complete_store(self, keys: Sequence[ChunkKey], success: bool = True) -> None:
+    def complete_store(self, keys: Collection[ChunkKey], success: bool = True) -> None:
         """The engine finished writing ``keys``; on success they cascade to the tiers."""
-        try:
-            if not success:
-                self.primary.complete_store(keys, success=False)
-                return
-            # Which tiers take a store job is known before the chunks are ready
-            # (admission only reads the backpressure), so that they come ready
-            # already pinned once per tier, with no pass over the keys of its own.
-            targets = [i for i, pressure in enumerate(self.backpressure) if pressure.admit()]
-            ready = self.primary.complete_store(keys, pins=len(targets))
-            if ready and len(targets) < len(self.tiers):
-                for index in set(range(len(self.tiers))).difference(targets):
-                    self.tiers[index].count(backpressure_drops=len(ready))
-            self.jobs.cascade(ready, targets)
-        finally:
-            if keys:
-                self.progress.announce()  # for lookups that found them being written
+        with self._lock:  # as _serialised, a call less: once a store
+            try:
+                if not success:
+                    self.primary.complete_store(keys, success=False)
+                elif not self.tiers:  # nothing to cascade to
+                    self.primary.complete_store(keys)
+                else:
+                    self._cascade(keys)
+            finally:
+                if keys:
+                    self.progress.announce()  # for lookups that found them being written
+
+    def _cascade(self, keys: Collection[ChunkKey]) -> None:
+        """Make the chunks written ready and send them to the tiers that admit them."""
+        # Which tiers take a store job is known before the chunks are ready
+        # (admission only reads the backpressure), so that they come ready
+        # already pinned once per tier, with no pass over the keys of its own.
+        targets = [i for i, pressure in enumerate(self.backpressure) if pressure.admit()]
+        ready = self.primary.complete_store(keys, pins=len(targets))
+        if ready and len(targets) < len(self.tiers):
+            for index in set(range(len(self.tiers))).difference(targets):
+                self.tiers[index].count(backpressure_drops=len(ready))
+        self.jobs.cascade(ready, targets)
 
     @_serialised
     def touch(self, keys: Sequence[ChunkKey]) -> None:
@@ -272,7 +280,8 @@ class TieringManager:
         self._end_request(request_id)
 
     def _end_request(self, request_id: str) -> None:
-        self._failed.forget(request_id)
+        if self._failed:  # most often none: no call
+            self._failed.forget(request_id)
         self._asking.discard(request_id)
         for tier in self.tiers:
             self._call(tier, "on_request_finished", request_id)

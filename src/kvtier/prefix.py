@@ -68,6 +68,9 @@ class HeldPrefix:
     A holder may be used from any thread; release is idempotent.
     """
 
+    # One a lookup: slots make it cheaper to build and to read.
+    __slots__ = ("_cache", "_keys", "_loading", "_lock", "_released", "_slots", "pending")
+
     def __init__(
         self, cache: Holder, keys: Sequence[ChunkKey], slots: Sequence[int], pending: bool
     ) -> None:

@@ -3,6 +3,7 @@ answer may have changed (a tier's job ended or a check answered, a store complet
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Iterable
@@ -20,7 +21,12 @@ class Progress:
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._mark = 0
-        # Threads in wait: an announce with none (every store) skips the notify.
+        # Each announce takes the next mark (``next`` is atomic): no lock
+        # unless a thread waits. An announce moves the mark, then looks for
+        # waiters; a waiter counts itself, then looks at the mark: one of
+        # the two always sees the other, so no wake is lost.
+        self._marks = itertools.count(1)
+        # Threads in wait (changed under the condition's lock).
         self._waiting = 0
         #: Whether every followed tier announces its progress (else waiters poll).
         self.announced = True
@@ -38,9 +44,9 @@ class Progress:
 
     def announce(self) -> None:
         """Something a lookup may find changed: wake the waiters."""
-        with self._changed:
-            self._mark += 1
-            if self._waiting:
+        self._mark = next(self._marks)
+        if self._waiting:
+            with self._changed:
                 self._changed.notify_all()
 
     @property
