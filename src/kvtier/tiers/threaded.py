@@ -592,6 +592,20 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
             self._threaded_idle.notify_all()
         self._progressed()
 
+    def _settled(self, key: ChunkKey, error: BaseException | None) -> bool:
+        """Whether one chunk's move succeeded, given its error: a corrupt chunk
+        is discarded and counted, a vanished one noted, any other error
+        fails that key alone."""
+        if error is None:
+            return True
+        if isinstance(error, CorruptChunkError):
+            self._discard_corrupt(key, error)
+        elif isinstance(error, ChunkVanishedError):
+            self._vanished(key)
+        else:
+            logger.debug("tier %s: chunk %s failed: %r", self.tier_type, key.hex()[:16], error)
+        return False
+
     def _threaded_take_vanished(self, state: JobState) -> frozenset[ChunkKey]:
         """The keys of ``state``'s job that loads found gone; the caller holds the lock."""
         vanished = frozenset(
@@ -640,17 +654,9 @@ class ThreadedTier(ThreadedBatchTier[ThreadedOptionsT]):
     def _attempt(
         self, operation: Callable[[ChunkKey, memoryview], None], key: ChunkKey, view: memoryview
     ) -> bool:
-        """Run one chunk's hook: a corrupt chunk is discarded and counted, a
-        vanished one noted, any other error fails that key alone."""
+        """Run one chunk's hook; what its error means: :meth:`_settled`."""
         try:
             operation(key, view)
-            return True
-        except CorruptChunkError as exc:
-            self._discard_corrupt(key, exc)
-            return False
-        except ChunkVanishedError:
-            self._vanished(key)
-            return False
         except Exception as exc:
-            logger.debug("tier %s: chunk %s failed: %r", self.tier_type, key.hex()[:16], exc)
-            return False
+            return self._settled(key, exc)
+        return True
