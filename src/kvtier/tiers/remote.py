@@ -258,15 +258,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     # The contract: fail fast while the breaker is open ------------------------
 
     def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
-        if self._admit():
-            answer = super().lookup(key, ctx)
-        elif self.breaker.state is BreakerState.HALF_OPEN:
-            # The probe answers within deadline_s: the first request
-            # after a recovery waits for it rather than missing.
-            answer = Lookup.PENDING
-        else:
-            self.count(outage_skipped_lookups=1)
-            answer = Lookup.MISS
+        answer = super().lookup(key, ctx) if self._admit() else self._lookup_while_down()
         if ctx.request_id is not None:
             if answer is Lookup.PENDING:
                 self.budgets.waiting(ctx.request_id)
@@ -274,17 +266,21 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 self.budgets.found(ctx.request_id, key)
         return answer
 
+    def _lookup_while_down(self) -> Lookup:
+        if self.breaker.state is BreakerState.HALF_OPEN:
+            # The probe answers within deadline_s: the first request
+            # after a recovery waits for it rather than missing.
+            return Lookup.PENDING
+        self.count(outage_skipped_lookups=1)
+        return Lookup.MISS
+
     def on_request_finished(self, request_id: str) -> None:
         self.budgets.finished(request_id)
         super().on_request_finished(request_id)
 
     def _submit(self, job: TransferJob, *, loading: bool) -> None:
         if not self._admit():
-            if loading:
-                self.count(outage_failed_loads=len(job.keys))
-            else:
-                self.count(outage_dropped_stores=len(job.keys))
-            self._report(JobResult(job.job_id, not job.keys, frozenset(), nbytes=0, seconds=0.0))
+            self._fail_while_down(job, loading=loading)
             return
         # A load gets what its request's checks left of the deadline.
         left, waiting_since = self.budgets.take(job.request_id) if loading else (None, None)
@@ -293,6 +289,14 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             self.options.deadline_s if left is None else left,
             lambda: self._answer_at_deadline(job.job_id, waiting_since),
         )
+
+    def _fail_while_down(self, job: TransferJob, *, loading: bool) -> None:
+        """Answer a job at once, without a call to the backend (breaker open)."""
+        if loading:
+            self.count(outage_failed_loads=len(job.keys))
+        else:
+            self.count(outage_dropped_stores=len(job.keys))
+        self._report(JobResult(job.job_id, not job.keys, frozenset(), nbytes=0, seconds=0.0))
 
     def _admit(self) -> bool:
         """Whether a request may go to the backend; starts the probe when due."""
