@@ -109,10 +109,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 100))
     def corrupt_a_stored_chunk(self, index: int) -> None:
         inner: MemoryTier = self.faulty.inner  # type: ignore[assignment]
-        with inner._chunks_lock:
-            keys = list(inner._chunks)
+        with inner.backend._chunks_lock:
+            keys = list(inner.backend._chunks)
         if keys:
-            inner.corrupt_for_tests(keys[index % len(keys)])
+            inner.backend.corrupt_for_tests(keys[index % len(keys)])
 
     @precondition(lambda self: not self.pinned)
     @rule()

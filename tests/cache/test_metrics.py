@@ -113,7 +113,7 @@ def test_tier_extra_metrics_are_exported(cache: KVCache) -> None:
     memory = cache.manager.tiers[0]
     assert isinstance(memory, MemoryTier)
     assert value(cache, "kvtier_tier_held_bytes") == memory.held_bytes > 2 * SLOT
-    assert value(cache, "kvtier_tier_max_bytes") == memory.max_bytes
+    assert value(cache, "kvtier_tier_max_bytes") == memory.backend.max_bytes
 
 
 def test_injected_failures_are_counted_and_fall_back_to_recompute() -> None:
@@ -162,7 +162,7 @@ def test_corrupt_chunk_is_counted_and_not_served(cache: KVCache) -> None:
     cache.drain()
     memory = cache.manager.tiers[0]
     assert isinstance(memory, MemoryTier)
-    memory.corrupt_for_tests(cache.keys(tokens)[0])
+    memory.backend.corrupt_for_tests(cache.keys(tokens)[0])
     cache.manager.reset()
     assert cache.cached_prefix(tokens) == 0
     assert value(cache, "kvtier_tier_corrupt_chunks_total") == 1

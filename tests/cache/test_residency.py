@@ -126,7 +126,7 @@ def test_a_corrupt_chunk_deleted_and_a_chunk_found_gone_are_removals() -> None:
         cache.manager.reset()  # empties the primary tier: removals there
         assert changes.held("cpu") == set()
         tier = tier_at(cache, 0, MemoryTier)
-        tier.corrupt_for_tests(keys[1])
+        tier.backend.corrupt_for_tests(keys[1])
         assert cache.cached_prefix(tokens, timeout=5) == 4  # the corrupt chunk is a miss
         assert changes.held("memory") == {keys[0]}
         cache.manager.reset()

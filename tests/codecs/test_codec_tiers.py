@@ -122,8 +122,8 @@ def _plant(harness: TierHarness, key: bytes, payload: bytes | bytearray | memory
     """Put a framed value under ``key`` as another writer of the store would."""
     tier = harness.tier
     assert isinstance(tier, MemoryTier)
-    with tier._chunks_lock:
-        tier._chunks[key] = integrity.frame(tier.namespace, key, payload)
+    with tier.backend._chunks_lock:
+        tier.backend._chunks[key] = integrity.frame(tier.namespace, key, payload)
 
 
 #: LAYOUT's chunks as an engine's own pages: the lossy codecs group

@@ -413,7 +413,7 @@ def test_each_tier_entry_is_validated_once_from_load_config_to_a_running_tier(
         assert all(
             t.options is e.options for t, e in zip(tiers, config.secondary_tiers, strict=True)
         )
-        assert isinstance(tiers[0], CountingTier) and tiers[0].max_bytes == 1 << 20
+        assert isinstance(tiers[0], CountingTier) and tiers[0].backend.max_bytes == 1 << 20
 
 
 def test_the_contract_harness_validates_once_too(counted: list[str]) -> None:

@@ -115,20 +115,20 @@ def raising() -> Iterator[TierHarness]:
 
 
 @pytest.mark.parametrize("error", NOT_EXCEPTIONS, ids=lambda e: e.__name__)
-@pytest.mark.parametrize("hook", ["_load_chunk", "_store_chunk"])
-def test_a_chunk_hook_raising_a_base_exception_fails_its_job_and_the_worker_goes_on(
-    raising: TierHarness, hook: str, error: type[BaseException]
+@pytest.mark.parametrize("step", ["load", "store"])
+def test_a_move_raising_a_base_exception_fails_its_job_and_the_worker_goes_on(
+    raising: TierHarness, step: str, error: type[BaseException]
 ) -> None:
     tier = raising.tier
     assert isinstance(tier, RaisingMemoryTier)
     keys = raising.keys(2)
     data = raising.fill([0, 1])
-    if hook == "_load_chunk":
+    if step == "load":
         assert raising.store(keys, [0, 1]).success
-    tier.raise_in, tier.error = hook, error
+    tier.raise_in, tier.error = step, error
     # Before: the only worker died with the job unreported, its slots never
     # came back and drain() waited for ever.
-    failed = raising.load(keys, [2, 3]) if hook == "_load_chunk" else raising.store(keys, [0, 1])
+    failed = raising.load(keys, [2, 3]) if step == "load" else raising.store(keys, [0, 1])
     assert not failed.success and failed.succeeded == frozenset()
     tier.error = None
     assert raising.store(keys, [0, 1]).success  # the same single worker, still alive

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.threaded import ThreadedTier
+from kvtier.tiers.threaded import JobState, ThreadedTier
 
 #: Worker threads of a tier found alive while its ``__init__`` ran, by tier type.
 WORKERS_SEEN_IN_INIT: dict[str, list[str]] = {}
@@ -68,9 +68,10 @@ class FailingSetUpTier(ObviousNamesTier):
 
 
 class RaisingMemoryTier(MemoryTier):
-    """The memory tier; while :attr:`error` is set, the hook named by
-    :attr:`raise_in` raises it (any exception class, ``BaseException`` ones
-    included), and :attr:`extra_answers` pads ``_load_batch``'s answer."""
+    """The memory tier; while :attr:`error` is set, the step named by
+    :attr:`raise_in` (``_contains``, ``load`` or ``store``) raises it (any
+    exception class, ``BaseException`` ones included), and
+    :attr:`extra_answers` pads a load batch's answer."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -78,24 +79,20 @@ class RaisingMemoryTier(MemoryTier):
         self.error: type[BaseException] | None = None
         self.extra_answers = 0
 
-    def _raise(self, hook: str) -> None:
-        if self.error is not None and self.raise_in == hook:
-            raise self.error(f"{hook} raised (injected)")
+    def _raise(self, step: str) -> None:
+        if self.error is not None and self.raise_in == step:
+            raise self.error(f"{step} raised (injected)")
 
-    def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    def _contains(self, keys: Sequence[ChunkKey]) -> Sequence[bool | None]:
         self._raise("_contains")
         return super()._contains(keys)
 
     def _known(self, key: ChunkKey) -> bool | None:
         return None  # every lookup asks _contains
 
-    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        self._raise("_store_chunk")
-        super()._store_chunk(key, payload)
-
-    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
-        self._raise("_load_chunk")
-        super()._load_chunk(key, out)
-
-    def _load_batch(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
-        return super()._load_batch(keys, outs) + [True] * self.extra_answers
+    def _transfer(
+        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
+    ) -> list[bool]:
+        self._raise("load" if state.loading else "store")
+        ok = super()._transfer(state, keys, payloads)
+        return ok + [True] * self.extra_answers if state.loading else ok

@@ -33,8 +33,8 @@ def knows(tier: SecondaryTier) -> bool:
 def read_stored(tier: SecondaryTier, key: ChunkKey) -> bytes:
     """The bytes ``tier`` holds for ``key``, as its backend holds them."""
     if isinstance(tier, MemoryTier):
-        with tier._chunks_lock:
-            return tier._chunks[key]
+        with tier.backend._chunks_lock:
+            return tier.backend._chunks[key]
     if isinstance(tier, FilesystemTier):
         with open(tier.dir.chunk_path(key), "rb") as handle:
             return handle.read()
@@ -49,8 +49,8 @@ def read_stored(tier: SecondaryTier, key: ChunkKey) -> bytes:
 def write_stored(tier: SecondaryTier, key: ChunkKey, value: bytes) -> None:
     """Make ``tier``'s backend hold ``value`` for ``key``, whatever it is."""
     if isinstance(tier, MemoryTier):
-        with tier._chunks_lock:
-            tier._chunks[key] = value
+        with tier.backend._chunks_lock:
+            tier.backend._chunks[key] = value
         return
     if isinstance(tier, FilesystemTier):
         path = tier.dir.chunk_path(key)

@@ -6,17 +6,13 @@ See docs/shared-tiers.md, 'When the backend fails'.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from kvtier.keys import ChunkKey
-
-K = TypeVar("K")
-V = TypeVar("V")
+from kvtier.tiers.bounded import drop_oldest
 
 
 @dataclass
@@ -50,7 +46,7 @@ class RequestBudgets:
             if wait is None or now - wait.last > self.deadline_s:
                 # A new wait, or one after a pause of the engine's own.
                 self._waits[request_id] = _Wait(first=now, last=now)
-                _trim(self._waits, self.max_entries)
+                drop_oldest(self._waits, self.max_entries)
             else:
                 wait.last = now
 
@@ -60,7 +56,7 @@ class RequestBudgets:
         with self._lock:
             for key in keys:
                 self._answered[key] = now
-            _trim(self._answered, self.max_entries)
+            drop_oldest(self._answered, self.max_entries)
 
     def found(self, request_id: str | None, key: ChunkKey) -> None:
         """A lookup of ``request_id`` took ``key``'s check answer: the request
@@ -83,11 +79,3 @@ class RequestBudgets:
     def finished(self, request_id: str) -> None:
         with self._lock:
             self._waits.pop(request_id, None)
-
-
-def _trim(entries: dict[K, V], limit: int) -> None:
-    """Drop the oldest entries past ``limit``: requests never finished, answers never taken."""
-    excess = len(entries) - limit
-    if excess > 0:
-        for stale in list(itertools.islice(entries, excess)):
-            del entries[stale]

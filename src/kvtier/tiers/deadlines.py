@@ -1,6 +1,6 @@
 """``Deadlines``: run callbacks when their time comes, on one thread per tier;
-:func:`call_within`: wait a bounded time for a call that may never return;
-:class:`BoundedCalls`: the same for calls made often (a codec's, per chunk).
+:class:`BoundedCalls`: wait a bounded time for calls that may never return
+(a codec's, per chunk); :func:`call_within`: the same for one call.
 
 A remote tier answers for every job within its deadline, even while its
 workers are stuck in a socket read: this thread fires the deadline and the
@@ -35,50 +35,28 @@ def call_within(
     name: str,
     dispose: Callable[[T], None] | None = None,
 ) -> T:
-    """``call()`` on a daemon thread of its own, waiting at most ``timeout_s``.
+    """``call()`` on a helper thread of its own, waiting at most ``timeout_s``
+    (a :class:`BoundedCalls` for one call).
 
     A call stuck in a client library cannot be interrupted, only left behind:
     :class:`CallTimeout` then, and a result that comes later goes to
     ``dispose`` (a client to close).
     """
-    outcome: list[tuple[bool, Any]] = []
-    lock = threading.Lock()
-    abandoned = False
-
-    def run() -> None:
-        try:
-            result: tuple[bool, Any] = (True, call())
-        except BaseException as exc:
-            result = (False, exc)
-        with lock:
-            outcome.append(result)
-            late = abandoned
-        if late and result[0] and dispose is not None:
-            try:
-                dispose(result[1])
-            except Exception:
-                logger.debug("%s: disposing a late result failed", name)
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    with lock:
-        if not outcome:
-            abandoned = True
-            raise CallTimeout(f"no answer within {timeout_s}s")
-    succeeded, value = outcome[0]
-    if not succeeded:
-        raise value
-    return cast(T, value)
+    calls = BoundedCalls(name, timeout_s)
+    try:
+        return calls(call, dispose=dispose)
+    finally:
+        calls.close()
 
 
 class _Call:
     """One call handed to a :class:`BoundedCalls` helper, and its outcome."""
 
-    __slots__ = ("abandoned", "call", "done", "outcome")
+    __slots__ = ("abandoned", "call", "dispose", "done", "outcome")
 
-    def __init__(self, call: Callable[[], Any]) -> None:
+    def __init__(self, call: Callable[[], Any], dispose: Callable[[Any], None] | None) -> None:
         self.call = call
+        self.dispose = dispose
         self.done = threading.Event()
         self.outcome: tuple[bool, Any] = (False, None)
         self.abandoned = False
@@ -108,7 +86,9 @@ class BoundedCalls:
         """Calls still running past their bound."""
         return self._overdue
 
-    def __call__(self, call: Callable[[], T]) -> T:
+    def __call__(self, call: Callable[[], T], dispose: Callable[[T], None] | None = None) -> T:
+        """``call()``'s result within the bound; one that comes after it goes
+        to ``dispose`` (a client to close), if given."""
         if self._overdue:
             raise CallTimeout(f"{self.name}: an earlier call is still running past its bound")
         helper: queue.SimpleQueue[_Call | None] | None = getattr(self._local, "helper", None)
@@ -119,7 +99,7 @@ class BoundedCalls:
             with self._lock:
                 self._helpers.append((thread, helper))
             thread.start()
-        task = _Call(call)
+        task = _Call(call, dispose)
         helper.put(task)
         if not task.done.wait(self.timeout_s):
             with self._lock:
@@ -160,7 +140,17 @@ class BoundedCalls:
                 task.done.set()
                 if task.abandoned:  # its caller moved on to another helper
                     self._overdue -= 1
-                    return
+            if task.abandoned:
+                self._dispose_late(task)
+                return
+
+    def _dispose_late(self, task: _Call) -> None:
+        succeeded, value = task.outcome
+        if succeeded and task.dispose is not None:
+            try:
+                task.dispose(value)
+            except Exception:
+                logger.debug("%s: disposing a late result failed", self.name)
 
 
 class Deadlines:

@@ -1,6 +1,6 @@
 """``memory``: a bounded, byte-exact tier in this process's memory.
 
-The reference implementation of :class:`ThreadedTier` and the test double
+The reference local backend (:mod:`kvtier.tiers.local`) and the test double
 for everything above the tiers: it frames chunks with the same integrity
 header as the persistent tiers, so corruption tests exercise the real check.
 """
@@ -10,15 +10,16 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import ByteSize, Field
 
 from kvtier import integrity
 from kvtier.errors import ChunkVanishedError
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import HealthCheck, TierMetric, TierOptions
-from kvtier.tiers.threaded import ThreadedTier, ThreadedTierOptions
+from kvtier.tiers.base import HealthCheck, TierMetric
+from kvtier.tiers.local import ItemErrors, LocalBackend, LocalRuntime, LocalTier
+from kvtier.tiers.threaded import ThreadedTierOptions
 from kvtier.units import format_bytes
 
 
@@ -30,48 +31,50 @@ class MemoryTierOptions(ThreadedTierOptions):
     """Worker threads copying chunks."""
 
 
-class MemoryTier(ThreadedTier[MemoryTierOptions]):
+class MemoryBackend(LocalBackend[MemoryTierOptions]):
     """Chunks in a dict, least recently used evicted beyond ``max_bytes``."""
 
-    Options: ClassVar[type[TierOptions]] = MemoryTierOptions
+    Options: ClassVar[type[ThreadedTierOptions]] = MemoryTierOptions
     variable_payloads: ClassVar[bool] = True
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.max_bytes = int(self.options.max_bytes)
+    def __init__(self, options: MemoryTierOptions, runtime: LocalRuntime) -> None:
+        super().__init__(options, runtime)
+        self.max_bytes = int(options.max_bytes)
         self._chunks: OrderedDict[ChunkKey, bytes] = OrderedDict()
         self._chunks_lock = threading.Lock()
-        self._held_bytes = 0
+        self.held_bytes = 0
 
-    @property
-    def held_bytes(self) -> int:
-        return self._held_bytes
-
-    def _known(self, key: ChunkKey) -> bool:
+    def known(self, key: ChunkKey) -> bool:
         return key in self._chunks
 
-    def _contains(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return [key in self._chunks for key in keys]
 
-    def _store_chunk(self, key: ChunkKey, payload: memoryview) -> None:
-        value = integrity.frame(self.namespace, key, payload)
+    def store_many(self, keys: Sequence[ChunkKey], payloads: Sequence[memoryview]) -> ItemErrors:
+        return self.each(self._store, keys, payloads)
+
+    def load_many(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> ItemErrors:
+        return self.each(self._load, keys, outs)
+
+    def _store(self, key: ChunkKey, payload: memoryview) -> None:
+        value = integrity.frame(self.runtime.namespace, key, payload)
         if len(value) > self.max_bytes:
             raise ValueError(f"a {len(value)}-byte chunk exceeds max_bytes={self.max_bytes}")
         with self._chunks_lock:
             old = self._chunks.pop(key, None)
-            self._held_bytes -= len(old) if old is not None else 0
+            self.held_bytes -= len(old) if old is not None else 0
             evicted = []
-            while self._held_bytes + len(value) > self.max_bytes:
+            while self.held_bytes + len(value) > self.max_bytes:
                 victim_key, victim = self._chunks.popitem(last=False)
-                self._held_bytes -= len(victim)
+                self.held_bytes -= len(victim)
                 evicted.append(victim_key)
             self._chunks[key] = value
-            self._held_bytes += len(value)
+            self.held_bytes += len(value)
         if evicted:
-            self.count(evictions=len(evicted))
-            self.report_removed(evicted)
+            self.runtime.count(evictions=len(evicted))
+            self.runtime.report_removed(evicted)
 
-    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
+    def _load(self, key: ChunkKey, out: memoryview) -> None:
         with self._chunks_lock:
             value = self._chunks.get(key)
             if value is None:
@@ -80,15 +83,15 @@ class MemoryTier(ThreadedTier[MemoryTierOptions]):
         integrity.unframe_into(
             value,
             out,
-            namespace=self.namespace,
+            namespace=self.runtime.namespace,
             key=key,
-            exact_size=self.codec_stage.fixed_size,
+            exact_size=self.runtime.fixed_payload_size,
         )
 
-    def _discard(self, key: ChunkKey) -> None:
+    def discard(self, key: ChunkKey) -> None:
         with self._chunks_lock:
             value = self._chunks.pop(key, None)
-            self._held_bytes -= len(value) if value is not None else 0
+            self.held_bytes -= len(value) if value is not None else 0
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         with self._chunks_lock:
@@ -108,16 +111,28 @@ class MemoryTier(ThreadedTier[MemoryTierOptions]):
             HealthCheck(
                 "capacity",
                 True,
-                f"{format_bytes(self._held_bytes)} of {format_bytes(self.max_bytes)} "
+                f"{format_bytes(self.held_bytes)} of {format_bytes(self.max_bytes)} "
                 "held in this process",
             ),
         )
 
     def metrics(self) -> Sequence[TierMetric]:
         return (
-            TierMetric("held_bytes", self._held_bytes, "Framed chunk bytes the tier holds."),
+            TierMetric("held_bytes", self.held_bytes, "Framed chunk bytes the tier holds."),
             TierMetric("max_bytes", self.max_bytes, "The tier's bound on held bytes."),
         )
 
     def describe(self) -> dict[str, object]:
-        return {"type": self.tier_type, "max_bytes": self.max_bytes, "held_bytes": self._held_bytes}
+        return {"max_bytes": self.max_bytes, "held_bytes": self.held_bytes}
+
+
+class MemoryTier(LocalTier[MemoryTierOptions]):
+    """The ``memory`` tier: the local-tier runtime over :class:`MemoryBackend`."""
+
+    backend_class = MemoryBackend
+    backend: MemoryBackend
+
+    @property
+    def held_bytes(self) -> int:
+        """Framed chunk bytes held (read by status pages)."""
+        return self.backend.held_bytes

@@ -143,8 +143,9 @@ class RedisBackend(Backend[RedisTierOptions]):
         super().__init__(options, runtime)
         self._ttl_ms = None if options.ttl_s is None else max(1, round(options.ttl_s * 1000))
         self._target = _target(options)
+        self._cluster = options.is_cluster
         # A cluster client keeps redis-py's own connections (and packer).
-        self.sends_framed = not options.is_cluster
+        self.sends_framed = not self._cluster
         tls = (options.url or "").lower().startswith("rediss://")
         try:
             self.client: Any = runtime.start_backend(
@@ -193,18 +194,9 @@ class RedisBackend(Backend[RedisTierOptions]):
         return [reply if isinstance(reply, BaseException) else None for reply in replies]
 
     def get_many(self, names: Sequence[str]) -> list[Fetched]:
-        if not self.options.is_cluster:
-            return self._get_into_scratch(names)
-        pipe = self._pipeline()
-        for name in names:
-            pipe.get(name)
-            if self._ttl_ms is not None:
-                pipe.pexpire(name, self._ttl_ms)
-        replies = pipe.execute(raise_on_error=False)
-        return [_wrong_type_is_corrupt(v) for v in replies[:: 1 if self._ttl_ms is None else 2]]
-
-    def _get_into_scratch(self, names: Sequence[str]) -> list[Fetched]:
         """Values received straight into this worker's buffers (see :mod:`.redis_reads`)."""
+        if self._cluster:
+            return self._get_pipelined(names)
         buffers = self.runtime.scratch_values(len(names))[: len(names)]
         pool = self.client.connection_pool
         connection = pool.get_connection()
@@ -217,6 +209,16 @@ class RedisBackend(Backend[RedisTierOptions]):
             return replies
         finally:
             pool.release(connection)
+
+    def _get_pipelined(self, names: Sequence[str]) -> list[Fetched]:
+        """Values as redis-py reads them (a cluster client keeps its own connections)."""
+        pipe = self._pipeline()
+        for name in names:
+            pipe.get(name)
+            if self._ttl_ms is not None:
+                pipe.pexpire(name, self._ttl_ms)
+        replies = pipe.execute(raise_on_error=False)
+        return [_wrong_type_is_corrupt(v) for v in replies[:: 1 if self._ttl_ms is None else 2]]
 
     def refresh_many(self, names: Sequence[str]) -> None:
         if self._ttl_ms is None or not names:

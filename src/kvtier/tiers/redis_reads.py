@@ -139,17 +139,22 @@ def _value(replies: _Replies, out: memoryview, error_class: type[Exception]) -> 
         return value
     if kind == b"_":  # RESP3's null
         return None
-    if kind in (b"-", b"!"):  # an error, simple or (RESP3) with a length
-        if kind == b"!":
-            message_bytes = bytearray(int(rest))
-            replies.into(memoryview(message_bytes))
-            replies.end_of_value()
-            rest = bytes(message_bytes)
-        message = rest.decode("utf-8", "replace")
-        if message.startswith("WRONGTYPE"):
-            return CorruptChunkError(f"the value is not a string: {message}")
-        return error_class(message)
+    if kind in (b"-", b"!"):
+        return _error(replies, kind, rest, error_class)
     raise ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
+
+
+def _error(replies: _Replies, kind: bytes, rest: bytes, error_class: type[Exception]) -> Reply:
+    """The item error an error reply stands for: simple, or (RESP3) with a length."""
+    if kind == b"!":
+        message_bytes = bytearray(int(rest))
+        replies.into(memoryview(message_bytes))
+        replies.end_of_value()
+        rest = bytes(message_bytes)
+    message = rest.decode("utf-8", "replace")
+    if message.startswith("WRONGTYPE"):
+        return CorruptChunkError(f"the value is not a string: {message}")
+    return error_class(message)
 
 
 def _skip_elements(replies: _Replies, count: int) -> None:

@@ -168,16 +168,13 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         # slots must not outlast it by more.
         return self.options.codec_timeout_s or self.options.deadline_s
 
-    def _batch_chunks(self) -> int:
-        return self.backend_class.batch_chunks(self.stored_bytes)
-
     def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
-        if not self.backend_class.spreads_batches:
-            return super()._split(pending)
-        # One request per chunk, so a task per worker: a job's chunks run in
-        # parallel, and once the backend is known down each task stops
-        # sending instead of a queue of one-chunk tasks each paying a timeout.
-        size = min(self.io_batch, max(1, -(-len(pending) // self.io_threads)))
+        size = self.backend_class.batch_chunks(self.stored_bytes)
+        if self.backend_class.spreads_batches:
+            # One request per chunk, so a task per worker: a job's chunks run in
+            # parallel, and once the backend is known down each task stops
+            # sending instead of a queue of one-chunk tasks each paying a timeout.
+            size = min(self.io_batch, max(1, -(-len(pending) // self.io_threads)))
         return [pending[i : i + size] for i in range(0, len(pending), size)]
 
     # What a backend may ask of its runtime (kvtier.tiers.backend.BackendRuntime)
@@ -261,7 +258,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     # The contract: fail fast while the breaker is open ------------------------
 
     def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
-        answer = self._lookup(key, ctx)
+        answer = super().lookup(key, ctx) if self._admit() else self._lookup_while_down()
         if ctx.request_id is not None:
             if answer is Lookup.PENDING:
                 self.budgets.waiting(ctx.request_id)
@@ -269,15 +266,13 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 self.budgets.found(ctx.request_id, key)
         return answer
 
-    def _lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
-        if not self._admit():
-            if self.breaker.state is BreakerState.HALF_OPEN:
-                # The probe answers within deadline_s: the first request
-                # after a recovery waits for it rather than missing.
-                return Lookup.PENDING
-            self.count(outage_skipped_lookups=1)
-            return Lookup.MISS
-        return super().lookup(key, ctx)
+    def _lookup_while_down(self) -> Lookup:
+        if self.breaker.state is BreakerState.HALF_OPEN:
+            # The probe answers within deadline_s: the first request
+            # after a recovery waits for it rather than missing.
+            return Lookup.PENDING
+        self.count(outage_skipped_lookups=1)
+        return Lookup.MISS
 
     def on_request_finished(self, request_id: str) -> None:
         self.budgets.finished(request_id)
@@ -285,11 +280,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
 
     def _submit(self, job: TransferJob, *, loading: bool) -> None:
         if not self._admit():
-            if loading:
-                self.count(outage_failed_loads=len(job.keys))
-            else:
-                self.count(outage_dropped_stores=len(job.keys))
-            self._report(JobResult(job.job_id, not job.keys, frozenset(), nbytes=0, seconds=0.0))
+            self._fail_while_down(job, loading=loading)
             return
         # A load gets what its request's checks left of the deadline.
         left, waiting_since = self.budgets.take(job.request_id) if loading else (None, None)
@@ -298,6 +289,14 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
             self.options.deadline_s if left is None else left,
             lambda: self._answer_at_deadline(job.job_id, waiting_since),
         )
+
+    def _fail_while_down(self, job: TransferJob, *, loading: bool) -> None:
+        """Answer a job at once, without a call to the backend (breaker open)."""
+        if loading:
+            self.count(outage_failed_loads=len(job.keys))
+        else:
+            self.count(outage_dropped_stores=len(job.keys))
+        self._report(JobResult(job.job_id, not job.keys, frozenset(), nbytes=0, seconds=0.0))
 
     def _admit(self) -> bool:
         """Whether a request may go to the backend; starts the probe when due."""
@@ -398,26 +397,27 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         if not self._sending():
             return [None] * len(keys)  # unknown: asked again once the backend is back
         names = [self.store_name(k) for k in keys]
-        held = self._prefetched
-        reserved = len(names) * self.value_bytes
         try:
-            if held is not None and held.reserve(reserved):
-                found = self._read_checked(held, reserved, names)
-            else:
+            if self._prefetched is None:
                 found = self.backend.exists_many(names)
+            else:
+                found = self._read_checked(self._prefetched, names)
         except Exception as exc:
             self._outcome(len(keys), len(keys), exc)
             return [None] * len(keys)
         self._outcome_of(found)
         return [None if isinstance(f, BaseException) else bool(f) for f in found]
 
-    def _read_checked(self, held: Prefetched, reserved: int, names: list[str]) -> list[Exists]:
-        """An existence check that reads the values and holds them, within
-        ``reserved`` bytes: a value read is there, a missing one is not.
+    def _read_checked(self, held: Prefetched, names: list[str]) -> list[Exists]:
+        """An existence check that reads the values and holds them, if ``held``
+        has room for them: a value read is there, a missing one is not.
 
         A value that cannot be a chunk counts as there and is not held: its
         load reads it again and discards it as corrupt, as after any check.
         """
+        reserved = len(names) * self.value_bytes
+        if not held.reserve(reserved):
+            return self.backend.exists_many(names)
         kept: list[tuple[str, bytes]] = []
         try:
             values = self.backend.get_many(names)
@@ -504,25 +504,20 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
         with state.slots_guard:
             if state.reported:  # answered at its deadline: the slots may be another's now
                 return ok
+            exact_size = self.codec_stage.fixed_size
             for index, (key, value, out) in enumerate(zip(keys, values, payloads, strict=True)):
                 if value is None:
                     self._vanished(key)  # evicted or expired since the lookup
-                    continue
-                if isinstance(value, BaseException) and not isinstance(value, CorruptChunkError):
-                    continue  # that item's backend error (counted above)
-                try:
-                    if isinstance(value, CorruptChunkError):
-                        raise value
-                    integrity.unframe_into(
-                        value,
-                        out,
-                        namespace=self.namespace,
-                        key=key,
-                        exact_size=self.codec_stage.fixed_size,
-                    )
-                    ok[index] = True
-                except CorruptChunkError as exc:
-                    corrupt.append((key, exc))
+                elif isinstance(value, CorruptChunkError):
+                    corrupt.append((key, value))
+                elif not isinstance(value, BaseException):  # else counted by _fetch
+                    try:
+                        integrity.unframe_into(
+                            value, out, namespace=self.namespace, key=key, exact_size=exact_size
+                        )
+                        ok[index] = True
+                    except CorruptChunkError as exc:
+                        corrupt.append((key, exc))
         for bad_key, error in corrupt:  # deletes are backend calls: outside the guard
             self._discard_corrupt(bad_key, error)
         return ok

@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import enum
 import functools
-import itertools
 import logging
 import queue
 import threading
@@ -34,6 +33,7 @@ from kvtier.tiers.base import (
     TierOptions,
     TransferJob,
 )
+from kvtier.tiers.bounded import drop_oldest
 from kvtier.tiers.deadlines import BoundedCalls, CallTimeout
 
 if TYPE_CHECKING:
@@ -246,7 +246,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         # Started now, not by the first request's promotion: starting dozens
         # of threads would otherwise sit on that request's time to first token.
         with self._threaded_lock:
-            if not self._threaded_closed:
+            if not self._threaded_closed and not self._threaded_workers:
                 self._threaded_start_workers()
 
     def on_step_end(self) -> None:
@@ -304,7 +304,8 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         with self._threaded_lock:
             if self._threaded_closed:
                 raise RuntimeError(f"tier {self.tier_type!r} is shut down")
-            self._threaded_start_workers()
+            if not self._threaded_workers:
+                self._threaded_start_workers()
         self._threaded_tasks[priority].append(task)
         self._threaded_tokens.put(None)
 
@@ -318,9 +319,7 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         return None
 
     def _threaded_start_workers(self) -> None:
-        """Start the workers unless they run already; the caller holds the lock."""
-        if self._threaded_workers:
-            return
+        """Start the workers; the caller holds the lock."""
         self._threaded_workers = [
             threading.Thread(
                 target=self._threaded_work,
@@ -385,11 +384,8 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
                         self._threaded_failed_checks.pop(key, None)
                         self._threaded_checked[key] = present
                 # Oldest answers first: nobody came back for them.
-                for answers in (self._threaded_checked, self._threaded_failed_checks):
-                    excess = len(answers) - self.max_unclaimed_answers
-                    if excess > 0:
-                        for stale in list(itertools.islice(answers, excess)):
-                            del answers[stale]
+                drop_oldest(self._threaded_checked, self.max_unclaimed_answers)
+                drop_oldest(self._threaded_failed_checks, self.max_unclaimed_answers)
             self._progressed()
 
         return check
@@ -426,13 +422,9 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         return sum(map(len, self._threaded_tasks))
 
     def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
-        """A job's (key, slot) pairs in backend batches of :meth:`_batch_chunks`."""
-        size = self._batch_chunks()
+        """A job's (key, slot) pairs in batches of :attr:`io_batch`."""
+        size = self.io_batch
         return [pending[i : i + size] for i in range(0, len(pending), size)]
-
-    def _batch_chunks(self) -> int:
-        """Chunks per backend batch: :attr:`io_batch` unless a tier sizes them."""
-        return self.io_batch
 
     @abstractmethod
     def _transfer(
@@ -451,10 +443,13 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
 
     def _move(self, state: JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
         """:meth:`_transfer` one batch, through the codec unless it is ``none``."""
-        stage = self.codec_stage
-        if stage.identity:
+        if self.codec_stage.identity:
             return self._transfer(state, keys, [self.slot(slot) for slot in slots])
-        buffers = stage.scratch(len(keys))
+        return self._move_coded(state, keys, slots)
+
+    def _move_coded(self, state: JobState, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+        """:meth:`_move` one batch through the codec's buffers."""
+        buffers = self.codec_stage.scratch(len(keys))
         if state.loading:
             ok = self._transfer(state, keys, buffers)
             return self._decode(state, keys, slots, buffers, ok)
@@ -581,14 +576,8 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         """Report a job as it stands; the caller holds the lock."""
         state.reported = True
         del self._threaded_jobs[state.job.job_id]
-        vanished: frozenset[ChunkKey] = frozenset()
-        if self._threaded_vanished:  # nearly always empty: no scan of the job's keys
-            vanished = frozenset(
-                key
-                for key in state.job.keys
-                if key in self._threaded_vanished and key not in state.succeeded
-            )
-            self._threaded_vanished.difference_update(vanished)
+        # Nearly always empty: no scan of the job's keys.
+        vanished = self._threaded_take_vanished(state) if self._threaded_vanished else frozenset()
         self._threaded_finished.append(
             JobResult(
                 job_id=state.job.job_id,
@@ -602,6 +591,30 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
         if not self._threaded_jobs:  # what drain() waits for: no wake-up per job
             self._threaded_idle.notify_all()
         self._progressed()
+
+    def _settled(self, key: ChunkKey, error: BaseException | None) -> bool:
+        """Whether one chunk's move succeeded, given its error: a corrupt chunk
+        is discarded and counted, a vanished one noted, any other error
+        fails that key alone."""
+        if error is None:
+            return True
+        if isinstance(error, CorruptChunkError):
+            self._discard_corrupt(key, error)
+        elif isinstance(error, ChunkVanishedError):
+            self._vanished(key)
+        else:
+            logger.debug("tier %s: chunk %s failed: %r", self.tier_type, key.hex()[:16], error)
+        return False
+
+    def _threaded_take_vanished(self, state: JobState) -> frozenset[ChunkKey]:
+        """The keys of ``state``'s job that loads found gone; the caller holds the lock."""
+        vanished = frozenset(
+            key
+            for key in state.job.keys
+            if key in self._threaded_vanished and key not in state.succeeded
+        )
+        self._threaded_vanished.difference_update(vanished)
+        return vanished
 
 
 class ThreadedTier(ThreadedBatchTier[ThreadedOptionsT]):
@@ -641,17 +654,9 @@ class ThreadedTier(ThreadedBatchTier[ThreadedOptionsT]):
     def _attempt(
         self, operation: Callable[[ChunkKey, memoryview], None], key: ChunkKey, view: memoryview
     ) -> bool:
-        """Run one chunk's hook: a corrupt chunk is discarded and counted, a
-        vanished one noted, any other error fails that key alone."""
+        """Run one chunk's hook; what its error means: :meth:`_settled`."""
         try:
             operation(key, view)
-            return True
-        except CorruptChunkError as exc:
-            self._discard_corrupt(key, exc)
-            return False
-        except ChunkVanishedError:
-            self._vanished(key)
-            return False
         except Exception as exc:
-            logger.debug("tier %s: chunk %s failed: %r", self.tier_type, key.hex()[:16], exc)
-            return False
+            return self._settled(key, exc)
+        return True

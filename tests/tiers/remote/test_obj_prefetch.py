@@ -164,8 +164,8 @@ def test_a_chunk_the_tier_deletes_between_check_and_load_is_a_miss(
         key = cache.keys(TOKENS)[1]
         real = tier._read_checked
 
-        def then_deleted(held: Any, reserved: int, checked: list[str]) -> Any:
-            found = real(held, reserved, checked)
+        def then_deleted(held: Any, checked: list[str]) -> Any:
+            found = real(held, checked)
             if tier.store_name(key) in checked:  # before the check answers
                 tier.discard([key])  # its held value goes with the object
             return found

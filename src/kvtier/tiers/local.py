@@ -1,0 +1,180 @@
+"""The runtime of tiers that keep chunks on this machine: it runs a
+:class:`LocalBackend`, blocking batched calls that read into and write from
+primary slots, on the worker threads of :class:`ThreadedBatchTier`.
+
+A remote tier's runtime (:mod:`kvtier.tiers.remote`) adds deadlines, a
+breaker and naming around its backend; a local backend needs none of them,
+and verifies its own chunks (it knows how it stores them).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import HealthCheck, TierMetric
+from kvtier.tiers.threaded import JobState, ThreadedBatchTier, ThreadedTierOptions
+
+#: What a batched move gives back per key: ``None``, or the error that key met.
+ItemErrors = list[BaseException | None]
+
+
+class LocalRuntime(Protocol):
+    """What a local backend may ask of the tier that runs it."""
+
+    @property
+    def tier_type(self) -> str:
+        """The tier's configured ``type``, for messages."""
+
+    @property
+    def namespace(self) -> bytes:
+        """The namespace digest every chunk header carries."""
+
+    @property
+    def fixed_payload_size(self) -> bool:
+        """Whether every payload fills its slot (no variable-size codec)."""
+
+    def count(self, **deltas: int) -> None:
+        """Add to the tier's counters (``evictions=1``), from any thread."""
+
+    def report_removed(self, keys: Sequence[ChunkKey]) -> None:
+        """Chunks the backend dropped on its own (evicted), for residency."""
+
+
+OptionsT = TypeVar("OptionsT", bound=ThreadedTierOptions)
+
+
+class LocalBackend(ABC, Generic[OptionsT]):
+    """Blocking, batched calls to a store on this machine, run on the tier's
+    worker threads. A load writes into its buffer only bytes it verified."""
+
+    #: The typed options the tier's configuration entry is validated against.
+    Options: ClassVar[type[ThreadedTierOptions]] = ThreadedTierOptions
+    #: Most chunks per call of :meth:`load_many` and :meth:`store_many`.
+    io_batch: ClassVar[int] = 1
+    #: Most keys per call of :meth:`contains_many`.
+    check_batch: ClassVar[int] = 256
+    #: A load may fill only the start of its buffer (variable-size codecs).
+    variable_payloads: ClassVar[bool] = False
+
+    def __init__(self, options: OptionsT, runtime: LocalRuntime) -> None:
+        self.options = options
+        self.runtime = runtime
+
+    def known(self, key: ChunkKey) -> bool | None:
+        """Answer a lookup without a worker when an index at hand can, else ``None``."""
+        return None
+
+    @abstractmethod
+    def contains_many(self, keys: Sequence[ChunkKey]) -> Sequence[bool | None]:
+        """Whether the store holds each key; ``None`` where it could not say."""
+
+    @abstractmethod
+    def store_many(self, keys: Sequence[ChunkKey], payloads: Sequence[memoryview]) -> ItemErrors:
+        """Persist each payload (read it before returning: it is reused)."""
+
+    @abstractmethod
+    def load_many(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> ItemErrors:
+        """Fill each ``out`` with its chunk's verified bytes. A chunk that fails
+        verification is that key's :class:`~kvtier.errors.CorruptChunkError`
+        (discarded and counted), one gone since its lookup its
+        :class:`~kvtier.errors.ChunkVanishedError` (a miss)."""
+
+    def discard(self, key: ChunkKey) -> bool | None:
+        """Delete a chunk found corrupt; ``False`` when it was gone already."""
+        return None
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Keys the engine just used: a hint for the store's eviction."""
+
+    def close(self) -> None:
+        """Release files and memory once no worker uses them."""
+
+    def describe(self) -> dict[str, object]:
+        """What status pages show of this store, beside the tier's type."""
+        return {}
+
+    def health(self) -> Sequence[HealthCheck]:
+        return ()
+
+    def metrics(self) -> Sequence[TierMetric]:
+        return ()
+
+    @staticmethod
+    def each(
+        call: Callable[[ChunkKey, memoryview], None],
+        keys: Sequence[ChunkKey],
+        buffers: Sequence[memoryview],
+    ) -> ItemErrors:
+        """``call`` per key and buffer, its exception as that key's error."""
+        errors: ItemErrors = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            try:
+                call(key, buffer)
+                errors.append(None)
+            except Exception as exc:
+                errors.append(exc)
+        return errors
+
+
+class LocalTier(ThreadedBatchTier[OptionsT]):
+    """A tier over a :class:`LocalBackend`. A tier class names its backend in
+    :attr:`backend_class`."""
+
+    #: The backend this tier runs; :attr:`Options` and the batch sizes are its.
+    backend_class: ClassVar[type[LocalBackend[Any]]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        backend = cls.__dict__.get("backend_class")
+        if backend is not None:  # the tier takes what its backend declares
+            cls.Options = backend.Options
+            cls.io_batch = backend.io_batch
+            cls.check_batch = backend.check_batch
+            cls.variable_payloads = backend.variable_payloads
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        try:
+            self.backend: LocalBackend[OptionsT] = self.backend_class(self.options, self)
+        except BaseException:  # no worker started yet: the codec's helper only
+            if self._codec_calls is not None:
+                self._codec_calls.close()
+            raise
+
+    @property
+    def fixed_payload_size(self) -> bool:
+        return self.codec_stage.fixed_size
+
+    def _known(self, key: ChunkKey) -> bool | None:
+        return self.backend.known(key)
+
+    def _contains(self, keys: Sequence[ChunkKey]) -> Sequence[bool | None]:
+        return self.backend.contains_many(keys)
+
+    def _transfer(
+        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
+    ) -> list[bool]:
+        move = self.backend.load_many if state.loading else self.backend.store_many
+        errors = move(keys, payloads)
+        return [self._settled(key, error) for key, error in zip(keys, errors, strict=True)]
+
+    def _discard(self, key: ChunkKey) -> bool | None:
+        return self.backend.discard(key)
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        self.backend.touch(keys)
+
+    def _close(self) -> None:
+        self.backend.close()
+
+    def describe(self) -> dict[str, object]:
+        return {"type": self.tier_type, **self.backend.describe()}
+
+    def health(self) -> Sequence[HealthCheck]:
+        return self.backend.health()
+
+    def metrics(self) -> Sequence[TierMetric]:
+        return self.backend.metrics()
