@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 from pydantic import Field, model_validator
 
+from kvtier.tiers.base import TierMetric
 from kvtier.tiers.threaded import ThreadedTierOptions
 
 #: What a batched read gives back per name: the value, ``None`` when the store
@@ -232,3 +233,7 @@ class Backend(ABC, Generic[OptionsT]):
     def describe(self) -> dict[str, Any]:
         """What status pages show of this backend, beside the tier's own."""
         return {}
+
+    def metrics(self) -> Sequence[TierMetric]:
+        """Extra values this backend exports, beside the tier's own. Default: none."""
+        return ()

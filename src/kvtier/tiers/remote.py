@@ -658,6 +658,7 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
                 float(state.value),
                 "Circuit breaker of the tier's backend: 0 closed, 1 half-open (probing), 2 open.",
             ),
+            *self.backend.metrics(),
         ]
 
 

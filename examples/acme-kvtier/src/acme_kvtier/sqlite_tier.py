@@ -24,6 +24,7 @@ from kvtier.tiers.backend import (
     RemoteTierOptions,
     ValueBuffer,
 )
+from kvtier.tiers.base import TierMetric
 from kvtier.tiers.remote import RemoteTier
 
 _SCHEMA = "CREATE TABLE IF NOT EXISTS chunks (name TEXT PRIMARY KEY, value BLOB, used INTEGER)"
@@ -110,6 +111,12 @@ class SQLiteBackend(Backend[SQLiteTierOptions]):
 
     def describe(self) -> dict[str, object]:
         return {"path": str(self.path), "max_bytes": self.options.max_bytes}
+
+    def metrics(self) -> Sequence[TierMetric]:
+        (held,) = (
+            self._db().execute("SELECT COALESCE(SUM(LENGTH(value)), 0) FROM chunks").fetchone()
+        )
+        return (TierMetric("sqlite_held_bytes", held, "Bytes of stored values."),)
 
 
 class SQLiteTier(RemoteTier[SQLiteTierOptions]):
