@@ -111,15 +111,6 @@ class RemoteTier(ThreadedBatchTier[RemoteOptionsT]):
     Stats: ClassVar[type[TierStats]] = RemoteTierStats
     stats: RemoteTierStats
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        backend = cls.__dict__.get("backend_class")
-        if backend is not None:  # the tier takes what its backend declares
-            cls.Options = backend.Options
-            cls.io_batch = backend.io_batch
-            cls.check_batch = backend.check_batch
-            cls.variable_payloads = backend.variable_payloads
-
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         options = self.options

@@ -105,6 +105,15 @@ class ThreadedBatchTier(SecondaryTier[ThreadedOptionsT]):
     check_attempts: ClassVar[int] = 3
     takes_codecs: ClassVar[bool] = True
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        backend = cls.__dict__.get("backend_class")
+        if backend is not None:  # a runtime over a backend takes what it declares
+            cls.Options = backend.Options
+            cls.io_batch = backend.io_batch
+            cls.check_batch = backend.check_batch
+            cls.variable_payloads = backend.variable_payloads
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         # Every name here is ``_threaded_*``: subclasses keep the obvious ones
