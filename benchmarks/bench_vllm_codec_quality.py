@@ -14,7 +14,11 @@ bytes of held-out files:
 Reports the share of generated tokens equal position by position to the
 exact run's, and the share of prompts whose continuation is identical.
 
+With ``--serve`` each engine is a ``vllm serve`` process instead (the OpenAI
+server on loopback, the prompts sent as token ids to ``/v1/completions``).
+
     python benchmarks/bench_vllm_codec_quality.py --samples 16
+    python benchmarks/bench_vllm_codec_quality.py --serve --samples 4
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,7 +60,25 @@ def save_for_vllm(out: Path, cache_dir: str) -> Path:
     return out
 
 
-def engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def engine(work: Path, name: str, spec: dict[str, Any], *, serve: bool) -> dict[str, Any]:
+    if serve:
+        sys.path.insert(0, str(ENGINE.parents[2]))  # the checkout, for the tests' server runner
+        from tests.integrations.vllm_engine import serve as run_served
+
+        try:
+            result = run_served(spec, work / f"{name}.log")
+        except RuntimeError as exc:
+            sys.exit(f"engine {name} failed: {exc}")
+    else:
+        result = in_process(work, name, spec)
+    stats = work / f"{name}-stats.json"
+    result["stats"] = json.loads(stats.read_text()) if stats.exists() else None
+    if result["stats"] is None:
+        sys.exit(f"engine {name} wrote no kvtier stats: see {work / f'{name}.log'}")
+    return result
+
+
+def in_process(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     spec_file, result_file = work / f"{name}-spec.json", work / f"{name}-result.json"
     spec_file.write_text(json.dumps(spec))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -69,8 +92,6 @@ def engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     if done.returncode:
         sys.exit(f"engine {name} failed: see {work / f'{name}.log'}")
     result: dict[str, Any] = json.loads(result_file.read_text())
-    stats = work / f"{name}-stats.json"
-    result["stats"] = json.loads(stats.read_text()) if stats.exists() else None
     return result
 
 
@@ -81,8 +102,12 @@ def main() -> None:
     parser.add_argument("--greedy", type=int, default=64)
     parser.add_argument("--chunk-tokens", type=int, default=32)
     parser.add_argument("--cache-dir", default="~/.cache/kvtier/bench-codec-quality")
+    parser.add_argument("--serve", action="store_true", help="run each engine as `vllm serve`")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.serve:
+        # A SIGTERM stops the servers as Ctrl-C does, rather than orphaning them.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     from bench_codec_quality import sources
 
     _, held_out = sources()
@@ -114,18 +139,26 @@ def main() -> None:
                 **engine_options,
             }
 
-        exact = engine(work, "store", spec("store", CODECS))
+        exact = engine(work, "store", spec("store", CODECS), serve=args.serve)
         assert exact["stats"]["connector"]["hit_tokens"] == 0, "the storing engine loaded"
         served = (args.prefix - 1) // args.chunk_tokens * args.chunk_tokens
         results = []
         for codec in CODECS:
-            run = engine(work, codec, spec(codec, (codec,), prefix_caching=False))
-            assert run["cached"] == [served] * len(prompts), f"{codec}: not every prefix loaded"
+            run = engine(work, codec, spec(codec, (codec,), prefix_caching=False), serve=args.serve)
+            # The prefix came through the codec, not recomputed: vLLM counts it
+            # cached, and the codec's tier counts its chunks loaded.
+            (tier,) = run["stats"]["tiers"]
+            chunks = served // args.chunk_tokens * len(prompts)
+            if run["cached"] != [served] * len(prompts) or tier["chunks_loaded"] < chunks:
+                sys.exit(
+                    f"{codec}: not every prefix loaded through the codec: vLLM counted "
+                    f"{run['cached']} cached tokens (want {served} each), the tier "
+                    f"{tier['chunks_loaded']} chunks loaded (want {chunks})"
+                )
             same = [
                 sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
                 for got, want in zip(run["tokens"], exact["tokens"], strict=True)
             ]
-            (tier,) = run["stats"]["tiers"]
             stored = exact["stats"]["tiers"][CODECS.index(codec)]
             results.append(
                 {
@@ -141,6 +174,7 @@ def main() -> None:
                 }
             )
     report = {
+        "mode": "vllm serve" if args.serve else "in process",
         "samples": len(prompts),
         "prefix_tokens": args.prefix,
         "served_tokens": served,

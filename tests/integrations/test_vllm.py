@@ -165,6 +165,25 @@ def test_fresh_engine_process_loads_prefixes_from_fs(
     assert not (Path("/dev/shm") / stats["shared_memory_name"]).exists()
 
 
+def test_vllm_serve_loads_prefixes_from_fs_over_http(
+    model: Path, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """The same as engine 2, through ``vllm serve`` on loopback: the prompts as
+    token ids on ``/v1/completions``, the server stopped cleanly after."""
+    from vllm_engine import serve
+
+    tiers = [{"type": "fs", "root_dir": str(stored["fs_dir"])}]
+    spec = _spec(model, tmp_path, "served", tiers, prefix_caching=False)
+    served = serve(spec, tmp_path / "served.log")
+
+    assert served["tokens"] == stored["tokens"]
+    assert served["cached"] == [_full_chunks(p) for p in PROMPTS]
+    # Written at shutdown: the server drained and stopped cleanly.
+    stats = json.loads((tmp_path / "served-stats.json").read_text())
+    assert _fs_tier(stats)["chunks_loaded"] == 6
+    assert stats["connector"]["load_failures"] == 0
+
+
 def test_failing_tier_degrades_to_recompute(
     model: Path, stored: dict[str, Any], tmp_path: Path
 ) -> None:

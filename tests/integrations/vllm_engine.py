@@ -13,6 +13,9 @@ it has started and then waits to be killed. RESULT receives the greedy
 tokens, vLLM's cached-token count per prompt, the time to first token per
 prompt when ``ttft`` is set, and the engine start time.
 
+:func:`serve` runs the same SPEC through ``vllm serve`` (the OpenAI server,
+on loopback, with an API key) instead, over HTTP.
+
 Also builds the local model the tests (and, larger, the benchmark) use:
 
     python vllm_engine.py --make-model DIR [LAYERS HIDDEN]
@@ -20,10 +23,16 @@ Also builds the local model the tests (and, larger, the benchmark) use:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import signal
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +184,106 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     del llm
     result["total_s"] = time.perf_counter() - started
     return result
+
+
+def serve(spec: dict[str, Any], log: Path) -> dict[str, Any]:
+    """Run ``spec`` through a ``vllm serve`` process: same result as :func:`run`.
+
+    The server listens on 127.0.0.1 (a free port) behind a random API key and
+    gets the prompts one at a time on ``/v1/completions`` as token ids. It is
+    stopped with SIGTERM, given ``--shutdown-timeout`` to let kvtier drain and
+    write its stats file, and its process group is killed after, also when
+    this raises or is interrupted.
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    key = secrets.token_urlsafe(16)
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec["model"], "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-num-seqs", "4",
+        "--block-size", str(spec.get("block_size", 32)),
+        "--max-model-len", str(spec.get("max_model_len", 1024)),
+        "--enable-prefix-caching" if spec.get("prefix_caching", True)
+        else "--no-enable-prefix-caching",
+        "--enable-prompt-tokens-details", "--shutdown-timeout", "120",
+    ]  # fmt: skip
+    if spec.get("extra_config") is not None:
+        transfer = {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec["extra_config"],
+        }
+        command += ["--kv-transfer-config", json.dumps(transfer)]
+    # The key goes through the environment, not the command line others can read.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_API_KEY": key}
+    started = time.perf_counter()
+    with log.open("w") as out:
+        # A session of its own: Ctrl-C here does not reach the server
+        # mid-shutdown, and its engine processes can be killed as a group.
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        _wait_healthy(process, port, log)
+        start_s = time.perf_counter() - started
+        result: dict[str, Any] = {"engine_start_s": start_s, "tokens": [], "cached": []}
+        for prompt in spec["prompts"]:
+            body = {
+                "model": spec["model"],
+                "prompt": prompt,
+                "max_tokens": spec.get("max_tokens", 8),
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            answer = _post(port, key, body)
+            result["tokens"].append(list(answer["choices"][0]["token_ids"]))
+            details = answer["usage"].get("prompt_tokens_details") or {}
+            result["cached"].append(details.get("cached_tokens") or 0)
+        result["generate_s"] = time.perf_counter() - started - start_s
+        process.terminate()
+        process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # engine processes left behind
+        process.wait()
+    if process.returncode not in (0, -signal.SIGTERM):
+        raise RuntimeError(f"vllm serve exited with {process.returncode}: see {log}")
+    result["total_s"] = time.perf_counter() - started
+    return result
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    # A safety net for a server that never comes up, not a performance limit.
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {process.returncode}: see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"vllm serve not healthy after 900 s: see {log}")
+
+
+def _post(port: int, key: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+        return answer
 
 
 def main() -> None:
