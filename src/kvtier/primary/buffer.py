@@ -152,12 +152,12 @@ class SlotBuffer:
         write is a promotion's direct read, dozens of I/O threads fault the
         same huge pages in at once: a cold 512 MiB prefix from ``fs`` moved
         at a tenth of the disk's speed that way (see the tuning guide). An
-        engine builds kvtier at start, long before its first request, so
-        the cost moves off the request path; the thread runs at the lowest
-        priority and outside the interpreter lock while the kernel maps, so
-        an engine's first requests, if they come before it is done, lose
-        little to it. Where the kernel cannot
-        (before Linux 5.14), pages are mapped on first use as before.
+        engine builds kvtier at start, before its first request, so the
+        cost moves off the request path. Requests that come sooner share
+        the CPU with the thread: it runs at the lowest priority and outside
+        the interpreter lock while the kernel maps, so that they lose little
+        to it. Where the kernel cannot (before Linux 5.14), pages are mapped
+        on first use as before.
         """
         if self._populator is not None or _POPULATE_WRITE is None:
             self._populated.set()
