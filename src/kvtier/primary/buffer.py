@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
 import re
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -20,10 +22,27 @@ _SHM_DIR = "/dev/shm"
 _POPULATE_WRITE: int | None = getattr(
     mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None
 )
-#: Bytes populated per call: one huge page, so that the interpreter lock and
-#: the process's memory map lock are never held long by the populating thread.
+#: Bytes populated per call: one huge page, so that the process's memory map
+#: lock is never held long by the populating thread.
 _POPULATE_PIECE = 2 << 20
+#: The populating thread's nice value: the lowest priority, so that it takes
+#: only CPU time nothing else wants (in an engine, the model's).
+_POPULATE_NICE = 19
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+def _libc_madvise() -> Callable[..., int]:
+    """libc's ``madvise`` through ctypes, which releases the interpreter lock
+    during the call; CPython's ``mmap.madvise`` holds it. Holding
+    it, the populating thread kept an engine's scheduler thread waiting up to
+    a switch interval (5 ms) each time that thread wanted it back."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _libc_madvise() if _POPULATE_WRITE is not None else None
 
 
 def populate_now(region: mmap.mmap) -> bool:
@@ -36,6 +55,21 @@ def populate_now(region: mmap.mmap) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+def _populate_range(address: int, length: int, advice: int) -> None:
+    """``madvise`` a range without holding the interpreter lock."""
+    if _madvise is None:
+        raise OSError("madvise is not available here")
+    if _madvise(address, length, advice) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def _lower_this_threads_priority() -> None:
+    """Give the calling thread (Linux: priorities are per thread) the lowest priority."""
+    with contextlib.suppress(OSError, AttributeError):  # elsewhere: the process's priority stays
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _POPULATE_NICE)
 
 
 def _shm_path(name: str) -> str:
@@ -118,9 +152,12 @@ class SlotBuffer:
         write is a promotion's direct read, dozens of I/O threads fault the
         same huge pages in at once: a cold 512 MiB prefix from ``fs`` moved
         at a tenth of the disk's speed that way (see the tuning guide). An
-        engine builds kvtier at start, long before its first request, so
-        the cost moves off the request path. Where the kernel cannot
-        (before Linux 5.14), pages are mapped on first use as before.
+        engine builds kvtier at start, before its first request, so the
+        cost moves off the request path. Requests that come sooner share
+        the CPU with the thread: it runs at the lowest priority and outside
+        the interpreter lock while the kernel maps, so that they lose little
+        to it. Where the kernel cannot (before Linux 5.14), pages are mapped
+        on first use as before.
         """
         if self._populator is not None or _POPULATE_WRITE is None:
             self._populated.set()
@@ -136,11 +173,13 @@ class SlotBuffer:
     def _populate(self, advice: int) -> None:
         size = len(self._mmap)
         try:
+            _lower_this_threads_priority()
+            base = self.array.ctypes.data
             for start in range(0, size, _POPULATE_PIECE):
                 if self._stop_populating.is_set():
                     return
-                self._mmap.madvise(advice, start, min(_POPULATE_PIECE, size - start))
-        except (OSError, ValueError) as exc:  # an older kernel: first use maps them
+                _populate_range(base + start, min(_POPULATE_PIECE, size - start), advice)
+        except OSError as exc:  # an older kernel: first use maps them
             logger.info("primary buffer not populated ahead: %s", exc)
         finally:
             self._populated.set()
