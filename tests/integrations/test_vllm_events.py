@@ -12,8 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -275,31 +273,6 @@ def router() -> Iterator[Router]:
     router.close()
 
 
-def _post(port: int, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": "Bearer test-key"},
-    )
-    with urllib.request.urlopen(request, timeout=300) as response:
-        answer: dict[str, Any] = json.loads(response.read())
-        return answer
-
-
-def _wait_healthy(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    # A safety net for a server that never comes up, not a performance limit.
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"vLLM server exited {process.returncode}:\n{log.read_text()[-6000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(1)
-    pytest.fail(f"vLLM server not healthy:\n{log.read_text()[-6000:]}")
-
-
 @pytest.mark.slow
 def test_a_router_sees_kvtiers_tiers_in_vllms_event_stream(tmp_path: Path, router: Router) -> None:
     """Five prompts through a 4-chunk CPU tier and a 6-chunk fs tier: every
@@ -307,7 +280,7 @@ def test_a_router_sees_kvtiers_tiers_in_vllms_event_stream(tmp_path: Path, route
     evicts is removed again."""
     import random
 
-    from vllm_engine import make_model
+    from vllm_engine import make_model, post_completions, wait_healthy
 
     model = make_model(tmp_path / "tiny-llama")
     port = _free_port()
@@ -342,24 +315,30 @@ def test_a_router_sees_kvtiers_tiers_in_vllms_event_stream(tmp_path: Path, route
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        _wait_healthy(process, port, log)
+        wait_healthy(process, port, log)
+
+        def ask(prompt: list[int]) -> None:
+            post_completions(
+                port, "test-key", {"model": str(model), "prompt": prompt, "max_tokens": 1}
+            )
+
         # A batch published before the subscription has reached the publisher
         # is lost (routers ask vLLM's replay endpoint for such gaps): warm up
         # with one-block prompts (no kvtier chunk) until vLLM's events arrive.
         for attempt in range(30):  # another block each time: a cached one is not announced
             warm_up = [1] + [4 + attempt] * 39
-            _post(port, {"model": str(model), "prompt": warm_up, "max_tokens": 1})
+            ask(warm_up)
             if router.receive(500):
                 break
         assert router.of("GPU"), "no KV events reached the subscriber"
         router.events.clear()
         for prompt in prompts:
-            _post(port, {"model": str(model), "prompt": prompt, "max_tokens": 1})
+            ask(prompt)
             router.receive(200)
         # A secondary tier's stores are announced at the engine step after its
         # write ends: short requests (no full chunk) drive steps until quiet.
         for _ in range(60):
-            _post(port, {"model": str(model), "prompt": [1, 5, 6], "max_tokens": 1})
+            ask([1, 5, 6])
             if not router.receive(500) and len(router.of("kvtier:fs")) >= PROMPTS * PROMPT_CHUNKS:
                 break
     finally:

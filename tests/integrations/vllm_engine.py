@@ -228,7 +228,7 @@ def serve(spec: dict[str, Any], log: Path) -> dict[str, Any]:
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     try:
-        _wait_healthy(process, port, log)
+        wait_healthy(process, port, log)
         start_s = time.perf_counter() - started
         result: dict[str, Any] = {"engine_start_s": start_s, "tokens": [], "cached": []}
         for prompt in spec["prompts"]:
@@ -240,7 +240,7 @@ def serve(spec: dict[str, Any], log: Path) -> dict[str, Any]:
                 "ignore_eos": True,
                 "return_token_ids": True,
             }
-            answer = _post(port, key, body)
+            answer = post_completions(port, key, body)
             result["tokens"].append(list(answer["choices"][0]["token_ids"]))
             details = answer["usage"].get("prompt_tokens_details") or {}
             result["cached"].append(details.get("cached_tokens") or 0)
@@ -261,7 +261,7 @@ def serve(spec: dict[str, Any], log: Path) -> dict[str, Any]:
     return result
 
 
-def _wait_healthy(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
+def wait_healthy(process: subprocess.Popen[bytes], port: int, log: Path) -> None:
     # A safety net for a server that never comes up, not a performance limit.
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -275,7 +275,7 @@ def _wait_healthy(process: subprocess.Popen[bytes], port: int, log: Path) -> Non
     raise RuntimeError(f"vllm serve not healthy after 900 s: see {log}")
 
 
-def _post(port: int, key: str, body: dict[str, Any]) -> dict[str, Any]:
+def post_completions(port: int, key: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
         data=json.dumps(body).encode(),
