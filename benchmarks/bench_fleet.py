@@ -163,7 +163,7 @@ def lookups(args: argparse.Namespace, url: str, addresses: list[str], with_index
             found += cache.cached_prefix(tokens)
             asked += len(tokens)
         tier: Any = cache.manager.tiers[0]
-        batches, queries = tier.query_batches, tier.peer_queries
+        batches, queries = tier.backend.query_batches, tier.backend.peer_queries
     return {
         "lookups": args.lookups,
         "tokens_found": found,

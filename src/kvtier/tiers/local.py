@@ -36,6 +36,14 @@ class LocalRuntime(Protocol):
     def fixed_payload_size(self) -> bool:
         """Whether every payload fills its slot (no variable-size codec)."""
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one primary slot."""
+
+    def slot(self, index: int) -> memoryview:
+        """Primary slot ``index``, for a backend that serves the node's own
+        chunks to others (``p2p``)."""
+
     def count(self, **deltas: int) -> None:
         """Add to the tier's counters (``evictions=1``), from any thread."""
 

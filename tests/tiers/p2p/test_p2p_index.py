@@ -137,15 +137,15 @@ def test_p2p_asks_only_the_nodes_the_index_names(
         for peer in peers:
             assert cache.cached_prefix(peer.tokens) == len(peer.tokens)
             assert np.array_equal(load_all(cache, peer.tokens), peer.data)
-        assert tier.index_batches >= len(peers) and tier.index_fallbacks == 0
+        assert tier.backend.index_batches >= len(peers) and tier.backend.index_fallbacks == 0
         # Each batch asked one node (the holder), never all four.
-        assert tier.peer_queries <= tier.index_batches
+        assert tier.backend.peer_queries <= tier.backend.index_batches
     # The same fetches without an index ask every peer per batch.
     with node(addresses, chunk_kib=CHUNK_KIB, listen=None) as cache:
         tier = fetcher_tier(cache)
         for peer in peers:
             assert cache.cached_prefix(peer.tokens) == len(peer.tokens)
-        assert tier.peer_queries >= len(peers) * len(peers)
+        assert tier.backend.peer_queries >= len(peers) * len(peers)
 
 
 def test_with_the_index_down_p2p_asks_every_peer(
@@ -159,7 +159,7 @@ def test_with_the_index_down_p2p_asks_every_peer(
             assert cache.cached_prefix(peer.tokens) == len(peer.tokens)
             assert np.array_equal(load_all(cache, peer.tokens), peer.data)
         tier = fetcher_tier(cache)
-        assert tier.index_fallbacks >= 1 and tier.index_batches == 0
+        assert tier.backend.index_fallbacks >= 1 and tier.backend.index_batches == 0
 
 
 def test_a_forged_or_stale_entry_costs_a_miss(
@@ -175,7 +175,7 @@ def test_a_forged_or_stale_entry_costs_a_miss(
     index = index_section(redis_server, prefix, node="fetcher")
     with node([liar.address], chunk_kib=CHUNK_KIB, index=index, listen=None) as cache:
         assert cache.cached_prefix(holder.tokens) == 0  # the liar said no: a miss
-        assert fetcher_tier(cache).peer_queries >= 1
+        assert fetcher_tier(cache).backend.peer_queries >= 1
     fleet.index.withdraw("f0f0f0f0f0f0f0f0")
     fleet.index.withdraw("e0e0e0e0e0e0e0e0")
     fleet.close()
@@ -194,6 +194,6 @@ def test_a_frozen_index_costs_one_bounded_wait_then_every_peer_is_asked(
                 assert cache.cached_prefix(peer.tokens) == len(peer.tokens)
                 assert np.array_equal(load_all(cache, peer.tokens), peer.data)
             tier = fetcher_tier(cache)
-            assert tier.index_fallbacks >= len(peers) and tier.index_batches == 0
+            assert tier.backend.index_fallbacks >= len(peers) and tier.backend.index_batches == 0
         finally:
             own_redis_server.resume()
