@@ -237,8 +237,9 @@ class PeerBackend(LocalBackend[PeerTierOptions]):
         raise LookupError(f"no peer delivered chunk {key.hex()[:16]}")
 
     def store_many(self, keys: Sequence[ChunkKey], payloads: Sequence[memoryview]) -> ItemErrors:
-        """Never called: the tier finishes store jobs without I/O (peers pull)."""
-        return [None] * len(keys)
+        """Never called: the tier finishes store jobs without I/O (peers pull).
+        Were it called, each chunk fails rather than claim a store that did not happen."""
+        return [NotImplementedError("p2p stores nothing: peers pull chunks")] * len(keys)
 
     # Lifecycle and reports --------------------------------------------------------
 
