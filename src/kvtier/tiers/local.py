@@ -51,7 +51,7 @@ class LocalRuntime(Protocol):
 
     def slot(self, index: int) -> memoryview:
         """Primary slot ``index``, for a backend that serves the node's own
-        chunks to others (``p2p``)."""
+        chunks to others (``p2p``) or checks the buffer's alignment (``fs``)."""
 
     def count(self, **deltas: int) -> None:
         """Add to the tier's counters (``evictions=1``), from any thread."""
