@@ -210,7 +210,7 @@ def test_existence_checks_are_spread_over_the_idle_workers(root: Path) -> None:
     with KVCache(config(root, shared=True), LAYOUT) as cache:
         tier = fs_tier(cache)
         assert tier.wait_index(30)
-        tier._keys.clear()  # as if another process had stored every chunk
+        tier.backend.index.keys.clear()  # as if another process had stored every chunk
         batches: list[int] = []
         contains = tier._contains
 

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric
-from kvtier.tiers.threaded import JobState, ThreadedBatchTier, ThreadedTierOptions
+from kvtier.tiers.threaded import JobState, Priority, ThreadedBatchTier, ThreadedTierOptions
+
+if TYPE_CHECKING:
+    from kvtier.codecs.stage import CodecStage
 
 #: What a batched move gives back per key: ``None``, or the error that key met.
 ItemErrors = list[BaseException | None]
+#: A job's chunks as ``(key, primary slot)`` pairs.
+SlotPairs = list[tuple[ChunkKey, int]]
 
 
 class LocalRuntime(Protocol):
@@ -40,9 +45,13 @@ class LocalRuntime(Protocol):
     def slot_bytes(self) -> int:
         """Bytes of one primary slot."""
 
+    #: How chunks are encoded on their way: the size they are stored at, the
+    #: codec a store that records it names.
+    codec_stage: CodecStage
+
     def slot(self, index: int) -> memoryview:
         """Primary slot ``index``, for a backend that serves the node's own
-        chunks to others (``p2p``)."""
+        chunks to others (``p2p``) or checks the buffer's alignment (``fs``)."""
 
     def count(self, **deltas: int) -> None:
         """Add to the tier's counters (``evictions=1``), from any thread."""
@@ -92,6 +101,17 @@ class LocalBackend(ABC, Generic[OptionsT]):
 
     def discard(self, key: ChunkKey) -> bool | None:
         """Delete a chunk found corrupt; ``False`` when it was gone already."""
+        return None
+
+    def batches(self, pending: SlotPairs, idle_workers: int) -> list[SlotPairs]:
+        """A job's chunks in the batches worker tasks move, given how many
+        workers have nothing queued: :attr:`io_batch` at a time."""
+        size = self.io_batch
+        return [pending[i : i + size] for i in range(0, len(pending), size)]
+
+    def step_task(self) -> Callable[[], None] | None:
+        """Work to queue at the end of an engine step, beside existence
+        checks (a periodic poll), or ``None``."""
         return None
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
@@ -162,6 +182,15 @@ class LocalTier(ThreadedBatchTier[OptionsT]):
 
     def _discard(self, key: ChunkKey) -> bool | None:
         return self.backend.discard(key)
+
+    def _split(self, pending: SlotPairs) -> list[SlotPairs]:
+        return self.backend.batches(pending, max(1, self.io_threads - self._backlog()))
+
+    def on_step_end(self) -> None:
+        super().on_step_end()
+        task = None if self.shut_down else self.backend.step_task()
+        if task is not None:
+            self._threaded_enqueue(Priority.CHECK, task)
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         self.backend.touch(keys)

@@ -328,16 +328,16 @@ def test_a_damaged_file_the_re_index_removes_during_its_load_counts_once(
     path = chunk_path(harness, key)
     with open(path, "r+b") as handle:
         handle.truncate(path.stat().st_size - 1)  # torn: the wrong size for a chunk
-    real_load = tier._load_chunk
+    real_load = tier.backend._load_chunk
 
     def load_raced_by_the_re_index(key: ChunkKey, out: memoryview) -> None:
         try:
             real_load(key, out)
         except CorruptChunkError:
-            tier._drop_broken([str(path)])  # the re-index removes it first
+            tier.backend.index.drop_broken([str(path)])  # the re-index removes it first
             raise
 
-    tier._load_chunk = load_raced_by_the_re_index  # type: ignore[method-assign]
+    tier.backend._load_chunk = load_raced_by_the_re_index  # type: ignore[method-assign]
     assert not harness.load([key], [1]).success
     assert not path.exists()
     assert tier.stats.corrupt_chunks == 1

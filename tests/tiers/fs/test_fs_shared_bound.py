@@ -23,9 +23,9 @@ import pytest
 
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup
+from kvtier.tiers.fs import index as index_module
 from kvtier.tiers.fs import io as fs_io
 from kvtier.tiers.fs import shared_index
-from kvtier.tiers.fs import tier as tier_module
 from kvtier.tiers.fs.io import TRAILER_BLOCK
 from tests.tiers.fs.fs_support import fs_tier
 from tests.tiers.fs.fs_worker import LAYOUT
@@ -219,7 +219,7 @@ def test_a_write_renamed_while_its_row_is_checked_keeps_its_row(
 ) -> None:
     harness = open_tier(root, 4)
     try:
-        index = fs_tier(harness)._bound
+        index = fs_tier(harness).backend.index.bound
         assert index is not None
         key = bytes(range(32))
         final = fs_tier(harness).dir.chunk_path(key)
@@ -279,7 +279,7 @@ def test_a_write_in_flight_is_never_evicted(root: Path, monkeypatch: pytest.Monk
 def test_a_write_is_evictable_once_its_file_is_in_place(root: Path) -> None:
     harness = open_tier(root, 1)
     try:
-        index = fs_tier(harness)._bound
+        index = fs_tier(harness).backend.index.bound
         assert index is not None
         paths = fs_tier(harness).dir
         key, other = bytes(range(32)), bytes(range(1, 33))
@@ -300,7 +300,7 @@ def test_a_bound_on_a_network_filesystem_warns_that_it_spans_one_host(
     root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     assert shared_index.filesystem_type(str(Path(__file__))) not in (None, "nfs4")
-    monkeypatch.setattr(tier_module, "filesystem_type", lambda path: "nfs4")
+    monkeypatch.setattr(index_module, "filesystem_type", lambda path: "nfs4")
     caplog.set_level(logging.WARNING, logger="kvtier")
     open_tier(root, 4).close()
     assert any("only among processes of one host" in r.getMessage() for r in caplog.records)
@@ -312,7 +312,7 @@ def test_a_bound_on_a_network_filesystem_warns_that_it_spans_one_host(
 def test_a_store_is_one_transaction_and_its_done_mark_waits_for_the_next(root: Path) -> None:
     first, second = open_tier(root, 1), open_tier(root, 1)
     try:
-        index, other_index = fs_tier(first)._bound, fs_tier(second)._bound
+        index, other_index = fs_tier(first).backend.index.bound, fs_tier(second).backend.index.bound
         assert index is not None and other_index is not None
         statements: list[str] = []
         index._db.set_trace_callback(statements.append)
@@ -346,7 +346,7 @@ def test_evictions_are_reported_removed_once_by_the_evicting_and_the_other_tier(
     assert sorted(removed[1]) == sorted(mine) and removed[0] == []
     for harness in pair:  # what each runs at its next step, run here at once
         tier = fs_tier(harness)
-        assert tier._bound is not None
-        tier._poll_evictions(tier._bound)
+        assert tier.backend.index.bound is not None
+        tier.backend.index.poll_evictions()
     assert sorted(removed[0]) == sorted(mine)
     assert sorted(removed[1]) == sorted(mine)  # its own, not told twice
