@@ -16,6 +16,7 @@ from kvtier import KVCache
 from kvtier.primary.tier import WRITING
 from kvtier.testing import FaultyTier, small_layout
 from kvtier.tiers.memory import MemoryTier
+from tests.support.cache_tiers import tier_at
 
 LAYOUT = small_layout(chunk_tokens=2, head_dim=8)
 PREFIXES = [[p * 100 + i for i in range(8)] for p in range(3)]
@@ -46,7 +47,7 @@ class ManagerMachine(RuleBasedStateMachine):
             LAYOUT,
         )
         self.manager = self.cache.manager
-        self.faulty: FaultyTier = self.manager.tiers[0]  # type: ignore[assignment]
+        self.faulty = tier_at(self.cache, 0, FaultyTier)
         self.pinned: list[list[bytes]] = []
 
     def tokens(self, prefix: int, suffix: int, length: int) -> list[int]:

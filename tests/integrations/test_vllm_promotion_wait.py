@@ -11,10 +11,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
 
+from tests.support.cache_tiers import tier_at
+
 from kvtier import KVCache
 from kvtier.integrations.vllm.engine_config import VllmGeometry
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.testing import small_layout
+from kvtier.testing import FaultyTier, small_layout
 
 CHUNK = 4
 PREFIX = list(range(12))  # three chunks, held by the secondary tier only
@@ -109,8 +111,7 @@ def test_the_wait_never_outlasts_the_lookup_timeout(cache: KVCache) -> None:
 
 
 def test_a_failed_promotion_ends_the_wait_as_a_miss(cache: KVCache) -> None:
-    (tier,) = cache.manager.tiers
-    tier.fail_rate = 1.0  # type: ignore[attr-defined]
+    tier_at(cache, 0, FaultyTier).fail_rate = 1.0
     scheduler = scheduler_of(cache, idle_wait_s=60.0)
     try:
         # The wait ends with the failed job, not at its bound: vLLM computes the prefix.
@@ -121,8 +122,7 @@ def test_a_failed_promotion_ends_the_wait_as_a_miss(cache: KVCache) -> None:
 
 
 def test_a_slow_tier_costs_one_bounded_wait_then_the_engine_steps_on(cache: KVCache) -> None:
-    (tier,) = cache.manager.tiers
-    tier.latency_s = 1.0  # type: ignore[attr-defined]
+    tier_at(cache, 0, FaultyTier).latency_s = 1.0
     scheduler = scheduler_of(cache, idle_wait_s=0.001)
     try:
         waiting = request("a", [*PREFIX, 99])
