@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier import KVCache
+from kvtier.keys import ChunkKey
 from kvtier.primary.tier import WRITING
 from kvtier.testing import FaultyTier, small_layout
 from kvtier.tiers.memory import MemoryTier
@@ -48,7 +49,7 @@ class ManagerMachine(RuleBasedStateMachine):
         )
         self.manager = self.cache.manager
         self.faulty = tier_at(self.cache, 0, FaultyTier)
-        self.pinned: list[list[bytes]] = []
+        self.pinned: list[list[ChunkKey]] = []
 
     def tokens(self, prefix: int, suffix: int, length: int) -> list[int]:
         return (PREFIXES[prefix] + [9000 + suffix] * 8)[:length]
@@ -109,7 +110,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 100))
     def corrupt_a_stored_chunk(self, index: int) -> None:
-        inner: MemoryTier = self.faulty.inner  # type: ignore[assignment]
+        inner = self.faulty.inner
+        assert isinstance(inner, MemoryTier)
         with inner.backend._chunks_lock:
             keys = list(inner.backend._chunks)
         if keys:
