@@ -2,25 +2,10 @@
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
-from kvtier import KVCache
-from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
+from kvtier.tiers.base import JobResult, TransferJob
 from kvtier.tiers.example import ExampleTier
-
-Tier = TypeVar("Tier", bound=SecondaryTier)
-
-
-def tier_at(cache: KVCache, index: int, kind: type[Tier]) -> Tier:
-    """The cache's secondary tier ``index``, which must be a ``kind``."""
-    tier = cache.manager.tiers[index]
-    assert isinstance(tier, kind), f"tier {index} is a {type(tier).__name__}, not a {kind.__name__}"
-    return tier
-
-
-def tiers_of(cache: KVCache, kind: type[Tier]) -> list[Tier]:
-    """Every secondary tier of the cache, each of which must be a ``kind``."""
-    return [tier_at(cache, index, kind) for index in range(len(cache.manager.tiers))]
 
 
 class RecordingTier(ExampleTier):

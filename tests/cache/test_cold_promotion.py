@@ -24,6 +24,7 @@ from kvtier.primary import SlotBuffer
 from kvtier.testing import small_layout
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.fs import io as chunk_io
+from tests.support.cache_tiers import tier_at
 
 LAYOUT = small_layout(chunk_tokens=4)
 CHUNKS = 6
@@ -55,9 +56,7 @@ def root(tmp_path: Path, data: np.ndarray) -> Path:
 
 
 def fs_tier(cache: KVCache) -> FilesystemTier:
-    tier = cache.manager.tiers[0]
-    assert isinstance(tier, FilesystemTier)
-    return tier
+    return tier_at(cache, 0, FilesystemTier)
 
 
 def chunk_file(cache: KVCache, index: int) -> str:
@@ -67,7 +66,7 @@ def chunk_file(cache: KVCache, index: int) -> str:
 class Waits:
     """Records how each of the manager's waits for progress ended."""
 
-    def __init__(self, manager: TieringManager) -> None:
+    def __init__(self, manager: TieringManager, monkeypatch: pytest.MonkeyPatch) -> None:
         self.woken: list[bool] = []
         real = manager.progress.wait
 
@@ -76,7 +75,7 @@ class Waits:
             self.woken.append(moved)
             return moved
 
-        manager.progress.wait = wait  # type: ignore[method-assign]
+        monkeypatch.setattr(manager.progress, "wait", wait)
 
 
 @pytest.fixture
@@ -86,10 +85,10 @@ def cold(root: Path) -> Iterator[KVCache]:
 
 
 def test_a_cold_prefix_comes_back_whole_woken_by_the_tier_not_by_polling(
-    cold: KVCache, data: np.ndarray
+    cold: KVCache, data: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert cold.manager.progress.announced
-    waits = Waits(cold.manager)
+    waits = Waits(cold.manager, monkeypatch)
     with cold.lookup(TOKENS, poll_s=POLL_S) as found:
         out = np.zeros_like(data)
         assert found.load(out) == len(TOKENS)
@@ -101,7 +100,7 @@ def test_a_cold_prefix_comes_back_whole_woken_by_the_tier_not_by_polling(
 
 @pytest.mark.parametrize("damage", ["corrupt", "torn", "foreign"])
 def test_a_damaged_chunk_of_a_cold_prefix_is_a_miss_deleted_and_counted(
-    root: Path, data: np.ndarray, damage: str
+    root: Path, data: np.ndarray, damage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with KVCache(config(root), LAYOUT) as probe:
         paths = [chunk_file(probe, i) for i in range(CHUNKS)]
@@ -116,7 +115,7 @@ def test_a_damaged_chunk_of_a_cold_prefix_is_a_miss_deleted_and_counted(
         os.replace(paths[4], paths[3])
     with KVCache(config(root), LAYOUT) as cache:
         tier = fs_tier(cache)
-        waits = Waits(cache.manager)
+        waits = Waits(cache.manager, monkeypatch)
         found = cache.cached_prefix(TOKENS, poll_s=POLL_S)
         assert found == 3 * 4  # the chunks before the damaged one
         out = np.zeros_like(data)
@@ -127,7 +126,9 @@ def test_a_damaged_chunk_of_a_cold_prefix_is_a_miss_deleted_and_counted(
         assert all(waits.woken)
 
 
-def test_a_chunk_deleted_between_the_check_and_the_read_is_a_miss(cold: KVCache) -> None:
+def test_a_chunk_deleted_between_the_check_and_the_read_is_a_miss(
+    cold: KVCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tier = fs_tier(cold)
     gone = chunk_file(cold, 2)
     submit = tier.submit_load
@@ -138,8 +139,8 @@ def test_a_chunk_deleted_between_the_check_and_the_read_is_a_miss(cold: KVCache)
             os.unlink(gone)
         submit(job)
 
-    tier.submit_load = delete_then_submit  # type: ignore[method-assign]
-    waits = Waits(cold.manager)
+    monkeypatch.setattr(tier, "submit_load", delete_then_submit)
+    waits = Waits(cold.manager, monkeypatch)
     assert cold.cached_prefix(TOKENS, poll_s=POLL_S) == 2 * 4
     assert tier.vanished_chunks == 1
     # A miss, not a failure: nothing was wrong with what was there.
@@ -148,7 +149,7 @@ def test_a_chunk_deleted_between_the_check_and_the_read_is_a_miss(cold: KVCache)
 
 
 def test_a_chunk_evicted_between_lookup_and_pin_is_looked_at_again_at_once(
-    cold: KVCache, data: np.ndarray
+    cold: KVCache, data: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert cold.cached_prefix(TOKENS) == len(TOKENS)  # the whole prefix in the primary tier
     primary = cold.manager.primary
@@ -160,8 +161,8 @@ def test_a_chunk_evicted_between_lookup_and_pin_is_looked_at_again_at_once(
             evicted.append(primary.remove_idle([cold.keys(TOKENS)[2]]))
         return pin_prefix(keys)
 
-    primary.pin_prefix = evict_then_pin  # type: ignore[method-assign]
-    waits = Waits(cold.manager)
+    monkeypatch.setattr(primary, "pin_prefix", evict_then_pin)
+    waits = Waits(cold.manager, monkeypatch)
     with cold.lookup(TOKENS, poll_s=POLL_S) as found:
         out = np.zeros_like(data)
         assert found.load(out) == len(TOKENS)
@@ -206,7 +207,9 @@ def test_a_tier_that_does_not_announce_progress_is_polled(root: Path, data: np.n
         assert np.array_equal(out, data)
 
 
-def test_existence_checks_are_spread_over_the_idle_workers(root: Path) -> None:
+def test_existence_checks_are_spread_over_the_idle_workers(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with KVCache(config(root, shared=True), LAYOUT) as cache:
         tier = fs_tier(cache)
         assert tier.wait_index(30)
@@ -218,7 +221,7 @@ def test_existence_checks_are_spread_over_the_idle_workers(root: Path) -> None:
             batches.append(len(keys))
             return contains(keys)
 
-        tier._contains = counted  # type: ignore[method-assign]
+        monkeypatch.setattr(tier, "_contains", counted)
         assert cache.cached_prefix(TOKENS, poll_s=POLL_S) == len(TOKENS)
         # Six keys over four idle workers: checks of two keys each, in
         # parallel, instead of one check of all six.

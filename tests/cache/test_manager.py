@@ -12,7 +12,8 @@ from kvtier.config import BackpressureConfig
 from kvtier.testing import FaultyTier, small_layout
 from kvtier.tiers.base import TransferJob
 from kvtier.tiers.drive import run_job
-from tests.cache.doubles import GatedTier, RecordingTier, tier_at, tiers_of
+from tests.cache.doubles import GatedTier, RecordingTier
+from tests.support.cache_tiers import tier_at, tiers_of
 
 LAYOUT = small_layout(chunk_tokens=4)
 TOKENS = list(range(40, 56))  # four chunks

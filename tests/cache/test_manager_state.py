@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier import KVCache
+from kvtier.keys import ChunkKey
 from kvtier.primary.tier import WRITING
 from kvtier.testing import FaultyTier, small_layout
 from kvtier.tiers.memory import MemoryTier
+from tests.support.cache_tiers import tier_at
 
 LAYOUT = small_layout(chunk_tokens=2, head_dim=8)
 PREFIXES = [[p * 100 + i for i in range(8)] for p in range(3)]
@@ -46,8 +48,8 @@ class ManagerMachine(RuleBasedStateMachine):
             LAYOUT,
         )
         self.manager = self.cache.manager
-        self.faulty: FaultyTier = self.manager.tiers[0]  # type: ignore[assignment]
-        self.pinned: list[list[bytes]] = []
+        self.faulty = tier_at(self.cache, 0, FaultyTier)
+        self.pinned: list[list[ChunkKey]] = []
 
     def tokens(self, prefix: int, suffix: int, length: int) -> list[int]:
         return (PREFIXES[prefix] + [9000 + suffix] * 8)[:length]
@@ -108,7 +110,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 100))
     def corrupt_a_stored_chunk(self, index: int) -> None:
-        inner: MemoryTier = self.faulty.inner  # type: ignore[assignment]
+        inner = self.faulty.inner
+        assert isinstance(inner, MemoryTier)
         with inner.backend._chunks_lock:
             keys = list(inner.backend._chunks)
         if keys:

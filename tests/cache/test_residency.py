@@ -12,7 +12,7 @@ from kvtier.keys import ChunkKey
 from kvtier.residency import ResidencyFeed, tier_names
 from kvtier.testing import small_layout
 from kvtier.tiers.memory import MemoryTier
-from tests.cache.doubles import tier_at
+from tests.support.cache_tiers import tier_at
 
 LAYOUT = small_layout(chunk_tokens=4)
 FRAMED = HEADER_BYTES + LAYOUT.slot_bytes

@@ -2,6 +2,7 @@ import numpy as np
 
 from kvtier import KVCache
 from kvtier.testing import small_layout
+from tests.support.round_trip import assert_served_after_primary_reset
 
 
 def test_store_then_reload_after_primary_reset_is_byte_exact() -> None:
@@ -14,10 +15,4 @@ def test_store_then_reload_after_primary_reset_is_byte_exact() -> None:
     tokens = list(range(20))
     data = np.random.default_rng(0).integers(0, 256, (5, layout.slot_bytes), dtype=np.uint8)
     with KVCache(config, layout) as cache:
-        assert cache.store(tokens, data) == 5
-        cache.drain()
-        cache.manager.reset()
-        assert cache.cached_prefix(tokens) == 20
-        out = np.zeros_like(data)
-        cache.load(tokens, 20, out)
-        np.testing.assert_array_equal(out, data)
+        assert_served_after_primary_reset(cache, tokens, data)

@@ -22,7 +22,8 @@ import pytest
 from kvtier import KVCache, register_tier
 from kvtier.errors import ClosedError
 from kvtier.testing import FaultyTier, small_layout
-from tests.cache.doubles import HookedTier, MalformingTier, RaisingTier, RecordingTier, tier_at
+from tests.cache.doubles import HookedTier, MalformingTier, RaisingTier, RecordingTier
+from tests.support.cache_tiers import tier_at
 
 LAYOUT = small_layout(chunk_tokens=4, head_dim=16)
 TOKENS = list(range(40, 56))  # four chunks

@@ -21,7 +21,9 @@ from kvtier.layout import KVLayout
 from kvtier.testing import TierContractTests, TierHarness, restore_registries
 from kvtier.testing.codec_suite import kv_like
 from kvtier.tiers.base import TransferJob
+from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.memory import MemoryTier
+from tests.support.cache_tiers import tier_at
 from tests.support.servers import RedisServer
 
 
@@ -229,7 +231,7 @@ def test_fs_stores_fixed_size_encoded_files(tmp_path: Path) -> None:
     with _engine(tmp_path, "int4") as engine:
         engine.store(TOKENS[: 2 * LAYOUT.chunk_tokens], data)
         engine.drain()
-        tier: Any = engine.manager.tiers[0]
+        tier = tier_at(engine, 0, FilesystemTier)
         stats = tier.stats
         assert stats.codec_bytes_in == 2 * LAYOUT.slot_bytes
         assert stats.codec_bytes_out == 2 * tier.stored_bytes
@@ -254,14 +256,14 @@ def test_fs_stores_lossless_files_at_their_own_size_bounded_and_across_restarts(
     with KVCache({**config, "secondary_tiers": [tier]}, layout) as engine:
         assert engine.store(tokens, data) == 4
         engine.drain()
-        fs: Any = engine.manager.tiers[0]
+        fs = tier_at(engine, 0, FilesystemTier)
         sizes = sorted(f.stat().st_size for f in fs.dir.path.glob("*/*.kvc"))
         assert len(sizes) == 4 and sizes[-1] < layout.slot_bytes < fs.file_bytes
         assert all(size % 4096 == 0 for size in sizes)
         # The bound counts each file at its own size, not at the largest.
         assert fs.held_bytes == sum(sizes)
     with KVCache({**config, "secondary_tiers": [tier]}, layout) as again:
-        assert again.manager.tiers[0].wait_index(30)  # type: ignore[attr-defined]
+        assert tier_at(again, 0, FilesystemTier).wait_index(30)
         assert again.cached_prefix(tokens) == len(tokens)
         out = np.zeros_like(data)
         again.load(tokens, len(tokens), out)

@@ -95,7 +95,8 @@ def test_codec_by_name_or_mapping() -> None:
     assert codec is not None and codec.codec_type == "int4"
     assert codec.as_dict() == {"type": "int4", "group_size": 16}
     assert config.secondary_tiers[0].as_dict()["codec"] == {"type": "int4", "group_size": 16}
-    assert load_config(_tier("fp8")).secondary_tiers[0].codec.codec_type == "fp8"  # type: ignore[union-attr]
+    fp8 = load_config(_tier("fp8")).secondary_tiers[0].codec
+    assert fp8 is not None and fp8.codec_type == "fp8"
     assert load_config({"secondary_tiers": [{"type": "memory"}]}).secondary_tiers[0].codec is None
 
 

@@ -1,6 +1,7 @@
 """Configuration validation: every problem, by path, all at once."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -128,7 +129,7 @@ def test_config_error_is_a_value_error() -> None:
         load_config({"chunk_tokens": "x"})
 
 
-def test_yaml_and_json_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_yaml_and_json_files(tmp_path: Path) -> None:
     yaml_file = tmp_path / "kvtier.yaml"
     yaml_file.write_text(
         "chunk_tokens: 64\nsecondary_tiers:\n  - {type: memory, max_bytes: 1MiB}\n"
@@ -139,7 +140,7 @@ def test_yaml_and_json_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert load_config(str(json_file)).chunk_tokens == 32
 
 
-def test_bad_files_name_the_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bad_files_name_the_file(tmp_path: Path) -> None:
     broken = tmp_path / "broken.yaml"
     broken.write_text("chunk_tokens: [1,\n")
     with pytest.raises(ConfigError, match=r"broken\.yaml"):

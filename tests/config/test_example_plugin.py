@@ -18,6 +18,7 @@ from kvtier import ConfigError, KVCache, load_config
 from kvtier.plugins import ALLOWED_MODULES_ENV
 from kvtier.testing import restore_registries, small_layout
 from kvtier.tiers import tier_registry
+from tests.support.round_trip import assert_served_after_primary_reset
 
 pytest.importorskip(
     "acme_kvtier", reason="example tier not installed: pip install -e examples/acme-kvtier"
@@ -81,13 +82,7 @@ def test_serves_a_prefix_through_kvcache_with_its_metrics(tmp_path: Path) -> Non
         "secondary_tiers": [entry_via_module_path(tmp_path)],
     }
     with restore_registries(), KVCache(settings, layout) as cache:
-        assert cache.store(tokens, data) == 3
-        cache.drain()
-        cache.manager.reset()
-        assert cache.cached_prefix(tokens) == 12
-        out = np.zeros_like(data)
-        cache.load(tokens, 12, out)
-        np.testing.assert_array_equal(out, data)
+        assert_served_after_primary_reset(cache, tokens, data)
         registry = cache.metrics.registry
         labels = {"tier": "0", "tier_type": "SQLiteTier"}
         assert registry.get_sample_value("kvtier_tier_chunks_loaded_total", labels) == 3

@@ -949,7 +949,9 @@ def test_worker_round_trips_pages_through_shared_slots(page_shape: Any, tmp_path
         owner.close()
 
 
-def test_worker_reports_a_load_once_its_copy_ended_so_its_slots_stay_pinned_until_then() -> None:
+def test_worker_reports_a_load_once_its_copy_ended_so_its_slots_stay_pinned_until_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """On CUDA a load reads the slots after start_load_kv returned (direct DMA):
     the step is reported, and the scheduler unpins its slots, only once it ended."""
     import uuid
@@ -970,8 +972,10 @@ def test_worker_reports_a_load_once_its_copy_ended_so_its_slots_stay_pinned_unti
         worker.register_kv_caches({"l0": torch.zeros(8, 2, 32, 64)})
         ended, landed = [False], []
         assert worker._transfers is not None
-        worker._transfers.load = lambda *args: PendingCopy(  # type: ignore[method-assign]
-            ready=lambda: ended[0], complete=lambda: landed.append(True)
+        monkeypatch.setattr(
+            worker._transfers,
+            "load",
+            lambda *args: PendingCopy(ready=lambda: ended[0], complete=lambda: landed.append(True)),
         )
         meta = KVTierConnectorMetadata(0, SharedBuffer(name, 2, shape.page_bytes))
         meta.loads.add(1, 0, 3)

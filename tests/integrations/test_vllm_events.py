@@ -105,6 +105,15 @@ def _decode(payload: bytes) -> KVEventBatch:
     return msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload)
 
 
+def announced(events: TierEvents) -> list[tuple[str | None, list[Any]]]:
+    """The medium and block hashes of each event ``events`` has to announce."""
+    taken = []
+    for event in events.take():
+        assert isinstance(event, BlockStored | BlockRemoved), event
+        taken.append((event.medium, event.block_hashes))
+    return taken
+
+
 def test_removals_name_the_blocks_per_tier_until_no_tier_holds_the_chunk() -> None:
     request = _request(PROMPT)
     gpu = _gpu_stored(request, 4)
@@ -113,14 +122,11 @@ def test_removals_name_the_blocks_per_tier_until_no_tier_holds_the_chunk() -> No
     events.changed("cpu", KEYS[:2], True)
     events.changed("fs", KEYS[:1], True)
     events.changed("cpu", KEYS[:1], True)  # announced already: not again
-    assert (
-        [(e.medium, e.block_hashes) for e in events.take()]
-        == [  # type: ignore[attr-defined]
-            ("kvtier:cpu", gpu.block_hashes[:2]),
-            ("kvtier:cpu", gpu.block_hashes[2:]),
-            ("STORAGE", gpu.block_hashes[:2]),
-        ]
-    )
+    assert announced(events) == [
+        ("kvtier:cpu", gpu.block_hashes[:2]),
+        ("kvtier:cpu", gpu.block_hashes[2:]),
+        ("STORAGE", gpu.block_hashes[:2]),
+    ]
     events.changed("cpu", KEYS[:2], False)
     (removed,) = events.take()
     assert isinstance(removed, BlockRemoved)
@@ -128,12 +134,7 @@ def test_removals_name_the_blocks_per_tier_until_no_tier_holds_the_chunk() -> No
     # Still in fs: its removal is announced, and the chunk then forgotten.
     events.changed("fs", KEYS[:1], False)
     events.changed("fs", KEYS[:1], False)  # removed already: nothing to announce
-    assert (
-        [(e.medium, e.block_hashes) for e in events.take()]
-        == [  # type: ignore[attr-defined]
-            ("STORAGE", gpu.block_hashes[:2])
-        ]
-    )
+    assert announced(events) == [("STORAGE", gpu.block_hashes[:2])]
     events.changed("cpu", KEYS[:1], True)
     assert events.take() == [] and events.counters.unmapped == 1
 

@@ -2,33 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
 
+from tests.integrations.vllm_requests import request
+from tests.support.cache_tiers import tier_at
+
 from kvtier import KVCache
 from kvtier.integrations.vllm.engine_config import VllmGeometry
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.testing import small_layout
+from kvtier.testing import FaultyTier, small_layout
 
 CHUNK = 4
 PREFIX = list(range(12))  # three chunks, held by the secondary tier only
-
-
-def request(request_id: str, tokens: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=request_id,
-        prompt_token_ids=tokens,
-        num_tokens=len(tokens),
-        mm_features=None,
-        lora_request=None,
-        cache_salt=None,
-    )
 
 
 @pytest.fixture
@@ -57,78 +49,65 @@ def cache() -> Iterator[KVCache]:
         kv.close()
 
 
-def scheduler_of(kv: KVCache, **options: float) -> SchedulerSide:
+@contextlib.contextmanager
+def scheduler_of(
+    kv: KVCache, *, idle_wait_s: float, lookup_timeout_s: float = 60.0
+) -> Iterator[SchedulerSide]:
+    """The connector's scheduler side over ``kv``, shut down afterwards."""
     shape = VllmGeometry(("layer",), CHUNK, 1, kv.layout.slot_bytes, 64)
-    return SchedulerSide(kv, shape, lookup_timeout_s=60.0, **options)
-
-
-def test_an_idle_engine_gets_the_promoted_prefix_in_its_first_lookup(cache: KVCache) -> None:
-    scheduler = scheduler_of(cache, idle_wait_s=60.0)
+    scheduler = SchedulerSide(kv, shape, lookup_timeout_s=lookup_timeout_s, idle_wait_s=idle_wait_s)
     try:
-        # No "ask again", so no empty engine step: the three chunks at once.
-        assert scheduler.get_num_new_matched_tokens(request("a", [*PREFIX, 99]), 0) == (12, False)
-        assert cache.status.holds(cache.keys(PREFIX)) == [True] * 3
-        assert scheduler.counters.promotion_timeouts == 0
+        yield scheduler
     finally:
         scheduler.shutdown()
 
 
+def test_an_idle_engine_gets_the_promoted_prefix_in_its_first_lookup(cache: KVCache) -> None:
+    with scheduler_of(cache, idle_wait_s=60.0) as scheduler:
+        # No "ask again", so no empty engine step: the three chunks at once.
+        assert scheduler.get_num_new_matched_tokens(request("a", [*PREFIX, 99]), 0) == (12, False)
+        assert cache.status.holds(cache.keys(PREFIX)) == [True] * 3
+        assert scheduler.counters.promotion_timeouts == 0
+
+
 def test_a_busy_engine_is_told_to_ask_again_and_then_served(cache: KVCache) -> None:
-    scheduler = scheduler_of(cache, idle_wait_s=60.0)
-    try:
+    with scheduler_of(cache, idle_wait_s=60.0) as scheduler:
         other = request("other", [50, 51, 52, 53, 54])
         assert scheduler.get_num_new_matched_tokens(other, 0) == (0, False)  # a miss, running
         waiting = request("a", [*PREFIX, 99])
         assert scheduler.get_num_new_matched_tokens(waiting, 0) == (None, False)
         cache.drain()  # the promotions the step submits
         assert scheduler.get_num_new_matched_tokens(waiting, 0) == (12, False)
-    finally:
-        scheduler.shutdown()
 
 
 def test_without_the_wait_an_idle_engine_asks_again(cache: KVCache) -> None:
-    scheduler = scheduler_of(cache, idle_wait_s=0)
-    try:
+    with scheduler_of(cache, idle_wait_s=0) as scheduler:
         waiting = request("a", [*PREFIX, 99])
         assert scheduler.get_num_new_matched_tokens(waiting, 0) == (None, False)
         cache.drain()
         assert scheduler.get_num_new_matched_tokens(waiting, 0) == (12, False)
-    finally:
-        scheduler.shutdown()
 
 
 def test_the_wait_never_outlasts_the_lookup_timeout(cache: KVCache) -> None:
-    shape = VllmGeometry(("layer",), CHUNK, 1, cache.layout.slot_bytes, 64)
-    scheduler = SchedulerSide(cache, shape, lookup_timeout_s=0, idle_wait_s=60.0)
-    try:
+    with scheduler_of(cache, idle_wait_s=60.0, lookup_timeout_s=0) as scheduler:
         # A timeout of 0: go ahead with what is ready now, without waiting.
         assert scheduler.get_num_new_matched_tokens(request("a", [*PREFIX, 99]), 0) == (0, False)
         assert scheduler.counters.promotion_timeouts == 1
-    finally:
-        scheduler.shutdown()
 
 
 def test_a_failed_promotion_ends_the_wait_as_a_miss(cache: KVCache) -> None:
-    (tier,) = cache.manager.tiers
-    tier.fail_rate = 1.0  # type: ignore[attr-defined]
-    scheduler = scheduler_of(cache, idle_wait_s=60.0)
-    try:
+    tier_at(cache, 0, FaultyTier).fail_rate = 1.0
+    with scheduler_of(cache, idle_wait_s=60.0) as scheduler:
         # The wait ends with the failed job, not at its bound: vLLM computes the prefix.
         assert scheduler.get_num_new_matched_tokens(request("a", [*PREFIX, 99]), 0) == (0, False)
         assert cache.status.holds(cache.keys(PREFIX)) == [False] * 3
-    finally:
-        scheduler.shutdown()
 
 
 def test_a_slow_tier_costs_one_bounded_wait_then_the_engine_steps_on(cache: KVCache) -> None:
-    (tier,) = cache.manager.tiers
-    tier.latency_s = 1.0  # type: ignore[attr-defined]
-    scheduler = scheduler_of(cache, idle_wait_s=0.001)
-    try:
+    tier_at(cache, 0, FaultyTier).latency_s = 1.0
+    with scheduler_of(cache, idle_wait_s=0.001) as scheduler:
         waiting = request("a", [*PREFIX, 99])
         # Past the bound the scheduler goes back to vLLM, which asks again later.
         assert scheduler.get_num_new_matched_tokens(waiting, 0) == (None, False)
         cache.drain()
         assert scheduler.get_num_new_matched_tokens(waiting, 0) == (12, False)
-    finally:
-        scheduler.shutdown()

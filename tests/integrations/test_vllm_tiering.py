@@ -32,6 +32,7 @@ from vllm.v1.kv_offload.base import Locality, Medium, OffloadKey  # noqa: E402
 
 from kvtier.errors import BackendUnavailableError, ConfigError  # noqa: E402
 from kvtier.integrations.vllm.tiering import tiering_layout  # noqa: E402
+from kvtier.testing import stored  # noqa: E402
 
 TierFactory = Callable[[], dict[str, Any]]
 
@@ -122,52 +123,22 @@ def test_another_model_finds_nothing(
     assert list(engines(tier()).load(keys)) == keys
 
 
-def spoil(engine: Engine, tier_kind: str, key: OffloadKey, request: pytest.FixtureRequest) -> None:
+def spoil(engine: Engine, key: OffloadKey) -> None:
     """Flip one payload byte of ``key``'s stored chunk, in the backend itself."""
-    tier = engine.adapter.tier
-    name = engine.adapter.chunk_key(key).hex()
-    if tier_kind == "fs":
-        (path,) = glob.glob(f"{tier.options.root_dir}/**/{name}*", recursive=True)  # type: ignore[attr-defined]
-        with open(path, "r+b") as handle:
-            handle.seek(100)
-            byte = handle.read(1)
-            handle.seek(100)
-            handle.write(bytes([byte[0] ^ 0x40]))
-        return
-    store_name = tier.store_name(engine.adapter.chunk_key(key))  # type: ignore[attr-defined]
-    if tier_kind == "redis":
-        import redis
-
-        client = redis.Redis.from_url(tier.options.url)  # type: ignore[attr-defined]
-        value = bytearray(client.get(store_name))
-        value[-100] ^= 0x40
-        client.set(store_name, bytes(value))
-        client.close()
-        return
-    if tier_kind == "mooncake":
-        raw = request.getfixturevalue("raw_store")
-        value = bytearray(raw.get(store_name))
-        value[-100] ^= 0x40
-        assert raw.batch_remove([store_name], True) == [0]
-        assert raw.put(store_name, bytes(value)) == 0
-        return
-    s3: S3Server = request.getfixturevalue("s3_server")
-    bucket = tier.options.bucket  # type: ignore[attr-defined]
-    value = bytearray(s3.client().get_object(Bucket=bucket, Key=store_name)["Body"].read())
-    value[-100] ^= 0x40
-    s3.client().put_object(Bucket=bucket, Key=store_name, Body=bytes(value))
+    tier, own = engine.adapter.tier, engine.adapter.chunk_key(key)
+    value = bytearray(stored.read_stored(tier, own))
+    value[stored.payload_offset(tier) + 100] ^= 0x40
+    stored.write_stored(tier, own, bytes(value))
 
 
 def test_a_corrupt_chunk_is_a_miss_never_wrong_bytes(
-    stored_tier: tuple[str, TierFactory],
-    engines: Callable[..., Engine],
-    request: pytest.FixtureRequest,
+    stored_tier: tuple[str, TierFactory], engines: Callable[..., Engine]
 ) -> None:
-    tier_kind, tier = stored_tier
+    _, tier = stored_tier
     keys = offload_keys(4)
     engines(tier()).store(keys)
     engine = engines(tier(), events=True, options={"enable_kv_events": True})
-    spoil(engine, tier_kind, keys[1], request)
+    spoil(engine, keys[1])
     loaded = engine.load(keys)
     # The promotion keeps what was sound (vLLM's partial success) and the
     # request stops at the corrupt chunk: chunk 0 served, chunk 1 a miss.
@@ -188,7 +159,7 @@ def test_partial_success_keeps_the_sound_chunks(
     keys = offload_keys(3)
     engines({"type": "fs", "root_dir": root}).store(keys)
     engine = engines({"type": "fs", "root_dir": root})
-    spoil(engine, "fs", keys[1], None)  # type: ignore[arg-type]
+    spoil(engine, keys[1])
     loaded = engine.load(keys)
     assert list(loaded) == keys[:1]
     # The third chunk came back with the first: it is in the primary tier now.

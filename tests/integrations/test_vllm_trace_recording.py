@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
+
+from tests.integrations.vllm_requests import request
 
 from kvtier import KVCache
 from kvtier.integrations.vllm.engine_config import VllmGeometry
@@ -17,17 +18,6 @@ from kvtier.sim.trace import read_trace
 from kvtier.testing import small_layout
 
 CHUNK = 4
-
-
-def request(request_id: str, tokens: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=request_id,
-        prompt_token_ids=tokens,
-        num_tokens=len(tokens),
-        mm_features=None,
-        lora_request=None,
-        cache_salt=None,
-    )
 
 
 def test_each_request_is_recorded_once_with_its_prompt_chunks(tmp_path: Path) -> None:

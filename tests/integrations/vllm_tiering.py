@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
     LookupResult,
     OffloadingEvent,
     OffloadKey,
@@ -28,6 +29,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -112,6 +114,12 @@ def kvtier_entry(tier: dict[str, Any], **options: Any) -> dict[str, Any]:
     }
 
 
+def primary_rows(spec: LoadStoreSpec) -> np.ndarray:
+    """The rows of vLLM's CPU primary tier a load or store spec names."""
+    assert isinstance(spec, CPULoadStoreSpec), spec
+    return spec.chunk_ids
+
+
 class Engine:
     """The scheduler side of one vLLM engine using native tiering and a kvtier tier."""
 
@@ -152,7 +160,9 @@ class Engine:
         self.manager.on_new_request(ctx)
         prepared = self.manager.prepare_store(list(keys), ctx)
         assert prepared is not None, "the primary tier refused the store"
-        for key, chunk in zip(prepared.keys_to_store, prepared.store_spec.chunk_ids, strict=True):
+        for key, chunk in zip(
+            prepared.keys_to_store, primary_rows(prepared.store_spec), strict=True
+        ):
             self.row(int(chunk))[:] = fill(key)
         self.manager.complete_store(prepared.keys_to_store, ctx)
         self.manager.on_request_finished(ctx)
@@ -186,8 +196,8 @@ class Engine:
         loaded: dict[OffloadKey, np.ndarray] = {}
         if hits:
             spec = self.manager.prepare_load(hits, ctx)
-            chunk_ids = spec.chunk_ids  # type: ignore[attr-defined]
-            loaded = {k: self.row(int(c)).copy() for k, c in zip(hits, chunk_ids, strict=True)}
+            rows = primary_rows(spec)
+            loaded = {k: self.row(int(c)).copy() for k, c in zip(hits, rows, strict=True)}
             self.manager.complete_load(hits, ctx)
         self.manager.on_request_finished(ctx)
         self.settle()

@@ -39,6 +39,10 @@ class ModelPolicy(ABC):
         for key in keys:
             self.insert(key)
 
+    def clear(self) -> None:
+        """Forget everything: the state of a new model of the same capacity."""
+        vars(self).update(vars(type(self)(self.capacity)))
+
 
 def _oldest_unprotected(entries: list[ChunkKey], protected: Collection[ChunkKey]) -> int | None:
     """Index of the first key of ``entries`` outside ``protected``, if any."""
@@ -176,9 +180,6 @@ class ARCModel(ModelPolicy):
         self._trim_ghosts()
         return victims
 
-    def clear(self) -> None:
-        self.__init__(self.capacity)  # type: ignore[misc]
-
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)
 
@@ -291,9 +292,6 @@ class S3FIFOModel(ModelPolicy):
                 return key
         return None
 
-    def clear(self) -> None:
-        self.__init__(self.capacity)  # type: ignore[misc]
-
     def __len__(self) -> int:
         return len(self.freq)
 
@@ -395,9 +393,6 @@ class LeafFirstLRUModel(ModelPolicy):
         self.touched = None
         self.announced = n
         return victims
-
-    def clear(self) -> None:
-        self.__init__(self.capacity)  # type: ignore[misc]
 
     def __len__(self) -> int:
         return sum(len(keys) for keys, _ in self.groups)

@@ -95,10 +95,10 @@ def test_reader_rejects_truncated_gzip_empty_and_missing_files(tmp_path: Path) -
 # The replay ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", BUILT_IN)
-def test_replay_matches_a_real_kvcache_hit_for_hit(policy: str) -> None:
-    requests = chat_requests(seed=11)[:250]
-    slots = 40
+def primary_beside_replay(policy: str, slots: int) -> tuple[KVCache, PrimaryReplay]:
+    """A cache of ``slots`` primary slots under ``policy`` and no secondary
+    tier, and the replay that should hit what it hits; block ``b`` is four
+    tokens equal to ``b``."""
     layout = small_layout(chunk_tokens=4, head_dim=4)
     config = {
         "chunk_tokens": 4,
@@ -106,8 +106,16 @@ def test_replay_matches_a_real_kvcache_hit_for_hit(policy: str) -> None:
         "eviction_policy": policy,
     }
     simulated = PrimaryReplay(CachePolicyFactory.create_cache_policy(policy, slots))
+    return KVCache(config, layout), simulated
+
+
+@pytest.mark.parametrize("policy", BUILT_IN)
+def test_replay_matches_a_real_kvcache_hit_for_hit(policy: str) -> None:
+    requests = chat_requests(seed=11)[:250]
+    slots = 40
+    cache, simulated = primary_beside_replay(policy, slots)
     real_hits, replay_hits = [], []
-    with KVCache(config, layout) as cache:
+    with cache:
         assert cache.manager.primary.num_slots == slots
         for request in requests:
             # Block b is four tokens equal to b: equal ids give equal chained keys.
@@ -257,15 +265,9 @@ def test_batched_replay_matches_a_real_manager_driven_as_vllm_steps(policy: str)
     # prepare_store, then one complete_store of all the step wrote.
     requests = chat_requests(seed=12)[:240]
     slots, step_size = 40, 4
-    layout = small_layout(chunk_tokens=4, head_dim=4)
-    config = {
-        "chunk_tokens": 4,
-        "cpu_bytes_to_use": slots * layout.slot_bytes,
-        "eviction_policy": policy,
-    }
-    simulated = PrimaryReplay(CachePolicyFactory.create_cache_policy(policy, slots))
+    cache, simulated = primary_beside_replay(policy, slots)
     real_hits, replay_hits = [], []
-    with KVCache(config, layout) as cache:
+    with cache:
         manager = cache.manager
         for start in range(0, len(requests), step_size):
             step = [r.blocks for r in requests[start : start + step_size]]

@@ -50,6 +50,23 @@ def record_all(recorder: TraceRecorder, requests: list[list[int]]) -> list[list[
     return keys
 
 
+def hold_writes(
+    recorder: TraceRecorder, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, threading.Event]:
+    """Make ``recorder``'s writer stop at its next request until released:
+    set ``entered`` once it holds one; set ``release`` to let it go on."""
+    entered, release = threading.Event(), threading.Event()
+    write = recorder._write
+
+    def held_write(item: tuple[tuple[ChunkKey, ...], int, int, int]) -> None:
+        entered.set()
+        release.wait()
+        write(item)
+
+    monkeypatch.setattr(recorder, "_write", held_write)
+    return entered, release
+
+
 def test_a_recording_replays_with_the_same_prefix_structure(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     times = iter(float(t) for t in range(100))
@@ -76,17 +93,11 @@ def test_a_recording_replays_with_the_same_prefix_structure(tmp_path: Path) -> N
     assert 0 < cell["policies"]["lru"]["hit_ratio"] <= cell["min_hit_ratio"]
 
 
-def test_a_full_queue_drops_and_counts_and_never_blocks(tmp_path: Path) -> None:
+def test_a_full_queue_drops_and_counts_and_never_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     recorder = TraceRecorder(tmp_path / "t.jsonl", block_size=BLOCK, queue_size=1)
-    entered, release = threading.Event(), threading.Event()
-    write = recorder._write
-
-    def held_write(item: tuple[tuple[ChunkKey, ...], int, int, int]) -> None:
-        entered.set()
-        release.wait()
-        write(item)
-
-    recorder._write = held_write  # type: ignore[method-assign]
+    entered, release = hold_writes(recorder, monkeypatch)
     keys = chunk_keys(NAMESPACE, list(range(8)), BLOCK)
     recorder.record(keys, 8)
     assert entered.wait(10)  # the writer holds the first request
@@ -199,7 +210,9 @@ def test_a_recording_made_through_kvcache_replays_to_the_same_hits(
     assert cell["hit_ratio"] == pytest.approx(sum(real_hits) / chunks)
 
 
-def test_recording_is_off_by_default_and_dropped_requests_are_counted(tmp_path: Path) -> None:
+def test_recording_is_off_by_default_and_dropped_requests_are_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     layout = small_layout(chunk_tokens=4, head_dim=4)
     with KVCache({"chunk_tokens": 4}, layout) as cache:
         assert cache.trace_recorder is None
@@ -212,15 +225,7 @@ def test_recording_is_off_by_default_and_dropped_requests_are_counted(tmp_path: 
     with KVCache(config, layout) as cache:
         recorder = cache.trace_recorder
         assert recorder is not None
-        entered, release = threading.Event(), threading.Event()
-        write = recorder._write
-
-        def held_write(item: tuple[tuple[ChunkKey, ...], int, int, int]) -> None:
-            entered.set()
-            release.wait()
-            write(item)
-
-        recorder._write = held_write  # type: ignore[method-assign]
+        entered, release = hold_writes(recorder, monkeypatch)
         cache.cached_prefix(list(range(16)))
         assert entered.wait(10)
         for _ in range(3):  # one fills the queue, two are dropped, none waits

@@ -1,17 +1,9 @@
 """The one place chunks pass through a codec on their way to and from a tier.
 
-A tier's runtime holds one :class:`CodecStage`. With the ``none`` codec it is
-a pass-through: chunks are stored as their slot's bytes, as they always were.
-With any other codec, a stored payload is a *codec header* then the encoded
-bytes: the header records the codec's name and parameters, the decoded size
-and the encoded size, so that a reader decodes only what its own codec wrote.
-
-A codec's chunks also live in a namespace of their own (the layout's digest
-mixed with the codec's name and parameters): engines with the same codec
-share chunks, an engine that did not opt into a lossy codec never even finds
-one, and the header check stands behind that for stores shared by other means.
-The integrity header (:mod:`kvtier.integrity`) wraps the whole payload, so a
-checksum covers the codec header too.
+A tier's runtime holds one :class:`CodecStage`: a pass-through under the
+``none`` codec; under any other, a stored payload is a codec header (name,
+parameters, sizes) then the encoded bytes, in a namespace of the codec's own.
+See docs/codecs.md.
 """
 
 from __future__ import annotations

@@ -34,11 +34,10 @@ class AdapterIdentities:
     them once; ``reload=True`` (an engine told to load the adapter again in
     place) identifies the files again.
 
-    Files that change under a loaded adapter without that reload leave it
-    ambiguous: the engine runs what it loaded until it drops the adapter
-    from its own cache and reads the files again, which nothing outside it
-    sees. Such an adapter's token is ``None`` from then on, until a reload:
-    each :meth:`token` checks the files' ``stat`` (no reads).
+    Files that change under a loaded adapter without that reload make it
+    ambiguous (nothing outside the engine sees when it reads them again):
+    its token is ``None`` until a reload. Each :meth:`token` checks the
+    files' ``stat``, never reads them.
     """
 
     def __init__(self, cache_dirs: Iterable[str | os.PathLike[str] | None] = (None,)) -> None:

@@ -279,12 +279,7 @@ class Transfers:
         each; it is read until the returned copy has finished.
         """
         if self._stream is None:
-            runs = index.runs()
-            for pages, shift in zip(layers, index.layer_rows.tolist(), strict=True):
-                rows = slot_rows.view(pages.dtype)
-                for row, block, count in runs:
-                    pages.read_run(block, rows[shift + row : shift + row + count])
-            return PendingCopy()
+            return _copy_on_host(layers, index, slot_rows, into_slots=False)
         module = self._module
         compute = module.current_stream(self.device)
         direct = self._on_slots(slot_rows)
@@ -320,12 +315,7 @@ class Transfers:
     ) -> PendingCopy:
         """Start copying engine blocks into slots; :meth:`PendingCopy.finish` lands them."""
         if self._stream is None:
-            runs = index.runs()
-            for pages, shift in zip(layers, index.layer_rows.tolist(), strict=True):
-                rows = slot_rows.view(pages.dtype)
-                for row, block, count in runs:
-                    pages.write_run(block, rows[shift + row : shift + row + count])
-            return PendingCopy()
+            return _copy_on_host(layers, index, slot_rows, into_slots=True)
         module = self._module
         compute = module.current_stream(self.device)
         direct = self._on_slots(slot_rows)
@@ -379,6 +369,19 @@ class Transfers:
         return torch.empty(
             (order.staged.numel(), slot_rows.shape[1]), dtype=torch.uint8, device=self.device
         )
+
+
+def _copy_on_host(
+    layers: list[LayerPages], index: CopyIndex, slot_rows: torch.Tensor, *, into_slots: bool
+) -> PendingCopy:
+    """Copy between engine blocks and slot rows run by run, done when it returns."""
+    runs = index.runs()
+    for pages, shift in zip(layers, index.layer_rows.tolist(), strict=True):
+        rows = slot_rows.view(pages.dtype)
+        copy = pages.write_run if into_slots else pages.read_run
+        for row, block, count in runs:
+            copy(block, rows[shift + row : shift + row + count])
+    return PendingCopy()
 
 
 def _gather_rows(

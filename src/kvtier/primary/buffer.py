@@ -93,12 +93,8 @@ class SlotBuffer:
     A named buffer lives in ``/dev/shm/NAME`` so an engine worker in another
     process can map the same slots with :meth:`attach`.
 
-    Both ask for transparent huge pages. Direct I/O moves a slot as one DMA
-    segment per physically contiguous run of its pages; on a virtio disk a
-    2 MiB slot on scattered 4 KiB pages (about 80 runs) moved at half the
-    speed of one on a huge page. Private buffers get them unless THP is
-    ``never``; named ones only where ``shmem_enabled`` is ``advise`` or
-    ``always`` (see the tuning guide).
+    Both ask for transparent huge pages, on which direct I/O moves a slot in
+    far fewer DMA segments (docs/tuning.md, 'Memory for direct I/O').
     """
 
     def __init__(
@@ -148,16 +144,10 @@ class SlotBuffer:
         """Map every page of the buffer now, on a thread of its own, keeping
         what the pages hold (other processes may use a shared buffer already).
 
-        A page is otherwise mapped by the first write into it. When that
-        write is a promotion's direct read, dozens of I/O threads fault the
-        same huge pages in at once: a cold 512 MiB prefix from ``fs`` moved
-        at a tenth of the disk's speed that way (see the tuning guide). An
-        engine builds kvtier at start, before its first request, so the
-        cost moves off the request path. Requests that come sooner share
-        the CPU with the thread: it runs at the lowest priority and outside
-        the interpreter lock while the kernel maps, so that they lose little
-        to it. Where the kernel cannot (before Linux 5.14), pages are mapped
-        on first use as before.
+        Otherwise a promotion's direct reads fault the pages in, many threads
+        at once and slowly (docs/tuning.md). The thread runs at the lowest
+        priority, outside the interpreter lock while the kernel maps. Before
+        Linux 5.14, pages are mapped on first use instead.
         """
         if self._populator is not None or _POPULATE_WRITE is None:
             self._populated.set()

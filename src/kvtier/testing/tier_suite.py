@@ -7,6 +7,7 @@ reaches what its tier adds (``TierHarness[RedisTier]``,
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar, Generic, cast, get_args, get_origin
@@ -365,6 +366,19 @@ class TierContractTests(Generic[T]):
                 raise
             return None
 
+    @contextlib.contextmanager
+    def _codec_harness(self, *, holding: bool = False) -> Iterator[TierHarness | None]:
+        """:meth:`make_codec_harness`, closed afterwards; with ``holding``,
+        ``None`` too for a tier that keeps nothing it is given to store."""
+        harness = self.make_codec_harness()
+        if harness is None:
+            yield None
+            return
+        try:
+            yield None if holding and not harness.tier.holds_stores else harness
+        finally:
+            harness.close()
+
     def _stored_chunks(self, harness: TierHarness, n: int) -> tuple[list[ChunkKey], np.ndarray]:
         keys = harness.keys(n)
         data = np.stack(
@@ -376,10 +390,9 @@ class TierContractTests(Generic[T]):
         return keys, data
 
     def test_variable_size_chunks_round_trip_byte_exact_in_fewer_bytes(self) -> None:
-        harness = self.make_codec_harness()
-        if harness is None:
-            return  # refused at start, with the reason
-        try:
+        with self._codec_harness() as harness:
+            if harness is None:
+                return  # refused at start, with the reason
             keys, data = self._stored_chunks(harness, 4)
             assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 4
             harness.buffer.array[4:8] = 0xA5
@@ -391,8 +404,6 @@ class TierContractTests(Generic[T]):
             if harness.tier.holds_stores and stored.knows(harness.tier):
                 sizes = [len(self.read_stored(harness, key)) for key in keys]
                 assert max(sizes) < harness.layout.slot_bytes, sizes  # headers included
-        finally:
-            harness.close()
 
     def _assert_never_served(
         self, harness: TierHarness, damaged: dict[ChunkKey, bytes], intact: ChunkKey
@@ -415,12 +426,9 @@ class TierContractTests(Generic[T]):
         assert [harness.lookup(key) for key in damaged] == [Lookup.MISS] * len(damaged)
 
     def test_a_torn_variable_size_chunk_is_a_counted_miss(self) -> None:
-        harness = self.make_codec_harness()
-        if harness is None:
-            return  # refused at start, with the reason
-        try:
-            if not harness.tier.holds_stores:
-                return  # keeps nothing it is given to store: nothing to damage
+        with self._codec_harness(holding=True) as harness:
+            if harness is None:
+                return  # refused at start (saying why), or keeps nothing to damage
             keys, _ = self._stored_chunks(harness, 4)
             value = self.read_stored(harness, keys[0])
             # Cut at a page, mid-payload and just short of the end: each a
@@ -428,16 +436,11 @@ class TierContractTests(Generic[T]):
             cuts = (4096, len(value) // 2, len(value) - 1)
             damaged = {key: value[:cut] for key, cut in zip(keys, cuts, strict=False)}
             self._assert_never_served(harness, damaged, keys[3])
-        finally:
-            harness.close()
 
     def test_a_damaged_length_is_a_counted_miss(self) -> None:
-        harness = self.make_codec_harness()
-        if harness is None:
-            return  # refused at start, with the reason
-        try:
-            if not harness.tier.holds_stores:
-                return  # keeps nothing it is given to store: nothing to damage
+        with self._codec_harness(holding=True) as harness:
+            if harness is None:
+                return  # refused at start (saying why), or keeps nothing to damage
             keys, _ = self._stored_chunks(harness, 4)
             damaged = {}
             # Shorter by a page, longer by a page, and the size a chunk of
@@ -451,5 +454,3 @@ class TierContractTests(Generic[T]):
                 value[at : at + 8] = length.to_bytes(8, "little")
                 damaged[key] = bytes(value)
             self._assert_never_served(harness, damaged, keys[3])
-        finally:
-            harness.close()

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 from pydantic import Field, model_validator
 
+from kvtier.errors import BackendUnavailableError, MissingDependencyError, describe_error
 from kvtier.tiers.base import TierMetric
 from kvtier.tiers.threaded import ThreadedTierOptions
 
@@ -168,6 +169,20 @@ class Backend(ABC, Generic[OptionsT]):
         """Connect (through :meth:`BackendRuntime.start_backend`, bounded) or raise."""
         self.options = options
         self.runtime = runtime
+
+    def start_client(
+        self, connect: Callable[[], T], dispose: Callable[[T], None], target: str, hint: str = ""
+    ) -> T:
+        """:meth:`BackendRuntime.start_backend`, with any error but a missing
+        dependency turned into a :class:`BackendUnavailableError` naming ``target``."""
+        try:
+            return self.runtime.start_backend(connect, dispose, target, hint)
+        except (MissingDependencyError, BackendUnavailableError):
+            raise
+        except Exception as exc:
+            raise BackendUnavailableError(
+                self.runtime.tier_type, target, describe_error(exc)
+            ) from exc
 
     @classmethod
     def name_prefix(cls, options: OptionsT) -> str:

@@ -22,7 +22,6 @@ from typing import Any, ClassVar, Literal
 from pydantic import ByteSize, Field, field_validator
 
 from kvtier.errors import (
-    BackendUnavailableError,
     CorruptChunkError,
     MissingDependencyError,
     describe_error,
@@ -136,16 +135,9 @@ class MooncakeBackend(Backend[MooncakeTierOptions]):
         self.registered: list[tuple[mmap.mmap, int]] = []
         self._registered_lock = threading.Lock()
         self._client: Any = None
-        try:
-            self._client = runtime.start_backend(
-                lambda: _connected(options), lambda store: store.close(), self._target
-            )
-        except (MissingDependencyError, BackendUnavailableError):
-            raise
-        except Exception as exc:
-            raise BackendUnavailableError(
-                runtime.tier_type, self._target, describe_error(exc)
-            ) from exc
+        self._client = self.start_client(
+            lambda: _connected(options), lambda store: store.close(), self._target
+        )
 
     @classmethod
     def name_prefix(cls, options: MooncakeTierOptions) -> str:

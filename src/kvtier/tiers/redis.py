@@ -14,10 +14,8 @@ from typing import Any, ClassVar, Protocol, Self
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from kvtier.errors import (
-    BackendUnavailableError,
     CorruptChunkError,
     MissingDependencyError,
-    describe_error,
 )
 from kvtier.tiers.addresses import host_problem, parse_host_port, split_url
 from kvtier.tiers.backend import (
@@ -147,21 +145,14 @@ class RedisBackend(Backend[RedisTierOptions]):
         # A cluster client keeps redis-py's own connections (and packer).
         self.sends_framed = not self._cluster
         tls = (options.url or "").lower().startswith("rediss://")
-        try:
-            self.client: Any = runtime.start_backend(
-                lambda: _connected(options),
-                lambda client: client.close(),
-                self._target,
-                hint="; a rediss:// URL (TLS) for a server without TLS also waits like this"
-                if tls
-                else "",
-            )
-        except (MissingDependencyError, BackendUnavailableError):
-            raise
-        except Exception as exc:
-            raise BackendUnavailableError(
-                runtime.tier_type, self._target, describe_error(exc)
-            ) from exc
+        self.client: Any = self.start_client(
+            lambda: _connected(options),
+            lambda client: client.close(),
+            self._target,
+            hint="; a rediss:// URL (TLS) for a server without TLS also waits like this"
+            if tls
+            else "",
+        )
 
     @classmethod
     def name_prefix(cls, options: RedisTierOptions) -> str:

@@ -18,6 +18,7 @@ from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.fs.io import TRAILER_BLOCK
+from tests.support.round_trip import assert_served_after_primary_reset
 from tests.tiers.fs.fs_support import fs_tier
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
@@ -277,13 +278,7 @@ def test_kvcache_round_trip_through_fs_after_primary_reset(root: Path) -> None:
     tokens = list(range(20))
     data = np.random.default_rng(0).integers(0, 256, (5, layout.slot_bytes), dtype=np.uint8)
     with KVCache(config, layout) as cache:
-        assert cache.store(tokens, data) == 5
-        cache.drain()
-        cache.manager.reset()
-        assert cache.cached_prefix(tokens) == 20
-        out = np.zeros_like(data)
-        cache.load(tokens, 20, out)
-        np.testing.assert_array_equal(out, data)
+        assert_served_after_primary_reset(cache, tokens, data)
     assert len(list((root / layout.namespace.hex()).rglob("*.kvc"))) == 5
 
 

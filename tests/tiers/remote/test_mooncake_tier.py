@@ -27,6 +27,7 @@ from kvtier.tiers import mooncake as mooncake_module
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.mooncake import MooncakeTier, MooncakeTierOptions
 from tests.support.needs import need_mooncake
+from tests.support.round_trip import assert_served_after_primary_reset
 from tests.support.servers import MooncakeMaster, free_port
 from tests.tiers.remote.outage import on_fake_clock, outage_harness
 from tests.tiers.remote.test_shared_engines import run_engine
@@ -207,13 +208,7 @@ def test_master_killed_and_restarted_costs_hits_then_recovers(
         assert [m.value for m in tier.metrics() if m.name == "backend_up"] == [1.0]
         cache.manager.reset()
         assert cache.cached_prefix(before) == 0  # a restarted master knows no chunk
-        assert cache.store(after, data) == 4
-        cache.drain()
-        cache.manager.reset()
-        assert cache.cached_prefix(after) == 16
-        out = np.zeros_like(data)
-        cache.load(after, 16, out)
-        np.testing.assert_array_equal(out, data)
+        assert_served_after_primary_reset(cache, after, data)
 
 
 def test_a_frozen_master_costs_a_deadline_then_recovers(

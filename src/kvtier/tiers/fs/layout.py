@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import re
 import secrets
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.layout import KEY_BYTES, KVLayout
+
+logger = logging.getLogger(__name__)
 
 CHUNK_SUFFIX = ".kvc"
 NAMESPACE_FILE = "NAMESPACE.json"
@@ -371,3 +374,28 @@ def remove_entry(path: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def clear_odd_entry(path: str) -> None:
+    """Make room at ``path`` for a regular file: anything else there (symlink,
+    FIFO, directory, device) is removed, or moved aside when that is not safe
+    (a directory with something in it). Raises ``OSError`` naming the path
+    when neither works."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = mode_kind(mode)
+    if remove_entry(path):
+        logger.warning("fs index: removed %s at %s", kind, path)
+        return
+    aside = f"{path}.{secrets.token_hex(4)}.moved-aside"
+    try:
+        os.rename(path, aside)
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"fs index: {kind} at {path} can be neither removed nor moved aside"
+        ) from exc
+    logger.warning("fs index: moved %s at %s to %s", kind, path, aside)

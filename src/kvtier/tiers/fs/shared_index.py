@@ -9,19 +9,32 @@ See docs/fs.md, 'Shared roots'.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
-import secrets
 import sqlite3
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast
 
-from kvtier.tiers.fs.layout import ChunkFile, mode_kind, remove_entry, write_abandoned
+from kvtier.tiers.fs.group_commit import GroupCommit
+from kvtier.tiers.fs.index_db import immediate, open_index_db
+from kvtier.tiers.fs.index_lock import IndexBusyError, IndexLock, path_id
+from kvtier.tiers.fs.layout import ChunkFile, write_abandoned
+from kvtier.tiers.fs.mounts import NETWORK_FILESYSTEMS, filesystem_type
+
+__all__ = [
+    "EVICTION_LOG",
+    "INDEX_FILE",
+    "LOCK_FILE",
+    "NETWORK_FILESYSTEMS",
+    "STAMP_FLUSH_COUNT",
+    "STAMP_FLUSH_S",
+    "IndexBusyError",
+    "SharedIndex",
+    "Totals",
+    "filesystem_type",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,89 +51,6 @@ STAMP_FLUSH_COUNT = 4096
 _BATCH = 1024
 #: Step between uses recorded while the clock is behind the latest use.
 _TICK = 1e-6
-#: First and longest pause between tries of a lock another process holds.
-_LOCK_POLL_S = (20e-6, 1e-3)
-
-# ``temp``: the temp file of the write that made the row (gone once renamed).
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS chunks (
-    key BLOB PRIMARY KEY, size INTEGER NOT NULL, used REAL NOT NULL, temp TEXT) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS chunks_by_use ON chunks (used);
-CREATE TABLE IF NOT EXISTS evicted (seq INTEGER PRIMARY KEY AUTOINCREMENT, key BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS totals (bytes INTEGER NOT NULL, count INTEGER NOT NULL);
-INSERT INTO totals SELECT 0, 0 WHERE NOT EXISTS (SELECT 1 FROM totals);
-CREATE TABLE IF NOT EXISTS filled (at REAL NOT NULL, directory TEXT NOT NULL);
-CREATE TRIGGER IF NOT EXISTS chunk_added AFTER INSERT ON chunks BEGIN
-    UPDATE totals SET bytes = bytes + new.size, count = count + 1; END;
-CREATE TRIGGER IF NOT EXISTS chunk_dropped AFTER DELETE ON chunks BEGIN
-    UPDATE totals SET bytes = bytes - old.size, count = count - 1; END;
-"""
-
-
-#: Filesystems that may be mounted by several hosts, where SQLite's WAL (and
-#: so the shared bound) cannot span the processes of different hosts.
-NETWORK_FILESYSTEMS = frozenset(
-    {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "9p"}
-)
-
-
-def filesystem_type(path: str) -> str | None:
-    """The type of the filesystem ``path`` is on (Linux), or ``None``."""
-    target = os.path.realpath(path)
-    best, fstype = "", None
-    try:
-        with open("/proc/self/mountinfo") as mounts:
-            for line in mounts:
-                # id parent major:minor root mountpoint options [optional...] - type source
-                fields = line.split()
-                mountpoint = fields[4].replace("\\040", " ")
-                inside = target == mountpoint or target.startswith(mountpoint.rstrip("/") + "/")
-                if inside and len(mountpoint) >= len(best):
-                    best, fstype = mountpoint, fields[fields.index("-") + 1]
-    except (OSError, ValueError, IndexError):
-        return None
-    return fstype
-
-
-_T = TypeVar("_T")
-
-
-class IndexBusyError(sqlite3.OperationalError):
-    """The index lock stayed taken by another process for longer than the
-    timeout: that process is stopped or hung inside a change."""
-
-
-def _file_id(info: os.stat_result) -> tuple[int, int]:
-    return info.st_dev, info.st_ino
-
-
-def _path_id(path: str) -> tuple[int, int] | None:
-    try:
-        return _file_id(os.stat(path, follow_symlinks=False))
-    except OSError:
-        return None
-
-
-#: SQLite's primary result codes of errors that say nothing about the index's
-#: state (a full disk, no access, no memory): rebuilding would only lose it.
-_NOT_DAMAGE = frozenset({3, 7, 8, 13, 14})  # PERM, NOMEM, READONLY, FULL, CANTOPEN
-
-
-def _not_damage(error: sqlite3.DatabaseError) -> bool:
-    code = getattr(error, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF in _NOT_DAMAGE
-
-
-@contextlib.contextmanager
-def _immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """One write transaction on ``db``, rolled back if anything raises."""
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        yield db
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")
 
 
 def _exists(path: str) -> bool:
@@ -134,41 +64,6 @@ def _exists(path: str) -> bool:
     except OSError:
         return True
     return True
-
-
-def _clear_odd_entry(path: str) -> None:
-    """Make room at ``path`` for a regular file: anything else there (symlink,
-    FIFO, directory, device) is removed, or moved aside when that is not safe
-    (a directory with something in it). Raises ``OSError`` naming the path
-    when neither works."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISREG(mode):
-        return
-    kind = mode_kind(mode)
-    if remove_entry(path):
-        logger.warning("fs index: removed %s at %s", kind, path)
-        return
-    aside = f"{path}.{secrets.token_hex(4)}.moved-aside"
-    try:
-        os.rename(path, aside)
-    except OSError as exc:
-        raise OSError(
-            exc.errno, f"fs index: {kind} at {path} can be neither removed nor moved aside"
-        ) from exc
-    logger.warning("fs index: moved %s at %s to %s", kind, path, aside)
-
-
-@dataclass
-class _Queued(Generic[_T]):
-    """A change waiting for a transaction; ``result`` or ``error`` once done."""
-
-    change: Callable[[sqlite3.Connection], _T]
-    done: bool = False
-    result: _T | None = None
-    error: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -203,16 +98,14 @@ class SharedIndex:
         self.max_bytes = max_bytes
         self._directory = directory
         self.path = os.path.join(directory, INDEX_FILE)
-        self._lock_path = os.path.join(directory, LOCK_FILE)
         self._chunk_path = chunk_path
         self._abandoned_s = abandoned_s
         self._scan = scan
         self._lock_timeout_s = lock_timeout_s
         self._clock = clock
         self._mutex = threading.Lock()
-        self._batch_lock = threading.Lock()
         self._pending_lock = threading.Lock()
-        self._queued: list[_Queued[Any]] = []
+        self._commits = GroupCommit(self._change)
         self._stamps: dict[bytes, float] = {}
         self._forget: set[bytes] = set()
         self._done: dict[bytes, str] = {}
@@ -220,14 +113,14 @@ class SharedIndex:
         self._db: sqlite3.Connection | None = None
         self._db_id: tuple[int, int] | None = None
         self._reopened = False
-        self._lock_fd = self._open_lock()
+        self._lock = IndexLock(os.path.join(directory, LOCK_FILE), lock_timeout_s)
         try:
             with self._flock():  # opens the index
                 pass
         except BaseException:
             if self._db is not None:
                 self._db.close()
-            os.close(self._lock_fd)
+            self._lock.close()
             raise
         self._reopened = False
         self.evictions_seen = self._last_eviction()
@@ -237,44 +130,14 @@ class SharedIndex:
         assert self._db is not None, "opened by the constructor"
         return self._db
 
-    def _open_lock(self) -> int:
-        """Open (creating) the lock file, never through a symlink, making room
-        for it if something else is at its path."""
-        os.makedirs(self._directory, exist_ok=True)
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        for attempt in (1, 2):
-            try:
-                fd = os.open(self._lock_path, flags, 0o644)
-            except OSError:
-                if attempt == 2:
-                    raise
-                _clear_odd_entry(self._lock_path)
-                continue
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                return fd
-            os.close(fd)
-            _clear_odd_entry(self._lock_path)
-        raise OSError(f"fs index: cannot make a lock file at {self._lock_path}")
-
     def _open_index(self) -> None:
-        """Under the lock: (re)open the index at :attr:`path`, rebuilding it if
-        it is damaged and filling it from a scan if it never was."""
+        """Under the lock: (re)open the index at :attr:`path`, filling it from
+        a scan if it never counted the files."""
         if self._db is not None:
             logger.warning("fs index %s was replaced or removed: opening it again", self.path)
-        for suffix in ("", "-wal", "-shm"):
-            _clear_odd_entry(self.path + suffix)  # SQLite would follow a link, block on a FIFO
+        db = open_index_db(self.path, self._lock_timeout_s)
         try:
-            db = self._connect()
-        except sqlite3.DatabaseError as exc:
-            if _not_damage(exc):
-                raise  # the index is kept: other processes use it
-            # Only an index: what it knew is rebuilt from a scan of the files.
-            logger.warning("fs index %s unusable (%s): starting a new one", self.path, exc)
-            for suffix in ("", "-wal", "-shm"):
-                remove_entry(self.path + suffix)
-            db = self._connect()
-        try:
-            db_id = _path_id(self.path)
+            db_id = path_id(self.path)
             self._fill(db)
         except BaseException:
             db.close()  # the old connection stays, and this is tried again
@@ -296,7 +159,7 @@ class SharedIndex:
             return
         now = self._clock()
         rows = [(c.key, c.size, min(c.mtime_ns / 1e9, now)) for c in self._scan()]
-        with _immediate(db):
+        with immediate(db):
             db.executemany(
                 "INSERT INTO chunks (key, size, used) VALUES (?, ?, ?) "
                 "ON CONFLICT (key) DO NOTHING",
@@ -304,60 +167,14 @@ class SharedIndex:
             )
             db.execute("INSERT INTO filled (at, directory) VALUES (?, ?)", (now, directory))
 
-    def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(
-            self.path, timeout=self._lock_timeout_s, isolation_level=None, check_same_thread=False
-        )
-        try:
-            db.execute("PRAGMA journal_mode = WAL")
-            # Commits skip fsync (checkpoints do it): a power cut may lose the
-            # last changes, which the re-index at the next start puts back.
-            db.execute("PRAGMA synchronous = NORMAL")
-            db.executescript(_SCHEMA)
-        except BaseException:
-            db.close()
-            raise
-        return db
-
     @contextlib.contextmanager
     def _flock(self, timeout_s: float | None = None) -> Iterator[None]:
         """Hold the lock, on the lock file and index that are there now;
         wait at most ``timeout_s`` (the lock timeout if ``None``)."""
-        deadline = time.monotonic() + (self._lock_timeout_s if timeout_s is None else timeout_s)
-        while True:
-            self._lock_until(deadline)
-            if _path_id(self._lock_path) == _file_id(os.fstat(self._lock_fd)):
-                break
-            # Removed or replaced: a lock on a file no one else opens excludes no one.
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = self._open_lock()
-        try:
-            if self._db is None or _path_id(self.path) != self._db_id:
+        with self._lock.hold(timeout_s):
+            if self._db is None or path_id(self.path) != self._db_id:
                 self._open_index()
             yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-    def _lock_until(self, deadline: float) -> None:
-        """Take the lock, or raise :class:`IndexBusyError` at ``deadline``. A
-        blocking ``flock`` cannot be given up, so a taken lock is tried again
-        after short, growing pauses."""
-        pause, longest = _LOCK_POLL_S
-        while True:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                pass
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise IndexBusyError(
-                    f"fs index lock {self._lock_path} held by another process for more "
-                    f"than {self._lock_timeout_s} s"
-                )
-            time.sleep(min(pause, left))
-            pause = min(2 * pause, longest)
 
     @contextlib.contextmanager
     def _change(self) -> Iterator[sqlite3.Connection]:
@@ -369,7 +186,7 @@ class SharedIndex:
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """Under the lock: one transaction, which pending changes go in with."""
-        with _immediate(self._index) as db:
+        with immediate(self._index) as db:
             self._apply_pending()
             yield db
 
@@ -384,7 +201,7 @@ class SharedIndex:
         or another live writer is making it; ``"full"`` when writes in flight
         fill ``max_bytes``.
         """
-        return self._batched(lambda db: self._reserve_one(db, key, size, temp_path))
+        return self._commits.run(lambda db: self._reserve_one(db, key, size, temp_path))
 
     def written(self, key: bytes, temp_path: str) -> None:
         """The write to ``temp_path`` renamed its file into place: its row is
@@ -392,31 +209,6 @@ class SharedIndex:
         written with the next change (see docs/fs.md, 'Shared roots')."""
         with self._pending_lock:
             self._done[key] = temp_path
-
-    def _batched(self, change: Callable[[sqlite3.Connection], _T]) -> _T:
-        """Run ``change`` in a transaction. Group commit: whoever gets the lock
-        first runs every change queued by then in one transaction, so threads
-        storing at once share it."""
-        request: _Queued[_T] = _Queued(change)
-        with self._pending_lock:
-            self._queued.append(request)
-        with self._batch_lock:
-            if not request.done:
-                with self._pending_lock:
-                    batch, self._queued = self._queued, []
-                try:
-                    with self._change() as db:
-                        for queued in batch:
-                            queued.result = queued.change(db)
-                except BaseException as exc:
-                    for queued in batch:  # rolled back: none of them holds
-                        queued.error = exc
-                for queued in batch:
-                    queued.done = True
-        if request.error is not None:
-            raise request.error
-        # Done without an error: the change returned its result (None is a result too).
-        return cast(_T, request.result)
 
     def _reserve_one(
         self, db: sqlite3.Connection, key: bytes, size: int, temp_path: str
@@ -684,4 +476,4 @@ class SharedIndex:
         finally:
             if self._db is not None:
                 self._db.close()
-            os.close(self._lock_fd)
+            self._lock.close()
