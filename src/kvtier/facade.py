@@ -40,8 +40,7 @@ __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
 #: (``next`` on a counter is atomic), and cheaper than a UUID per lookup.
 _anonymous_requests = map(f"kvtier-{uuid.uuid4().hex[:12]}-{{}}".format, itertools.count())
 #: Longest a lookup waiting for promotions sleeps between looks when every
-#: tier announces its progress: a change none announced is seen this late
-#: (a chunk evicted between its lookup and its pin is looked at again at once).
+#: tier announces its progress: a change none announced is seen this late.
 _UNANNOUNCED_S = 0.05
 
 
@@ -161,23 +160,17 @@ class KVCache:
                     # Taken after that collect: results applied from here on
                     # (by this pass's step too) move it, so none is missed.
                     mark = manager.progress.mark
-                    pinned, pending, evicted = manager.lookup_pinned(
+                    pinned, pending = manager.lookup_pinned(
                         keys[len(slots) :], request, end_request=owned
                     )
                     slots += pinned
-                    more = pending or evicted
                     # The clock is read only when more may come (most lookups: never).
-                    left = deadline - time.monotonic() if more else 0.0
-                    if not more or left <= 0:
-                        if owned and more:
+                    left = deadline - time.monotonic() if pending else 0.0
+                    if not pending or left <= 0:
+                        if owned and pending:
                             manager.on_request_finished(request)
-                        return HeldPrefix(self, keys[: len(slots)], slots, more)
+                        return HeldPrefix(self, keys[: len(slots)], slots, pending)
                     manager.step()  # submits the promotions this lookup started
-                if evicted:
-                    # A chunk found ready was evicted before its pin: nobody
-                    # announces that, so look again now rather than wait.
-                    waited = False
-                    continue
                 waited = True
                 if manager.progress.announced:
                     # Woken by the tiers when a job ends or a check answers;

@@ -64,16 +64,13 @@ class LookupResult(NamedTuple):
 
 
 class PinnedLookup(NamedTuple):
-    """What :meth:`TieringManager.lookup_pinned` pinned, and why to look again."""
+    """What :meth:`TieringManager.lookup_pinned` pinned, and whether to look again."""
 
     #: Slots of the leading chunks pinned, in order.
     slots: list[int]
     #: More may be ready once in-flight work ends (a promotion, a store):
     #: its end is announced on :attr:`TieringManager.progress`.
     pending: bool
-    #: Fewer chunks were pinned than the lookup found ready: one was evicted
-    #: in between. Nothing announces that: look again at once.
-    evicted: bool
 
 
 class TieringManager:
@@ -124,38 +121,43 @@ class TieringManager:
     @_serialised
     def lookup(self, keys: Sequence[ChunkKey], request_id: str | None = None) -> LookupResult:
         """How many leading chunks are ready; starts promotions for the rest it finds."""
-        return LookupResult(*self._lookup(keys, request_id))
+        asked_before = request_id is not None and request_id in self._asking
+        hits = self.primary.lookup(keys, count_hits=not asked_before)
+        return LookupResult(hits, self._look_past(keys, hits, request_id, asked_before))
 
     def lookup_pinned(
         self, keys: Sequence[ChunkKey], request_id: str, *, end_request: bool = False
     ) -> PinnedLookup:
-        """:meth:`lookup`, then pin the leading ready chunks, in one entry.
+        """:meth:`lookup`, pinning the leading ready chunks as they are found.
 
-        ``end_request``: the request's lookups are over unless more is pending
-        or a chunk was evicted before its pin, and then it ends here as by
-        :meth:`on_request_finished`.
+        ``end_request``: the request's lookups are over unless more is
+        pending, and then it ends here as by :meth:`on_request_finished`.
         """
         # The lock taken here, not by _serialised: once a request, a call less.
         with self._lock:
-            hits, pending = self._lookup(keys, request_id)
-            slots = self.primary.pin_prefix(keys[:hits])
-            evicted = len(slots) < hits
-            if end_request and not (pending or evicted):
+            asked_before = request_id in self._asking
+            slots = self.primary.lookup_pinned(keys, count_hits=not asked_before)
+            try:
+                pending = self._look_past(keys, len(slots), request_id, asked_before)
+            except BaseException:
+                self.primary.complete_load(keys[: len(slots)])
+                raise
+            if end_request and not pending:
                 self._end_request(request_id)
-            return PinnedLookup(slots, pending, evicted)
+            return PinnedLookup(slots, pending)
 
-    def _lookup(self, keys: Sequence[ChunkKey], request_id: str | None) -> tuple[int, bool]:
-        """:meth:`lookup`, under the lock, as a plain tuple (a named one costs a
-        Python-level call to build, once a request).
+    def _look_past(
+        self, keys: Sequence[ChunkKey], hits: int, request_id: str | None, asked_before: bool
+    ) -> bool:
+        """Under the lock, after the primary tier found ``hits`` leading chunks
+        ready: whether more may come (chunks being written or promoted).
 
-        Linear in ``keys``: the leading ready chunks are found and touched in
-        one pass (touched first, so that the promotions' evictions meet them
-        at the recent end of the policy's order), and every promotion
-        protects the same set of the chain's keys, made once.
+        Linear in ``keys``: every promotion protects the same set of the
+        chain's keys, made once. The primary tier touched the ready chunks
+        first, so that the promotions' evictions meet them at the recent end
+        of the policy's order.
         """
         primary = self.primary
-        asked_before = request_id is not None and request_id in self._asking
-        hits = primary.lookup(keys, count_hits=not asked_before)
         pending = False
         chain: set[ChunkKey] | None = None
         # Past the ready prefix, only secondary tiers or writes in flight add anything.
@@ -177,7 +179,7 @@ class TieringManager:
                 self._asking.add(request_id)
             elif asked_before:
                 self._asking.discard(request_id)
-        return hits, pending
+        return pending
 
     def _lookup_secondary(
         self, key: ChunkKey, ctx: LookupContext, chain: set[ChunkKey]

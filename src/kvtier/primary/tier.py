@@ -257,6 +257,23 @@ class PrimaryTier:
         with self._lock:
             return loops.active.pin_prefix(self._ready, self._pins, keys)
 
+    def lookup_pinned(self, keys: Sequence[ChunkKey], *, count_hits: bool = True) -> list[int]:
+        """:meth:`lookup` and :meth:`pin_prefix` in one step: the leading ready
+        chunks of ``keys`` are found, touched and pinned under one hold of the
+        lock, so none can be evicted between being found and being pinned.
+        Returns their slots, in order; unpin with :meth:`complete_load`."""
+        with self._lock:
+            slots = loops.active.pin_prefix(self._ready, self._pins, keys)
+            if slots:
+                try:
+                    self.policy.touch(keys[: len(slots)])
+                except BaseException:
+                    loops.active.unpin(self._pins, keys[: len(slots)])
+                    raise
+                if count_hits:
+                    self.hits += len(slots)
+            return slots
+
     def lookup(self, keys: Sequence[ChunkKey], *, count_hits: bool = True) -> int:
         """How many leading chunks of ``keys`` are ready; those are touched (see
         :meth:`touch`) in the same pass, and added to :attr:`hits` unless
