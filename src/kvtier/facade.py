@@ -29,7 +29,7 @@ from kvtier.manager import LookupResult, TieringManager
 from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.prefix import ChunkCopier, HeldPrefix, copy_out
 from kvtier.recording import TraceRecorder
-from kvtier.request_keys import Keyed, RequestKeys
+from kvtier.request_keys import RequestKeys
 from kvtier.residency import ResidencyListener
 from kvtier.specs.factory import OffloadingSpecFactory
 from kvtier.status import CacheStatus
@@ -111,15 +111,6 @@ class KVCache:
         of ``len(keys)`` full chunks."""
         return KeyedTokens(self.layout.namespace, tuple(keys), len(keys) * self.chunk_tokens)
 
-    def _keyed(self, tokens: TokenIds | KeyedTokens) -> Keyed:
-        """The keys of the full chunks of ``tokens`` and its length: checked and
-        hashed once a request (see :mod:`kvtier.request_keys`)."""
-        if isinstance(tokens, KeyedTokens):
-            if tokens.namespace != self.layout.namespace:
-                raise ValueError("tokens: keyed by a cache of another layout (namespace)")
-            return tokens.keys, tokens.num_tokens
-        return self._request_keys.keys(tokens)
-
     def lookup(
         self,
         tokens: TokenIds | KeyedTokens,
@@ -139,10 +130,13 @@ class KVCache:
         request (the caller then ends it with :meth:`end_request`).
         """
         self.lifecycle.check()
-        keys, num_tokens = self._keyed(tokens)
+        keys, num_tokens = self._request_keys.keys(tokens)
         # NaN would never compare past the deadline: a lookup waiting for ever.
-        timeout = seconds(timeout, "timeout")
-        poll_s = seconds(poll_s, "poll_s")
+        # Floats >= 0 (the defaults) pass without a call: a fixed cost of every lookup.
+        if type(timeout) is not float or not timeout >= 0:
+            timeout = seconds(timeout, "timeout")
+        if type(poll_s) is not float or not poll_s >= 0:
+            poll_s = seconds(poll_s, "poll_s")
         recorder = self.trace_recorder
         if recorder is not None and not self.closed:  # one record a lookup: what simulate replays
             recorder.record(keys, num_tokens)
@@ -216,7 +210,7 @@ class KVCache:
         chunks of ``tokens`` is a ``ValueError``.
         """
         self.lifecycle.check()
-        keys, _ = self._keyed(tokens)
+        keys, _ = self._request_keys.keys(tokens)
         chunks = chunks_of(
             num_tokens, self.chunk_tokens, len(keys) * self.chunk_tokens, "num_tokens"
         )
@@ -249,7 +243,7 @@ class KVCache:
         stored, from the start.
         """
         self.lifecycle.check()
-        keys, _ = self._keyed(tokens)
+        keys, _ = self._request_keys.keys(tokens)
         full = len(keys)
         wanted = full if num_chunks is None else count(num_chunks, "num_chunks")
         if wanted > full:

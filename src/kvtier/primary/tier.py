@@ -167,6 +167,8 @@ class PrimaryTier:
             return self.policy.evict(n, _Protected(pins, set(own), protect))
         if not own:
             return self.policy.evict(n, pins)
+        if not pins:  # nothing pinned (a single engine between its requests): no lending
+            return self.policy.evict(n, set(own))
         # Idle, so not pinned: lent to the pinned keys for this one call, which
         # keeps each membership test the policy makes a single dict lookup.
         # Lent and taken back by C-level passes (a store after a lookup lends
