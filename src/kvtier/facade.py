@@ -138,7 +138,8 @@ class KVCache:
         if type(poll_s) is not float or not poll_s >= 0:
             poll_s = seconds(poll_s, "poll_s")
         recorder = self.trace_recorder
-        if recorder is not None and not self.closed:  # one record a lookup: what simulate replays
+        # One record a lookup: what simulate replays.
+        if recorder is not None and not self.lifecycle.closed:
             recorder.record(keys, num_tokens)
         owned = request_id is None
         request = next(_anonymous_requests) if request_id is None else request_id
@@ -341,7 +342,7 @@ class KVCache:
         when off): once a request, for engines that use :meth:`probe`
         (:meth:`lookup` records its own)."""
         recorder = self.trace_recorder
-        if recorder is not None and not self.closed:
+        if recorder is not None and not self.lifecycle.closed:
             recorder.record(keys, num_tokens)
 
     def watch_residency(self, listener: ResidencyListener) -> None:

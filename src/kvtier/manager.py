@@ -63,16 +63,6 @@ class LookupResult(NamedTuple):
     pending: bool
 
 
-class PinnedLookup(NamedTuple):
-    """What :meth:`TieringManager.lookup_pinned` pinned, and whether to look again."""
-
-    #: Slots of the leading chunks pinned, in order.
-    slots: list[int]
-    #: More may be ready once in-flight work ends (a promotion, a store):
-    #: its end is announced on :attr:`TieringManager.progress`.
-    pending: bool
-
-
 class TieringManager:
     """Owns the primary tier and drives the secondary tiers behind it."""
 
@@ -127,24 +117,32 @@ class TieringManager:
 
     def lookup_pinned(
         self, keys: Sequence[ChunkKey], request_id: str, *, end_request: bool = False
-    ) -> PinnedLookup:
+    ) -> tuple[list[int], bool]:
         """:meth:`lookup`, pinning the leading ready chunks as they are found.
 
-        ``end_request``: the request's lookups are over unless more is
-        pending, and then it ends here as by :meth:`on_request_finished`.
+        Returns the slots of the chunks pinned, in order, and whether more may
+        be ready once in-flight work ends (a promotion, a store): that end is
+        announced on :attr:`progress`. A plain tuple: a named one costs a
+        Python-level call to build, once a lookup. ``end_request``: the
+        request's lookups are over unless more is pending, and then it ends
+        here as by :meth:`on_request_finished`.
         """
         # The lock taken here, not by _serialised: once a request, a call less.
         with self._lock:
             asked_before = request_id in self._asking
-            slots = self.primary.lookup_pinned(keys, count_hits=not asked_before)
-            try:
-                pending = self._look_past(keys, len(slots), request_id, asked_before)
-            except BaseException:
-                self.primary.complete_load(keys[: len(slots)])
-                raise
+            primary = self.primary
+            slots = primary.lookup_pinned(keys, count_hits=not asked_before)
+            pending = False
+            # Most lookups of a cache without secondary tiers: nothing past the prefix.
+            if self.tiers or asked_before or primary.has_writes:
+                try:
+                    pending = self._look_past(keys, len(slots), request_id, asked_before)
+                except BaseException:
+                    primary.complete_load(keys[: len(slots)])
+                    raise
             if end_request and not pending:
                 self._end_request(request_id)
-            return PinnedLookup(slots, pending)
+            return slots, pending
 
     def _look_past(
         self, keys: Sequence[ChunkKey], hits: int, request_id: str | None, asked_before: bool

@@ -128,7 +128,7 @@ class HeldPrefix:
                 self._loading -= 1
                 if self._released and not self._loading:
                     self._unpin()  # released by the copier: held until the copy ended
-        return chunks * self._cache.chunk_tokens
+        return chunks * self._cache.layout.chunk_tokens
 
     def release(self) -> None:
         """Unpin the chunks. Idempotent; nothing to do once the cache is closed.
