@@ -82,6 +82,8 @@ class KVCache:
         self.lifecycle = Lifecycle("KVCache")
         self._request_keys = RequestKeys(layout.namespace, layout.chunk_tokens)
         self._num_slots = self.manager.primary.num_slots  # read by every store
+        # The guard every call enters (the same object each time): fetched once.
+        self._running = self.lifecycle.running()
         self._close_lock = threading.Lock()
 
     @property
@@ -149,7 +151,7 @@ class KVCache:
         waited = False
         try:
             while True:
-                with self.lifecycle.running():
+                with self._running:
                     if waited:  # the results that woke it, before it looks again
                         manager.collect()
                     # Taken after that collect: results applied from here on
@@ -176,7 +178,7 @@ class KVCache:
         except BaseException:
             self._unpin(keys[: len(slots)])
             if owned:
-                with suppress(ClosedError), self.lifecycle.running():
+                with suppress(ClosedError), self._running:
                     manager.on_request_finished(request)
             raise
 
@@ -218,7 +220,7 @@ class KVCache:
         if not callable(out):
             chunk_rows(out, chunks, self.layout, "out", writable=True)
         keys = keys[:chunks]
-        with self.lifecycle.running():
+        with self._running:
             slots = self.manager.pin_prefix(keys)
             try:
                 copy_out(self, slots, out)
@@ -243,19 +245,19 @@ class KVCache:
         had no room. At most as many chunks as the primary tier has slots are
         stored, from the start.
         """
-        self.lifecycle.check()
-        keys, _ = self._request_keys.keys(tokens)
-        full = len(keys)
-        wanted = full if num_chunks is None else count(num_chunks, "num_chunks")
-        if wanted > full:
-            raise ValueError(f"num_chunks={wanted} exceeds the {full} full chunks of tokens")
-        # No more than the primary tier holds: a prefix is only worth its first chunks.
-        wanted = min(wanted, self._num_slots)
-        rows = None
-        if not callable(src):
-            rows = chunk_rows(src, wanted, self.layout, "src", writable=False)
-        keys = keys[:wanted]
-        with self.lifecycle.running():
+        # Entered first: a closed cache says so before it looks at the arguments.
+        with self._running:
+            keys, _ = self._request_keys.keys(tokens)
+            full = len(keys)
+            wanted = full if num_chunks is None else count(num_chunks, "num_chunks")
+            if wanted > full:
+                raise ValueError(f"num_chunks={wanted} exceeds the {full} full chunks of tokens")
+            # No more than the primary tier holds: a prefix is only worth its first chunks.
+            wanted = min(wanted, self._num_slots)
+            rows = None
+            if not callable(src):
+                rows = chunk_rows(src, wanted, self.layout, "src", writable=False)
+            keys = keys[:wanted]
             reserved = self.manager.prepare_store(keys)
             if not reserved:
                 return 0
@@ -274,23 +276,23 @@ class KVCache:
 
     def step(self) -> None:
         """Drive pending work: collect finished transfers, submit promotions."""
-        with self.lifecycle.running():
+        with self._running:
             self.manager.step()
 
     def drain(self) -> None:
         """Wait until every transfer in flight has ended."""
-        with self.lifecycle.running():
+        with self._running:
             self.manager.drain()
 
     def reset(self) -> None:
         """Drain, then empty the primary tier; the secondary tiers keep their chunks."""
-        with self.lifecycle.running():
+        with self._running:
             self.manager.reset()
 
     def end_request(self, request_id: str) -> None:
         """End the request a caller named in its lookups (``request_id``): the
         tiers forget what they kept for it, and its failed promotions may be tried again."""
-        with self.lifecycle.running():
+        with self._running:
             self.manager.on_request_finished(request_id)
 
     # Engines whose workers copy the bytes --------------------------------

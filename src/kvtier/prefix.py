@@ -113,14 +113,15 @@ class HeldPrefix:
         :meth:`kvtier.KVCache.load`) or a copier called as ``out(index, chunk)``.
         Asking for more than is held is a ``ValueError``. Returns the tokens loaded.
         """
-        self._cache.lifecycle.check()
-        self._check_held()
-        if num_tokens is None:
-            chunks = len(self._slots)
-        else:
-            chunks = chunks_of(num_tokens, self._cache.chunk_tokens, self.num_tokens, "num_tokens")
+        # Entered first: closed or released, it says so before it looks at the arguments.
         with self._cache.lifecycle.running(), self._lock:
             self._check_held()
+            if num_tokens is None:
+                chunks = len(self._slots)
+            else:
+                chunks = chunks_of(
+                    num_tokens, self._cache.chunk_tokens, self.num_tokens, "num_tokens"
+                )
             self._loading += 1
             try:
                 copy_out(self._cache, self._slots[:chunks], out)
