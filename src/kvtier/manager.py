@@ -140,7 +140,9 @@ class TieringManager:
                 except BaseException:
                     primary.complete_load(keys[: len(slots)])
                     raise
-            if end_request and not pending:
+            # Without secondary tiers a request leaves nothing to forget
+            # (no failed loads; not pending, it is not among those asking).
+            if end_request and not pending and self.tiers:
                 self._end_request(request_id)
             return slots, pending
 
@@ -225,7 +227,8 @@ class TieringManager:
     def prepare_store(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, int] | None:
         """Slots for the chunks not yet resident, or ``None`` if there is no room."""
         with self._lock:  # as _serialised, a call less: once a store
-            return self._reserve(keys)
+            reserved = self.primary.prepare_store(keys)
+            return reserved if reserved is not None else self._reserve_again(keys)
 
     def _reserve(
         self, keys: Sequence[ChunkKey], protect: Collection[ChunkKey] = ()
@@ -238,10 +241,17 @@ class TieringManager:
         everything ready never do) would otherwise lose that room for good.
         """
         reserved = self.primary.prepare_store(keys, protect)
-        if reserved is None and self.jobs.running:
-            self.jobs.collect()
-            reserved = self.primary.prepare_store(keys, protect)
-        return reserved
+        return reserved if reserved is not None else self._reserve_again(keys, protect)
+
+    def _reserve_again(
+        self, keys: Sequence[ChunkKey], protect: Collection[ChunkKey] = ()
+    ) -> dict[ChunkKey, int] | None:
+        """After a reservation found no room: collect the jobs that ended, whose
+        chunks may hold that room, and try once more if any did."""
+        if not self.jobs.running:
+            return None
+        self.jobs.collect()
+        return self.primary.prepare_store(keys, protect)
 
     def complete_store(self, keys: Collection[ChunkKey], success: bool = True) -> None:
         """The engine finished writing ``keys``; on success they cascade to the tiers."""

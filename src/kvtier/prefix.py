@@ -128,7 +128,7 @@ class HeldPrefix:
             finally:
                 self._loading -= 1
                 if self._released and not self._loading:
-                    self._unpin()  # released by the copier: held until the copy ended
+                    self._cache._unpin(self._keys)  # released by the copier: held until now
         return chunks * self._cache.layout.chunk_tokens
 
     def release(self) -> None:
@@ -141,17 +141,13 @@ class HeldPrefix:
                 return
             self._released = True
             if not self._loading:
-                self._unpin()
+                self._cache._unpin(self._keys)
 
     def _check_held(self) -> None:
         if self._released:
             raise ClosedError(
                 f"this lookup of {self.num_chunks} chunks was released; look up again"
             )
-
-    def _unpin(self) -> None:
-        if self._slots:
-            self._cache._unpin(self._keys)
 
     def __enter__(self) -> HeldPrefix:
         return self
