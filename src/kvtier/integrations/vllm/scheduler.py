@@ -19,7 +19,8 @@ from typing import Any
 from kvtier import LookupResult
 from kvtier.facade import KVCache
 from kvtier.identity import AdapterIdentities
-from kvtier.keys import ChunkKey, chunk_keys
+from kvtier.inputs import token_bytes
+from kvtier.keys import ChunkKey, keys_of_token_bytes
 from kvtier.layout import KVLayout
 
 from .engine_config import VllmGeometry
@@ -75,7 +76,9 @@ def request_keys(
         salt += b"salt\0" + str(cache_salt).encode() + b"\0"
     count = len(tokens) // chunk_tokens
     extras = [salt] + [b""] * (count - 1) if salt and count else None
-    return chunk_keys(namespace, tokens, chunk_tokens, extras)
+    # Packed by struct, about twice as fast as numpy for a list of ids.
+    data = token_bytes(tokens, "prompt_token_ids")
+    return keys_of_token_bytes(namespace, data, chunk_tokens, extras)
 
 
 @dataclass
