@@ -162,13 +162,16 @@ class PrimaryTier:
         # them whose membership test is a fast C method (a keys view's, which
         # filterfalse and map call once per key, is a slower slot wrapper).
         pins = self._pins
+        if not pins and not protect:
+            # Nothing pinned (a single engine between its requests): all keys
+            # to spare, as one set; those the policy does not track are never
+            # asked about.
+            return self.policy.evict(n, set(keys))
         own = loops.active.idle_resident(self._ready, pins, keys)
         if protect:
             return self.policy.evict(n, _Protected(pins, set(own), protect))
         if not own:
             return self.policy.evict(n, pins)
-        if not pins:  # nothing pinned (a single engine between its requests): no lending
-            return self.policy.evict(n, set(own))
         # Idle, so not pinned: lent to the pinned keys for this one call, which
         # keeps each membership test the policy makes a single dict lookup.
         # Lent and taken back by C-level passes (a store after a lookup lends
