@@ -165,14 +165,15 @@ class ThenLock:
 
 
 def test_an_eviction_right_after_a_lookup_finds_its_chunks_pinned(
-    cold: KVCache, data: np.ndarray
+    cold: KVCache, data: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The lookup finds and pins its chunks in one hold of the primary tier's
     # lock: an eviction that takes the lock the moment the lookup's finding
     # releases it meets pinned chunks and removes nothing.
     assert cold.cached_prefix(TOKENS) == len(TOKENS)  # the whole prefix in the primary tier
     primary = cold.manager.primary
-    lock = primary._lock = ThenLock(primary._lock)  # type: ignore[assignment]
+    lock = ThenLock(primary._lock)
+    monkeypatch.setattr(primary, "_lock", lock)
     touch = primary.policy.touch
     removed: list[int] = []
 
@@ -181,7 +182,7 @@ def test_an_eviction_right_after_a_lookup_finds_its_chunks_pinned(
             lock.then = lambda: removed.append(primary.remove_idle([cold.keys(TOKENS)[2]]))
         touch(keys)
 
-    primary.policy.touch = evict_once_released  # type: ignore[method-assign]
+    monkeypatch.setattr(primary.policy, "touch", evict_once_released)
     waits = Waits(cold.manager)
     with cold.lookup(TOKENS, poll_s=POLL_S) as found:
         assert removed == [0]  # pinned by then: busy chunks stay

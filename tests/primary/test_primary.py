@@ -284,13 +284,15 @@ def test_lookup_pinned_finds_touches_and_pins_the_leading_ready_chunks(
     assert primary.lookup_pinned([key(8), first]) == []
 
 
-def test_lookup_pinned_pins_nothing_when_the_policy_raises(primary: PrimaryTier) -> None:
+def test_lookup_pinned_pins_nothing_when_the_policy_raises(
+    primary: PrimaryTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
     first, second = stored(primary, 1, 2)
 
     def broken(keys: object) -> None:
         raise RuntimeError("policy bug")
 
-    primary.policy.touch = broken  # type: ignore[method-assign]
+    monkeypatch.setattr(primary.policy, "touch", broken)
     with pytest.raises(RuntimeError, match="policy bug"):
         primary.lookup_pinned([first, second])
     assert primary.busy_counts()["pinned"] == 0 and primary.hits == 0

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any, cast
 
 import pytest
 from click.testing import CliRunner
@@ -128,7 +129,7 @@ def test_an_idle_writer_sleeps_until_a_request_comes(tmp_path: Path) -> None:
     try:
         recorder = TraceRecorder(tmp_path / "t.jsonl", block_size=BLOCK)
     finally:
-        threading.settrace(None)  # type: ignore[arg-type]
+        threading.settrace(cast(Any, None))  # None clears it; typeshed wants a function
     keys = chunk_keys(NAMESPACE, list(range(8)), BLOCK)
     recorder.record(keys, 8)
     recorder.flush()
