@@ -59,7 +59,7 @@ class RequestKeys:
             )
             self._remember(tokens, copy, keys)
             return keys, len(copy)
-        if type(tokens) is KeyedTokens:
+        if isinstance(tokens, KeyedTokens):
             if tokens.namespace != self.memo.namespace:
                 raise ValueError("tokens: keyed by a cache of another layout (namespace)")
             return tokens.keys, tokens.num_tokens
