@@ -29,7 +29,7 @@ from kvtier.manager import LookupResult, TieringManager
 from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.prefix import ChunkCopier, HeldPrefix, copy_out
 from kvtier.recording import TraceRecorder
-from kvtier.request_keys import Keyed, RequestKeys
+from kvtier.request_keys import RequestKeys
 from kvtier.residency import ResidencyListener
 from kvtier.specs.factory import OffloadingSpecFactory
 from kvtier.status import CacheStatus
@@ -40,8 +40,7 @@ __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
 #: (``next`` on a counter is atomic), and cheaper than a UUID per lookup.
 _anonymous_requests = map(f"kvtier-{uuid.uuid4().hex[:12]}-{{}}".format, itertools.count())
 #: Longest a lookup waiting for promotions sleeps between looks when every
-#: tier announces its progress: a change none announced is seen this late
-#: (a chunk evicted between its lookup and its pin is looked at again at once).
+#: tier announces its progress: a change none announced is seen this late.
 _UNANNOUNCED_S = 0.05
 
 
@@ -83,6 +82,8 @@ class KVCache:
         self.lifecycle = Lifecycle("KVCache")
         self._request_keys = RequestKeys(layout.namespace, layout.chunk_tokens)
         self._num_slots = self.manager.primary.num_slots  # read by every store
+        # The guard every call enters (the same object each time): fetched once.
+        self._running = self.lifecycle.running()
         self._close_lock = threading.Lock()
 
     @property
@@ -112,15 +113,6 @@ class KVCache:
         of ``len(keys)`` full chunks."""
         return KeyedTokens(self.layout.namespace, tuple(keys), len(keys) * self.chunk_tokens)
 
-    def _keyed(self, tokens: TokenIds | KeyedTokens) -> Keyed:
-        """The keys of the full chunks of ``tokens`` and its length: checked and
-        hashed once a request (see :mod:`kvtier.request_keys`)."""
-        if isinstance(tokens, KeyedTokens):
-            if tokens.namespace != self.layout.namespace:
-                raise ValueError("tokens: keyed by a cache of another layout (namespace)")
-            return tokens.keys, tokens.num_tokens
-        return self._request_keys.keys(tokens)
-
     def lookup(
         self,
         tokens: TokenIds | KeyedTokens,
@@ -140,12 +132,16 @@ class KVCache:
         request (the caller then ends it with :meth:`end_request`).
         """
         self.lifecycle.check()
-        keys, num_tokens = self._keyed(tokens)
+        keys, num_tokens = self._request_keys.keys(tokens)
         # NaN would never compare past the deadline: a lookup waiting for ever.
-        timeout = seconds(timeout, "timeout")
-        poll_s = seconds(poll_s, "poll_s")
+        # Floats >= 0 (the defaults) pass without a call: a fixed cost of every lookup.
+        if type(timeout) is not float or not timeout >= 0:
+            timeout = seconds(timeout, "timeout")
+        if type(poll_s) is not float or not poll_s >= 0:
+            poll_s = seconds(poll_s, "poll_s")
         recorder = self.trace_recorder
-        if recorder is not None and not self.closed:  # one record a lookup: what simulate replays
+        # One record a lookup: what simulate replays.
+        if recorder is not None and not self.lifecycle.closed:
             recorder.record(keys, num_tokens)
         owned = request_id is None
         request = next(_anonymous_requests) if request_id is None else request_id
@@ -155,29 +151,23 @@ class KVCache:
         waited = False
         try:
             while True:
-                with self.lifecycle.running():
+                with self._running:
                     if waited:  # the results that woke it, before it looks again
                         manager.collect()
                     # Taken after that collect: results applied from here on
                     # (by this pass's step too) move it, so none is missed.
                     mark = manager.progress.mark
-                    pinned, pending, evicted = manager.lookup_pinned(
+                    pinned, pending = manager.lookup_pinned(
                         keys[len(slots) :], request, end_request=owned
                     )
                     slots += pinned
-                    more = pending or evicted
                     # The clock is read only when more may come (most lookups: never).
-                    left = deadline - time.monotonic() if more else 0.0
-                    if not more or left <= 0:
-                        if owned and more:
+                    left = deadline - time.monotonic() if pending else 0.0
+                    if not pending or left <= 0:
+                        if owned and pending:
                             manager.on_request_finished(request)
-                        return HeldPrefix(self, keys[: len(slots)], slots, more)
+                        return HeldPrefix(self, keys[: len(slots)], slots, pending)
                     manager.step()  # submits the promotions this lookup started
-                if evicted:
-                    # A chunk found ready was evicted before its pin: nobody
-                    # announces that, so look again now rather than wait.
-                    waited = False
-                    continue
                 waited = True
                 if manager.progress.announced:
                     # Woken by the tiers when a job ends or a check answers;
@@ -188,7 +178,7 @@ class KVCache:
         except BaseException:
             self._unpin(keys[: len(slots)])
             if owned:
-                with suppress(ClosedError), self.lifecycle.running():
+                with suppress(ClosedError), self._running:
                     manager.on_request_finished(request)
             raise
 
@@ -223,14 +213,14 @@ class KVCache:
         chunks of ``tokens`` is a ``ValueError``.
         """
         self.lifecycle.check()
-        keys, _ = self._keyed(tokens)
+        keys, _ = self._request_keys.keys(tokens)
         chunks = chunks_of(
             num_tokens, self.chunk_tokens, len(keys) * self.chunk_tokens, "num_tokens"
         )
         if not callable(out):
             chunk_rows(out, chunks, self.layout, "out", writable=True)
         keys = keys[:chunks]
-        with self.lifecycle.running():
+        with self._running:
             slots = self.manager.pin_prefix(keys)
             try:
                 copy_out(self, slots, out)
@@ -255,19 +245,19 @@ class KVCache:
         had no room. At most as many chunks as the primary tier has slots are
         stored, from the start.
         """
-        self.lifecycle.check()
-        keys, _ = self._keyed(tokens)
-        full = len(keys)
-        wanted = full if num_chunks is None else count(num_chunks, "num_chunks")
-        if wanted > full:
-            raise ValueError(f"num_chunks={wanted} exceeds the {full} full chunks of tokens")
-        # No more than the primary tier holds: a prefix is only worth its first chunks.
-        wanted = min(wanted, self._num_slots)
-        rows = None
-        if not callable(src):
-            rows = chunk_rows(src, wanted, self.layout, "src", writable=False)
-        keys = keys[:wanted]
-        with self.lifecycle.running():
+        # Entered first: a closed cache says so before it looks at the arguments.
+        with self._running:
+            keys, _ = self._request_keys.keys(tokens)
+            full = len(keys)
+            wanted = full if num_chunks is None else count(num_chunks, "num_chunks")
+            if wanted > full:
+                raise ValueError(f"num_chunks={wanted} exceeds the {full} full chunks of tokens")
+            # No more than the primary tier holds: a prefix is only worth its first chunks.
+            wanted = min(wanted, self._num_slots)
+            rows = None
+            if not callable(src):
+                rows = chunk_rows(src, wanted, self.layout, "src", writable=False)
+            keys = keys[:wanted]
             reserved = self.manager.prepare_store(keys)
             if not reserved:
                 return 0
@@ -286,23 +276,23 @@ class KVCache:
 
     def step(self) -> None:
         """Drive pending work: collect finished transfers, submit promotions."""
-        with self.lifecycle.running():
+        with self._running:
             self.manager.step()
 
     def drain(self) -> None:
         """Wait until every transfer in flight has ended."""
-        with self.lifecycle.running():
+        with self._running:
             self.manager.drain()
 
     def reset(self) -> None:
         """Drain, then empty the primary tier; the secondary tiers keep their chunks."""
-        with self.lifecycle.running():
+        with self._running:
             self.manager.reset()
 
     def end_request(self, request_id: str) -> None:
         """End the request a caller named in its lookups (``request_id``): the
         tiers forget what they kept for it, and its failed promotions may be tried again."""
-        with self.lifecycle.running():
+        with self._running:
             self.manager.on_request_finished(request_id)
 
     # Engines whose workers copy the bytes --------------------------------
@@ -354,7 +344,7 @@ class KVCache:
         when off): once a request, for engines that use :meth:`probe`
         (:meth:`lookup` records its own)."""
         recorder = self.trace_recorder
-        if recorder is not None and not self.closed:
+        if recorder is not None and not self.lifecycle.closed:
             recorder.record(keys, num_tokens)
 
     def watch_residency(self, listener: ResidencyListener) -> None:

@@ -83,7 +83,7 @@ def _packed(tokens: list[Any] | tuple[Any, ...], where: str) -> bytes:
     # Bools pass as 0 and 1 (a bool is an int): only those ids need a look.
     ids = np.frombuffer(data, "<u8")  # negative ids are past 1 as unsigned
     suspects = np.flatnonzero(ids < 2) if ids.size and _lowest(ids) < 2 else ()
-    if any(isinstance(tokens[index], bool) for index in suspects):
+    if len(suspects) and any(isinstance(tokens[index], bool) for index in suspects):
         _refuse_non_integer(tokens, where)
     return data
 

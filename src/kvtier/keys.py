@@ -80,6 +80,23 @@ def _keys_of_bytes(
             parent = _chain_key(parent, view[index * step : (index + 1) * step], extras[index])
             keys.append(ChunkKey(parent))
         return keys
+    return _hash_chain(parent, view, step, chunks)
+
+
+def keys_of_token_bytes(
+    namespace: bytes, data: bytes, chunk_tokens: int, extras: Sequence[bytes] | None = None
+) -> list[ChunkKey]:
+    """The keys of the full chunks of the tokens whose little-endian int64 ids
+    are ``data`` (a partial tail has none): :func:`chunk_keys` of checked tokens."""
+    step = chunk_tokens * _TOKEN_DTYPE.itemsize
+    chunks = len(data) // step
+    if extras:
+        return _keys_of_bytes(namespace, data[: chunks * step], chunks, extras)
+    return _hash_chain(namespace, memoryview(data), step, chunks)
+
+
+def _hash_chain(parent: bytes, view: memoryview, step: int, chunks: int) -> list[ChunkKey]:
+    """The chained keys of ``chunks`` slices of ``step`` bytes of ``view``."""
     # Hashing is most of a request's work: :func:`_chain_key` inlined, no call per chunk.
     copy = _HASHER.copy
     digests: list[bytes] = []

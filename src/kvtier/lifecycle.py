@@ -23,25 +23,22 @@ class Lifecycle:
         self.name = name
         # Serialises closes only: entering and leaving a call take no lock.
         self._lock = threading.Lock()
-        self._closed = False
+        #: Set once :meth:`close` begins (a plain attribute: read by every call).
+        self.closed = False
         # Calls running now, per thread (a close from within one would wait
         # for itself); only a thread changes its own entry, so no lock guards
-        # it. A call counts itself, then looks at _closed; a close sets
-        # _closed, then looks at the counts: one of the two always sees the
+        # it. A call counts itself, then looks at closed; a close sets
+        # closed, then looks at the counts: one of the two always sees the
         # other, so a close never misses a call that goes on.
         self._running: dict[int, int] = {}
         # Set by the last call to end once closed.
         self._idle = threading.Event()
         self._running_call = _Running(self)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def check(self) -> None:
         """Raise :class:`ClosedError` once closed: a closed object says so
         before it looks at a call's arguments."""
-        if self._closed:
+        if self.closed:
             raise ClosedError(f"{self.name} is closed")
 
     def running(self) -> _Running:
@@ -57,9 +54,9 @@ class Lifecycle:
         with self._lock:
             if threading.get_ident() in self._running:
                 raise KVTierError(f"{self.name}: close() called from inside one of its own calls")
-            if self._closed:
+            if self.closed:
                 return False
-            self._closed = True
+            self.closed = True
         while self._running:
             self._idle.wait(_CLOSE_POLL_S)
         return True
@@ -81,7 +78,7 @@ class _Running:
         running = lifecycle._running
         thread = threading.get_ident()
         running[thread] = running.get(thread, 0) + 1
-        if lifecycle._closed:  # looked at after counting itself (see Lifecycle)
+        if lifecycle.closed:  # looked at after counting itself (see Lifecycle)
             self.__exit__(None, None, None)
             raise ClosedError(f"{lifecycle.name} is closed")
 
@@ -99,5 +96,5 @@ class _Running:
             running[thread] = depth
             return
         del running[thread]
-        if lifecycle._closed and not running:
+        if lifecycle.closed and not running:
             lifecycle._idle.set()

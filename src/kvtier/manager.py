@@ -63,19 +63,6 @@ class LookupResult(NamedTuple):
     pending: bool
 
 
-class PinnedLookup(NamedTuple):
-    """What :meth:`TieringManager.lookup_pinned` pinned, and why to look again."""
-
-    #: Slots of the leading chunks pinned, in order.
-    slots: list[int]
-    #: More may be ready once in-flight work ends (a promotion, a store):
-    #: its end is announced on :attr:`TieringManager.progress`.
-    pending: bool
-    #: Fewer chunks were pinned than the lookup found ready: one was evicted
-    #: in between. Nothing announces that: look again at once.
-    evicted: bool
-
-
 class TieringManager:
     """Owns the primary tier and drives the secondary tiers behind it."""
 
@@ -124,38 +111,53 @@ class TieringManager:
     @_serialised
     def lookup(self, keys: Sequence[ChunkKey], request_id: str | None = None) -> LookupResult:
         """How many leading chunks are ready; starts promotions for the rest it finds."""
-        return LookupResult(*self._lookup(keys, request_id))
+        asked_before = request_id is not None and request_id in self._asking
+        hits = self.primary.lookup(keys, count_hits=not asked_before)
+        return LookupResult(hits, self._look_past(keys, hits, request_id, asked_before))
 
     def lookup_pinned(
         self, keys: Sequence[ChunkKey], request_id: str, *, end_request: bool = False
-    ) -> PinnedLookup:
-        """:meth:`lookup`, then pin the leading ready chunks, in one entry.
+    ) -> tuple[list[int], bool]:
+        """:meth:`lookup`, pinning the leading ready chunks as they are found.
 
-        ``end_request``: the request's lookups are over unless more is pending
-        or a chunk was evicted before its pin, and then it ends here as by
-        :meth:`on_request_finished`.
+        Returns the slots of the chunks pinned, in order, and whether more may
+        be ready once in-flight work ends (a promotion, a store): that end is
+        announced on :attr:`progress`. A plain tuple: a named one costs a
+        Python-level call to build, once a lookup. ``end_request``: the
+        request's lookups are over unless more is pending, and then it ends
+        here as by :meth:`on_request_finished`.
         """
         # The lock taken here, not by _serialised: once a request, a call less.
         with self._lock:
-            hits, pending = self._lookup(keys, request_id)
-            slots = self.primary.pin_prefix(keys[:hits])
-            evicted = len(slots) < hits
-            if end_request and not (pending or evicted):
+            asked_before = request_id in self._asking
+            primary = self.primary
+            slots = primary.lookup_pinned(keys, count_hits=not asked_before)
+            pending = False
+            # Most lookups of a cache without secondary tiers: nothing past the prefix.
+            if self.tiers or asked_before or primary.has_writes:
+                try:
+                    pending = self._look_past(keys, len(slots), request_id, asked_before)
+                except BaseException:
+                    primary.complete_load(keys[: len(slots)])
+                    raise
+            # Without secondary tiers a request leaves nothing to forget
+            # (no failed loads; not pending, it is not among those asking).
+            if end_request and not pending and self.tiers:
                 self._end_request(request_id)
-            return PinnedLookup(slots, pending, evicted)
+            return slots, pending
 
-    def _lookup(self, keys: Sequence[ChunkKey], request_id: str | None) -> tuple[int, bool]:
-        """:meth:`lookup`, under the lock, as a plain tuple (a named one costs a
-        Python-level call to build, once a request).
+    def _look_past(
+        self, keys: Sequence[ChunkKey], hits: int, request_id: str | None, asked_before: bool
+    ) -> bool:
+        """Under the lock, after the primary tier found ``hits`` leading chunks
+        ready: whether more may come (chunks being written or promoted).
 
-        Linear in ``keys``: the leading ready chunks are found and touched in
-        one pass (touched first, so that the promotions' evictions meet them
-        at the recent end of the policy's order), and every promotion
-        protects the same set of the chain's keys, made once.
+        Linear in ``keys``: every promotion protects the same set of the
+        chain's keys, made once. The primary tier touched the ready chunks
+        first, so that the promotions' evictions meet them at the recent end
+        of the policy's order.
         """
         primary = self.primary
-        asked_before = request_id is not None and request_id in self._asking
-        hits = primary.lookup(keys, count_hits=not asked_before)
         pending = False
         chain: set[ChunkKey] | None = None
         # Past the ready prefix, only secondary tiers or writes in flight add anything.
@@ -177,7 +179,7 @@ class TieringManager:
                 self._asking.add(request_id)
             elif asked_before:
                 self._asking.discard(request_id)
-        return hits, pending
+        return pending
 
     def _lookup_secondary(
         self, key: ChunkKey, ctx: LookupContext, chain: set[ChunkKey]
@@ -225,7 +227,8 @@ class TieringManager:
     def prepare_store(self, keys: Sequence[ChunkKey]) -> dict[ChunkKey, int] | None:
         """Slots for the chunks not yet resident, or ``None`` if there is no room."""
         with self._lock:  # as _serialised, a call less: once a store
-            return self._reserve(keys)
+            reserved = self.primary.prepare_store(keys)
+            return reserved if reserved is not None else self._reserve_again(keys)
 
     def _reserve(
         self, keys: Sequence[ChunkKey], protect: Collection[ChunkKey] = ()
@@ -238,10 +241,17 @@ class TieringManager:
         everything ready never do) would otherwise lose that room for good.
         """
         reserved = self.primary.prepare_store(keys, protect)
-        if reserved is None and self.jobs.running:
-            self.jobs.collect()
-            reserved = self.primary.prepare_store(keys, protect)
-        return reserved
+        return reserved if reserved is not None else self._reserve_again(keys, protect)
+
+    def _reserve_again(
+        self, keys: Sequence[ChunkKey], protect: Collection[ChunkKey] = ()
+    ) -> dict[ChunkKey, int] | None:
+        """After a reservation found no room: collect the jobs that ended, whose
+        chunks may hold that room, and try once more if any did."""
+        if not self.jobs.running:
+            return None
+        self.jobs.collect()
+        return self.primary.prepare_store(keys, protect)
 
     def complete_store(self, keys: Collection[ChunkKey], success: bool = True) -> None:
         """The engine finished writing ``keys``; on success they cascade to the tiers."""

@@ -113,22 +113,23 @@ class HeldPrefix:
         :meth:`kvtier.KVCache.load`) or a copier called as ``out(index, chunk)``.
         Asking for more than is held is a ``ValueError``. Returns the tokens loaded.
         """
-        self._cache.lifecycle.check()
-        self._check_held()
-        if num_tokens is None:
-            chunks = len(self._slots)
-        else:
-            chunks = chunks_of(num_tokens, self._cache.chunk_tokens, self.num_tokens, "num_tokens")
+        # Entered first: closed or released, it says so before it looks at the arguments.
         with self._cache.lifecycle.running(), self._lock:
             self._check_held()
+            if num_tokens is None:
+                chunks = len(self._slots)
+            else:
+                chunks = chunks_of(
+                    num_tokens, self._cache.chunk_tokens, self.num_tokens, "num_tokens"
+                )
             self._loading += 1
             try:
                 copy_out(self._cache, self._slots[:chunks], out)
             finally:
                 self._loading -= 1
                 if self._released and not self._loading:
-                    self._unpin()  # released by the copier: held until the copy ended
-        return chunks * self._cache.chunk_tokens
+                    self._cache._unpin(self._keys)  # released by the copier: held until now
+        return chunks * self._cache.layout.chunk_tokens
 
     def release(self) -> None:
         """Unpin the chunks. Idempotent; nothing to do once the cache is closed.
@@ -140,17 +141,13 @@ class HeldPrefix:
                 return
             self._released = True
             if not self._loading:
-                self._unpin()
+                self._cache._unpin(self._keys)
 
     def _check_held(self) -> None:
         if self._released:
             raise ClosedError(
                 f"this lookup of {self.num_chunks} chunks was released; look up again"
             )
-
-    def _unpin(self) -> None:
-        if self._slots:
-            self._cache._unpin(self._keys)
 
     def __enter__(self) -> HeldPrefix:
         return self

@@ -20,7 +20,9 @@ class Progress:
 
     def __init__(self) -> None:
         self._changed = threading.Condition(threading.Lock())
-        self._mark = 0
+        #: Moves past every value it had whenever something a lookup may find
+        #: changed. Read-only to callers (a plain attribute: read by every lookup).
+        self.mark = 0
         # Each announce takes the next mark (``next`` is atomic): no lock
         # unless a thread waits. An announce moves the mark, then looks for
         # waiters; a waiter counts itself, then looks at the mark: one of
@@ -44,14 +46,10 @@ class Progress:
 
     def announce(self) -> None:
         """Something a lookup may find changed: wake the waiters."""
-        self._mark = next(self._marks)
+        self.mark = next(self._marks)
         if self._waiting:
             with self._changed:
                 self._changed.notify_all()
-
-    @property
-    def mark(self) -> int:
-        return self._mark
 
     def wait(self, mark: int, timeout: float) -> bool:
         """Block until :attr:`mark` moves past ``mark`` or ``timeout`` seconds
@@ -60,6 +58,6 @@ class Progress:
         with self._changed:
             self._waiting += 1
             try:
-                return self._changed.wait_for(lambda: self._mark != mark, timeout)
+                return self._changed.wait_for(lambda: self.mark != mark, timeout)
             finally:
                 self._waiting -= 1

@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
@@ -22,10 +22,10 @@ from kvtier.keys import ChunkKey
 logger = logging.getLogger(__name__)
 
 _STOP = object()
-#: How long a recorded request may wait for the writer thread, which wakes
-#: this often (or as soon as the queue is half full) rather than once a
-#: request: a wake-up per request cost the request path more than the rest
-#: of its recording.
+#: How long a recorded request may wait for the writer thread: woken by the
+#: first request after a pause, it lets the requests of this long gather (or
+#: until the queue is half full) and writes them as one batch. A wake-up per
+#: request cost the request path more than the rest of its recording.
 _WRITE_EVERY_S = 0.05
 
 
@@ -49,10 +49,12 @@ class TraceRecorder:
         self._clock = clock
         self._started = clock()
         self.queue_size = queue_size
-        # Appended to by any thread, taken from by the writer (deque operations
-        # are atomic): requests, flush marks (events) and the stop.
-        self._queue: deque[object] = deque()
-        self._wake = threading.Event()
+        # Requests, flush marks (events) and the stop, from any thread. A
+        # SimpleQueue: one C call a request (a Queue's put is several Python
+        # calls under a lock), and the idle writer blocks in its get.
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        # Cuts the writer's gathering short: a burst, a flush, the stop.
+        self._hurry = threading.Event()
         # Requests come from any thread: the drop count takes a lock (only when dropping).
         self._drop_lock = threading.Lock()
         #: Requests dropped because the queue was full, and writes that failed.
@@ -72,16 +74,16 @@ class TraceRecorder:
         """Queue one request: its full chunks' keys, in order, and its tokens. Never blocks."""
         timestamp = int((self._clock() - self._started) * 1000)
         waiting = self._queue
-        if len(waiting) >= self.queue_size:
+        if waiting.qsize() >= self.queue_size:
             with self._drop_lock:
                 self.dropped += 1
             self._warn_once(
                 "full", "trace queue full: requests are dropped (counted), not waited for"
             )
             return
-        waiting.append((tuple(keys), input_length, output_length, timestamp))
-        if len(waiting) * 2 >= self.queue_size:
-            self._wake.set()  # a burst: written now rather than dropped
+        waiting.put((tuple(keys), input_length, output_length, timestamp))
+        if waiting.qsize() * 2 >= self.queue_size:
+            self._hurry.set()  # a burst: written now rather than dropped
 
     @classmethod
     def from_config(cls, config: TraceRecordingConfig, block_size: int) -> TraceRecorder | None:
@@ -98,16 +100,16 @@ class TraceRecorder:
     def flush(self) -> None:
         """Wait until every queued request is written (or has failed)."""
         written = threading.Event()
-        self._queue.append(written)
-        self._wake.set()
+        self._queue.put(written)
+        self._hurry.set()
         while not written.wait(_WRITE_EVERY_S):
             if not self._writer.is_alive():  # closed: nothing will be written
                 return
 
     def close(self) -> None:
         """Write what is queued, then stop the writer and close the file."""
-        self._queue.append(_STOP)
-        self._wake.set()
+        self._queue.put(_STOP)
+        self._hurry.set()
         self._writer.join()
 
     def __enter__(self) -> TraceRecorder:
@@ -121,10 +123,12 @@ class TraceRecorder:
     def _run(self) -> None:
         waiting = self._queue
         while True:
-            self._wake.wait(_WRITE_EVERY_S)
-            self._wake.clear()  # whatever is appended from here on is seen below
-            while waiting:
-                item = waiting.popleft()
+            item = waiting.get()  # idle: blocked here, never woken
+            # Busy: the requests that follow gather while the writer sleeps
+            # (a put with no reader blocked in get wakes nobody).
+            self._hurry.wait(_WRITE_EVERY_S)
+            self._hurry.clear()  # whatever is put from here on is taken below
+            while True:  # one at a time: the queue's bound covers all not yet written
                 if item is _STOP:
                     if self._file is not None:
                         self._file.close()
@@ -133,6 +137,10 @@ class TraceRecorder:
                     item.set()  # a flush: everything queued before it is written
                 else:
                     self._write(item)  # type: ignore[arg-type]
+                try:
+                    item = waiting.get_nowait()
+                except queue.Empty:
+                    break
 
     def _write(self, item: tuple[tuple[ChunkKey, ...], int, int, int]) -> None:
         keys, input_length, output_length, timestamp = item

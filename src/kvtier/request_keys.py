@@ -3,8 +3,10 @@ request's lookup, load and store check and hash its tokens once.
 
 Those calls most often hand over the same list: it is found again by
 identity and compared with a copy taken when it was keyed (a list changed in
-place is keyed afresh), one pointer comparison per token. Any other sequence
-of the same tokens is checked, then found by content (:class:`KeyMemo`).
+place is keyed afresh), one pointer comparison per token. Another list or
+tuple is checked and hashed: a memo by content would cost every new prompt
+more than it saves the rare equal one. Arrays, checked every time, are found
+by content (:class:`KeyMemo`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import threading
 from typing import Any
 
 from kvtier.inputs import TokenIds, token_array, token_bytes
-from kvtier.keys import ChunkKey, KeyMemo
+from kvtier.keys import ChunkKey, KeyedTokens, KeyMemo, keys_of_token_bytes
 
 #: The keys of a sequence's full chunks, and its length in tokens.
 Keyed = tuple[tuple[ChunkKey, ...], int]
@@ -28,6 +30,7 @@ class RequestKeys:
         self, namespace: bytes, chunk_tokens: int, *, entries: int = 32, max_tokens: int = 1 << 21
     ) -> None:
         self.memo = KeyMemo(namespace, chunk_tokens, entries=entries)
+        self.chunk_tokens = chunk_tokens
         self.entries = entries
         self.max_tokens = max_tokens
         # id(tokens) -> (tokens, its copy when keyed, keys). Holding the
@@ -36,11 +39,13 @@ class RequestKeys:
         self._tokens = 0
         self._lock = threading.Lock()
 
-    def keys(self, tokens: TokenIds) -> Keyed:
+    def keys(self, tokens: TokenIds | KeyedTokens) -> Keyed:
         """The keys of the full chunks of ``tokens`` and its length.
 
         ``TypeError`` or ``ValueError`` naming the token id that is not an
-        int (see :func:`~kvtier.inputs.token_array`).
+        int (see :func:`~kvtier.inputs.token_array`). Tokens keyed already
+        (:class:`~kvtier.keys.KeyedTokens`) hand over their keys, if keyed
+        in this namespace.
         """
         if type(tokens) is list or type(tokens) is tuple:
             known = self._known.get(id(tokens))  # a dict read: atomic, no lock
@@ -48,10 +53,16 @@ class RequestKeys:
                 return known[2], len(tokens)
             # Checked and keyed from a copy, so that a change made meanwhile
             # by another thread can never pair these keys with other tokens.
-            copy = tokens if isinstance(tokens, tuple) else list(tokens)
-            keys = tuple(self.memo.keys_of_bytes(token_bytes(copy)))
+            copy = tokens if type(tokens) is tuple else list(tokens)
+            keys = tuple(
+                keys_of_token_bytes(self.memo.namespace, token_bytes(copy), self.chunk_tokens)
+            )
             self._remember(tokens, copy, keys)
             return keys, len(copy)
+        if isinstance(tokens, KeyedTokens):
+            if tokens.namespace != self.memo.namespace:
+                raise ValueError("tokens: keyed by a cache of another layout (namespace)")
+            return tokens.keys, tokens.num_tokens
         array = token_array(tokens)
         return tuple(self.memo.keys(array)), len(array)
 

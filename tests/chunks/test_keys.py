@@ -11,7 +11,7 @@ import pytest
 
 from kvtier import KVCache, KVLayout, chunk_keys
 from kvtier import keys as keys_module
-from kvtier.keys import KeyMemo, chain_key
+from kvtier.keys import KeyMemo, chain_key, keys_of_token_bytes
 from kvtier.layout import KEY_BYTES
 from kvtier.testing import small_layout
 
@@ -78,6 +78,15 @@ def test_keys_are_identical_across_processes_whatever_the_hash_seed() -> None:
 def test_token_arrays_and_lists_give_the_same_keys() -> None:
     ns = small_layout().namespace
     assert chunk_keys(ns, np.array(TOKENS, dtype=np.int32), 16) == chunk_keys(ns, TOKENS, 16)
+
+
+def test_keys_of_token_bytes_are_the_chunk_keys_of_the_tokens() -> None:
+    tokens = list(range(300, 314))  # three full chunks of 4 and a tail
+    data = np.asarray(tokens, dtype="<i8").tobytes()
+    assert keys_of_token_bytes(b"ns", data, 4) == chunk_keys(b"ns", tokens, 4)
+    extras = [b"salt", b"", b"x"]
+    assert keys_of_token_bytes(b"ns", data, 4, extras) == chunk_keys(b"ns", tokens, 4, extras)
+    assert keys_of_token_bytes(b"ns", data[:24], 4) == []
 
 
 def test_layout_sizes() -> None:

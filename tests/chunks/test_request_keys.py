@@ -59,6 +59,16 @@ def test_a_list_changed_in_place_is_keyed_afresh(checked: list[int]) -> None:
         keys.keys(tokens)
 
 
+@pytest.mark.parametrize(
+    "tokens",
+    [[70_000, False, 70_001], [70_000, 70_001, True], [False]],
+    ids=["false-among-large-ids", "true-at-the-end", "false-alone"],
+)
+def test_a_bool_among_ids_is_refused_wherever_it_is(tokens: list[Any]) -> None:
+    with pytest.raises(TypeError, match="token ids must be integers"):
+        RequestKeys(NS, 4).keys(tokens)
+
+
 def test_arrays_are_checked_every_time_and_hashed_once() -> None:
     keys = RequestKeys(NS, 4)
     tokens = np.arange(100, 112)

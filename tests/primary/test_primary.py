@@ -269,6 +269,35 @@ def test_complete_store_can_hand_chunks_over_already_pinned(primary: PrimaryTier
         primary.complete_store(keys, True, pins=-1)
 
 
+def test_lookup_pinned_finds_touches_and_pins_the_leading_ready_chunks(
+    primary: PrimaryTier,
+) -> None:
+    first, second, third = stored(primary, 1, 2, 3)
+    chain = [first, second, key(9), third]
+    assert primary.lookup_pinned(chain) == [primary.slot_of(first), primary.slot_of(second)]
+    assert [primary.refcount(k) for k in chain] == [1, 1, None, 0]
+    assert primary.hits == 2
+    assert primary.lookup_pinned([first], count_hits=False) == [primary.slot_of(first)]
+    assert primary.hits == 2 and primary.refcount(first) == 2
+    # Touched: the idle third chunk is now the least recently used.
+    assert primary.policy.evict(1, {}) == [third]
+    assert primary.lookup_pinned([key(8), first]) == []
+
+
+def test_lookup_pinned_pins_nothing_when_the_policy_raises(
+    primary: PrimaryTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = stored(primary, 1, 2)
+
+    def broken(keys: object) -> None:
+        raise RuntimeError("policy bug")
+
+    monkeypatch.setattr(primary.policy, "touch", broken)
+    with pytest.raises(RuntimeError, match="policy bug"):
+        primary.lookup_pinned([first, second])
+    assert primary.busy_counts()["pinned"] == 0 and primary.hits == 0
+
+
 def test_pin_prefix_pins_the_leading_ready_chunks_and_never_raises(primary: PrimaryTier) -> None:
     first, second = stored(primary, 1, 2)
     writing = key(3)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from pathlib import Path
+from types import FrameType
+from typing import Any, cast
 
 import pytest
 from click.testing import CliRunner
@@ -123,6 +126,31 @@ def test_flush_writes_what_was_queued_and_returns_once_closed(tmp_path: Path) ->
     recorder.flush()  # the writer has stopped: nothing to wait for
     assert recorder.written == 3
     assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 3
+
+
+def test_an_idle_writer_sleeps_until_a_request_comes(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def tracer(frame: FrameType, event: str, arg: object) -> None:
+        # Python-level calls made by the writer thread (its name, kvtier-trace).
+        if threading.current_thread().name == "kvtier-trace":
+            calls.append(frame.f_code.co_name)
+
+    threading.settrace(tracer)  # traces the threads started from here on
+    try:
+        recorder = TraceRecorder(tmp_path / "t.jsonl", block_size=BLOCK)
+    finally:
+        threading.settrace(cast(Any, None))  # None clears it; typeshed wants a function
+    keys = chunk_keys(NAMESPACE, list(range(8)), BLOCK)
+    recorder.record(keys, 8)
+    recorder.flush()
+    time.sleep(0.1)  # the writer goes back to waiting
+    calls.clear()
+    time.sleep(0.3)  # idle: a writer polling its queue would run code here
+    assert calls == []
+    recorder.record(keys, 8)  # a request wakes it
+    recorder.close()
+    assert recorder.written == 2 and "_write" in calls
 
 
 def test_files_rotate_at_the_byte_cap_and_each_replays_alone(tmp_path: Path) -> None:

@@ -162,6 +162,11 @@ class PrimaryTier:
         # them whose membership test is a fast C method (a keys view's, which
         # filterfalse and map call once per key, is a slower slot wrapper).
         pins = self._pins
+        if not pins and not protect:
+            # Nothing pinned (a single engine between its requests): all keys
+            # to spare, as one set; those the policy does not track are never
+            # asked about.
+            return self.policy.evict(n, set(keys))
         own = loops.active.idle_resident(self._ready, pins, keys)
         if protect:
             return self.policy.evict(n, _Protected(pins, set(own), protect))
@@ -256,6 +261,23 @@ class PrimaryTier:
         """
         with self._lock:
             return loops.active.pin_prefix(self._ready, self._pins, keys)
+
+    def lookup_pinned(self, keys: Sequence[ChunkKey], *, count_hits: bool = True) -> list[int]:
+        """:meth:`lookup` and :meth:`pin_prefix` in one step: the leading ready
+        chunks of ``keys`` are found, touched and pinned under one hold of the
+        lock, so none can be evicted between being found and being pinned.
+        Returns their slots, in order; unpin with :meth:`complete_load`."""
+        with self._lock:
+            slots = loops.active.pin_prefix(self._ready, self._pins, keys)
+            if slots:
+                try:
+                    self.policy.touch(keys[: len(slots)])
+                except BaseException:
+                    loops.active.unpin(self._pins, keys[: len(slots)])
+                    raise
+                if count_hits:
+                    self.hits += len(slots)
+            return slots
 
     def lookup(self, keys: Sequence[ChunkKey], *, count_hits: bool = True) -> int:
         """How many leading chunks of ``keys`` are ready; those are touched (see

@@ -6,7 +6,9 @@ strings and tuples only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -42,6 +44,13 @@ class PageCopies:
         self.slots.append(slot)
         self.positions.append(position)
         self.block_ids.append(block_id)
+
+    def add_run(self, slot: int, first_position: int, block_ids: Sequence[int]) -> None:
+        """Blocks at consecutive positions of one slot, from ``first_position``:
+        a chunk's pages in three list extends, where :meth:`add` is a call per page."""
+        self.slots.extend(repeat(slot, len(block_ids)))
+        self.positions.extend(range(first_position, first_position + len(block_ids)))
+        self.block_ids.extend(block_ids)
 
     def __len__(self) -> int:
         return len(self.block_ids)
