@@ -68,7 +68,7 @@ def chunk_file(cache: KVCache, index: int) -> str:
 class Waits:
     """Records how each of the manager's waits for progress ended."""
 
-    def __init__(self, manager: TieringManager) -> None:
+    def __init__(self, manager: TieringManager, monkeypatch: pytest.MonkeyPatch) -> None:
         self.woken: list[bool] = []
         real = manager.progress.wait
 
@@ -77,7 +77,7 @@ class Waits:
             self.woken.append(moved)
             return moved
 
-        manager.progress.wait = wait  # type: ignore[method-assign]
+        monkeypatch.setattr(manager.progress, "wait", wait)
 
 
 @pytest.fixture
@@ -87,10 +87,10 @@ def cold(root: Path) -> Iterator[KVCache]:
 
 
 def test_a_cold_prefix_comes_back_whole_woken_by_the_tier_not_by_polling(
-    cold: KVCache, data: np.ndarray
+    cold: KVCache, data: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert cold.manager.progress.announced
-    waits = Waits(cold.manager)
+    waits = Waits(cold.manager, monkeypatch)
     with cold.lookup(TOKENS, poll_s=POLL_S) as found:
         out = np.zeros_like(data)
         assert found.load(out) == len(TOKENS)
@@ -102,7 +102,7 @@ def test_a_cold_prefix_comes_back_whole_woken_by_the_tier_not_by_polling(
 
 @pytest.mark.parametrize("damage", ["corrupt", "torn", "foreign"])
 def test_a_damaged_chunk_of_a_cold_prefix_is_a_miss_deleted_and_counted(
-    root: Path, data: np.ndarray, damage: str
+    root: Path, data: np.ndarray, damage: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with KVCache(config(root), LAYOUT) as probe:
         paths = [chunk_file(probe, i) for i in range(CHUNKS)]
@@ -117,7 +117,7 @@ def test_a_damaged_chunk_of_a_cold_prefix_is_a_miss_deleted_and_counted(
         os.replace(paths[4], paths[3])
     with KVCache(config(root), LAYOUT) as cache:
         tier = fs_tier(cache)
-        waits = Waits(cache.manager)
+        waits = Waits(cache.manager, monkeypatch)
         found = cache.cached_prefix(TOKENS, poll_s=POLL_S)
         assert found == 3 * 4  # the chunks before the damaged one
         out = np.zeros_like(data)
@@ -128,7 +128,9 @@ def test_a_damaged_chunk_of_a_cold_prefix_is_a_miss_deleted_and_counted(
         assert all(waits.woken)
 
 
-def test_a_chunk_deleted_between_the_check_and_the_read_is_a_miss(cold: KVCache) -> None:
+def test_a_chunk_deleted_between_the_check_and_the_read_is_a_miss(
+    cold: KVCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tier = fs_tier(cold)
     gone = chunk_file(cold, 2)
     submit = tier.submit_load
@@ -139,8 +141,8 @@ def test_a_chunk_deleted_between_the_check_and_the_read_is_a_miss(cold: KVCache)
             os.unlink(gone)
         submit(job)
 
-    tier.submit_load = delete_then_submit  # type: ignore[method-assign]
-    waits = Waits(cold.manager)
+    monkeypatch.setattr(tier, "submit_load", delete_then_submit)
+    waits = Waits(cold.manager, monkeypatch)
     assert cold.cached_prefix(TOKENS, poll_s=POLL_S) == 2 * 4
     assert tier.vanished_chunks == 1
     # A miss, not a failure: nothing was wrong with what was there.
@@ -149,7 +151,7 @@ def test_a_chunk_deleted_between_the_check_and_the_read_is_a_miss(cold: KVCache)
 
 
 def test_a_chunk_evicted_between_lookup_and_pin_is_looked_at_again_at_once(
-    cold: KVCache, data: np.ndarray
+    cold: KVCache, data: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert cold.cached_prefix(TOKENS) == len(TOKENS)  # the whole prefix in the primary tier
     primary = cold.manager.primary
@@ -161,8 +163,8 @@ def test_a_chunk_evicted_between_lookup_and_pin_is_looked_at_again_at_once(
             evicted.append(primary.remove_idle([cold.keys(TOKENS)[2]]))
         return pin_prefix(keys)
 
-    primary.pin_prefix = evict_then_pin  # type: ignore[method-assign]
-    waits = Waits(cold.manager)
+    monkeypatch.setattr(primary, "pin_prefix", evict_then_pin)
+    waits = Waits(cold.manager, monkeypatch)
     with cold.lookup(TOKENS, poll_s=POLL_S) as found:
         out = np.zeros_like(data)
         assert found.load(out) == len(TOKENS)
@@ -200,10 +202,12 @@ def test_a_stalled_tier_costs_one_bounded_wait(
     assert cold.cached_prefix(TOKENS, poll_s=POLL_S) == len(TOKENS)
 
 
-def test_waiting_for_promotions_ends_when_they_land(cold: KVCache, data: np.ndarray) -> None:
+def test_waiting_for_promotions_ends_when_they_land(
+    cold: KVCache, data: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
     keys = cold.keys(TOKENS)
     assert cold.probe(keys, request_id="r") == (0, True)  # found in fs, promotion queued
-    waits = Waits(cold.manager)
+    waits = Waits(cold.manager, monkeypatch)
     assert cold.wait_for_promotions(keys, request_id="r", timeout=60, poll_s=POLL_S) == (
         CHUNKS,
         False,
@@ -228,7 +232,7 @@ def test_waiting_for_promotions_of_a_stalled_tier_ends_at_the_timeout(
 
 
 def test_closing_the_cache_ends_a_wait_for_promotions(
-    cold: KVCache, stalled_reads: threading.Event
+    cold: KVCache, stalled_reads: threading.Event, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     waiting = threading.Event()
     real = cold.manager.progress.wait
@@ -237,7 +241,7 @@ def test_closing_the_cache_ends_a_wait_for_promotions(
         waiting.set()
         return real(mark, timeout)
 
-    cold.manager.progress.wait = wait  # type: ignore[method-assign]
+    monkeypatch.setattr(cold.manager.progress, "wait", wait)
     outcome: list[BaseException | None] = []
 
     def waiter() -> None:
