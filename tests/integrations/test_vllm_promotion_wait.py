@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
@@ -33,14 +31,20 @@ def request(request_id: str, tokens: list[int]) -> SimpleNamespace:
     )
 
 
-@contextlib.contextmanager
-def cache_over(tier: dict[str, Any]) -> Iterator[KVCache]:
-    """A cache whose secondary tier ``tier`` holds :data:`PREFIX` and whose CPU tier is empty."""
+@pytest.fixture
+def cache() -> Iterator[KVCache]:
+    """A cache whose secondary tier holds :data:`PREFIX` and whose CPU tier is empty."""
     layout = small_layout(chunk_tokens=CHUNK, head_dim=4)
     config = {
         "chunk_tokens": CHUNK,
         "shared_memory_name": f"kvtier-test-{uuid.uuid4().hex[:12]}",
-        "secondary_tiers": [tier],
+        "secondary_tiers": [
+            {
+                "type": "FaultyTier",
+                "module_path": "kvtier.testing.faults",
+                "inner": {"type": "memory"},
+            }
+        ],
     }
     kv = KVCache(config, layout)
     try:
@@ -51,18 +55,6 @@ def cache_over(tier: dict[str, Any]) -> Iterator[KVCache]:
         yield kv
     finally:
         kv.close()
-
-
-@pytest.fixture
-def cache() -> Iterator[KVCache]:
-    """:func:`cache_over` a tier whose faults the tests set."""
-    faulty = {
-        "type": "FaultyTier",
-        "module_path": "kvtier.testing.faults",
-        "inner": {"type": "memory"},
-    }
-    with cache_over(faulty) as kv:
-        yield kv
 
 
 def scheduler_of(kv: KVCache, **options: float) -> SchedulerSide:
@@ -79,21 +71,6 @@ def test_an_idle_engine_gets_the_promoted_prefix_in_its_first_lookup(cache: KVCa
         assert scheduler.counters.promotion_timeouts == 0
     finally:
         scheduler.shutdown()
-
-
-def test_the_idle_wait_is_woken_by_the_tier_not_by_polling() -> None:
-    with cache_over({"type": "memory"}) as kv:
-        assert kv.manager.progress.announced
-        # Polling once an hour, within a wait of a minute: only the tier's
-        # announcement of the finished promotion can end it with the hit.
-        scheduler = scheduler_of(kv, idle_wait_s=60.0, poll_s=3600.0)
-        try:
-            assert scheduler.get_num_new_matched_tokens(request("a", [*PREFIX, 99]), 0) == (
-                12,
-                False,
-            )
-        finally:
-            scheduler.shutdown()
 
 
 def test_a_busy_engine_is_told_to_ask_again_and_then_served(cache: KVCache) -> None:
