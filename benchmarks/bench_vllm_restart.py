@@ -23,8 +23,6 @@ prints the median breakdown of B and D (ms from the prompt's start).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import random
 import statistics
@@ -55,11 +53,6 @@ def _tracing(work: Path) -> Path:
         "    restart_trace.install(os.environ['KVTIER_BENCH_TRACE'])\n"
     )
     return site
-
-
-def _median(values: list[float]) -> float:
-    present = [v for v in values if not math.isnan(v)]
-    return statistics.median(present) if present else math.nan
 
 
 def main() -> None:
@@ -179,8 +172,14 @@ def main() -> None:
     if args.trace:
         for side, prompts in breakdowns.items():
             for name, rows in prompts.items():
-                fields = {key: _median([row[key] for row in rows]) for key in rows[0]}
-                print(f"{side} {name}: " + json.dumps({k: round(v, 1) for k, v in fields.items()}))
+                print(f"{side}, {name} (ms, p50 (p10-p90)):")
+                print("\n".join(restart_trace.stage_lines(rows)))
+                same_round = [
+                    {"ttft": b["ttft"] - d["ttft"]}
+                    for b, d in zip(prompts["B"], prompts["D"], strict=True)
+                ]
+            print(f"{side}, B - D of the same round:")
+            print("\n".join(restart_trace.stage_lines(same_round)))
 
 
 if __name__ == "__main__":

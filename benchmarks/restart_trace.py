@@ -192,3 +192,31 @@ def _breakdown(start: float, end: float, window: list[tuple[float, str, str]]) -
         # The worker's report of the step that copied the pages: vLLM's forward is in it.
         "step_reported": first("worker-report+", pages_copied),
     }
+
+
+#: The stages of a prompt reported, as (label, from, to) fields of :func:`summarise`.
+STAGES = [
+    ("first lookup to promotion submitted", "first_lookup", "submitted"),
+    ("submitted to the first read started", "submitted", "first_read"),
+    ("reads: first start to last start", "first_read", "last_read_start"),
+    ("reads: first start to last end", "first_read", "last_read_end"),
+    ("last read's end to the lookup answering", "last_read_end", "answered"),
+    ("promotion: first lookup to the answer", "first_lookup", "answered"),
+    ("answer to vLLM's pages copied (worker)", "answered", "pages_copied"),
+    ("pages copied to the step's report (forward)", "pages_copied", "step_reported"),
+    ("time to first token", "", "ttft"),
+]
+
+
+def stage_lines(prompts: list[dict[str, float]]) -> list[str]:
+    """ms per stage over ``prompts``: p50 (p10-p90) of those that have it."""
+    lines = []
+    for label, begin, end in STAGES:
+        spans = [p.get(end, math.nan) - (p.get(begin, math.nan) if begin else 0.0) for p in prompts]
+        spans = sorted(span for span in spans if not math.isnan(span))
+        if spans:
+            p10, p50, p90 = (
+                spans[min(len(spans) - 1, int(q * len(spans)))] for q in (0.1, 0.5, 0.9)
+            )
+            lines.append(f"  {label}: {p50:.1f} ({p10:.1f}-{p90:.1f}), {len(spans)} prompts")
+    return lines
