@@ -231,6 +231,18 @@ def test_waiting_for_promotions_of_a_stalled_tier_ends_at_the_timeout(
     assert cold.wait_for_promotions(keys, timeout=60, poll_s=POLL_S) == (CHUNKS, False)
 
 
+@pytest.mark.parametrize(("option", "value"), [("timeout", float("nan")), ("poll_s", -1.0)])
+def test_a_wait_for_promotions_refuses_a_bad_duration(
+    cold: KVCache, option: str, value: float
+) -> None:
+    keys = cold.keys(TOKENS)
+    durations = {"timeout": 1.0, option: value}
+    with pytest.raises(ValueError, match=f"{option} must be a number of seconds"):
+        cold.wait_for_promotions(keys, **durations)
+    cold.drain()
+    assert cold.status.holds(keys) == [False] * CHUNKS  # refused before it promoted anything
+
+
 def test_closing_the_cache_ends_a_wait_for_promotions(
     cold: KVCache, stalled_reads: threading.Event, monkeypatch: pytest.MonkeyPatch
 ) -> None:
