@@ -61,7 +61,10 @@ ENGINE = Path(__file__).resolve().parents[1] / "tests" / "integrations" / "vllm_
 TRAILER_BLOCK = 4096
 
 
-def _engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def _engine(
+    work: Path, name: str, spec: dict[str, Any], env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run one engine over ``spec`` in its own process (``env``: variables to set there)."""
     spec_file, result_file = work / f"{name}.json", work / f"{name}-result.json"
     spec_file.write_text(json.dumps(spec))
     with (work / f"{name}.log").open("w") as log:
@@ -70,7 +73,7 @@ def _engine(work: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
             stdout=log,
             stderr=subprocess.STDOUT,
             check=True,
-            env=_environment(spec.get("tensor_parallel_size", 1)),
+            env={**_environment(spec.get("tensor_parallel_size", 1)), **(env or {})},
         )
     result: dict[str, Any] = json.loads(result_file.read_text())
     return result

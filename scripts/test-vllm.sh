@@ -19,4 +19,5 @@ python -c "import vllm, kvtier.integrations.vllm; print('vllm', vllm.__version__
 pytest -q tests/integrations/test_vllm.py tests/integrations/test_vllm_trace_recording.py \
     tests/integrations/test_vllm_tiering.py tests/integrations/test_vllm_page_layouts.py \
     tests/integrations/test_vllm_events.py tests/integrations/test_seed_benchmark.py \
-    tests/integrations/test_vllm_codecs.py tests/integrations/test_vllm_promotion_wait.py
+    tests/integrations/test_vllm_codecs.py tests/integrations/test_vllm_promotion_wait.py \
+    tests/integrations/test_vllm_idle_wait_wakes.py

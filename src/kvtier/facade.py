@@ -169,18 +169,23 @@ class KVCache:
                         return HeldPrefix(self, keys[: len(slots)], slots, pending)
                     manager.step()  # submits the promotions this lookup started
                 waited = True
-                if manager.progress.announced:
-                    # Woken by the tiers when a job ends or a check answers;
-                    # the bound only covers a change nobody announced.
-                    manager.progress.wait(mark, min(left, max(poll_s, _UNANNOUNCED_S)))
-                else:
-                    time.sleep(poll_s)
+                self._await_progress(mark, left, poll_s)
         except BaseException:
             self._unpin(keys[: len(slots)])
             if owned:
                 with suppress(ClosedError), self._running:
                     manager.on_request_finished(request)
             raise
+
+    def _await_progress(self, mark: int, left: float, poll_s: float) -> None:
+        """Sleep until a lookup's answer may have changed since ``mark``, at most ``left`` s."""
+        progress = self.manager.progress
+        if progress.announced:
+            # Woken by the tiers when a job ends or a check answers (or by
+            # close); the bound only covers a change nobody announced.
+            progress.wait(mark, min(left, max(poll_s, _UNANNOUNCED_S)))
+        else:
+            time.sleep(min(left, poll_s))
 
     def cached_prefix(
         self,
@@ -309,6 +314,42 @@ class KVCache:
         self.lifecycle.check()
         return self.manager.lookup(keys, request_id)
 
+    def wait_for_promotions(
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        request_id: str | None = None,
+        timeout: float,
+        poll_s: float = 0.0005,
+    ) -> LookupResult:
+        """:meth:`probe`, then block until its promotions end or ``timeout``
+        seconds pass; the last answer (``pending`` still set at the timeout).
+
+        For an engine with nothing else to run while a request's chunks come
+        back from a secondary tier: it sleeps until a tier announces that a
+        job ended (see :meth:`~kvtier.tiers.base.SecondaryTier.set_progress_listener`),
+        instead of stepping or polling; a tier that does not announce is
+        looked at every ``poll_s``. The promotions a probe starts are
+        submitted at once. Holds nothing, like :meth:`probe`. A cache closed
+        meanwhile ends the wait with :class:`~kvtier.errors.ClosedError`.
+        """
+        self.lifecycle.check()
+        timeout = seconds(timeout, "timeout")
+        poll_s = seconds(poll_s, "poll_s")
+        manager = self.manager
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lifecycle.running():
+                manager.collect()
+                # Taken after that collect: a result applied from here on moves it.
+                mark = manager.progress.mark
+                result = manager.lookup(keys, request_id)
+                left = deadline - time.monotonic() if result.pending else 0.0
+                if left <= 0:
+                    return result
+                manager.step()  # submits the promotions this probe started
+            self._await_progress(mark, left, poll_s)
+
     def collect(self) -> None:
         """Apply the transfers that ended since the last call, as :meth:`step`
         does first, leaving queued promotions to the step: for an engine asking
@@ -382,6 +423,9 @@ class KVCache:
         with self._close_lock:
             if not self.lifecycle.close():
                 return
+            # Waits for promotions sleep outside the calls close waits for:
+            # wake them, to find the cache closed, before the tiers drain.
+            self.manager.progress.announce()
             self.metrics.close()
             self.manager.shutdown()
             # After the manager: an engine's scheduler may record until it stops.

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kvtier import KVCache
+from kvtier.errors import ClosedError
 from kvtier.manager import TieringManager
 from kvtier.primary import SlotBuffer
 from kvtier.testing import small_layout
@@ -194,9 +195,9 @@ def test_an_eviction_right_after_a_lookup_finds_its_chunks_pinned(
     assert fs_tier(cold).stats.chunks_loaded == CHUNKS  # nothing promoted again
 
 
-def test_a_stalled_tier_costs_one_bounded_wait(
-    cold: KVCache, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def stalled_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The fs tier's reads block until the event is set (set again at teardown)."""
     release = threading.Event()
     read = chunk_io._load_file
 
@@ -205,14 +206,93 @@ def test_a_stalled_tier_costs_one_bounded_wait(
         return read(*args)
 
     monkeypatch.setattr(chunk_io, "_load_file", stalled)
-    try:
-        with cold.lookup(TOKENS, timeout=0.2, poll_s=POLL_S) as found:
-            # The lookup gave up at its timeout, saying more may come.
-            assert found.num_tokens == 0 and found.pending
-    finally:
-        release.set()
+    yield release
+    release.set()
+
+
+def test_a_stalled_tier_costs_one_bounded_wait(
+    cold: KVCache, stalled_reads: threading.Event
+) -> None:
+    with cold.lookup(TOKENS, timeout=0.2, poll_s=POLL_S) as found:
+        # The lookup gave up at its timeout, saying more may come.
+        assert found.num_tokens == 0 and found.pending
+    stalled_reads.set()
     # Once the tier answers, the same prefix is there.
     assert cold.cached_prefix(TOKENS, poll_s=POLL_S) == len(TOKENS)
+
+
+def test_waiting_for_promotions_ends_when_they_land(
+    cold: KVCache, data: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = cold.keys(TOKENS)
+    assert cold.probe(keys, request_id="r") == (0, True)  # found in fs, promotion queued
+    waits = Waits(cold.manager, monkeypatch)
+    assert cold.wait_for_promotions(keys, request_id="r", timeout=60, poll_s=POLL_S) == (
+        CHUNKS,
+        False,
+    )
+    # Woken by the tier each time, never by a bound running out.
+    assert waits.woken and all(waits.woken)
+    slots = cold.pin(keys)
+    try:
+        assert np.array_equal(cold.manager.primary.buffer.array[slots], data)
+    finally:
+        cold.unpin(keys)
+
+
+def test_waiting_for_promotions_of_a_stalled_tier_ends_at_the_timeout(
+    cold: KVCache, stalled_reads: threading.Event
+) -> None:
+    keys = cold.keys(TOKENS)
+    # Given up at the timeout, still pending: the engine steps on.
+    assert cold.wait_for_promotions(keys, timeout=0.2, poll_s=POLL_S) == (0, True)
+    stalled_reads.set()
+    assert cold.wait_for_promotions(keys, timeout=60, poll_s=POLL_S) == (CHUNKS, False)
+
+
+@pytest.mark.parametrize(("option", "value"), [("timeout", float("nan")), ("poll_s", -1.0)])
+def test_a_wait_for_promotions_refuses_a_bad_duration(
+    cold: KVCache, option: str, value: float
+) -> None:
+    keys = cold.keys(TOKENS)
+    durations = {"timeout": 1.0, option: value}
+    with pytest.raises(ValueError, match=f"{option} must be a number of seconds"):
+        cold.wait_for_promotions(keys, **durations)
+    cold.drain()
+    assert cold.status.holds(keys) == [False] * CHUNKS  # refused before it promoted anything
+
+
+def test_closing_the_cache_ends_a_wait_for_promotions(
+    cold: KVCache, stalled_reads: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waiting = threading.Event()
+    real = cold.manager.progress.wait
+
+    def wait(mark: int, timeout: float) -> bool:
+        waiting.set()
+        return real(mark, timeout)
+
+    monkeypatch.setattr(cold.manager.progress, "wait", wait)
+    outcome: list[BaseException | None] = []
+
+    def waiter() -> None:
+        try:
+            cold.wait_for_promotions(cold.keys(TOKENS), timeout=3600, poll_s=3600)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    waiting.wait()
+    # Closing drains the tier, whose read is stalled: close on a thread of
+    # its own, and see the wait end before the read is let go.
+    closer = threading.Thread(target=cold.close)
+    closer.start()
+    thread.join()
+    stalled_reads.set()
+    closer.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], ClosedError)
 
 
 def test_a_tier_that_does_not_announce_progress_is_polled(root: Path, data: np.ndarray) -> None:

@@ -7,7 +7,8 @@ SPEC holds ``model``, ``prompts`` (token id lists), ``max_tokens``,
 no connector), ``block_size``, ``multiprocessing``, ``hf_overrides``,
 ``tensor_parallel_size``, ``pipeline_parallel_size``, ``kv_cache_dtype``, ``engine_id``,
 ``reset_prefix_cache``, ``reset_after`` (per prompt, overriding
-``reset_prefix_cache``) and ``lora`` (``name`` and ``path`` of a LoRA adapter
+``reset_prefix_cache``), ``shutdown_timeout_s`` (how long the engine may take
+to stop before vLLM kills it; 120 s) and ``lora`` (``name`` and ``path`` of a LoRA adapter
 every prompt uses); with ``started_file`` the engine writes that file once
 it has started and then waits to be killed. RESULT receives the greedy
 tokens, vLLM's cached-token count per prompt, the time to first token per
@@ -180,7 +181,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     result["generate_s"] = time.perf_counter() - started - start_s
     # vLLM kills an engine process that takes longer than the timeout to stop
     # (5 s by default); give kvtier's drain of pending writes room on a busy machine.
-    llm.llm_engine.engine_core.shutdown(timeout=120)
+    llm.llm_engine.engine_core.shutdown(timeout=spec.get("shutdown_timeout_s", 120))
     del llm
     result["total_s"] = time.perf_counter() - started
     return result

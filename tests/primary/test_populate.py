@@ -1,5 +1,6 @@
 """Mapping the primary buffer ahead, on a thread that stays out of the engine's way."""
 
+import mmap
 import os
 import sys
 import threading
@@ -9,6 +10,7 @@ import pytest
 
 from kvtier.primary import SlotBuffer
 from kvtier.primary import buffer as buffer_module
+from kvtier.primary.buffer import populate_now
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"),
@@ -38,6 +40,23 @@ def test_populating_lets_go_of_the_interpreter_lock(no_forced_switches: None) ->
         assert buffer.wait_populated(60)
     finally:
         buffer.close()
+
+
+def test_populating_a_region_now_lets_go_of_the_interpreter_lock(
+    no_forced_switches: None,
+) -> None:
+    region = mmap.mmap(-1, 128 << 20)  # many pieces, each a call into the kernel
+    mapped: list[bool] = []
+    try:
+        thread = threading.Thread(target=lambda: mapped.append(populate_now(region)))
+        thread.start()
+        # As above: the populating thread let go of the lock in the kernel.
+        assert not mapped
+        thread.join()
+        assert mapped == [True]
+        assert region[:16] == bytes(16)
+    finally:
+        region.close()  # no export of it outlives the call
 
 
 def test_populating_runs_at_the_lowest_priority(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,15 +46,34 @@ _madvise = _libc_madvise() if _POPULATE_WRITE is not None else None
 
 
 def populate_now(region: mmap.mmap) -> bool:
-    """Map every page of ``region`` writable now, contents kept; ``False``
-    where the kernel cannot (before Linux 5.14: pages map on first use)."""
+    """Map every page of ``region`` writable now, contents kept, outside the
+    interpreter lock (as the primary buffer's populating thread does);
+    ``False`` where the kernel cannot (before Linux 5.14: pages map on first use)."""
     if _POPULATE_WRITE is None:
         return False
     try:
-        region.madvise(_POPULATE_WRITE)
-    except (OSError, ValueError):
+        # Exported while the kernel maps it: the region cannot be closed meanwhile.
+        anchor = ctypes.c_char.from_buffer(region)
+    except (TypeError, ValueError):  # read-only or closed
         return False
+    try:
+        _populate_pieces(ctypes.addressof(anchor), len(region), _POPULATE_WRITE)
+    except OSError:
+        return False
+    finally:
+        del anchor
     return True
+
+
+def _populate_pieces(
+    address: int, size: int, advice: int, stop: threading.Event | None = None
+) -> None:
+    """``madvise`` ``size`` bytes at ``address`` a piece at a time (see
+    :data:`_POPULATE_PIECE`), until done or ``stop`` is set."""
+    for start in range(0, size, _POPULATE_PIECE):
+        if stop is not None and stop.is_set():
+            return
+        _populate_range(address + start, min(_POPULATE_PIECE, size - start), advice)
 
 
 def _populate_range(address: int, length: int, advice: int) -> None:
@@ -164,11 +183,7 @@ class SlotBuffer:
         size = len(self._mmap)
         try:
             _lower_this_threads_priority()
-            base = self.array.ctypes.data
-            for start in range(0, size, _POPULATE_PIECE):
-                if self._stop_populating.is_set():
-                    return
-                _populate_range(base + start, min(_POPULATE_PIECE, size - start), advice)
+            _populate_pieces(self.array.ctypes.data, size, advice, self._stop_populating)
         except OSError as exc:  # an older kernel: first use maps them
             logger.info("primary buffer not populated ahead: %s", exc)
         finally:

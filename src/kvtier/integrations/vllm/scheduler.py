@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier import LookupResult
+from kvtier.errors import ClosedError
 from kvtier.facade import KVCache
 from kvtier.identity import AdapterIdentities
 from kvtier.inputs import token_bytes
@@ -224,19 +225,18 @@ class SchedulerSide:
         worker) at a time, each spent in Python beside the tier's I/O threads.
         With no other request known to the scheduler, no one else waits on
         this one; the bound keeps a request that arrives meanwhile from
-        waiting longer than that.
+        waiting longer than that. The wait sleeps until a tier announces a
+        finished job (``poll_s`` only paces tiers that announce nothing).
         """
-        # Submitted now, not when vLLM builds this step's metadata.
-        self._safely(self.cache.step)
-        deadline = time.monotonic() + wait_s
         try:
-            while result.pending and time.monotonic() < deadline:
-                time.sleep(self.poll_s)
-                self.cache.collect()
-                result = self.cache.probe(keys, request_id=request_id)
+            return self.cache.wait_for_promotions(
+                keys, request_id=request_id, timeout=wait_s, poll_s=self.poll_s
+            )
+        except ClosedError:  # the engine is shutting down
+            return result
         except Exception:
             logger.exception("kvtier: waiting for promotions of %s failed", request_id)
-        return result
+            return result
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
