@@ -258,6 +258,32 @@ def _floor(root: Path, chunks: int, tp: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def make_model(work: Path, layers: int, hidden: int) -> Path:
+    """A small random model of ``layers`` and ``hidden`` size, saved under ``work``."""
+    model = work / "model"
+    command = [sys.executable, str(ENGINE), "--make-model", str(model), str(layers), str(hidden)]
+    subprocess.run(command, check=True, capture_output=True)
+    return model
+
+
+def prompt_rounds(
+    count: int, prefix_tokens: int, tail_tokens: int
+) -> tuple[list[int], list[dict[str, list[int]]]]:
+    """A warm-up prompt, and ``count`` rounds of four prompts (A to D) sharing
+    one fresh prefix each, the same for every run (seeded)."""
+    rng = random.Random(0)
+
+    def words(n: int) -> list[int]:
+        return [rng.randrange(4, 1024) for _ in range(n)]
+
+    warmup = [1, *words(63)]
+    rounds = []
+    for _ in range(count):
+        prefix = [1, *words(prefix_tokens - 1)]
+        rounds.append({tail: prefix + words(tail_tokens) for tail in "ABCD"})
+    return warmup, rounds
+
+
 def _load_average() -> float:
     return os.getloadavg()[0]
 
@@ -279,30 +305,8 @@ def main() -> None:
         parser.error("--rounds must be at least 1")
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
-    model = work / "model"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ENGINE),
-            "--make-model",
-            str(model),
-            str(args.layers),
-            str(args.hidden),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    rng = random.Random(0)
-
-    def words(n: int) -> list[int]:
-        return [rng.randrange(4, 1024) for _ in range(n)]
-
-    warmup = [1, *words(63)]
-    rounds = []
-    for _ in range(args.rounds):
-        prefix = [1, *words(args.prefix - 1)]
-        rounds.append({tail: prefix + words(args.tail) for tail in "ABCD"})
-
+    model = make_model(work, args.layers, args.hidden)
+    warmup, rounds = prompt_rounds(args.rounds, args.prefix, args.tail)
     common = {
         "model": str(model),
         "block_size": 128,

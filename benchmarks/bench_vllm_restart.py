@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import restart_trace
-from bench_vllm import ENGINE, _engine, _load_average
+from bench_vllm import _engine, _load_average, make_model, prompt_rounds
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -69,29 +66,8 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-restart-"))
-    model = work / "model"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ENGINE),
-            "--make-model",
-            str(model),
-            str(args.layers),
-            str(args.hidden),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    rng = random.Random(0)
-
-    def words(n: int) -> list[int]:
-        return [rng.randrange(4, 1024) for _ in range(n)]
-
-    warmup = [1, *words(63)]
-    rounds = []
-    for _ in range(args.rounds):
-        prefix = [1, *words(args.prefix - 1)]
-        rounds.append({tail: prefix + words(args.tail) for tail in "ABCD"})
+    model = make_model(work, args.layers, args.hidden)
+    warmup, rounds = prompt_rounds(args.rounds, args.prefix, args.tail)
     common = {
         "model": str(model),
         "block_size": 128,
@@ -170,14 +146,14 @@ def main() -> None:
         paired = [a / b for a, b in zip(ratios["after"], ratios["before"], strict=True)]
         print(f"after / before, run by run: median {statistics.median(paired):.2f}")
     if args.trace:
-        for side, prompts in breakdowns.items():
-            for name, rows in prompts.items():
+        for side, by_prompt in breakdowns.items():
+            for name, rows in by_prompt.items():
                 print(f"{side}, {name} (ms, p50 (p10-p90)):")
                 print("\n".join(restart_trace.stage_lines(rows)))
-                same_round = [
-                    {"ttft": b["ttft"] - d["ttft"]}
-                    for b, d in zip(prompts["B"], prompts["D"], strict=True)
-                ]
+            same_round = [
+                {"ttft": b["ttft"] - d["ttft"]}
+                for b, d in zip(by_prompt["B"], by_prompt["D"], strict=True)
+            ]
             print(f"{side}, B - D of the same round:")
             print("\n".join(restart_trace.stage_lines(same_round)))
 

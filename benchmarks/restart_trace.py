@@ -141,11 +141,11 @@ def install(path: str) -> None:
 
 def summarise(path: str) -> list[dict[str, float]]:
     """One breakdown per ``generate`` call, in ms from its start."""
-    events = []
+    events: list[tuple[float, str, str]] = []
     with open(path) as f:
         for line in f:
-            stamp, _pid, event, *detail = line.split(" ", 3)
-            events.append((int(stamp) / 1e6, event, (detail[0] if detail else "").strip()))
+            micros, _pid, name, *rest = line.split(" ", 3)
+            events.append((int(micros) / 1e6, name, (rest[0] if rest else "").strip()))
     events.sort()
     prompts: list[dict[str, float]] = []
     start: float | None = None
