@@ -1,10 +1,7 @@
-"""The runtime of tiers that keep chunks on this machine: it runs a
-:class:`LocalBackend`, blocking batched calls that read into and write from
-primary slots, on the worker threads of :class:`ThreadedBatchTier`.
-
-A remote tier's runtime (:mod:`kvtier.tiers.remote`) adds deadlines, a
-breaker and naming around its backend; a local backend needs none of them,
-and verifies its own chunks (it knows how it stores them).
+"""Tiers that keep chunks on this machine: a :class:`LocalBackend`, blocking
+batched calls that read into and write from primary slots, run as it is by
+the tier runtime (:mod:`kvtier.tiers.runtime`), with no guards. It verifies
+its own chunks: it knows how it stores them.
 """
 
 from __future__ import annotations
@@ -15,10 +12,11 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric
-from kvtier.tiers.threaded import JobState, ThreadedBatchTier, ThreadedTierOptions
+from kvtier.tiers.jobs import JobState
+from kvtier.tiers.options import ThreadedTierOptions
+from kvtier.tiers.runtime import ChunkStore, ItemErrors, TierRuntime
 
-#: What a batched move gives back per key: ``None``, or the error that key met.
-ItemErrors = list[BaseException | None]
+__all__ = ["ItemErrors", "LocalBackend", "LocalRuntime", "LocalTier"]
 
 
 class LocalRuntime(Protocol):
@@ -94,6 +92,18 @@ class LocalBackend(ABC, Generic[OptionsT]):
         """Delete a chunk found corrupt; ``False`` when it was gone already."""
         return None
 
+    def move_many(
+        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
+    ) -> ItemErrors:
+        """:meth:`load_many` or :meth:`store_many`, as the runtime calls them."""
+        if state.loading:
+            return self.load_many(keys, payloads)
+        return self.store_many(keys, payloads)
+
+    def batch_size(self, chunks: int, threads: int) -> int:
+        """Chunks per batch: :attr:`io_batch`."""
+        return self.io_batch
+
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         """Keys the engine just used: a hint for the store's eviction."""
 
@@ -127,53 +137,25 @@ class LocalBackend(ABC, Generic[OptionsT]):
         return errors
 
 
-class LocalTier(ThreadedBatchTier[OptionsT]):
-    """A tier over a :class:`LocalBackend`. A tier class names its backend in
-    :attr:`backend_class`."""
+class LocalTier(TierRuntime[OptionsT]):
+    """A tier over a :class:`LocalBackend`, named in :attr:`backend_class`."""
 
     #: The backend this tier runs; :attr:`Options` and the batch sizes are its.
     backend_class: ClassVar[type[LocalBackend[Any]]]
+    backend: LocalBackend[OptionsT]
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        try:
-            self.backend: LocalBackend[OptionsT] = self.backend_class(self.options, self)
-        except BaseException:  # no worker started yet: the codec's helper only
-            if self._codec_calls is not None:
-                self._codec_calls.close()
-            raise
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        backend = cls.__dict__.get("backend_class")
+        if backend is not None:  # the tier takes what its backend declares
+            cls.Options = backend.Options
+            cls.check_batch = backend.check_batch
+            cls.variable_payloads = backend.variable_payloads
+
+    def _open_store(self) -> ChunkStore:
+        self.backend = self.backend_class(self.options, self)
+        return self.backend
 
     @property
     def fixed_payload_size(self) -> bool:
         return self.codec_stage.fixed_size
-
-    def _known(self, key: ChunkKey) -> bool | None:
-        return self.backend.known(key)
-
-    def _contains(self, keys: Sequence[ChunkKey]) -> Sequence[bool | None]:
-        return self.backend.contains_many(keys)
-
-    def _transfer(
-        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
-    ) -> list[bool]:
-        move = self.backend.load_many if state.loading else self.backend.store_many
-        errors = move(keys, payloads)
-        return [self._settled(key, error) for key, error in zip(keys, errors, strict=True)]
-
-    def _discard(self, key: ChunkKey) -> bool | None:
-        return self.backend.discard(key)
-
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
-        self.backend.touch(keys)
-
-    def _close(self) -> None:
-        self.backend.close()
-
-    def describe(self) -> dict[str, object]:
-        return {"type": self.tier_type, **self.backend.describe()}
-
-    def health(self) -> Sequence[HealthCheck]:
-        return self.backend.health()
-
-    def metrics(self) -> Sequence[TierMetric]:
-        return self.backend.metrics()
