@@ -68,7 +68,6 @@ class ExistenceChecks:
                 self._overdue.discard(key)
                 if present is None:
                     self._failed[key] = self._failed.get(key, 0) + 1
-                    self._checked.pop(key, None)
                 else:
                     self._failed.pop(key, None)
                     self._checked[key] = present

@@ -6,6 +6,7 @@ per-request budgets; see docs/shared-tiers.md, 'When the backend fails'.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from kvtier.tiers.base import Lookup, LookupContext, TierMetric, TransferJob
 from kvtier.tiers.budgets import RequestBudgets
 from kvtier.tiers.circuit import BreakerState, CircuitBreaker
 from kvtier.tiers.deadlines import Deadlines
-from kvtier.tiers.jobs import Jobs
+from kvtier.tiers.jobs import Jobs, JobState
 from kvtier.tiers.options import RemoteTierOptions
 from kvtier.tiers.probes import Probes
 from kvtier.tiers.workers import Workers
@@ -73,13 +74,7 @@ class Guards:
         self, key: ChunkKey, ctx: LookupContext, ask: Callable[[ChunkKey], Lookup]
     ) -> Lookup:
         """``ask(key)`` unless the breaker is open; the answer feeds the request's budget."""
-        if self.admit():
-            answer = ask(key)
-        elif self.breaker.state is BreakerState.HALF_OPEN:
-            answer = Lookup.PENDING  # the probe answers within deadline_s: wait for it
-        else:
-            self._count(outage_skipped_lookups=1)
-            answer = Lookup.MISS
+        answer = ask(key) if self.admit() else self._lookup_while_down()
         if ctx.request_id is not None:
             if answer is Lookup.PENDING:
                 self.budgets.waiting(ctx.request_id)
@@ -87,24 +82,26 @@ class Guards:
                 self.budgets.found(ctx.request_id, key)
         return answer
 
-    def admit_job(self, job: TransferJob, loading: bool) -> bool:
-        """Whether ``job`` may go to the backend; if not, its chunks are counted lost."""
-        if self.admit():
-            return True
-        if loading:
-            self._count(outage_failed_loads=len(job.keys))
-        else:
-            self._count(outage_dropped_stores=len(job.keys))
-        return False
+    def _lookup_while_down(self) -> Lookup:
+        if self.breaker.state is BreakerState.HALF_OPEN:
+            return Lookup.PENDING  # the probe answers within deadline_s: wait for it
+        self._count(outage_skipped_lookups=1)
+        return Lookup.MISS
 
-    def bound_job(self, job: TransferJob, loading: bool) -> None:
-        """Answer ``job`` at its deadline if it still runs; a load gets what
-        its request's checks left of it."""
-        left, since = self.budgets.take(job.request_id) if loading else (None, None)
-        self._deadlines.after(
-            self.deadline_s if left is None else left,
-            lambda: self.answer_late(job.job_id, since),
-        )
+    def count_lost(self, job: TransferJob, loading: bool) -> None:
+        """``job`` was not admitted: its chunks are lost to the outage."""
+        lost = "outage_failed_loads" if loading else "outage_dropped_stores"
+        self._count(**{lost: len(job.keys)})
+
+    def bound_job(self, state: JobState) -> None:
+        """Answer the job at its deadline; a load gets what its request's checks left."""
+        left, since = self.budgets.take(state.job.request_id) if state.loading else (None, None)
+        at_deadline = functools.partial(self._job_deadline, state, since)
+        self._deadlines.after(self.deadline_s if left is None else left, at_deadline)
+
+    def _job_deadline(self, state: JobState, waiting_since: float | None) -> None:
+        if not state.reported:  # else it ended in time
+            self.answer_late(state.job.job_id, waiting_since)
 
     def answer_late(self, job_id: int, waiting_since: float | None = None) -> None:
         """Answer a job still running with what it has, and count its
@@ -116,11 +113,10 @@ class Guards:
             self.missed_deadline(what, since)
 
     def bound_check(self, keys: Sequence[ChunkKey], overdue: Callable[[], None]) -> threading.Event:
-        """An event to set when the check of ``keys`` ends; unset at the
-        deadline (counted from now, as the lookups wait from now), ``overdue``
-        is called."""
-        done = threading.Event()
-        self._watch(done, f"existence check of {len(keys)} chunks", overdue)
+        """An event to set when the check of ``keys`` ends; ``overdue()`` unless set in time."""
+        done, what = threading.Event(), f"existence check of {len(keys)} chunks"
+        late = functools.partial(self._expired, done, what, time.perf_counter(), overdue)
+        self._deadlines.after(self.deadline_s, late)
         return done
 
     def check_done(self, keys: Sequence[ChunkKey], done: threading.Event) -> None:
@@ -131,18 +127,19 @@ class Guards:
         """A backend call got an answer."""
         self._last_answer = time.perf_counter()
 
-    def outcome_of(self, items: Sequence[object]) -> None:
-        """Account a batch by its per-item results (errors are ``BaseException`` items)."""
-        errors = [
-            item
-            for item in items
-            if isinstance(item, BaseException) and not isinstance(item, CorruptChunkError)
-        ]
-        self.outcome(len(errors), len(items), errors[0] if errors else None)
+    def account(self, items: Sequence[object]) -> None:
+        """One breaker verdict per batch, by its items (errors: ``BaseException``)."""
+        errors = [item for item in items if isinstance(item, BaseException)]
+        if errors:  # corrupt values aside: the backend answered those
+            counted = [e for e in errors if not isinstance(e, CorruptChunkError)]
+            self.outcome(len(counted), len(items), counted[0] if counted else None)
+        elif items:
+            self._last_answer = time.perf_counter()
+            self.breaker.record_success()
 
     def outcome(self, errors: int, items: int, first: BaseException | None) -> None:
-        """One breaker verdict per batch, so mixed per-item results never flap:
-        every item failed is a failed call, any answered shows it serving."""
+        """A batch's verdict by its counts: every item failed is a failed
+        call, any answered shows the backend serving."""
         if isinstance(first, BackendSkipped):
             return  # not a call: the breaker is open already
         if errors:
@@ -203,14 +200,15 @@ class Guards:
 
     def _watch(self, done: threading.Event, what: str, then: Callable[[], None]) -> None:
         """Unless ``done`` is set in time: count a missed deadline, then ``then()``."""
-        since = time.perf_counter()
+        expired = functools.partial(self._expired, done, what, time.perf_counter(), then)
+        self._deadlines.after(self.deadline_s, expired)
 
-        def check() -> None:
-            if not done.is_set():
-                self.missed_deadline(what, since)
-                then()
-
-        self._deadlines.after(self.deadline_s, check)
+    def _expired(
+        self, done: threading.Event, what: str, since: float, then: Callable[[], None]
+    ) -> None:
+        if not done.is_set():
+            self.missed_deadline(what, since)
+            then()
 
     def missed_deadline(self, what: str, since: float) -> None:
         self._count(deadline_misses=1)

@@ -57,10 +57,9 @@ class Jobs:
             state.remaining -= 1
             if state.reported:
                 return
-            for key, good in zip(keys, ok, strict=True):
-                if good:
-                    state.succeeded.add(key)
-                    state.nbytes += self.chunk_bytes
+            moved = [key for key, good in zip(keys, ok, strict=True) if good]
+            state.succeeded.update(moved)
+            state.nbytes += len(moved) * self.chunk_bytes
             if state.remaining == 0:
                 self._finish(state)
 
@@ -104,23 +103,23 @@ class Jobs:
     def _finish(self, state: JobState) -> None:
         """Report a job as it stands; the caller holds the lock."""
         state.reported = True
-        del self._running[state.job.job_id]
-        vanished: frozenset[ChunkKey] = frozenset()
-        if self._vanished:  # nearly always empty: no scan of the job's keys
-            vanished = frozenset(
-                k for k in state.job.keys if k in self._vanished and k not in state.succeeded
-            )
-            self._vanished.difference_update(vanished)
+        job = state.job
+        del self._running[job.job_id]
+        # Nearly always empty: no scan of the job's keys.
+        vanished = self._take_vanished(state) if self._vanished else frozenset()
+        succeeded = frozenset(state.succeeded)
+        seconds = time.perf_counter() - state.started
+        success = len(succeeded) == len(job.keys)
         self._finished.append(
-            JobResult(
-                job_id=state.job.job_id,
-                success=len(state.succeeded) == len(state.job.keys),
-                succeeded=frozenset(state.succeeded),
-                nbytes=state.nbytes,
-                seconds=time.perf_counter() - state.started,
-                vanished=vanished,
-            )
+            JobResult(job.job_id, success, succeeded, state.nbytes, seconds, vanished)
         )
         if not self._running:  # what drain() waits for: no wake-up per job
             self._idle.notify_all()
         self._on_progress()
+
+    def _take_vanished(self, state: JobState) -> frozenset[ChunkKey]:
+        """The keys of ``state``'s job that loads found gone; the caller holds the lock."""
+        gone = self._vanished
+        vanished = frozenset(k for k in state.job.keys if k in gone and k not in state.succeeded)
+        gone.difference_update(vanished)
+        return vanished

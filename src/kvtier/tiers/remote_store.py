@@ -73,6 +73,9 @@ class RemoteStore:
         #: Whether every value is exactly :attr:`value_bytes` long.
         self.fixed_value_size = tier.codec_stage.fixed_size
         self._batch = backend_class.batch_chunks(tier.stored_bytes)
+        # One request per chunk: a task per worker runs a job's chunks in
+        # parallel, and once the backend is known down each task stops sending
+        # instead of a queue of one-chunk tasks each paying a timeout.
         self._spreads = backend_class.spreads_batches
         self._worker_local = threading.local()
         self.backend: Backend[Any] = backend_class(options, self)
@@ -98,8 +101,7 @@ class RemoteStore:
         self.guards.answered()
 
     def scratch_values(self, count: int) -> list[ValueBuffer]:
-        """This worker's reusable value buffers (no allocation and page
-        faults per chunk); the clients are done with one when ``put_many`` returns."""
+        """This worker's value buffers, reused: no allocation per chunk."""
         buffers: list[ValueBuffer] = getattr(self._worker_local, "buffers", [])
         if len(buffers) < count:
             buffers = buffers + self.backend.allocate_values(count - len(buffers))
@@ -136,10 +138,7 @@ class RemoteStore:
         return None
 
     def batch_size(self, chunks: int, threads: int) -> int:
-        if self._spreads:
-            # One request per chunk, so a task per worker: a job's chunks run in
-            # parallel, and once the backend is known down each task stops
-            # sending instead of a queue of one-chunk tasks each paying a timeout.
+        if self._spreads:  # a request per chunk: a task per worker, each sending in turn
             return min(self.backend.io_batch, max(1, -(-chunks // threads)))
         return self._batch
 
@@ -147,15 +146,11 @@ class RemoteStore:
         if not self.guards.sending:
             return [None] * len(keys)  # unknown: asked again once the backend is back
         names = [self.store_name(k) for k in keys]
-        try:
-            if self.prefetched is None:
-                found = self.backend.exists_many(names)
-            else:
-                found = self._read_checked(self.prefetched, names)
-        except Exception as exc:
-            self.guards.outcome(len(keys), len(keys), exc)
-            return [None] * len(keys)
-        self.guards.outcome_of(found)
+        if self.prefetched is None:
+            found = self.backend.exists_many(names)
+        else:
+            found = self._read_checked(self.prefetched, names)
+        self.guards.account(found)
         return [None if isinstance(f, BaseException) else bool(f) for f in found]
 
     def move_many(
@@ -163,13 +158,9 @@ class RemoteStore:
     ) -> ItemErrors:
         if not self.guards.sending:
             return [_SKIPPED] * len(keys)
-        try:
-            if state.loading:
-                return self._load(state, keys, payloads)
-            return self._store(state, keys, payloads)
-        except Exception as exc:
-            self.guards.outcome(len(keys), len(keys), exc)
-            return [exc] * len(keys)
+        if state.loading:
+            return self._load(state, keys, payloads)
+        return self._store(state, keys, payloads)
 
     def discard(self, key: ChunkKey) -> None:
         name = self.store_name(key)
@@ -206,33 +197,27 @@ class RemoteStore:
 
     def _load(self, state: JobState, keys: list[ChunkKey], outs: list[memoryview]) -> ItemErrors:
         names = [self.store_name(k) for k in keys]
-        if self.prefetched is None:
-            values = self.backend.get_many(names)
-            self.guards.outcome_of(values)
-        else:
+        if self.prefetched is not None:
             values = self._fetch_held(self.prefetched, names)
-        errors: ItemErrors = []
+        else:
+            values = self.backend.get_many(names)
+            self.guards.account(values)
         with state.slots_guard:
             if state.reported:  # answered at its deadline: the slots may be another's now
                 return [_SKIPPED] * len(keys)
-            for key, value, out in zip(keys, values, outs, strict=True):
-                if value is None:  # evicted or expired since the lookup
-                    errors.append(ChunkVanishedError(key.hex()))
-                elif isinstance(value, BaseException):
-                    errors.append(value)
-                else:
-                    try:
-                        integrity.unframe_into(
-                            value,
-                            out,
-                            namespace=self.namespace,
-                            key=key,
-                            exact_size=self.fixed_value_size,
-                        )
-                        errors.append(None)
-                    except CorruptChunkError as exc:
-                        errors.append(exc)
-        return errors
+            return [self._unframe(k, v, out) for k, v, out in zip(keys, values, outs, strict=True)]
+
+    def _unframe(self, key: ChunkKey, value: Fetched, out: memoryview) -> BaseException | None:
+        """Verify ``value`` into ``out``; else why not (a missing value: vanished)."""
+        if value is None or isinstance(value, BaseException):
+            return ChunkVanishedError(key.hex()) if value is None else value
+        try:
+            integrity.unframe_into(
+                value, out, namespace=self.namespace, key=key, exact_size=self.fixed_value_size
+            )
+        except CorruptChunkError as exc:
+            return exc
+        return None
 
     def _fetch_held(self, held: Prefetched, names: list[str]) -> list[Fetched]:
         """Each value: taken from those the checks held, else read from the backend."""
@@ -244,7 +229,7 @@ class RemoteStore:
             return values
         missing = [i for i, value in enumerate(values) if value is None]
         fetched = self.backend.get_many([names[i] for i in missing])
-        self.guards.outcome_of(fetched)
+        self.guards.account(fetched)
         for index, value in zip(missing, fetched, strict=True):
             values[index] = value
         return values
@@ -320,7 +305,7 @@ class RemoteStore:
         return result
 
     def _account_writes(self, errors: PutErrors) -> None:
-        """:meth:`Guards.outcome_of` a batch of writes: items the backend
+        """:meth:`Guards.account` a batch of writes: items the backend
         refused (:meth:`Backend.refuses_write`) are counted apart and take
         no part in the breaker's verdict."""
         kept: PutErrors = []
@@ -334,7 +319,7 @@ class RemoteStore:
             self.count(backend_errors=len(refused), refused_stores=len(refused))
             self.guards.answered()
             logger.debug("tier %s: %d writes refused: %r", self.tier_type, len(refused), refused[0])
-        self.guards.outcome_of(kept)
+        self.guards.account(kept)
 
     def _bounded(self, call: Callable[[], T], timeout_s: float, dispose: Callable[[T], None]) -> T:
         """:func:`call_within` on a thread named after this tier."""

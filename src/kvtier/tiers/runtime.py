@@ -162,10 +162,8 @@ class TierRuntime(SecondaryTier[OptionsT]):
 
     def on_step_end(self) -> None:
         batch = self.checks.take_queued()
-        if not batch:
-            return
         # Spread over the idle workers: a prefix's checks answer in parallel.
-        idle = max(1, self.io_threads - self.workers.backlog())
+        idle = max(1, self.workers.count - self.workers.backlog())
         size = min(self.check_batch, max(1, -(-len(batch) // idle)))
         for start in range(0, len(batch), size):
             keys = batch[start : start + size]
@@ -181,11 +179,11 @@ class TierRuntime(SecondaryTier[OptionsT]):
             if len(found) != len(keys):
                 raise ValueError(f"{len(found)} answers for {len(keys)} keys")
         except BaseException as exc:  # even a BaseException: else the keys stay "checking"
-            logger.warning("tier %s: existence check failed: %r", self.tier_type, exc)
+            self._call_failed("existence check", len(keys), exc)
             found = [None] * len(keys)
         self.checks.record(keys, found)
         self._progressed()
-        if self.guards is not None and done is not None:
+        if done is not None and self.guards is not None:
             self.guards.check_done(keys, done)
 
     def submit_store(self, job: TransferJob) -> None:
@@ -268,56 +266,68 @@ class TierRuntime(SecondaryTier[OptionsT]):
 
     def _submit(self, job: TransferJob, *, loading: bool) -> None:
         guards = self.guards
-        if guards is not None and not guards.admit_job(job, loading):
+        if guards is not None and not guards.admit():
+            guards.count_lost(job, loading)
             self.jobs.report(JobResult(job.job_id, not job.keys, frozenset(), 0, 0.0))
             return
         state = JobState(job, loading)
-        pending: list[tuple[ChunkKey, int]] = []
-        for key, slot in zip(job.keys, job.slots, strict=True):
-            if not loading and self.store.known(key):
-                state.succeeded.add(key)  # already held: nothing to write
-            else:
-                pending.append((key, slot))
-        batches = self._split(pending) if pending else []
+        pending = list(zip(job.keys, job.slots, strict=True))
+        if not loading:
+            pending = self._unheld(state, pending)
+        batches = self._split(pending)
         self.jobs.open(state, len(batches))
         priority = Priority.LOAD if loading else Priority.STORE
         for batch in batches:
             self.workers.submit(priority, functools.partial(self._run_batch, state, batch))
         if guards is not None:
-            guards.bound_job(job, loading)
+            guards.bound_job(state)
+
+    def _unheld(
+        self, state: JobState, pending: list[tuple[ChunkKey, int]]
+    ) -> list[tuple[ChunkKey, int]]:
+        """A store's chunks the store does not hold; those it holds succeeded."""
+        unheld = []
+        for key, slot in pending:
+            if self.store.known(key):
+                state.succeeded.add(key)  # nothing to write
+            else:
+                unheld.append((key, slot))
+        return unheld
 
     def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
         """A job's (key, slot) pairs in batches."""
-        size = self.store.batch_size(len(pending), self.io_threads)
+        size = self.store.batch_size(len(pending), self.workers.count)
         return [pending[i : i + size] for i in range(0, len(pending), size)]
 
     def _run_batch(self, state: JobState, batch: list[tuple[ChunkKey, int]]) -> None:
         keys = [key for key, _ in batch]
         ok = [False] * len(keys)
         if not state.reported:  # else answered already: nothing left to do
+            slots = [slot for _, slot in batch]
             try:
-                slots = [slot for _, slot in batch]
                 if self.coded is None:
                     ok = self.move(state, keys, [self.slot(slot) for slot in slots])
                 else:
                     ok = self.coded.move(state, keys, slots)
-            # Even a BaseException fails the batch alone: a job left
-            # unreported would keep its slots and make drain() wait for ever.
-            except BaseException as exc:
-                logger.warning("tier %s: batch failed: %r", self.tier_type, exc)
-                ok = [False] * len(keys)
+            except BaseException as exc:  # else its job would keep its slots for ever
+                self._call_failed("batch", len(keys), exc)
         self.jobs.batch_done(state, keys, ok)
+
+    def _call_failed(self, what: str, items: int, exc: BaseException) -> None:
+        """A store call raised: with guards, a failed backend call; else logged."""
+        if self.guards is not None:
+            self.guards.outcome(items, items, exc)
+        else:
+            logger.warning("tier %s: %s failed: %r", self.tier_type, what, exc)
 
     def move(self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]) -> list[bool]:
         """Move one batch through the store; whether each key made it."""
         errors = self.store.move_many(state, keys, payloads)
-        return [self._settled(key, error) for key, error in zip(keys, errors, strict=True)]
+        return [e is None or self._failed(k, e) for k, e in zip(keys, errors, strict=True)]
 
-    def _settled(self, key: ChunkKey, error: BaseException | None) -> bool:
-        """Whether one chunk's move succeeded, given its error: a corrupt chunk
-        is discarded and counted, a vanished one noted, any other fails alone."""
-        if error is None:
-            return True
+    def _failed(self, key: ChunkKey, error: BaseException) -> bool:
+        """A chunk's move failed (``False``): a corrupt chunk is discarded and
+        counted, a vanished one noted, any other error fails that key alone."""
         if isinstance(error, CorruptChunkError):
             self.discard_corrupt(key, error)
         elif isinstance(error, ChunkVanishedError):

@@ -95,11 +95,11 @@ class ThreadedTier(TierRuntime[ThreadedOptionsT]):
     def _attempt(
         self, operation: Callable[[ChunkKey, memoryview], None], key: ChunkKey, view: memoryview
     ) -> bool:
-        """Run one chunk's hook; what its error means: :meth:`TierRuntime._settled`."""
+        """Run one chunk's hook; what its error means: :meth:`TierRuntime._failed`."""
         try:
             operation(key, view)
         except Exception as exc:
-            return self._settled(key, exc)
+            return self._failed(key, exc)
         return True
 
 

@@ -36,12 +36,8 @@ class Workers:
         self._tasks = tuple(collections.deque[Callable[[], None]]() for _ in Priority)
         self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._stopped = False
-
-    @property
-    def stopped(self) -> bool:
-        """Whether :meth:`stop` began: no new task is taken."""
-        return self._stopped
+        #: Whether :meth:`stop` began: no new task is taken.
+        self.stopped = False
 
     @property
     def threads(self) -> list[threading.Thread]:
@@ -58,15 +54,16 @@ class Workers:
 
     def submit(self, priority: Priority, task: Callable[[], None]) -> None:
         with self._lock:
-            if self._stopped:
+            if self.stopped:
                 raise RuntimeError(f"{self.name} is shut down")
-            self._start()
+            if not self._threads:
+                self._start()
         self._tasks[priority].append(task)
         self._tokens.put(None)
 
     def _start(self) -> None:
         """Start the threads unless started or stopped; the caller holds the lock."""
-        if not self._stopped and not self._threads:
+        if not self.stopped and not self._threads:
             self._threads = [
                 threading.Thread(target=self._work, name=f"{self.name}-{i}", daemon=True)
                 for i in range(self.count)
@@ -78,7 +75,7 @@ class Workers:
         """Stop every worker once the queue empties; wait ``timeout`` at most
         for one still in a task (left behind, a daemon, past it)."""
         with self._lock:
-            self._stopped = True
+            self.stopped = True
             threads = list(self._threads)
         for _ in threads:
             self._tokens.put(None)

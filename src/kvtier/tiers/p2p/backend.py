@@ -26,7 +26,7 @@ from kvtier.tiers.p2p.counters import ClientCounters
 from kvtier.tiers.p2p.flow import ByteBudget
 from kvtier.tiers.p2p.options import PeerTierOptions
 from kvtier.tiers.p2p.server import PeerServer
-from kvtier.tiers.threaded import ThreadedTierOptions
+from kvtier.tiers.options import ThreadedTierOptions
 
 if TYPE_CHECKING:
     from kvtier.primary import PrimaryTier

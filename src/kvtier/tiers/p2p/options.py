@@ -8,7 +8,7 @@ from pydantic import ByteSize, Field, FilePath, SecretStr, field_validator, mode
 
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.tls import TLSSettings
-from kvtier.tiers.threaded import ThreadedTierOptions
+from kvtier.tiers.options import ThreadedTierOptions
 
 _MIN_SECRET_CHARS = 16
 
