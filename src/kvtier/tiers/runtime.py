@@ -132,8 +132,8 @@ class TierRuntime(SecondaryTier[OptionsT]):
         """Build the store this tier runs (once, from ``__init__``)."""
 
     def _ping(self) -> None:
-        """The guards' probe: one cheap call that raises unless the store serves."""
-        raise NotImplementedError(f"{type(self).__name__} has no probe")
+        """The guards' probe: one cheap call that raises unless the store
+        serves. Default: none, so that after the backoff the next request tries."""
 
     @property
     def io_threads(self) -> int:
