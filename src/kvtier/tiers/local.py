@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric
 from kvtier.tiers.jobs import JobState
 from kvtier.tiers.options import ThreadedTierOptions
-from kvtier.tiers.runtime import ChunkStore, ItemErrors, TierRuntime
+from kvtier.tiers.runtime import ChunkStore, ItemErrors, SlotPairs, TierRuntime
 
-__all__ = ["ItemErrors", "LocalBackend", "LocalRuntime", "LocalTier"]
+if TYPE_CHECKING:
+    from kvtier.codecs.stage import CodecStage
+
+__all__ = ["ItemErrors", "LocalBackend", "LocalRuntime", "LocalTier", "SlotPairs"]
 
 
 class LocalRuntime(Protocol):
@@ -38,9 +41,13 @@ class LocalRuntime(Protocol):
     def slot_bytes(self) -> int:
         """Bytes of one primary slot."""
 
+    #: How chunks are encoded on their way: the size they are stored at, the
+    #: codec a store that records it names.
+    codec_stage: CodecStage
+
     def slot(self, index: int) -> memoryview:
         """Primary slot ``index``, for a backend that serves the node's own
-        chunks to others (``p2p``)."""
+        chunks to others (``p2p``) or checks the buffer's alignment (``fs``)."""
 
     def count(self, **deltas: int) -> None:
         """Add to the tier's counters (``evictions=1``), from any thread."""
@@ -100,9 +107,16 @@ class LocalBackend(ABC, Generic[OptionsT]):
             return self.load_many(keys, payloads)
         return self.store_many(keys, payloads)
 
-    def batch_size(self, chunks: int, threads: int) -> int:
-        """Chunks per batch: :attr:`io_batch`."""
-        return self.io_batch
+    def batches(self, pending: SlotPairs, idle_workers: int) -> list[SlotPairs]:
+        """A job's chunks in the batches worker tasks move, given how many
+        workers have nothing queued: :attr:`io_batch` at a time."""
+        size = self.io_batch
+        return [pending[i : i + size] for i in range(0, len(pending), size)]
+
+    def step_task(self) -> Callable[[], None] | None:
+        """Work to queue at the end of an engine step, beside existence
+        checks (a periodic poll), or ``None``."""
+        return None
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         """Keys the engine just used: a hint for the store's eviction."""

@@ -34,7 +34,7 @@ from kvtier.tiers.deadlines import call_within
 from kvtier.tiers.guards import Guards
 from kvtier.tiers.jobs import JobState
 from kvtier.tiers.prefetch import Prefetched
-from kvtier.tiers.runtime import ItemErrors
+from kvtier.tiers.runtime import ItemErrors, SlotPairs
 
 if TYPE_CHECKING:
     from kvtier.tiers.runtime import TierRuntime
@@ -76,7 +76,7 @@ class RemoteStore:
         # One request per chunk: a task per worker runs a job's chunks in
         # parallel, and once the backend is known down each task stops sending
         # instead of a queue of one-chunk tasks each paying a timeout.
-        self._spreads = backend_class.spreads_batches
+        self._spread_over = tier.workers.count if backend_class.spreads_batches else 1
         self._worker_local = threading.local()
         self.backend: Backend[Any] = backend_class(options, self)
         #: Values existence checks read whole, for the loads that follow.
@@ -137,10 +137,12 @@ class RemoteStore:
     def known(self, key: ChunkKey) -> bool | None:
         return None
 
-    def batch_size(self, chunks: int, threads: int) -> int:
-        if self._spreads:  # a request per chunk: a task per worker, each sending in turn
-            return min(self.backend.io_batch, max(1, -(-chunks // threads)))
-        return self._batch
+    def batches(self, pending: SlotPairs, idle_workers: int) -> list[SlotPairs]:
+        size = min(self._batch, max(1, -(-len(pending) // self._spread_over)))
+        return [pending[i : i + size] for i in range(0, len(pending), size)]
+
+    def step_task(self) -> None:
+        return None
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool | None]:
         if not self.guards.sending:

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: What a batched move gives back per key: ``None``, or the error that key met.
 ItemErrors = list[BaseException | None]
+#: A job's chunks as ``(key, primary slot)`` pairs.
+SlotPairs = list[tuple[ChunkKey, int]]
 
 
 class ChunkStore(Protocol):
@@ -61,8 +63,12 @@ class ChunkStore(Protocol):
         Per key: ``None``, :class:`CorruptChunkError` (discarded, counted),
         :class:`ChunkVanishedError` (a miss) or another error."""
 
-    def batch_size(self, chunks: int, threads: int) -> int:
-        """Chunks per batch for a job of ``chunks`` on ``threads`` workers."""
+    def batches(self, pending: SlotPairs, idle_workers: int) -> list[SlotPairs]:
+        """A job's chunks in the batches worker tasks move, given how many
+        workers have nothing queued."""
+
+    def step_task(self) -> Callable[[], None] | None:
+        """Work to queue at the end of an engine step, beside existence checks."""
 
     def discard(self, key: ChunkKey) -> bool | None:
         """Delete a chunk found corrupt; ``False`` when it was gone already."""
@@ -171,6 +177,9 @@ class TierRuntime(SecondaryTier[OptionsT]):
             if self.guards is not None:
                 done = self.guards.bound_check(keys, functools.partial(self._overdue, keys))
             self.workers.submit(Priority.CHECK, functools.partial(self.check, keys, done))
+        task = self.store.step_task()
+        if task is not None and not self.shut_down:
+            self.workers.submit(Priority.CHECK, task)
 
     def check(self, keys: list[ChunkKey], done: threading.Event | None = None) -> None:
         """Run one existence check (on a worker); ``done`` is set after."""
@@ -282,9 +291,7 @@ class TierRuntime(SecondaryTier[OptionsT]):
         if guards is not None:
             guards.bound_job(state)
 
-    def _unheld(
-        self, state: JobState, pending: list[tuple[ChunkKey, int]]
-    ) -> list[tuple[ChunkKey, int]]:
+    def _unheld(self, state: JobState, pending: SlotPairs) -> SlotPairs:
         """A store's chunks the store does not hold; those it holds succeeded."""
         unheld = []
         for key, slot in pending:
@@ -294,12 +301,11 @@ class TierRuntime(SecondaryTier[OptionsT]):
                 unheld.append((key, slot))
         return unheld
 
-    def _split(self, pending: list[tuple[ChunkKey, int]]) -> list[list[tuple[ChunkKey, int]]]:
+    def _split(self, pending: SlotPairs) -> list[SlotPairs]:
         """A job's (key, slot) pairs in batches."""
-        size = self.store.batch_size(len(pending), self.workers.count)
-        return [pending[i : i + size] for i in range(0, len(pending), size)]
+        return self.store.batches(pending, max(1, self.workers.count - self.workers.backlog()))
 
-    def _run_batch(self, state: JobState, batch: list[tuple[ChunkKey, int]]) -> None:
+    def _run_batch(self, state: JobState, batch: SlotPairs) -> None:
         keys = [key for key, _ in batch]
         ok = [False] * len(keys)
         if not state.reported:  # else answered already: nothing left to do

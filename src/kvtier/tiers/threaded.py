@@ -15,7 +15,7 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric
 from kvtier.tiers.jobs import JobState
 from kvtier.tiers.options import ThreadedTierOptions
-from kvtier.tiers.runtime import ChunkStore, ItemErrors, TierRuntime
+from kvtier.tiers.runtime import ChunkStore, ItemErrors, SlotPairs, TierRuntime
 from kvtier.tiers.workers import Priority
 
 __all__ = ["JobState", "Priority", "ThreadedTier", "ThreadedTierOptions"]
@@ -120,8 +120,12 @@ class _Hooks:
     ) -> ItemErrors:
         return [None if ok else _FAILED for ok in self.tier._transfer(state, keys, payloads)]
 
-    def batch_size(self, chunks: int, threads: int) -> int:
-        return self.tier.io_batch
+    def batches(self, pending: SlotPairs, idle_workers: int) -> list[SlotPairs]:
+        size = self.tier.io_batch
+        return [pending[i : i + size] for i in range(0, len(pending), size)]
+
+    def step_task(self) -> Callable[[], None] | None:
+        return None
 
     def discard(self, key: ChunkKey) -> bool | None:
         return self.tier._discard(key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import logging
 import queue
@@ -96,8 +97,6 @@ class Workers:
 
     def _take(self) -> Callable[[], None] | None:
         for tasks in self._tasks:
-            try:
+            with contextlib.suppress(IndexError):  # taken meanwhile: the next may hold one
                 return tasks.popleft()
-            except IndexError:
-                continue
         return None
