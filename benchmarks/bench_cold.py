@@ -148,7 +148,11 @@ class Probe:
 def probe_lookup_path(probe: Probe, cache: Any, tier: Any) -> None:
     """Time the caller's lookups and steps, the tier's existence checks and submits."""
     manager = cache.manager
-    probe.wrap(tier, "_contains", "checks", count=len)
+    # Tiers on the composed runtime check through their store; older ones, by a hook.
+    if hasattr(getattr(tier, "store", None), "contains_many"):
+        probe.wrap(tier.store, "contains_many", "checks", count=len)
+    else:
+        probe.wrap(tier, "_contains", "checks", count=len)
     probe.wrap(tier, "submit_load", "submit")
     # KVCache enters the manager once per look (lookup_pinned); older ones, by lookup.
     entry = "lookup_pinned" if hasattr(manager, "lookup_pinned") else "lookup"

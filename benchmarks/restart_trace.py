@@ -77,21 +77,21 @@ def _patch_jobs(module: ModuleType) -> None:
     _wrap(book, "collect", "collect")
 
 
-def _patch_threaded(module: ModuleType) -> None:
-    tier = module.ThreadedTier
-    original = tier._move
+def _patch_runtime(module: ModuleType) -> None:
+    tier = module.TierRuntime
+    original = tier.move
 
     @functools.wraps(original)
-    def move(self: Any, state: Any, keys: Sequence[Any], slots: Sequence[int]) -> Any:
+    def move(self: Any, state: Any, keys: Sequence[Any], payloads: Sequence[Any]) -> Any:
         if not state.loading:
-            return original(self, state, keys, slots)
+            return original(self, state, keys, payloads)
         record("read+", threading.get_ident())
         try:
-            return original(self, state, keys, slots)
+            return original(self, state, keys, payloads)
         finally:
             record("read-", threading.get_ident())
 
-    tier._move = move
+    tier.move = move
 
 
 def _patch_progress(module: ModuleType) -> None:
@@ -106,7 +106,7 @@ _PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "kvtier.integrations.vllm.scheduler": _patch_scheduler,
     "kvtier.integrations.vllm.worker": _patch_worker,
     "kvtier.jobs": _patch_jobs,
-    "kvtier.tiers.threaded": _patch_threaded,
+    "kvtier.tiers.runtime": _patch_runtime,
     "kvtier.progress": _patch_progress,
     "vllm.entrypoints.llm": _patch_llm,
 }

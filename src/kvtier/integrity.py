@@ -81,12 +81,8 @@ def unpack_header(
     payload_bytes: int,
     exact_size: bool = True,
 ) -> ChunkHeader:
-    """Parse and check a header against what the reader expects to find.
-
-    ``payload_bytes`` is the stored payload's size: a chunk of any other size
-    is foreign; with ``exact_size`` false (a variable-size codec), its
-    largest size.
-    """
+    """Parse and check a header against what the reader expects: a payload of
+    ``payload_bytes`` (at most, with ``exact_size`` false: a variable-size codec)."""
     if len(raw) < HEADER_BYTES:
         raise CorruptChunkError(f"chunk header truncated to {len(raw)} bytes")
     magic, version, _flags, length, digest, stored_ns, stored_key = _HEADER.unpack_from(raw)
@@ -137,15 +133,9 @@ def unframe_into(
     key: bytes,
     exact_size: bool = True,
 ) -> None:
-    """Verify a framed value and copy its payload into ``out`` (a primary slot,
-    or a buffer a codec decodes from).
-
-    The payload is verified *before* the copy, so a corrupt value never
-    touches the slot. With ``exact_size`` false, a payload shorter than
-    ``out`` goes to its start and the rest of ``out`` is zeroed, so that a
-    reader of ``out`` finds only this chunk's verified bytes there (a
-    variable-size codec's chunk, in a buffer reused chunk after chunk).
-    """
+    """Verify a framed value, then copy its payload into ``out``: a corrupt
+    value never touches it. A shorter payload (``exact_size`` false) goes to
+    its start, the rest zeroed: ``out`` holds only this chunk's verified bytes."""
     view = memoryview(value)
     header = unpack_header(
         view, namespace=namespace, key=key, payload_bytes=len(out), exact_size=exact_size

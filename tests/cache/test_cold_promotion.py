@@ -315,13 +315,13 @@ def test_existence_checks_are_spread_over_the_idle_workers(
         assert tier.wait_index(30)
         tier.backend.index.keys.clear()  # as if another process had stored every chunk
         batches: list[int] = []
-        contains = tier._contains
+        contains = tier.backend.contains_many
 
         def counted(keys: Any) -> list[bool]:
             batches.append(len(keys))
             return contains(keys)
 
-        monkeypatch.setattr(tier, "_contains", counted)
+        monkeypatch.setattr(tier.backend, "contains_many", counted)
         assert cache.cached_prefix(TOKENS, poll_s=POLL_S) == len(TOKENS)
         # Six keys over four idle workers: checks of two keys each, in
         # parallel, instead of one check of all six.

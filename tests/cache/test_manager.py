@@ -327,7 +327,7 @@ def test_a_chunk_gone_between_lookup_and_load_is_a_miss_not_a_failure(
         keys = cache.keys(TOKENS)
         assert peek(cache, TOKENS, "r1").pending  # all four found: promotions queued
         for key in keys[2:]:
-            tier._discard(key)  # gone before the load runs, as another process would do
+            tier.discard([key])  # gone before the load runs, as another process would do
         cache.drain()
         assert peek(cache, TOKENS, "r1").hit_chunks == 2
         assert tier.stats.chunks_loaded == 2

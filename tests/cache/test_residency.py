@@ -132,7 +132,7 @@ def test_a_corrupt_chunk_deleted_and_a_chunk_found_gone_are_removals() -> None:
         cache.manager.reset()
         failures = tier.stats.load_failures
         assert cache.manager.lookup(keys, "r").pending  # a promotion, submitted next step
-        tier._discard(keys[0])  # gone behind the tier's back
+        tier.discard([keys[0]])  # gone behind the tier's back
         cache.drain()
         assert tier.stats.load_failures == failures  # a miss: found gone
         assert changes.held("memory") == set()

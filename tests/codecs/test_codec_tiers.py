@@ -385,7 +385,7 @@ def test_a_codec_that_hangs_costs_one_bounded_wait_and_a_miss(
 
         register_codec("hanging", __name__, "HangingCodec")
         harness = TierHarness(tier, LAYOUT, num_slots=8)
-    calls: Any = harness.tier._codec_calls  # type: ignore[attr-defined]
+    calls: Any = harness.tier.codec_calls  # type: ignore[attr-defined]
     try:
         keys = harness.keys(3)
         harness.buffer.array[:3] = _kv(3)
@@ -436,7 +436,7 @@ def test_only_codecs_that_may_hang_pay_for_a_bounded_wait() -> None:
                 tier["codec_timeout_s"] = timeout
             harness = TierHarness(tier, LAYOUT, num_slots=2)
             try:
-                calls = harness.tier._codec_calls  # type: ignore[attr-defined]
+                calls = harness.tier.codec_calls  # type: ignore[attr-defined]
                 assert (calls is not None) == bounded, codec
                 if bounded:  # the tier's own bound: 5 s on memory unless set
                     assert calls.timeout_s == (timeout or 5.0)

@@ -11,7 +11,8 @@ from kvtier import KVCache
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.remote import RemoteTier
-from kvtier.tiers.threaded import ThreadedBatchTier, ThreadedTier
+from kvtier.tiers.runtime import TierRuntime
+from kvtier.tiers.threaded import ThreadedTier
 from tests.tiers.threaded_doubles import (
     WORKERS_SEEN_IN_INIT,
     ObviousNamesTier,
@@ -81,12 +82,12 @@ def test_remote_tiers_move_batches_by_one_path_with_no_per_chunk_hooks(hook: str
     # hooks beside it would be a second path that nothing takes.
     assert hasattr(ThreadedTier, hook)
     assert not hasattr(RemoteTier, hook)
-    assert issubclass(RemoteTier, ThreadedBatchTier)
+    assert issubclass(RemoteTier, TierRuntime)
     assert not issubclass(RemoteTier, ThreadedTier)
 
 
-def test_a_batch_tier_without_transfer_is_refused_when_built() -> None:
-    assert ThreadedBatchTier.__abstractmethods__ == {"_contains", "_transfer"}
+def test_a_tier_without_its_hooks_is_refused_when_built() -> None:
+    assert TierRuntime.__abstractmethods__ == {"_open_store"}
     assert ThreadedTier.__abstractmethods__ == {"_contains", "_store_chunk", "_load_chunk"}
 
 
@@ -161,9 +162,8 @@ def test_an_existence_check_raising_anything_is_an_unknown_answer_not_a_stuck_ke
     assert tier.lookup(key, LookupContext()) is Lookup.PENDING
     for _ in range(tier.check_attempts):
         # The check the lookup queued, run here on this thread: it must not raise...
-        assert tier._threaded_to_check == [key]
-        tier._threaded_to_check = []
-        tier._run_check([key])()
+        assert tier.checks.take_queued() == [key]
+        tier.check([key])
         # ...and the key is no longer "being checked" (else PENDING for ever).
         answer = tier.lookup(key, LookupContext())
     assert answer is Lookup.MISS  # the backend kept failing: a miss, asked again later

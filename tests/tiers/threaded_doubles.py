@@ -7,8 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey
-from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.threaded import JobState, ThreadedTier
+from kvtier.tiers.jobs import JobState
+from kvtier.tiers.local import ItemErrors
+from kvtier.tiers.memory import MemoryBackend, MemoryTier
+from kvtier.tiers.threaded import ThreadedTier
 
 #: Worker threads of a tier found alive while its ``__init__`` ran, by tier type.
 WORKERS_SEEN_IN_INIT: dict[str, list[str]] = {}
@@ -67,32 +69,41 @@ class FailingSetUpTier(ObviousNamesTier):
         raise OSError("the backend is not there")
 
 
+class RaisingMemoryBackend(MemoryBackend):
+    """The memory backend, raising what its tier says (see :class:`RaisingMemoryTier`)."""
+
+    runtime: RaisingMemoryTier
+
+    def _raise(self, step: str) -> None:
+        tier = self.runtime
+        if tier.error is not None and tier.raise_in == step:
+            raise tier.error(f"{step} raised (injected)")
+
+    def known(self, key: ChunkKey) -> bool | None:
+        return None  # every lookup asks contains_many
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        self._raise("_contains")
+        return super().contains_many(keys)
+
+    def move_many(
+        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
+    ) -> ItemErrors:
+        self._raise("load" if state.loading else "store")
+        errors = super().move_many(state, keys, payloads)
+        return errors + [None] * self.runtime.extra_answers if state.loading else errors
+
+
 class RaisingMemoryTier(MemoryTier):
     """The memory tier; while :attr:`error` is set, the step named by
     :attr:`raise_in` (``_contains``, ``load`` or ``store``) raises it (any
     exception class, ``BaseException`` ones included), and
     :attr:`extra_answers` pads a load batch's answer."""
 
+    backend_class = RaisingMemoryBackend
+
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
         self.raise_in = ""
         self.error: type[BaseException] | None = None
         self.extra_answers = 0
-
-    def _raise(self, step: str) -> None:
-        if self.error is not None and self.raise_in == step:
-            raise self.error(f"{step} raised (injected)")
-
-    def _contains(self, keys: Sequence[ChunkKey]) -> Sequence[bool | None]:
-        self._raise("_contains")
-        return super()._contains(keys)
-
-    def _known(self, key: ChunkKey) -> bool | None:
-        return None  # every lookup asks _contains
-
-    def _transfer(
-        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
-    ) -> list[bool]:
-        self._raise("load" if state.loading else "store")
-        ok = super()._transfer(state, keys, payloads)
-        return ok + [True] * self.extra_answers if state.loading else ok
+        super().__init__(**kwargs)

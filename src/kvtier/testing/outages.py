@@ -54,7 +54,7 @@ def recover(tier: RemoteTier, clock: FakeClock, timeout: float = 30.0) -> bool:
         return True
     clock.advance(tier.breaker.max_backoff_s)
     stuck = set(tier.probes.threads)
-    tier._admit()
+    tier.guards.admit()
     for probe in tier.probes.threads:
         if probe not in stuck:  # the one just started; stuck ones may never end
             probe.join(timeout)

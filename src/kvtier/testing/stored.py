@@ -64,7 +64,7 @@ def write_stored(tier: SecondaryTier, key: ChunkKey, value: bytes) -> None:
         tier.backend.delete(name)  # some stores keep the first value put under a name
         # The tier's own buffers: a store moving values from registered
         # memory takes no other.
-        buffer = memoryview(tier.scratch_values(1)[0])
+        buffer = memoryview(tier.store.scratch_values(1)[0])
         buffer[: len(value)] = value
         [error] = tier.backend.put_many([name], [buffer[: len(value)]])
         if error is not None:

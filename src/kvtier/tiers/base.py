@@ -293,11 +293,8 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         return self._slot_bytes
 
     def slot(self, index: int) -> memoryview:
-        """The bytes of primary slot ``index`` as a flat, writable memoryview.
-
-        CPython cannot index a 2-D memoryview by row (``view[i]`` raises
-        ``NotImplementedError``), so tiers take slots through this.
-        """
+        """Primary slot ``index`` as a flat, writable memoryview (CPython cannot
+        index a 2-D memoryview by row)."""
         size = self.slot_bytes
         if not 0 <= index < len(self._flat_view) // max(size, 1):
             raise IndexError(f"{self.tier_type}: slot {index} is outside the primary view")

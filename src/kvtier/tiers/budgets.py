@@ -59,8 +59,7 @@ class RequestBudgets:
             drop_oldest(self._answered, self.max_entries)
 
     def found(self, request_id: str | None, key: ChunkKey) -> None:
-        """A lookup of ``request_id`` took ``key``'s check answer: the request
-        waited on the backend until that check answered."""
+        """A lookup of ``request_id`` took ``key``'s check answer: it waited until then."""
         with self._lock:
             answered = self._answered.pop(key, None)
             wait = self._waits.get(request_id) if request_id is not None else None
@@ -68,8 +67,7 @@ class RequestBudgets:
                 wait.spent = max(wait.spent, answered - wait.first)
 
     def take(self, request_id: str | None) -> tuple[float, float | None]:
-        """Seconds left to a load of ``request_id``, and since when the
-        request waits (``None``: not waiting); the wait ends with its load."""
+        """Seconds left to a load of ``request_id``, and since when it waits (or ``None``)."""
         with self._lock:
             wait = self._waits.pop(request_id, None) if request_id is not None else None
         if wait is None:

@@ -1,10 +1,7 @@
-"""The runtime of tiers that keep chunks on this machine: it runs a
-:class:`LocalBackend`, blocking batched calls that read into and write from
-primary slots, on the worker threads of :class:`ThreadedBatchTier`.
-
-A remote tier's runtime (:mod:`kvtier.tiers.remote`) adds deadlines, a
-breaker and naming around its backend; a local backend needs none of them,
-and verifies its own chunks (it knows how it stores them).
+"""Tiers that keep chunks on this machine: a :class:`LocalBackend`, blocking
+batched calls that read into and write from primary slots, run as it is by
+the tier runtime (:mod:`kvtier.tiers.runtime`), with no guards. It verifies
+its own chunks: it knows how it stores them.
 """
 
 from __future__ import annotations
@@ -15,15 +12,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric
-from kvtier.tiers.threaded import JobState, Priority, ThreadedBatchTier, ThreadedTierOptions
+from kvtier.tiers.jobs import JobState
+from kvtier.tiers.options import ThreadedTierOptions
+from kvtier.tiers.runtime import ChunkStore, ItemErrors, SlotPairs, TierRuntime
 
 if TYPE_CHECKING:
     from kvtier.codecs.stage import CodecStage
 
-#: What a batched move gives back per key: ``None``, or the error that key met.
-ItemErrors = list[BaseException | None]
-#: A job's chunks as ``(key, primary slot)`` pairs.
-SlotPairs = list[tuple[ChunkKey, int]]
+__all__ = ["ItemErrors", "LocalBackend", "LocalRuntime", "LocalTier", "SlotPairs"]
 
 
 class LocalRuntime(Protocol):
@@ -103,6 +99,14 @@ class LocalBackend(ABC, Generic[OptionsT]):
         """Delete a chunk found corrupt; ``False`` when it was gone already."""
         return None
 
+    def move_many(
+        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
+    ) -> ItemErrors:
+        """:meth:`load_many` or :meth:`store_many`, as the runtime calls them."""
+        if state.loading:
+            return self.load_many(keys, payloads)
+        return self.store_many(keys, payloads)
+
     def batches(self, pending: SlotPairs, idle_workers: int) -> list[SlotPairs]:
         """A job's chunks in the batches worker tasks move, given how many
         workers have nothing queued: :attr:`io_batch` at a time."""
@@ -147,62 +151,17 @@ class LocalBackend(ABC, Generic[OptionsT]):
         return errors
 
 
-class LocalTier(ThreadedBatchTier[OptionsT]):
-    """A tier over a :class:`LocalBackend`. A tier class names its backend in
-    :attr:`backend_class`."""
+class LocalTier(TierRuntime[OptionsT]):
+    """A tier over a :class:`LocalBackend`, named in :attr:`backend_class`."""
 
     #: The backend this tier runs; :attr:`Options` and the batch sizes are its.
     backend_class: ClassVar[type[LocalBackend[Any]]]
+    backend: LocalBackend[OptionsT]
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        try:
-            self.backend: LocalBackend[OptionsT] = self.backend_class(self.options, self)
-        except BaseException:  # no worker started yet: the codec's helper only
-            if self._codec_calls is not None:
-                self._codec_calls.close()
-            raise
+    def _open_store(self) -> ChunkStore:
+        self.backend = self.backend_class(self.options, self)
+        return self.backend
 
     @property
     def fixed_payload_size(self) -> bool:
         return self.codec_stage.fixed_size
-
-    def _known(self, key: ChunkKey) -> bool | None:
-        return self.backend.known(key)
-
-    def _contains(self, keys: Sequence[ChunkKey]) -> Sequence[bool | None]:
-        return self.backend.contains_many(keys)
-
-    def _transfer(
-        self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
-    ) -> list[bool]:
-        move = self.backend.load_many if state.loading else self.backend.store_many
-        errors = move(keys, payloads)
-        return [self._settled(key, error) for key, error in zip(keys, errors, strict=True)]
-
-    def _discard(self, key: ChunkKey) -> bool | None:
-        return self.backend.discard(key)
-
-    def _split(self, pending: SlotPairs) -> list[SlotPairs]:
-        return self.backend.batches(pending, max(1, self.io_threads - self._backlog()))
-
-    def on_step_end(self) -> None:
-        super().on_step_end()
-        task = None if self.shut_down else self.backend.step_task()
-        if task is not None:
-            self._threaded_enqueue(Priority.CHECK, task)
-
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
-        self.backend.touch(keys)
-
-    def _close(self) -> None:
-        self.backend.close()
-
-    def describe(self) -> dict[str, object]:
-        return {"type": self.tier_type, **self.backend.describe()}
-
-    def health(self) -> Sequence[HealthCheck]:
-        return self.backend.health()
-
-    def metrics(self) -> Sequence[TierMetric]:
-        return self.backend.metrics()

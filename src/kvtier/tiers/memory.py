@@ -19,7 +19,7 @@ from kvtier.errors import ChunkVanishedError
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric
 from kvtier.tiers.local import ItemErrors, LocalBackend, LocalRuntime, LocalTier
-from kvtier.tiers.threaded import ThreadedTierOptions
+from kvtier.tiers.options import ThreadedTierOptions
 from kvtier.units import format_bytes
 
 

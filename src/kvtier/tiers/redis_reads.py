@@ -78,15 +78,10 @@ def get_into(
     *,
     ttl_ms: int | None,
 ) -> list[Reply]:
-    """``GET`` each name into its buffer (then ``PEXPIRE`` them all when ``ttl_ms``), one
-    round trip on ``connection``, a connected redis-py connection its caller returns.
-
-    Raises redis-py's ``ConnectionError`` or ``TimeoutError`` (after closing
-    the connection) when the batch as a whole failed. A value whose length
-    is not its buffer's, or that is not a string, is that item's
-    :class:`CorruptChunkError`; another error the server answers is that
-    item's ``ResponseError``.
-    """
+    """``GET`` each name into its buffer (then ``PEXPIRE`` them when ``ttl_ms``) in
+    one round trip. A whole-batch failure raises redis-py's ``ConnectionError`` or
+    ``TimeoutError``; a value too long or not a string is that item's
+    :class:`CorruptChunkError`, another server error its ``ResponseError``."""
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import ResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError

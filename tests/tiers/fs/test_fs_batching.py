@@ -26,7 +26,7 @@ def fs_options() -> dict[str, Any]:
 
 
 def _split(tier: FilesystemTier, count: int, backlog: int) -> list[list[int]]:
-    tier._backlog = lambda: backlog  # type: ignore[method-assign]
+    tier.workers.backlog = lambda: backlog  # type: ignore[method-assign]
     groups = tier._split([(ChunkKey(bytes([i]) * 32), i) for i in range(count)])
     return [[slot for _, slot in group] for group in groups]
 
@@ -53,7 +53,7 @@ def test_grouped_jobs_move_every_byte_and_fail_only_the_bad_chunk(
     harness: TierHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier = fs_tier(harness)
-    monkeypatch.setattr(tier, "_backlog", lambda: tier.io_threads)  # groups of io_batch
+    monkeypatch.setattr(tier.workers, "backlog", lambda: tier.io_threads)  # groups of io_batch
     keys = harness.keys(20)
     data = harness.fill(range(20))
     assert harness.store(keys, list(range(20))).success
@@ -92,7 +92,7 @@ def test_a_chunk_another_process_stored_is_neither_hashed_nor_written_in_a_group
 
         monkeypatch.setattr(fs_io, "_store_file", recording)
         tier = fs_tier(late)
-        monkeypatch.setattr(tier, "_backlog", lambda: tier.io_threads)  # one group of three
+        monkeypatch.setattr(tier.workers, "backlog", lambda: tier.io_threads)  # one group of three
         late.fill(range(3))
         assert late.store(keys, [0, 1, 2]).success
         assert calls == [(tier.dir.chunk_path(keys[2]), True)]  # only the chunk that was missing
@@ -106,7 +106,7 @@ def test_a_chunk_another_process_stored_is_neither_hashed_nor_written_in_a_group
         alone_path = tier.dir.chunk_path(alone)
         before = os.stat(alone_path)
         calls.clear()
-        monkeypatch.setattr(tier, "_backlog", lambda: 0)
+        monkeypatch.setattr(tier.workers, "backlog", lambda: 0)
         assert late.store([alone], [0]).success
         after = os.stat(alone_path)
         assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)

@@ -263,7 +263,7 @@ def test_a_write_in_flight_is_never_evicted(root: Path, monkeypatch: pytest.Monk
         monkeypatch.setattr(fs_io, "_store_file", others_store_mid_write)
         key = slow.keys(1)[0]
         assert slow.lookup(key) is Lookup.MISS  # the workers start with this first task
-        for worker in fs_tier(slow)._threaded_workers:
+        for worker in fs_tier(slow).workers.threads:
             worker.name = "slow-" + worker.name
         slow.fill([0])
         assert slow.store([key], [0]).success

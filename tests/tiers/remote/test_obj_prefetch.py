@@ -105,7 +105,7 @@ def test_a_cold_prefix_costs_one_request_per_chunk(
         stats = tier.stats
         assert (stats.prefetched_chunks, stats.prefetch_served) == (CHUNKS, CHUNKS)
         assert stats.chunks_loaded == CHUNKS
-        assert tier._prefetched is not None and tier._prefetched.held_bytes == 0
+        assert tier.prefetched is not None and tier.prefetched.held_bytes == 0
 
 
 def test_a_missing_object_ends_the_prefix(
@@ -162,7 +162,7 @@ def test_a_chunk_the_tier_deletes_between_check_and_load_is_a_miss(
     cache, tier, requests = cold(stored)
     with cache:
         key = cache.keys(TOKENS)[1]
-        real = tier._read_checked
+        real = tier.store._read_checked
 
         def then_deleted(held: Any, checked: list[str]) -> Any:
             found = real(held, checked)
@@ -170,7 +170,7 @@ def test_a_chunk_the_tier_deletes_between_check_and_load_is_a_miss(
                 tier.discard([key])  # its held value goes with the object
             return found
 
-        tier._read_checked = then_deleted  # type: ignore[method-assign]
+        tier.store._read_checked = then_deleted  # type: ignore[method-assign]
         found, out = loaded(cache)
         assert found == LAYOUT.chunk_tokens
         np.testing.assert_array_equal(out[:1], data[:1])
@@ -197,8 +197,8 @@ def test_a_stalled_store_costs_one_deadline(stored: dict[str, Any], s3_server: S
             assert tier.stats.deadline_misses >= 1
             assert tier.breaker.state.name == "OPEN"
             proxy.set_mode("forward")  # the stalled checks fail; their room is given back
-            wait_until(lambda: not tier._threaded_checking, what="the checks ended")
-            held = tier._prefetched
+            wait_until(lambda: not tier.checks.checking, what="the checks ended")
+            held = tier.prefetched
             assert held is not None and held.held_bytes == 0
             assert held.reserve(held.budget_bytes)  # the checks' room is all given back
 

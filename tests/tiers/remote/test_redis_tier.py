@@ -515,7 +515,7 @@ def test_per_item_check_errors_never_flap_the_outage_state(
         for _ in range(tier.check_attempts + 1):
             answers.append([tier.lookup(k, ctx) for k in keys])
             tier.on_step_end()
-            wait_until(lambda: not tier._threaded_checking, what="checks done")
+            wait_until(lambda: not tier.checks.checking, what="checks done")
         assert answers[0] == [Lookup.PENDING] * 3
         assert answers[1] == [Lookup.HIT, Lookup.PENDING, Lookup.MISS]
         # The key on the failing node is asked again, then given up as a miss.

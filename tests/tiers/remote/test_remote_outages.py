@@ -425,10 +425,10 @@ def test_a_missed_deadline_opens_the_breaker_only_when_nothing_answered(
     assert isinstance(tier, RemoteTier)
     try:
         started = time.perf_counter()
-        tier.answered()  # a slow backend: some call came back while the job ran
-        tier._missed_deadline("load job", since=started)
+        tier.guards.answered()  # a slow backend: some call came back while the job ran
+        tier.guards.missed_deadline("load job", since=started)
         assert tier.breaker.closed and tier.stats.deadline_misses == 1
-        tier._missed_deadline("load job", since=time.perf_counter())  # nothing since: stalled
+        tier.guards.missed_deadline("load job", since=time.perf_counter())  # nothing since: stalled
         assert tier.breaker.state is BreakerState.OPEN
         assert tier.stats.deadline_misses == 2
     finally:
@@ -557,7 +557,7 @@ def test_every_request_waiting_on_a_check_past_its_deadline_answers_miss(
 
         def slow(names: Any) -> Any:
             started.set()
-            tier.answered()  # slow, not stalled: the breaker stays closed
+            tier.guards.answered()  # slow, not stalled: the breaker stays closed
             release.wait(60)
             return real(names)
 
@@ -573,7 +573,7 @@ def test_every_request_waiting_on_a_check_past_its_deadline_answers_miss(
         assert [tier.lookup(key, ctx) for ctx in requests] == [Lookup.MISS] * waiting
         assert tier.breaker.closed
         release.set()
-        wait_until(lambda: not tier._threaded_checking, what="the check done")
+        wait_until(lambda: not tier.checks.checking, what="the check done")
         assert tier.lookup(key, requests[-1]) is Lookup.HIT  # the late answer, for the next one
     finally:
         release.set()
@@ -612,7 +612,7 @@ def test_a_requests_checks_and_loads_share_one_deadline(
         tier.on_step_end()
         now[0] += check_takes
         check_gate.set()
-        wait_until(lambda: key not in tier._threaded_checking, what="the check answered")
+        wait_until(lambda: key not in tier.checks.checking, what="the check answered")
         check_gate.clear()
         now[0] += engine_away  # the engine's own time: not the backend's
         assert tier.lookup(key, ctx) is Lookup.HIT

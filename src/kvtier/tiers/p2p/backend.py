@@ -20,13 +20,13 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.addresses import is_loopback
 from kvtier.tiers.base import HealthCheck, HolderIndex, TierMetric
 from kvtier.tiers.local import ItemErrors, LocalBackend, LocalRuntime
+from kvtier.tiers.options import ThreadedTierOptions
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.client import CONNECT_ATTEMPTS, PeerClient
 from kvtier.tiers.p2p.counters import ClientCounters
 from kvtier.tiers.p2p.flow import ByteBudget
 from kvtier.tiers.p2p.options import PeerTierOptions
 from kvtier.tiers.p2p.server import PeerServer
-from kvtier.tiers.threaded import ThreadedTierOptions
 
 if TYPE_CHECKING:
     from kvtier.primary import PrimaryTier

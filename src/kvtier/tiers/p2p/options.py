@@ -6,9 +6,9 @@ import ssl
 
 from pydantic import ByteSize, Field, FilePath, SecretStr, field_validator, model_validator
 
+from kvtier.tiers.options import ThreadedTierOptions
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.tls import TLSSettings
-from kvtier.tiers.threaded import ThreadedTierOptions
 
 _MIN_SECRET_CHARS = 16
 

@@ -46,4 +46,4 @@ class PeerTier(LocalTier[PeerTierOptions]):
 
     def submit_store(self, job: TransferJob) -> None:
         """Succeeds at once and sends nothing: peers fetch what they need."""
-        self._report(JobResult(job.job_id, True, frozenset(job.keys), 0, 0.0))
+        self.jobs.report(JobResult(job.job_id, True, frozenset(job.keys), 0, 0.0))

@@ -1,0 +1,81 @@
+"""Existence checks: the keys lookups asked about, the answers the workers
+found, and the keys whose check failed or ran past its deadline."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from kvtier.keys import ChunkKey
+from kvtier.tiers.base import Lookup
+from kvtier.tiers.bounded import drop_oldest
+
+
+class ExistenceChecks:
+    """Thread-safe. An answer is consumed by the lookup that takes it (a
+    shared backend may change under us); an unknown one is asked again, up
+    to ``attempts`` times before the lookup answers MISS."""
+
+    def __init__(self, attempts: int, max_answers: int) -> None:
+        self.attempts = attempts
+        self.max_answers = max_answers
+        self._lock = threading.Lock()
+        self._queued: list[ChunkKey] = []
+        self._checking: set[ChunkKey] = set()
+        self._checked: dict[ChunkKey, bool] = {}
+        # Checks past their deadline: every lookup of one answers MISS until it ends.
+        self._overdue: set[ChunkKey] = set()
+        self._failed: dict[ChunkKey, int] = {}
+
+    @property
+    def checking(self) -> frozenset[ChunkKey]:
+        """Keys queued or being checked."""
+        with self._lock:
+            return frozenset(self._checking)
+
+    @property
+    def queued(self) -> tuple[ChunkKey, ...]:
+        """Keys waiting for :meth:`take_queued`."""
+        with self._lock:
+            return tuple(self._queued)
+
+    def answer(self, key: ChunkKey) -> Lookup:
+        """The found answer for ``key``, else PENDING with its check queued."""
+        with self._lock:
+            found = self._checked.pop(key, None)
+            if found is not None:
+                return Lookup.HIT if found else Lookup.MISS
+            if key in self._overdue:
+                return Lookup.MISS
+            if self._failed.get(key, 0) >= self.attempts:
+                del self._failed[key]
+                return Lookup.MISS  # the backend keeps failing for this key
+            if key not in self._checking:
+                self._checking.add(key)
+                self._queued.append(key)
+        return Lookup.PENDING
+
+    def take_queued(self) -> list[ChunkKey]:
+        with self._lock:
+            queued, self._queued = self._queued, []
+        return queued
+
+    def record(self, keys: Sequence[ChunkKey], found: Sequence[bool | None]) -> None:
+        """What a check found; ``None``: unknown, asked again at the next lookup."""
+        with self._lock:
+            for key, present in zip(keys, found, strict=True):
+                self._checking.discard(key)
+                self._overdue.discard(key)
+                if present is None:
+                    self._failed[key] = self._failed.get(key, 0) + 1
+                else:
+                    self._failed.pop(key, None)
+                    self._checked[key] = present
+            # Oldest answers first: nobody came back for them.
+            drop_oldest(self._checked, self.max_answers)
+            drop_oldest(self._failed, self.max_answers)
+
+    def overdue(self, keys: Sequence[ChunkKey]) -> None:
+        """The check of ``keys`` is past its deadline: MISS until it ends."""
+        with self._lock:
+            self._overdue.update(key for key in keys if key in self._checking)

@@ -1,0 +1,109 @@
+"""The parts the tier runtime composes, each on its own: the workers' order,
+the existence checks' answers, the jobs' results, and guards chosen by options."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+from kvtier.keys import ChunkKey
+from kvtier.testing import TierHarness, small_layout
+from kvtier.tiers.base import Lookup, TransferJob
+from kvtier.tiers.checks import ExistenceChecks
+from kvtier.tiers.jobs import Jobs, JobState
+from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.workers import Priority, Workers
+from tests.tiers.remote.remote_doubles import FreezableTier
+
+KEYS = [ChunkKey(bytes([i]) * 16) for i in range(4)]
+
+
+def test_workers_take_checks_before_loads_before_stores() -> None:
+    workers = Workers("kvtier-parts", 1)
+    started, gate = threading.Event(), threading.Event()
+    ran: list[Priority] = []
+
+    def hold() -> None:  # the only worker, held while the rest queue
+        started.set()
+        gate.wait(30)
+
+    workers.submit(Priority.STORE, hold)
+    assert started.wait(30)
+    for priority in (Priority.STORE, Priority.LOAD, Priority.CHECK):
+        workers.submit(priority, functools.partial(ran.append, priority))
+    assert workers.backlog() == 3
+    gate.set()
+    workers.stop(timeout=30)
+    assert ran == [Priority.CHECK, Priority.LOAD, Priority.STORE]
+    assert workers.stopped and not any(t.is_alive() for t in workers.threads)
+
+
+def test_an_existence_answer_is_taken_once_and_a_failing_key_gives_up() -> None:
+    checks = ExistenceChecks(attempts=2, max_answers=16)
+    assert checks.answer(KEYS[0]) is Lookup.PENDING
+    assert checks.answer(KEYS[0]) is Lookup.PENDING  # one check for both lookups
+    assert checks.take_queued() == [KEYS[0]] and checks.checking == {KEYS[0]}
+    checks.record([KEYS[0]], [True])
+    assert checks.answer(KEYS[0]) is Lookup.HIT
+    assert checks.answer(KEYS[0]) is Lookup.PENDING  # consumed: asked again
+    for _ in range(2):
+        checks.take_queued()
+        checks.record([KEYS[0]], [None])  # the backend could not say
+    assert checks.answer(KEYS[0]) is Lookup.MISS
+
+
+def test_a_check_past_its_deadline_answers_miss_until_it_ends() -> None:
+    checks = ExistenceChecks(attempts=3, max_answers=16)
+    checks.answer(KEYS[1])
+    checks.overdue([KEYS[1], KEYS[2]])  # KEYS[2] is not being checked: left alone
+    assert checks.answer(KEYS[1]) is Lookup.MISS
+    assert checks.answer(KEYS[1]) is Lookup.MISS
+    assert checks.answer(KEYS[2]) is Lookup.PENDING
+    checks.record([KEYS[1]], [True])
+    assert checks.answer(KEYS[1]) is Lookup.HIT
+
+
+def test_a_job_reports_its_batches_and_the_keys_found_gone() -> None:
+    progressed: list[int] = []
+    jobs = Jobs(chunk_bytes=10, on_progress=lambda: progressed.append(1))
+    state = JobState(TransferJob(keys=tuple(KEYS[:3]), slots=(0, 1, 2)), loading=True)
+    jobs.open(state, batches=2)
+    jobs.batch_done(state, KEYS[:2], [True, True])
+    jobs.vanished(KEYS[2])
+    assert jobs.take_finished() == [] and jobs.in_flight() == [state.job.job_id]
+    jobs.batch_done(state, KEYS[2:3], [False])
+    [result] = jobs.take_finished()
+    assert not result.success and result.succeeded == frozenset(KEYS[:2])
+    assert result.nbytes == 20 and result.vanished == frozenset(KEYS[2:3])
+    assert progressed and jobs.in_flight() == []
+    jobs.drain(timeout=0)
+
+
+def test_a_job_answered_early_ignores_its_late_batches() -> None:
+    jobs = Jobs(chunk_bytes=10, on_progress=lambda: None)
+    state = JobState(TransferJob(keys=tuple(KEYS[:2]), slots=(0, 1)), loading=False)
+    jobs.open(state, batches=2)
+    jobs.batch_done(state, KEYS[:1], [True])
+    assert jobs.answer_early(state.job.job_id) is state
+    assert jobs.answer_early(state.job.job_id) is None  # once
+    jobs.batch_done(state, KEYS[1:2], [True])  # late: its slots are no longer the tier's
+    [result] = jobs.take_finished()
+    assert result.succeeded == frozenset(KEYS[:1])
+    assert jobs.take_finished() == []
+
+
+def test_guards_come_with_options_that_configure_them() -> None:
+    local = TierHarness({"type": "memory"}, small_layout(), tier_class=MemoryTier)
+    remote = TierHarness(
+        {"type": "FreezableTier", "module_path": "tests.tiers.remote.remote_doubles"},
+        small_layout(),
+        tier_class=FreezableTier,
+    )
+    try:
+        assert local.tier.guards is None  # LocalTier: its options configure none
+        guards = remote.tier.guards  # RemoteTierOptions: breaker, deadlines, budgets
+        assert guards is not None and guards.breaker is remote.tier.breaker
+        assert guards.deadline_s == remote.tier.options.deadline_s
+    finally:
+        local.close()
+        remote.close()
