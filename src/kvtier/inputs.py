@@ -30,7 +30,7 @@ def token_array(tokens: Any, where: str = "tokens") -> np.ndarray:
     """``tokens`` (a sequence of ints, or a 1-D integer numpy array or torch
     tensor) as a 1-D little-endian int64 array."""
     if type(tokens) is list or type(tokens) is tuple:  # what engines hand most often
-        return np.frombuffer(_packed(tokens, where), _TOKEN_DTYPE)
+        return np.frombuffer(token_list_bytes(tokens, where), _TOKEN_DTYPE)
     if isinstance(tokens, str | bytes | bytearray | AbstractSet | Mapping) or not hasattr(
         tokens, "__len__"
     ):
@@ -45,7 +45,7 @@ def token_array(tokens: Any, where: str = "tokens") -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         array = tokens
     else:
-        return np.frombuffer(_packed(list(tokens), where), _TOKEN_DTYPE)
+        return np.frombuffer(token_list_bytes(list(tokens), where), _TOKEN_DTYPE)
     if array.ndim != 1:
         raise ValueError(f"{where}: expected one sequence (1-D), got shape {array.shape}")
     if array.dtype.kind not in "iu" and array.size:
@@ -59,7 +59,7 @@ def token_bytes(tokens: Any, where: str = "tokens") -> bytes:
     """``tokens`` checked as by :func:`token_array`, as the bytes of its
     little-endian int64 ids: what chunk keys hash."""
     if type(tokens) is list or type(tokens) is tuple:
-        return _packed(tokens, where)
+        return token_list_bytes(tokens, where)
     return token_array(tokens, where).tobytes()
 
 
@@ -68,7 +68,7 @@ def _int64s(count: int) -> struct.Struct:
     return struct.Struct(f"<{count}q")
 
 
-def _packed(tokens: list[Any] | tuple[Any, ...], where: str) -> bytes:
+def token_list_bytes(tokens: list[Any] | tuple[Any, ...], where: str = "tokens") -> bytes:
     """A list or tuple of token ids as little-endian int64 bytes, checked.
 
     ``struct`` converts and checks in one C pass, several times faster than

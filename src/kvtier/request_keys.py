@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvtier.inputs import TokenIds, token_array, token_bytes
+from kvtier.inputs import TokenIds, token_array, token_list_bytes
 from kvtier.keys import ChunkKey, KeyedTokens, KeyMemo, keys_of_token_bytes
 
 #: The keys of a sequence's full chunks, and its length in tokens.
@@ -55,7 +55,7 @@ class RequestKeys:
             # by another thread can never pair these keys with other tokens.
             copy = tokens if type(tokens) is tuple else list(tokens)
             keys = tuple(
-                keys_of_token_bytes(self.memo.namespace, token_bytes(copy), self.chunk_tokens)
+                keys_of_token_bytes(self.memo.namespace, token_list_bytes(copy), self.chunk_tokens)
             )
             self._remember(tokens, copy, keys)
             return keys, len(copy)
