@@ -392,7 +392,7 @@ class KVCache:
         """Call ``listener(tier_name, keys, stored)`` whenever a tier takes in
         or drops chunks (``"cpu"`` for the primary tier): for KV events. It
         must be quick and thread-safe and must not call back into kvtier."""
-        self.manager.residency.listeners.append(listener)
+        self.manager.residency.add_listener(listener)
 
     @property
     def shared_memory_name(self) -> str | None:
