@@ -123,15 +123,16 @@ class HeldPrefix:
         with self._cache._running, self._lock:
             if self._released:
                 self._refuse_released()
+            slots = self._slots
             if num_tokens is None:
-                chunks = len(self._slots)
+                chunks = len(slots)
             else:
                 chunks = chunks_of(
                     num_tokens, self._cache.chunk_tokens, self.num_tokens, "num_tokens"
                 )
             self._loading += 1
             try:
-                copy_out(self._cache, self._slots[:chunks], out)
+                copy_out(self._cache, slots if chunks == len(slots) else slots[:chunks], out)
             finally:
                 self._loading -= 1
                 if self._released and not self._loading:
