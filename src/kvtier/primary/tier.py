@@ -136,9 +136,10 @@ class PrimaryTier:
             shortfall = len(reserved) - len(free)
             if shortfall > 0:
                 pins = self._pins
-                if protect or (pins and len(reserved) < len(keys)):
+                all_new = len(reserved) == len(keys)
+                if protect or (pins and not all_new):
                     victims = self._evict(shortfall, keys, protect)
-                elif len(reserved) == len(keys):  # all new: only the pinned chunks to spare
+                elif all_new:  # only the pinned chunks to spare
                     victims = self.policy.evict(shortfall, pins)
                 else:
                     # Nothing pinned (a single engine between its requests):
