@@ -144,12 +144,7 @@ class HeldPrefix:
 
         Called from inside one of this holder's own loads (by its copier),
         the chunks stay pinned until that load ends."""
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-            if not self._loading:
-                self._cache._unpin(self._keys)
+        self.__exit__()
 
     def _refuse_released(self) -> None:
         raise ClosedError(f"this lookup of {self.num_chunks} chunks was released; look up again")
@@ -158,7 +153,13 @@ class HeldPrefix:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        # The release itself: a with block, the common way to release, makes a call less.
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            if not self._loading:
+                self._cache._unpin(self._keys)
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
