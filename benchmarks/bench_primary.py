@@ -2,10 +2,10 @@
 
 The trace: requests that share a few long prefixes, chosen with Zipf
 popularity, each followed by a unique suffix. Per request, the calls
-``KVCache`` makes through the manager: look up the chain (the leading ready
-chunks, touched once: ``lookup``), pin them (``pin_prefix``), reserve and
-fill slots for the rest (``prepare_store`` / ``complete_store``), then unpin
-(``complete_load``).
+``KVCache`` makes through the manager: look up the chain and pin what it
+finds in one call (the leading ready chunks, touched once and pinned under
+one hold of the lock: ``lookup_pinned``), reserve and fill slots for the rest
+(``prepare_store`` / ``complete_store``), then unpin (``complete_load``).
 The primary tier is small, so most stores evict. Slots are 64 bytes: only
 the bookkeeping is measured, never a copy.
 
@@ -123,17 +123,16 @@ def trace_digest(trace: list[list[bytes]]) -> str:
 def replay(trace: Sequence[Sequence[bytes]], tier: Any) -> tuple[int, int, int]:
     """Drive anything with the PrimaryTier interface; returns (ops, hits, lookups).
 
-    A lookup of a hit counts as two chunk operations (found, touched), its
-    pin and unpin as one each; a miss's lookup, reservation and fill as one each.
+    A hit counts as three chunk operations in the lookup (found, touched,
+    pinned) and one in the unpin; a miss's lookup, reservation and fill as
+    one each (the counts of a lookup followed by a separate pin).
     """
     ops = hits_total = lookups = 0
     for keys in trace:
-        hits = tier.lookup(keys)
+        hits = len(tier.lookup_pinned(keys))
         looked = min(hits + 1, len(keys))
         hit_keys = keys[:hits]
         new = keys[hits:]
-        if hits:
-            tier.pin_prefix(hit_keys)
         reserved = tier.prepare_store(new) if new else None
         if reserved:
             tier.complete_store(list(reserved))
@@ -164,23 +163,19 @@ class DictLRU:
         self.order: OrderedDict[bytes, None] = OrderedDict()  # ready keys, oldest first
         self.free = list(range(num_slots))
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
+    def lookup_pinned(self, keys: Sequence[bytes]) -> list[int]:
+        """The leading ready chunks found, touched and pinned in one pass; their slots."""
         with self.lock:
-            refs, order = self.refs, self.order
-            hits = 0
+            refs, order, slot_of = self.refs, self.order, self.slot_of
+            slots = []
             for key in keys:
-                if refs.get(key, -1) < 0:
+                readers = refs.get(key, -1)
+                if readers < 0:
                     break
                 order.move_to_end(key)
-                hits += 1
-            return hits
-
-    def pin_prefix(self, keys: Sequence[bytes]) -> list[int]:
-        with self.lock:
-            refs, slot_of = self.refs, self.slot_of
-            for key in keys:
-                refs[key] += 1
-            return [slot_of[key] for key in keys]
+                refs[key] = readers + 1
+                slots.append(slot_of[key])
+            return slots
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         with self.lock:
@@ -239,8 +234,9 @@ class SeedAdapter:
     def end(self) -> None:
         self.manager.on_request_finished(self.ctx)
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        # The seed's scheduler: look up chunk by chunk, then touch what it found.
+    def lookup_pinned(self, keys: Sequence[bytes]) -> Sequence[bytes]:
+        # The seed has no such single call: its scheduler looks up chunk by
+        # chunk, touches what it found, and its worker pins that prefix.
         hits = 0
         for key in keys:
             if self.manager.lookup(key, self.ctx) is not self._hit:
@@ -248,10 +244,8 @@ class SeedAdapter:
             hits += 1
         if hits:
             self.manager.touch(keys[:hits], self.ctx)
-        return hits
-
-    def pin_prefix(self, keys: Sequence[bytes]) -> object:
-        return self.manager.prepare_load(keys, self.ctx)
+            self.manager.prepare_load(keys[:hits], self.ctx)
+        return keys[:hits]
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         self.manager.complete_load(keys, self.ctx)

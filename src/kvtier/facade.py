@@ -268,10 +268,12 @@ class KVCache:
                 return 0
             slot_rows = self.manager.primary.buffer.array
             try:
-                for index, slot in _positions(keys, reserved):
-                    if rows is not None:
+                # One loop per kind of source: no test of it per chunk.
+                if rows is not None:
+                    for index, slot in _positions(keys, reserved):
                         slot_rows[slot] = rows[index]
-                    else:
+                else:
+                    for index, slot in _positions(keys, reserved):
                         src(index, slot_rows[slot])  # type: ignore[operator]
             except BaseException:
                 self.manager.complete_store(reserved.keys(), success=False)
@@ -392,7 +394,7 @@ class KVCache:
         """Call ``listener(tier_name, keys, stored)`` whenever a tier takes in
         or drops chunks (``"cpu"`` for the primary tier): for KV events. It
         must be quick and thread-safe and must not call back into kvtier."""
-        self.manager.residency.listeners.append(listener)
+        self.manager.residency.add_listener(listener)
 
     @property
     def shared_memory_name(self) -> str | None:

@@ -96,13 +96,12 @@ class TieringManager:
             self._call(tier, "on_attach", primary)
         self.progress.follow(self.tiers)
         #: Which tier holds which chunk, as it changes (KV events for routers):
-        #: add observers to ``residency.listeners``.
-        self.residency = ResidencyFeed([tier.tier_type for tier in self.tiers])
+        #: add observers with ``residency.add_listener``.
+        self.residency = ResidencyFeed([tier.tier_type for tier in self.tiers], primary.watchers)
         self.jobs = JobBook(primary, self.tiers, self.backpressure, self.residency, self.progress)
         self._failed = self.jobs.failed  # read by every lookup: one attribute away
         #: Observers of finished jobs: see :attr:`JobBook.listeners`.
         self.job_listeners: list[JobListener] = self.jobs.listeners
-        primary.watchers.append(self.residency.primary_changed)
         for index, tier in enumerate(self.tiers):
             tier.removal_listeners.append(functools.partial(self.residency.removed, index))
 

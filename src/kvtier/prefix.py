@@ -10,8 +10,9 @@ holder calls :meth:`HeldPrefix.release`, or the cache closes.
 
 from __future__ import annotations
 
-import threading
+import _thread
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -33,6 +34,10 @@ class Holder(Protocol):
     layout: KVLayout
     manager: TieringManager
     lifecycle: Lifecycle
+
+    @property
+    def _running(self) -> AbstractContextManager[None]:
+        """``lifecycle.running()``, fetched once by the cache."""
 
     @property
     def chunk_tokens(self) -> int: ...
@@ -82,7 +87,8 @@ class HeldPrefix:
         # A load and a release of the same holder exclude each other: the
         # chunks must stay pinned while they are copied. Re-entrant: a copier
         # may release its own holder (the unpin then waits for the copy's end).
-        self._lock = threading.RLock()
+        # The C class itself: threading.RLock is a Python function around it.
+        self._lock = _thread.RLock()
         self._loading = 0
         #: Whether more chunks were still on their way when the lookup stopped
         #: waiting (its timeout ran out): a later lookup may find more.
@@ -114,17 +120,19 @@ class HeldPrefix:
         Asking for more than is held is a ``ValueError``. Returns the tokens loaded.
         """
         # Entered first: closed or released, it says so before it looks at the arguments.
-        with self._cache.lifecycle.running(), self._lock:
-            self._check_held()
+        with self._cache._running, self._lock:
+            if self._released:
+                self._refuse_released()
+            slots = self._slots
             if num_tokens is None:
-                chunks = len(self._slots)
+                chunks = len(slots)
             else:
                 chunks = chunks_of(
                     num_tokens, self._cache.chunk_tokens, self.num_tokens, "num_tokens"
                 )
             self._loading += 1
             try:
-                copy_out(self._cache, self._slots[:chunks], out)
+                copy_out(self._cache, slots if chunks == len(slots) else slots[:chunks], out)
             finally:
                 self._loading -= 1
                 if self._released and not self._loading:
@@ -136,24 +144,22 @@ class HeldPrefix:
 
         Called from inside one of this holder's own loads (by its copier),
         the chunks stay pinned until that load ends."""
+        self.__exit__()
+
+    def _refuse_released(self) -> None:
+        raise ClosedError(f"this lookup of {self.num_chunks} chunks was released; look up again")
+
+    def __enter__(self) -> HeldPrefix:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # The release itself: a with block, the common way to release, makes a call less.
         with self._lock:
             if self._released:
                 return
             self._released = True
             if not self._loading:
                 self._cache._unpin(self._keys)
-
-    def _check_held(self) -> None:
-        if self._released:
-            raise ClosedError(
-                f"this lookup of {self.num_chunks} chunks was released; look up again"
-            )
-
-    def __enter__(self) -> HeldPrefix:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"

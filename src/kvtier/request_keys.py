@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvtier.inputs import TokenIds, token_array, token_bytes
+from kvtier.inputs import TokenIds, token_array, token_list_bytes
 from kvtier.keys import ChunkKey, KeyedTokens, KeyMemo, keys_of_token_bytes
 
 #: The keys of a sequence's full chunks, and its length in tokens.
@@ -55,7 +55,7 @@ class RequestKeys:
             # by another thread can never pair these keys with other tokens.
             copy = tokens if type(tokens) is tuple else list(tokens)
             keys = tuple(
-                keys_of_token_bytes(self.memo.namespace, token_bytes(copy), self.chunk_tokens)
+                keys_of_token_bytes(self.memo.namespace, token_list_bytes(copy), self.chunk_tokens)
             )
             self._remember(tokens, copy, keys)
             return keys, len(copy)
@@ -67,14 +67,17 @@ class RequestKeys:
         return tuple(self.memo.keys(array)), len(array)
 
     def _remember(self, tokens: Any, copy: Any, keys: tuple[ChunkKey, ...]) -> None:
-        if len(copy) > self.max_tokens:
+        size = len(copy)
+        if size > self.max_tokens:
             return
-        known = self._known
+        known, ident = self._known, id(tokens)
         with self._lock:
-            replaced = known.pop(id(tokens), None)
+            # Counted in a local, written back once: this runs for every new prompt.
+            held = self._tokens + size
+            replaced = known.pop(ident, None)
             if replaced is not None:
-                self._tokens -= len(replaced[1])
-            known[id(tokens)] = (tokens, copy, keys)
-            self._tokens += len(copy)
-            while len(known) > self.entries or self._tokens > self.max_tokens:
-                self._tokens -= len(known.pop(next(iter(known)))[1])
+                held -= len(replaced[1])
+            known[ident] = (tokens, copy, keys)
+            while len(known) > self.entries or held > self.max_tokens:
+                held -= len(known.pop(next(iter(known)))[1])
+            self._tokens = held

@@ -12,6 +12,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 
 from kvtier.keys import ChunkKey
 
@@ -20,6 +21,8 @@ logger = logging.getLogger(__name__)
 #: Called with ``(tier_name, keys, stored)`` when a tier takes chunks in
 #: (``True``) or drops them (``False``).
 ResidencyListener = Callable[[str, Sequence[ChunkKey], bool], None]
+#: A :attr:`PrimaryTier.watchers` callback: ``(added, removed)``.
+PrimaryWatcher = Callable[[Sequence[ChunkKey], Sequence[ChunkKey]], None]
 
 #: The primary tier's name in the feed.
 PRIMARY_TIER_NAME = "cpu"
@@ -39,7 +42,7 @@ def tier_names(tier_types: Sequence[str]) -> list[str]:
 
 
 class ResidencyFeed:
-    """Fans residency changes out to :attr:`listeners`, in one order.
+    """Fans residency changes out to its listeners (:meth:`add_listener`), in one order.
 
     Changes come from any thread (tiers report evictions on their workers);
     listeners are called under one lock, so a chunk's changes reach them in
@@ -53,20 +56,49 @@ class ResidencyFeed:
     the feed leaves that chunk out of the job's result.
     """
 
-    def __init__(self, secondary_types: Sequence[str]) -> None:
+    def __init__(
+        self,
+        secondary_types: Sequence[str],
+        primary_watchers: list[PrimaryWatcher] | None = None,
+    ) -> None:
+        """``primary_watchers``: the primary tier's :attr:`PrimaryTier.watchers`,
+        which the feed joins while anyone listens (so that, unheard, a store
+        or an eviction makes no call to it)."""
         #: Each secondary tier's name, in configuration order.
         self.names = tier_names(secondary_types)
-        self.listeners: list[ResidencyListener] = []
+        self._listeners: list[ResidencyListener] = []
+        self._primary_watchers = primary_watchers
         self._lock = threading.Lock()
         # Per secondary tier: keys of its jobs in flight (how many jobs
         # each), and those it reported dropped while in flight.
         self._storing: list[Counter[ChunkKey]] = [Counter() for _ in self.names]
         self._dropped: list[set[ChunkKey]] = [set() for _ in self.names]
 
+    @property
+    def listeners(self) -> tuple[ResidencyListener, ...]:
+        """The observers now, in the order they are called."""
+        return tuple(self._listeners)
+
+    def add_listener(self, listener: ResidencyListener) -> None:
+        """Call ``listener(tier_name, keys, stored)`` on every change from now on."""
+        with self._lock:
+            self._listeners.append(listener)
+            watchers = self._primary_watchers
+            if watchers is not None and self.primary_changed not in watchers:
+                watchers.append(self.primary_changed)
+
+    def remove_listener(self, listener: ResidencyListener) -> None:
+        """Stop calling ``listener``; ``ValueError`` if it was not listening."""
+        with self._lock:
+            self._listeners.remove(listener)
+            if not self._listeners and self._primary_watchers is not None:
+                with suppress(ValueError):
+                    self._primary_watchers.remove(self.primary_changed)
+
     def primary_changed(self, added: Sequence[ChunkKey], removed: Sequence[ChunkKey]) -> None:
         """The primary tier made ``added`` ready and dropped ``removed`` (a
         :attr:`PrimaryTier.watchers` callback)."""
-        if self.listeners and (added or removed):
+        if self._listeners and (added or removed):
             with self._lock:
                 if removed:
                     self._tell(PRIMARY_TIER_NAME, removed, False)
@@ -76,7 +108,7 @@ class ResidencyFeed:
     def job_started(self, tier: int, keys: Sequence[ChunkKey]) -> bool:
         """A job of ``keys`` goes to secondary tier ``tier``; ``True`` if it is
         followed (end it with :meth:`job_ended`), ``False`` when nobody listens."""
-        if not self.listeners:
+        if not self._listeners:
             return False
         with self._lock:
             self._storing[tier].update(keys)
@@ -97,7 +129,7 @@ class ResidencyFeed:
 
     def removed(self, tier: int, keys: Sequence[ChunkKey]) -> None:
         """Secondary tier ``tier`` no longer holds ``keys``."""
-        if not keys or not self.listeners:
+        if not keys or not self._listeners:
             return
         with self._lock:
             storing = self._storing[tier]
@@ -106,7 +138,7 @@ class ResidencyFeed:
             self._tell(self.names[tier], keys, False)
 
     def _tell(self, name: str, keys: Sequence[ChunkKey], stored: bool) -> None:
-        for listener in self.listeners:
+        for listener in self._listeners:
             try:
                 listener(name, keys, stored)
             except Exception:

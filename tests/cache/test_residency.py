@@ -46,7 +46,7 @@ def make_cache(*tiers: dict[str, Any], slots: int = 8) -> tuple[KVCache, Changes
     }
     cache = KVCache(config, LAYOUT)
     changes = Changes()
-    cache.manager.residency.listeners.append(changes)
+    cache.manager.residency.add_listener(changes)
     return cache, changes
 
 
@@ -150,7 +150,8 @@ def test_no_listener_no_followed_stores_and_a_raising_listener_is_logged(
         raise RuntimeError("listener down")
 
     changes = Changes()
-    feed.listeners += [broken, changes]
+    feed.add_listener(broken)
+    feed.add_listener(changes)
     key = ChunkKey(b"k" * 16)
     assert feed.job_started(0, [key])
     feed.job_ended(0, [key], [key])
@@ -164,13 +165,38 @@ def test_a_chunk_read_from_a_tier_is_announced_there_though_stored_unseen() -> N
     cache, changes = make_cache({"type": "memory", "io_threads": 1}, slots=4)
     try:
         tokens = list(range(8))
-        cache.manager.residency.listeners.remove(changes)
+        cache.manager.residency.remove_listener(changes)
         cache.store(tokens, chunks(2))
         cache.drain()
         cache.manager.reset()
-        cache.manager.residency.listeners.append(changes)
+        cache.manager.residency.add_listener(changes)
         assert cache.cached_prefix(tokens, timeout=5) == 8
         keys = cache.keys(tokens)
         assert changes.held("memory") == set(keys) == changes.held("cpu")
     finally:
         cache.close()
+
+
+def test_the_feed_watches_the_primary_tier_only_while_someone_listens() -> None:
+    """Unheard, a store or an eviction calls nothing; a listener hears the
+    primary tier from the moment it is added until it is removed."""
+    with KVCache({"chunk_tokens": 4, "cpu_bytes_to_use": 2 * LAYOUT.slot_bytes}, LAYOUT) as cache:
+        primary, feed = cache.manager.primary, cache.manager.residency
+        assert primary.watchers == []
+        cache.store(list(range(4)), chunks(1))
+        changes = Changes()
+        cache.watch_residency(changes)
+        assert primary.watchers == [feed.primary_changed]
+        assert feed.listeners == (changes,)
+        cache.store(list(range(8)), chunks(2))  # one new chunk, ready
+        cache.store(list(range(100, 104)), chunks(1))  # evicts one of the two
+        [added] = cache.keys(list(range(8)))[1:]
+        assert changes.of("cpu")[0] == (added, True)
+        assert [stored for _, stored in changes.of("cpu")] == [True, False, True]
+        feed.remove_listener(changes)
+        assert primary.watchers == [] and feed.listeners == ()
+        told = len(changes.seen)
+        cache.store(list(range(200, 208)), chunks(2))
+        assert len(changes.seen) == told
+        with pytest.raises(ValueError):
+            feed.remove_listener(changes)

@@ -17,13 +17,13 @@ NS = b"ns"
 def checked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The length of every sequence checked from here on."""
     lengths: list[int] = []
-    real = request_keys_module.token_bytes
+    real = request_keys_module.token_list_bytes
 
     def counting(tokens: Any, where: str = "tokens") -> bytes:
         lengths.append(len(tokens))
         return real(tokens, where)
 
-    monkeypatch.setattr(request_keys_module, "token_bytes", counting)
+    monkeypatch.setattr(request_keys_module, "token_list_bytes", counting)
     return lengths
 
 

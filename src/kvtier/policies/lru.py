@@ -8,7 +8,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.keys import ChunkKey
-from kvtier.policies.base import CachePolicy, unprotected
+from kvtier.policies.base import CachePolicy
 
 
 class LRUCachePolicy(CachePolicy):
@@ -62,7 +62,9 @@ class LRUCachePolicy(CachePolicy):
     def evict(self, n: int, protected: Collection[ChunkKey]) -> list[ChunkKey] | None:
         if n <= 0:
             return []
-        victims = list(itertools.islice(unprotected(self._order, protected), n))
+        # unprotected() inlined: a call less on every store that evicts.
+        idle = itertools.filterfalse(protected.__contains__, self._order)
+        victims = list(itertools.islice(idle, n))
         if len(victims) < n:
             return None
         for key in victims:

@@ -135,10 +135,17 @@ class PrimaryTier:
             reserved = walk.new_keys(ready, writing, keys)
             shortfall = len(reserved) - len(free)
             if shortfall > 0:
-                if protect or len(reserved) < len(keys):
+                pins = self._pins
+                all_new = len(reserved) == len(keys)
+                if protect or (pins and not all_new):
                     victims = self._evict(shortfall, keys, protect)
-                else:  # the common case: only the pinned chunks to spare
-                    victims = self.policy.evict(shortfall, self._pins)
+                elif all_new:  # only the pinned chunks to spare
+                    victims = self.policy.evict(shortfall, pins)
+                else:
+                    # Nothing pinned (a single engine between its requests):
+                    # all keys to spare, as one set; those the policy does
+                    # not track are never asked about.
+                    victims = self.policy.evict(shortfall, set(keys))
                 if victims is None:
                     return None
                 walk.free_victims(ready, free, victims)
@@ -162,11 +169,6 @@ class PrimaryTier:
         # them whose membership test is a fast C method (a keys view's, which
         # filterfalse and map call once per key, is a slower slot wrapper).
         pins = self._pins
-        if not pins and not protect:
-            # Nothing pinned (a single engine between its requests): all keys
-            # to spare, as one set; those the policy does not track are never
-            # asked about.
-            return self.policy.evict(n, set(keys))
         own = loops.active.idle_resident(self._ready, pins, keys)
         if protect:
             return self.policy.evict(n, _Protected(pins, set(own), protect))

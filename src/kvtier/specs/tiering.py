@@ -100,7 +100,7 @@ class TieringSpec(OffloadingSpec):
                 "peers asking the index cannot find it: set index.p2p_address"
             )
         manager.attachments.append(publisher)
-        manager.residency.listeners.append(publisher.residency_changed)
+        manager.residency.add_listener(publisher.residency_changed)
         finder = PeerFinder(index)
         for tier in manager.tiers:
             tier.use_holder_index(finder)
