@@ -14,7 +14,7 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric
 from kvtier.tiers.jobs import JobState
 from kvtier.tiers.options import ThreadedTierOptions
-from kvtier.tiers.runtime import ChunkStore, ItemErrors, SlotPairs, TierRuntime
+from kvtier.tiers.runtime import ChunkStore, ItemErrors, SlotPairs, TierRuntime, in_batches
 
 if TYPE_CHECKING:
     from kvtier.codecs.stage import CodecStage
@@ -110,8 +110,7 @@ class LocalBackend(ABC, Generic[OptionsT]):
     def batches(self, pending: SlotPairs, idle_workers: int) -> list[SlotPairs]:
         """A job's chunks in the batches worker tasks move, given how many
         workers have nothing queued: :attr:`io_batch` at a time."""
-        size = self.io_batch
-        return [pending[i : i + size] for i in range(0, len(pending), size)]
+        return in_batches(pending, self.io_batch)
 
     def step_task(self) -> Callable[[], None] | None:
         """Work to queue at the end of an engine step, beside existence

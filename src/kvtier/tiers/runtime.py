@@ -47,6 +47,11 @@ ItemErrors = list[BaseException | None]
 SlotPairs = list[tuple[ChunkKey, int]]
 
 
+def in_batches(pending: SlotPairs, size: int) -> list[SlotPairs]:
+    """``pending`` in order, ``size`` pairs a batch (the last may be shorter)."""
+    return [pending[i : i + size] for i in range(0, len(pending), size)]
+
+
 class ChunkStore(Protocol):
     """The blocking, batched calls the runtime drives on its workers."""
 

@@ -15,7 +15,7 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric
 from kvtier.tiers.jobs import JobState
 from kvtier.tiers.options import ThreadedTierOptions
-from kvtier.tiers.runtime import ChunkStore, ItemErrors, SlotPairs, TierRuntime
+from kvtier.tiers.runtime import ChunkStore, ItemErrors, SlotPairs, TierRuntime, in_batches
 from kvtier.tiers.workers import Priority
 
 __all__ = ["JobState", "Priority", "ThreadedTier", "ThreadedTierOptions"]
@@ -113,8 +113,7 @@ class _Hooks:
         return [None if ok else _FAILED for ok in self.tier._transfer(state, keys, payloads)]
 
     def batches(self, pending: SlotPairs, idle_workers: int) -> list[SlotPairs]:
-        size = self.tier.io_batch
-        return [pending[i : i + size] for i in range(0, len(pending), size)]
+        return in_batches(pending, self.tier.io_batch)
 
     def step_task(self) -> Callable[[], None] | None:
         return None
