@@ -11,6 +11,10 @@ B ÷ D, round by round, is what a restart costs over a warm CPU tier (goal:
 ``--baseline-src`` every run starts an engine of an older kvtier too, the
 two taking turns going first, and the two must give the same tokens.
 
+``--warm-start`` adds engines whose kvtier sets ``warm_start_bytes``: their
+B finds the prefix in the CPU tier if the warm start brought it back before
+the prompt came.
+
 ``--trace`` time-stamps, in each engine's processes, the connector's calls,
 the promotion's submission, each read of the tier's workers, progress
 announcements and the worker's page copies (``restart_trace.py``), and
@@ -62,6 +66,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--baseline-src", type=Path, help="an older kvtier's src, run alike")
+    parser.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="also run engines with warm_start_bytes set, beside those without",
+    )
     parser.add_argument("--trace", action="store_true", help="break B and D down by stage")
     args = parser.parse_args()
 
@@ -83,9 +92,13 @@ def main() -> None:
             "secondary_tiers": [{"type": "fs", "root_dir": str(work / "fs")}],
         },
     }
-    sides = {"after": SRC}
+    # Each side: the kvtier source it imports and its kvtier configuration.
+    sides = {"after": (SRC, kvtier)}
     if args.baseline_src is not None:
-        sides["before"] = args.baseline_src.resolve()
+        sides["before"] = (args.baseline_src.resolve(), kvtier)
+    if args.warm_start:
+        warm = {"kvtier": {**kvtier["kvtier"], "warm_start_bytes": "1GiB"}}
+        sides["warm start"] = (SRC, warm)
     site = _tracing(work) if args.trace else None
 
     def env(src: Path, trace: Path | None) -> dict[str, str]:
@@ -105,7 +118,6 @@ def main() -> None:
     loads = [warmup] + [r[tail] for r in rounds for tail in "BCD"]
     fs_spec = {
         **common,
-        "extra_config": kvtier,
         "prompts": loads,
         "reset_after": [True] + [tail != "B" for _ in rounds for tail in "BCD"],
         "shutdown_timeout_s": SHUTDOWN_S,
@@ -119,7 +131,9 @@ def main() -> None:
     for run in range(args.runs):
         for side in order if run % 2 == 0 else order[::-1]:
             trace = work / f"{side}-{run}.trace" if args.trace else None
-            result = _engine(work, f"{side}-{run}", fs_spec, env(sides[side], trace))
+            src, extra_config = sides[side]
+            spec = {**fs_spec, "extra_config": extra_config}
+            result = _engine(work, f"{side}-{run}".replace(" ", "-"), spec, env(src, trace))
             ttft, cached = result["ttft_s"][1:], result["cached"][1:]
             b, d = ttft[0::3], ttft[2::3]
             if any(c < args.prefix for c in cached[0::3] + cached[2::3]):

@@ -320,7 +320,30 @@ class TieringManager:
         """Apply the results of jobs that ended since the last call, as :meth:`step`
         does first, but leave the promotions queued since for the step to submit:
         for an engine that asks again, within a step, about chunks being promoted."""
-        self.jobs.collect()
+        if not self._closed:  # a shut-down tier has nothing left to report
+            self.jobs.collect()
+
+    @_serialised
+    def promote_into_free(self, index: int, keys: Sequence[ChunkKey]) -> TransferJob | None:
+        """Promote, as one job from tier ``index``, those of ``keys`` the primary
+        tier lacks, into slots that hold nothing: evicting nothing, for no
+        request. The job, or ``None`` when none started (every key resident,
+        no free slot, or shut down)."""
+        primary = self.primary
+        free = primary.num_slots - len(primary)
+        wanted = [key for key in dict.fromkeys(keys) if primary.slot_of(key) is None][:free]
+        if self._closed or not wanted:
+            return None
+        reserved = primary.prepare_store(wanted)  # fits in the free slots: evicts nothing
+        if not reserved:
+            return None
+        job = TransferJob(tuple(reserved), tuple(reserved.values()))
+        self.jobs.submit(index, job, loading=True)
+        return job
+
+    def running(self, index: int, job: TransferJob) -> bool:
+        """Whether ``job``, submitted to tier ``index``, has no result applied yet."""
+        return (index, job.job_id) in self.jobs.running
 
     @property
     def busy(self) -> bool:

@@ -89,6 +89,12 @@ class KVTierConfig(BaseModel):
     (faulting them in on the I/O threads cut cold-prefix speed tenfold).
     ``false`` leaves memory the engine has not used yet uncommitted."""
 
+    warm_start_bytes: ByteSize = Field(default=ByteSize(0), ge=0)
+    """At start, promote up to this many bytes of the chunks the secondary
+    tiers used most recently (``fs`` knows them) into free slots of the CPU
+    tier, in the background and evicting nothing, so that a restarted
+    engine's first requests find their prefixes in memory. ``0``: off."""
+
     secondary_tiers: tuple[TierConfig, ...] = ()
     """Tiers behind the primary one, looked up in this order."""
 

@@ -12,6 +12,7 @@ from kvtier.fleet.routing import PeerFinder
 from kvtier.manager import TieringManager
 from kvtier.primary import PrimaryTier, SlotBuffer
 from kvtier.specs.base import OffloadingSpec
+from kvtier.specs.warm_start import WarmStart
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.factory import SecondaryTierFactory
 
@@ -74,12 +75,14 @@ class TieringSpec(OffloadingSpec):
             [t.tier_type for t in tiers],
         )
         manager = TieringManager(PrimaryTier(buffer, policy), tiers, self.config.backpressure)
-        if self.config.index is not None:
-            try:
+        try:
+            if self.config.index is not None:
                 self._attach_index(manager, self.config.index)
-            except BaseException:
-                manager.shutdown()
-                raise
+            if self.config.warm_start_bytes:
+                WarmStart.attach(manager, int(self.config.warm_start_bytes) // slot_bytes)
+        except BaseException:
+            manager.shutdown()
+            raise
         return manager
 
     @staticmethod

@@ -244,6 +244,9 @@ class SecondaryTier(ABC, Generic[OptionsT]):
     variable_payloads: ClassVar[bool] = False
     #: Stored payloads of a fixed-size codec are padded to a multiple of this.
     payload_align: ClassVar[int] = 1
+    #: Whether :meth:`recent_keys` names what the tier held before this
+    #: process started (a warm start needs one such tier).
+    knows_recent_use: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -378,6 +381,12 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         """``host:port`` where other nodes fetch this node's chunks through
         this tier (``p2p``), for the cluster index; ``None``: nowhere."""
         return None
+
+    def recent_keys(self, limit: int) -> Sequence[ChunkKey]:
+        """Up to ``limit`` chunks the tier holds, most recently used first, for
+        a warm start to promote (see :attr:`knows_recent_use`). May block (a
+        scan, a query); called once, off the request path. Default: none."""
+        return ()
 
     def use_holder_index(self, index: HolderIndex) -> None:
         """A cluster index is configured: a tier that asks other nodes may ask

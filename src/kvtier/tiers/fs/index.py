@@ -5,6 +5,7 @@ background re-index that rebuilds both after a restart.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import sqlite3
@@ -143,6 +144,15 @@ class ChunkIndex:
         if self.bound is not None:
             return self.bound.totals().chunks
         return len(self.keys)
+
+    def recent(self, limit: int) -> list[ChunkKey]:
+        """Up to ``limit`` chunks, most recently used first: by the shared
+        index's use stamps, or without one by the files' times (a load stamps
+        a file it finds old; see :func:`~kvtier.tiers.fs.io.read_chunk`)."""
+        if self.bound is not None:
+            return [ChunkKey(key) for key in self.bound.most_recent(limit)]
+        newest = heapq.nlargest(limit, self._complete_chunk_files(), key=lambda c: c.mtime_ns)
+        return [ChunkKey(chunk.key) for chunk in newest]
 
     def forget(self, key: ChunkKey) -> None:
         self.keys.discard(key)

@@ -461,6 +461,14 @@ class SharedIndex:
 
     # Reporting and closing -----------------------------------------------------
 
+    def most_recent(self, limit: int) -> list[bytes]:
+        """Keys of up to ``limit`` written chunks, most recently used first."""
+        with self._mutex:
+            rows = self._index.execute(
+                "SELECT key FROM chunks WHERE temp IS NULL ORDER BY used DESC LIMIT ?", (limit,)
+            ).fetchall()
+        return [bytes(key) for (key,) in rows]
+
     def totals(self) -> Totals:
         """Bytes and counts of chunks and writes in flight, of all processes."""
         with self._mutex:

@@ -8,8 +8,10 @@ See docs/fs.md, 'Guarantees' and 'Shared roots'.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
+from kvtier.keys import ChunkKey
 from kvtier.tiers.fs.backend import FsBackend
 from kvtier.tiers.fs.io import DIRECT_ALIGN
 from kvtier.tiers.fs.layout import NamespaceDir
@@ -27,6 +29,10 @@ class FilesystemTier(LocalTier[FilesystemTierOptions]):
     #: Chunk files have one size per namespace, or under a variable-size
     #: codec whole pages up to the largest; ``O_DIRECT`` needs whole pages.
     payload_align: ClassVar[int] = DIRECT_ALIGN
+    knows_recent_use: ClassVar[bool] = True
+
+    def recent_keys(self, limit: int) -> Sequence[ChunkKey]:
+        return self.backend.index.recent(limit)
 
     @property
     def index_ready(self) -> bool:
