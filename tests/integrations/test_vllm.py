@@ -165,6 +165,23 @@ def test_fresh_engine_process_loads_prefixes_from_fs(
     assert not (Path("/dev/shm") / stats["shared_memory_name"]).exists()
 
 
+def test_a_restarted_engine_warms_its_cpu_tier_from_fs(
+    model: Path, stored: dict[str, Any], tmp_path: Path
+) -> None:
+    """``warm_start_bytes``: the chunks fs holds come back before they are asked for."""
+    tiers = [{"type": "fs", "root_dir": str(stored["fs_dir"])}]
+    spec = _spec(model, tmp_path, "warm", tiers, prefix_caching=False)
+    spec["extra_config"]["kvtier"]["warm_start_bytes"] = "32MiB"
+    warm = _engine(tmp_path, "warm", spec)
+
+    assert warm["tokens"] == stored["tokens"]
+    assert warm["cached"] == [_full_chunks(p) for p in PROMPTS]
+    # Each chunk read once, by the warm start or by a request it had not reached yet.
+    assert _fs_tier(warm["stats"])["chunks_loaded"] == 6
+    assert warm["stats"]["connector"]["load_failures"] == 0
+    assert "warm start promoted 6 chunks" in warm["log"]
+
+
 def test_vllm_serve_loads_prefixes_from_fs_over_http(
     model: Path, stored: dict[str, Any], tmp_path: Path
 ) -> None:
