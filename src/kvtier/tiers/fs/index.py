@@ -209,7 +209,6 @@ class ChunkIndex:
     def _reindex(self) -> None:
         tier_type = self.runtime.tier_type
         try:
-            self.dir.remove_abandoned_temps(self._abandoned_temp_s)
             found: list[ChunkFile] = []
             broken: list[str] = []
             strays: list[OddEntry] = []
@@ -230,6 +229,9 @@ class ChunkIndex:
                     broken.append(entry.path)  # a directory, FIFO... named like a chunk
                 else:
                     strays.append(entry)
+            # After the survey, whose walk of the directories (cold after a
+            # reboot) makes the keys known: this second walk finds them cached.
+            self.dir.remove_abandoned_temps(self._abandoned_temp_s)
             self.drop_broken(broken)
             if strays:
                 self.scan_skipped += len(strays)
