@@ -204,6 +204,31 @@ def test_a_stalled_store_costs_one_deadline(stored: dict[str, Any], s3_server: S
             assert held.reserve(held.budget_bytes)  # the checks' room is all given back
 
 
+def test_a_check_whose_reply_is_cut_holds_and_serves_nothing(
+    stored: dict[str, Any], s3_server: S3Server, s3_bucket: str, data: np.ndarray
+) -> None:
+    """A GET that fails midway in a check (the reply cut after its headers
+    and the start of a 4 KiB body) is a failed check: nothing held, nothing
+    served, and the object, which is not corrupt, stays."""
+    with FaultProxy(s3_server.port, mode="cut") as proxy:
+        proxy.cut_after = 2000
+        cache, tier, requests = cold(stored, endpoint_url=proxy.url, retries=0)
+        with cache:
+            assert cache.cached_prefix(TOKENS, timeout=60) == 0
+            assert requests.whole >= 1 and tier.stats.backend_errors >= 1
+            assert tier.stats.chunks_loaded == tier.stats.prefetched_chunks == 0
+            assert tier.stats.corrupt_chunks == 0
+            held = tier.prefetched
+            assert held is not None and held.held_bytes == 0
+    listed = s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"]
+    assert len(listed) == CHUNKS
+    cache, tier, _ = cold(stored)
+    with cache:
+        found, out = loaded(cache)
+        assert found == len(TOKENS)
+        np.testing.assert_array_equal(out, data)
+
+
 def test_checks_past_prefetch_bytes_only_ask(stored: dict[str, Any], data: np.ndarray) -> None:
     """One worker takes the checks, four a task, before any load of what they
     did not hold: the first task's four values would pass the bound, so it
