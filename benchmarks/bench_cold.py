@@ -51,7 +51,8 @@ machine is shared), then the median (p50) over runs, with the spread
 
 ``--tier redis|obj|mooncake`` measures a cold prefix from that remote tier
 against its raw client instead (``bench_cold_remote.py``; ``--threads`` is
-then the tier's ``io_threads``, 4 by default, and the raw client's).
+then the tier's ``io_threads``, 4 by default, and the raw client's;
+``--baseline-src`` works alike).
 
 ``--codec NAME`` (repeatable, or a comma-separated list) measures the cold
 prefix through each named codec and ``none`` in the same runs, on KV-like
@@ -481,7 +482,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="8 MiB, one run, no peer")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", metavar="ROOT", help=argparse.SUPPRESS)
+    parser.add_argument("--remote-child", metavar="TIER_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.remote_child:
+        from bench_cold_remote import measure_child
+
+        entry = json.loads(args.remote_child)
+        print(json.dumps(measure_child(entry, args.size, args.chunk[0], args.seed)))
+        return 0
     if args.child:
         chunk, root, codec = args.chunk[0], args.child, (args.codec or [None])[0]
         figures = measure_cold(

@@ -20,13 +20,24 @@ started on loopback (``tests/support/servers.py``) for the whole run. In each ru
 With ``--codec``, each codec's kvtier runs on a prefix of its own (the same
 values, stored through that codec); the raw client reads ``none``'s.
 
-Both run in this process; jobs get a 60 s deadline, so that the figure is
-the tier's rate, not its per-request deadline's (``deadline_s``).
+With ``--baseline-src DIR``, ``baseline`` is the kvtier under ``DIR`` (an
+older checkout's ``src``), for before and after figures, stores included,
+in the same runs. It runs in a process of its own, and so does ``kvtier``
+then (a fresh process's memory, as after a restart, for both alike): each
+stores the run's prefix again (the same values under the same names) and
+brings it back.
+
+The others run in this process; jobs get a 60 s deadline, so that the figure
+is the tier's rate, not its per-request deadline's (``deadline_s``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -199,6 +210,25 @@ def measure_raw(stored: StoredPrefix, new_client: NewRawClient, seed: int) -> di
         close()
 
 
+def measure_in_child(stored: StoredPrefix, src: Path, seed: int) -> dict[str, Any]:
+    """:func:`measure_kvtier` with the kvtier under ``src``, in a child process
+    (``bench_cold.py --remote-child``) on the same server."""
+    command = [sys.executable, str(Path(__file__).with_name("bench_cold.py"))]
+    command += ["--remote-child", json.dumps(stored.config), "--seed", str(seed)]
+    command += ["--size", str(stored.size), "--chunk", str(stored.chunk)]
+    env = {**os.environ, "PYTHONPATH": str(src.absolute())}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"cold measurement under {src} failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def measure_child(entry: dict[str, Any], size: int, chunk: int, seed: int) -> dict[str, Any]:
+    """The child of :func:`measure_in_child`: store the run's prefix, bring it back."""
+    return measure_kvtier(StoredPrefix(entry, size, chunk), seed)
+
+
 def remote_systems(
     args: argparse.Namespace, chunk: int, config: dict[str, Any], new_client: NewRawClient
 ) -> dict[str, Callable[[int, Path], dict[str, Any]]]:
@@ -213,4 +243,12 @@ def remote_systems(
 
     systems = {system_name(codec): kvtier(prefix) for codec, prefix in stored.items()}
     systems["raw"] = lambda index, _: measure_raw(reference, new_client, args.seed + index)
+    if args.baseline_src is not None:
+        import kvtier
+
+        def in_child(src: Path) -> Callable[[int, Path], dict[str, Any]]:
+            return lambda index, _: measure_in_child(reference, src, args.seed + index)
+
+        systems[system_name(None)] = in_child(Path(kvtier.__file__).parents[1])
+        systems["baseline"] = in_child(args.baseline_src)
     return systems

@@ -142,6 +142,20 @@ def test_bench_cold_remote_tier_verifies_the_prefix_against_its_raw_client(
         assert result["raw"]["gbps"]["p50"] > 0 and row["vs_raw"]["p50"] > 0
 
 
+def test_bench_cold_remote_tier_runs_a_baseline_kvtier_alike() -> None:
+    need_s3_server()
+    # The checkout's own src as the baseline: both run in child processes alike.
+    out = run_quick("bench_cold.py", "--tier", "obj", "--baseline-src", str(ROOT / "src"))
+    for result in out["results"]:
+        assert set(result) == {"chunk", "chunks", "kvtier", "raw", "baseline"}
+        for name in ("kvtier", "baseline"):
+            row = result[name]
+            assert row["verified_chunks"] == [out["size"] // result["chunk"]]
+            assert row["store_gbps"]["p50"] > 0 and row["vs_raw"]["p50"] > 0
+            assert row["breakdown"]["checked_keys"] == result["chunks"]
+        assert result["kvtier"]["vs_baseline"]["p50"] > 0
+
+
 @pytest.mark.parametrize("tier", ["fs", "redis"])
 def test_bench_cold_loads_the_prefix_through_each_codec_beside_none(
     tier: str, tmp_path: Path

@@ -18,7 +18,7 @@ from tests.tiers.remote.remote_doubles import FreezableTier
 KEYS = [ChunkKey(bytes([i]) * 16) for i in range(4)]
 
 
-def test_workers_take_checks_before_loads_before_stores() -> None:
+def test_workers_take_held_loads_then_checks_then_loads_then_stores() -> None:
     workers = Workers("kvtier-parts", 1)
     started, gate = threading.Event(), threading.Event()
     ran: list[Priority] = []
@@ -29,12 +29,12 @@ def test_workers_take_checks_before_loads_before_stores() -> None:
 
     workers.submit(Priority.STORE, hold)
     assert started.wait(30)
-    for priority in (Priority.STORE, Priority.LOAD, Priority.CHECK):
+    for priority in (Priority.STORE, Priority.LOAD, Priority.CHECK, Priority.HELD):
         workers.submit(priority, functools.partial(ran.append, priority))
-    assert workers.backlog() == 3
+    assert workers.backlog() == 4
     gate.set()
     workers.stop(timeout=30)
-    assert ran == [Priority.CHECK, Priority.LOAD, Priority.STORE]
+    assert ran == [Priority.HELD, Priority.CHECK, Priority.LOAD, Priority.STORE]
     assert workers.stopped and not any(t.is_alive() for t in workers.threads)
 
 

@@ -116,6 +116,9 @@ class Backend(ABC, Generic[OptionsT]):
     check_batch: ClassVar[int] = 256
     #: Payload bytes per batch, which caps a batch of large chunks; ``0``: no cap.
     batch_bytes: ClassVar[int] = 0
+    #: Payload bytes per existence check, which caps a check of large chunks
+    #: (checks that read values whole hold them until the check answers); ``0``: no cap.
+    check_bytes: ClassVar[int] = 0
     #: Spread a job over the workers (one request per chunk: a batch is no cheaper).
     spreads_batches: ClassVar[bool] = False
     #: Values may be shorter than :attr:`BackendRuntime.value_bytes` (variable-size codecs).
@@ -153,9 +156,12 @@ class Backend(ABC, Generic[OptionsT]):
     @classmethod
     def batch_chunks(cls, value_bytes: int) -> int:
         """Chunks per batch for values of ``value_bytes``."""
-        if not cls.batch_bytes:
-            return cls.io_batch
-        return max(1, min(cls.io_batch, cls.batch_bytes // max(1, value_bytes)))
+        return _capped(cls.io_batch, cls.batch_bytes, value_bytes)
+
+    @classmethod
+    def check_chunks(cls, value_bytes: int) -> int:
+        """Chunks per existence check for values of ``value_bytes``."""
+        return _capped(cls.check_batch, cls.check_bytes, value_bytes)
 
     @property
     def prefetch_bytes(self) -> int:
@@ -213,3 +219,10 @@ class Backend(ABC, Generic[OptionsT]):
     def metrics(self) -> Sequence[TierMetric]:
         """Extra values this backend exports, beside the tier's own. Default: none."""
         return ()
+
+
+def _capped(chunks: int, cap_bytes: int, value_bytes: int) -> int:
+    """``chunks``, fewer where they would hold over ``cap_bytes`` (``0``: no cap); at least 1."""
+    if not cap_bytes:
+        return chunks
+    return max(1, min(chunks, cap_bytes // max(1, value_bytes)))

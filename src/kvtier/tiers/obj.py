@@ -134,6 +134,9 @@ class ObjectStoreBackend(Backend[ObjectStoreTierOptions]):
     spreads_batches: ClassVar[bool] = True
     #: Objects per existence-check task: small, so a step's checks run in parallel.
     check_batch: ClassVar[int] = 4
+    #: A check holds the objects it read until it answers: large ones are
+    #: checked one a task, each promoted (and its memory reused) as it comes.
+    check_bytes: ClassVar[int] = 1 << 20
     #: An object is as long as its value: any length up to the largest is read.
     variable_payloads: ClassVar[bool] = True
 

@@ -61,6 +61,11 @@ class Prefetched:
                 self._values[name] = (now, value)
                 self._held_bytes += len(value)
 
+    def holds(self, names: Sequence[str]) -> bool:
+        """Whether a value is held for every one of ``names``."""
+        with self._lock:
+            return all(name in self._values for name in names)
+
     def take(self, name: str) -> bytes | None:
         """The value held for ``name``, no longer held; ``None`` if there is none."""
         with self._lock:

@@ -8,6 +8,7 @@ See docs/shared-tiers.md, 'How they behave' and 'When the backend fails'.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -31,6 +32,7 @@ from kvtier.tiers.prefetch import Prefetched
 from kvtier.tiers.probes import Probes
 from kvtier.tiers.remote_store import RemoteStore
 from kvtier.tiers.runtime import ChunkStore, TierRuntime
+from kvtier.tiers.workers import Priority
 
 __all__ = [
     "MAX_WAIT_S",
@@ -101,6 +103,16 @@ class RemoteTier(TierRuntime[RemoteOptionsT]):
 
     def _ping(self) -> None:
         self.store.backend.ping()
+
+    @property
+    def check_chunks(self) -> int:
+        return self.store.check_chunks
+
+    def _load_priority(self, keys: Sequence[ChunkKey]) -> Priority:
+        # Promoting what the checks hold first gives their memory back at
+        # once: the next checks read into it instead of into fresh pages,
+        # and a prefix past prefetch_bytes keeps one request per chunk.
+        return Priority.HELD if self.store.holds(keys) else Priority.LOAD
 
     # Read-only views, for operators and tests --------------------------------
 

@@ -73,6 +73,8 @@ class RemoteStore:
         #: Whether every value is exactly :attr:`value_bytes` long.
         self.fixed_value_size = tier.codec_stage.fixed_size
         self._batch = backend_class.batch_chunks(tier.stored_bytes)
+        #: Most chunks one existence check asks about.
+        self.check_chunks = backend_class.check_chunks(tier.stored_bytes)
         # One request per chunk: a task per worker runs a job's chunks in
         # parallel, and once the backend is known down each task stops sending
         # instead of a queue of one-chunk tasks each paying a timeout.
@@ -131,6 +133,11 @@ class RemoteStore:
     def store_name(self, key: ChunkKey) -> str:
         """The name ``key`` has in the store."""
         return self.names_prefix + key.hex()
+
+    def holds(self, keys: Sequence[ChunkKey]) -> bool:
+        """Whether existence checks hold the values of all ``keys`` (a load of them is a copy)."""
+        held = self.prefetched
+        return held is not None and held.holds([self.store_name(k) for k in keys])
 
     # What the runtime drives (ChunkStore) ---------------------------------
 

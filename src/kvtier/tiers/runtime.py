@@ -161,6 +161,11 @@ class TierRuntime(SecondaryTier[OptionsT]):
         return self.options.io_threads
 
     @property
+    def check_chunks(self) -> int:
+        """Most keys one existence-check task asks about. Default: :attr:`check_batch`."""
+        return self.check_batch
+
+    @property
     def codec_calls(self) -> BoundedCalls | None:
         """The codec's bounded calls; ``None`` where its calls are not bounded."""
         return None if self.coded is None else self.coded.calls
@@ -184,7 +189,7 @@ class TierRuntime(SecondaryTier[OptionsT]):
         batch = self.checks.take_queued()
         # Spread over the idle workers: a prefix's checks answer in parallel.
         idle = max(1, self.workers.count - self.workers.backlog())
-        size = min(self.check_batch, max(1, -(-len(batch) // idle)))
+        size = min(self.check_chunks, max(1, -(-len(batch) // idle)))
         for start in range(0, len(batch), size):
             keys = batch[start : start + size]
             done = None
@@ -299,11 +304,15 @@ class TierRuntime(SecondaryTier[OptionsT]):
             pending = self._unheld(state, pending)
         batches = self._split(pending)
         self.jobs.open(state, len(batches))
-        priority = Priority.LOAD if loading else Priority.STORE
+        priority = self._load_priority(job.keys) if loading else Priority.STORE
         for batch in batches:
             self.workers.submit(priority, functools.partial(self._run_batch, state, batch))
         if guards is not None:
             guards.bound_job(state)
+
+    def _load_priority(self, keys: Sequence[ChunkKey]) -> Priority:
+        """The queue a load of ``keys`` waits in. Default: :attr:`Priority.LOAD`."""
+        return Priority.LOAD
 
     def _unheld(self, state: JobState, pending: SlotPairs) -> SlotPairs:
         """A store's chunks the store does not hold; those it holds succeeded."""

@@ -17,9 +17,12 @@ logger = logging.getLogger(__name__)
 class Priority(enum.IntEnum):
     """Queue priorities of worker tasks: cheaper and more latency-critical work first."""
 
-    CHECK = 0
-    LOAD = 1
-    STORE = 2
+    #: A load whose values are in memory already (held by existence checks):
+    #: a copy, and the memory it gives back is what the next checks read into.
+    HELD = 0
+    CHECK = 1
+    LOAD = 2
+    STORE = 3
 
 
 class Workers:

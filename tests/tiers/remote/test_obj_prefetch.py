@@ -23,6 +23,7 @@ from kvtier.testing import small_layout
 from kvtier.testing.outages import FaultProxy, wait_until
 from kvtier.tiers.obj import ObjectStoreTier
 from kvtier.tiers.prefetch import UNCLAIMED_S, Prefetched
+from kvtier.tiers.workers import Priority
 from tests.support.servers import S3Server
 
 LAYOUT = small_layout(chunk_tokens=4)
@@ -203,18 +204,77 @@ def test_a_stalled_store_costs_one_deadline(stored: dict[str, Any], s3_server: S
             assert held.reserve(held.budget_bytes)  # the checks' room is all given back
 
 
-def test_checks_past_prefetch_bytes_only_ask(stored: dict[str, Any], data: np.ndarray) -> None:
-    """One worker takes the checks (four a task) before any load: the first
-    four values fill the bound, the next checks are ranged GETs, and the
-    loads read those chunks."""
-    value_bytes = HEADER_BYTES + LAYOUT.slot_bytes
-    cache, tier, requests = cold(stored, io_threads=1, prefetch_bytes=4 * value_bytes)
+def test_a_check_whose_reply_is_cut_holds_and_serves_nothing(
+    stored: dict[str, Any], s3_server: S3Server, s3_bucket: str, data: np.ndarray
+) -> None:
+    """A GET that fails midway in a check (the reply cut after its headers
+    and the start of a 4 KiB body) is a failed check: nothing held, nothing
+    served, and the object, which is not corrupt, stays."""
+    with FaultProxy(s3_server.port, mode="cut") as proxy:
+        proxy.cut_after = 2000
+        cache, tier, requests = cold(stored, endpoint_url=proxy.url, retries=0)
+        with cache:
+            assert cache.cached_prefix(TOKENS, timeout=60) == 0
+            assert requests.whole >= 1 and tier.stats.backend_errors >= 1
+            assert tier.stats.chunks_loaded == tier.stats.prefetched_chunks == 0
+            assert tier.stats.corrupt_chunks == 0
+            held = tier.prefetched
+            assert held is not None and held.held_bytes == 0
+    listed = s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"]
+    assert len(listed) == CHUNKS
+    cache, tier, _ = cold(stored)
     with cache:
         found, out = loaded(cache)
         assert found == len(TOKENS)
         np.testing.assert_array_equal(out, data)
-        assert tier.stats.prefetched_chunks == tier.stats.prefetch_served == 4
-        assert (requests.whole, requests.ranged) == (CHUNKS, 2)
+
+
+def test_checks_past_prefetch_bytes_only_ask(stored: dict[str, Any], data: np.ndarray) -> None:
+    """One worker takes the checks, four a task, before any load of what they
+    did not hold: the first task's four values would pass the bound, so it
+    sends ranged GETs (and their loads read those chunks); the next task's
+    two fit, and are held."""
+    value_bytes = HEADER_BYTES + LAYOUT.slot_bytes
+    cache, tier, requests = cold(stored, io_threads=1, prefetch_bytes=2 * value_bytes)
+    with cache:
+        found, out = loaded(cache)
+        assert found == len(TOKENS)
+        np.testing.assert_array_equal(out, data)
+        assert tier.stats.prefetched_chunks == tier.stats.prefetch_served == 2
+        assert (requests.whole, requests.ranged) == (CHUNKS, 4)
+
+
+@pytest.mark.parametrize(("prefetch_bytes", "queue"), [(None, Priority.HELD), (0, Priority.LOAD)])
+def test_loads_of_held_values_go_before_checks(
+    stored: dict[str, Any], data: np.ndarray, prefetch_bytes: int | None, queue: Priority
+) -> None:
+    """A promotion of values the checks hold is a copy that gives their memory
+    back: it goes before the checks still queued; one that reads the store waits."""
+    tier_options = {} if prefetch_bytes is None else {"prefetch_bytes": prefetch_bytes}
+    cache, tier, _ = cold(stored, **tier_options)
+    with cache:
+        queued: list[Priority] = []
+        real = tier.workers.submit
+
+        def recorded(priority: Priority, task: Callable[[], None]) -> None:
+            queued.append(priority)
+            real(priority, task)
+
+        tier.workers.submit = recorded  # type: ignore[method-assign]
+        found, out = loaded(cache)
+        assert found == len(TOKENS)
+        np.testing.assert_array_equal(out, data)
+        loads = [p for p in queued if p not in (Priority.CHECK, Priority.STORE)]
+        assert loads and set(loads) == {queue}
+
+
+@pytest.mark.parametrize(
+    ("value_bytes", "chunks"), [(64 << 10, 4), (256 << 10, 4), (512 << 10, 2), (2 << 20, 1)]
+)
+def test_a_check_holds_about_a_mebibyte(value_bytes: int, chunks: int) -> None:
+    """Held values wait for their whole check: large ones are checked one a
+    task, so each is promoted, and its memory given back, as it arrives."""
+    assert ObjectStoreTier.backend_class.check_chunks(value_bytes) == chunks
 
 
 class TestPrefetched:
@@ -244,6 +304,14 @@ class TestPrefetched:
         assert held.reserve(4)  # "old" dropped, "new" kept
         assert expired == [1]
         assert held.take("old") is None and held.take("new") == b"5678"
+
+    def test_holds_answers_for_every_name(self) -> None:
+        held = Prefetched(100)
+        held.keep(0, [("a", b"1"), ("b", b"2")])
+        assert held.holds(["a", "b"]) and held.holds([])
+        assert not held.holds(["a", "c"])
+        held.take("b")
+        assert not held.holds(["a", "b"])
 
     def test_drop_and_clear(self) -> None:
         held = Prefetched(100)
