@@ -238,10 +238,10 @@ def remote_systems(
     stored = {c: StoredPrefix(entry, args.size, chunk, c) for c in args.codecs or [None]}
     reference = stored[REFERENCE if args.codecs else None]
 
-    def kvtier(prefix: StoredPrefix) -> Callable[[int, Path], dict[str, Any]]:
+    def through(prefix: StoredPrefix) -> Callable[[int, Path], dict[str, Any]]:
         return lambda index, _: measure_kvtier(prefix, args.seed + index)
 
-    systems = {system_name(codec): kvtier(prefix) for codec, prefix in stored.items()}
+    systems = {system_name(codec): through(prefix) for codec, prefix in stored.items()}
     systems["raw"] = lambda index, _: measure_raw(reference, new_client, args.seed + index)
     if args.baseline_src is not None:
         import kvtier
