@@ -189,11 +189,6 @@ class SlotBuffer:
         finally:
             self._populated.set()
 
-    @property
-    def populating(self) -> bool:
-        """Whether :meth:`populate_in_background` is mapping the buffer now."""
-        return self._populator is not None and not self._populated.is_set()
-
     def wait_populated(self, timeout: float | None = None) -> bool:
         """Block until :meth:`populate_in_background` is done (for tools and benchmarks)."""
         return self._populated.wait(timeout)

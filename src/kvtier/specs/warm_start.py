@@ -68,12 +68,6 @@ class WarmStart:
     def _run(self) -> None:
         started = time.monotonic()
         try:
-            buffer = self.manager.primary.buffer
-            if buffer.populating:
-                # Reads into slots not mapped yet fault their pages in, many
-                # threads at once and slowly (docs/tuning.md); closing the
-                # cache stops the mapping, which ends this wait.
-                buffer.wait_populated()
             left = self.max_chunks
             for index, tier in enumerate(self.manager.tiers):
                 if left <= 0 or self._stopping.is_set():
