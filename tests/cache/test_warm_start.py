@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvtier import KVCache
+from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.specs.warm_start import WarmStart
 from kvtier.testing import small_layout
@@ -189,3 +190,10 @@ def test_a_warm_start_that_cannot_work_fails_at_startup(
     with pytest.raises(ConfigError, match="warm_start_bytes") as error:
         KVCache({**config(tmp_path, warm=SLOT), **overrides}, LAYOUT)
     assert message in str(error.value)
+
+
+def test_a_configuration_built_by_hand_is_checked_at_start_too(tmp_path: Path) -> None:
+    valid = load_config(config(tmp_path, warm=SLOT))
+    unchecked = valid.model_copy(update={"warm_start_bytes": 10**12})  # no validation
+    with pytest.raises(ConfigError, match=r"warm_start_bytes.*exceed cpu_bytes_to_use"):
+        KVCache(unchecked, LAYOUT)

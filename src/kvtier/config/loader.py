@@ -93,35 +93,10 @@ def load_config(
             "spec_name",
             problems,
         )
-        problems.extend(_warm_start_problems(config))
+        problems.extend(config.warm_start_problems())
     if problems:
         raise ConfigError(problems, label)
     return config
-
-
-def _warm_start_problems(config: KVTierConfig) -> Problems:
-    """A warm start needs room to fill and a tier that knows what it held."""
-    wanted = int(config.warm_start_bytes)
-    if not wanted:
-        return []
-    problems: Problems = []
-    if wanted > int(config.cpu_bytes_to_use):
-        problems.append(
-            (
-                "warm_start_bytes",
-                f"{wanted} bytes exceed cpu_bytes_to_use ({int(config.cpu_bytes_to_use)}): "
-                "a warm start fills the CPU tier at most",
-            )
-        )
-    if not any(tier.tier_class.knows_recent_use for tier in config.secondary_tiers):
-        problems.append(
-            (
-                "warm_start_bytes",
-                "no secondary tier can name the chunks it held before a restart "
-                "(fs can): there is nothing to warm from",
-            )
-        )
-    return problems
 
 
 def _read_document(path: Path) -> Any:

@@ -112,6 +112,31 @@ class KVTierConfig(BaseModel):
     trace_recording: TraceRecordingConfig = TraceRecordingConfig()
     """A trace of the requests' prefixes, off the request path (off by default)."""
 
+    def warm_start_problems(self) -> list[tuple[str, str]]:
+        """What keeps ``warm_start_bytes`` from working, as ``(field, problem)``:
+        it needs room to fill and a tier that knows what it held."""
+        wanted = int(self.warm_start_bytes)
+        if not wanted:
+            return []
+        problems = []
+        if wanted > int(self.cpu_bytes_to_use):
+            problems.append(
+                (
+                    "warm_start_bytes",
+                    f"{wanted} bytes exceed cpu_bytes_to_use ({int(self.cpu_bytes_to_use)}): "
+                    "a warm start fills the CPU tier at most",
+                )
+            )
+        if not any(tier.tier_class.knows_recent_use for tier in self.secondary_tiers):
+            problems.append(
+                (
+                    "warm_start_bytes",
+                    "no secondary tier can name the chunks it held before a restart "
+                    "(fs can): there is nothing to warm from",
+                )
+            )
+        return problems
+
     def policy_class(self) -> type[CachePolicy]:
         """The ``eviction_policy`` class (the registry resolves it once)."""
         return policy_registry.resolve(

@@ -28,6 +28,10 @@ class TieringSpec(OffloadingSpec):
     starting: str | None = None
 
     def build_manager(self) -> TieringManager:
+        # Checked by load_config too; again here for a configuration built by hand.
+        problems = self.config.warm_start_problems()
+        if problems:
+            raise ConfigError(problems)
         slot_bytes = self.layout.slot_bytes
         num_slots = int(self.config.cpu_bytes_to_use) // slot_bytes
         if num_slots < 1:
