@@ -39,9 +39,6 @@ __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
 #: Ids of the lookups made without a ``request_id``: unique in the process
 #: (``next`` on a counter is atomic), and cheaper than a UUID per lookup.
 _anonymous_requests = map(f"kvtier-{uuid.uuid4().hex[:12]}-{{}}".format, itertools.count())
-#: Longest a lookup waiting for promotions sleeps between looks when every
-#: tier announces its progress: a change none announced is seen this late.
-_UNANNOUNCED_S = 0.05
 
 
 class KVCache:
@@ -169,23 +166,13 @@ class KVCache:
                         return HeldPrefix(self, keys[: len(slots)], slots, pending)
                     manager.step()  # submits the promotions this lookup started
                 waited = True
-                self._await_progress(mark, left, poll_s)
+                manager.progress.sleep(mark, left, poll_s)
         except BaseException:
             self._unpin(keys[: len(slots)])
             if owned:
                 with suppress(ClosedError), self._running:
                     manager.on_request_finished(request)
             raise
-
-    def _await_progress(self, mark: int, left: float, poll_s: float) -> None:
-        """Sleep until a lookup's answer may have changed since ``mark``, at most ``left`` s."""
-        progress = self.manager.progress
-        if progress.announced:
-            # Woken by the tiers when a job ends or a check answers (or by
-            # close); the bound only covers a change nobody announced.
-            progress.wait(mark, min(left, max(poll_s, _UNANNOUNCED_S)))
-        else:
-            time.sleep(min(left, poll_s))
 
     def cached_prefix(
         self,
@@ -350,7 +337,7 @@ class KVCache:
                 if left <= 0:
                     return result
                 manager.step()  # submits the promotions this probe started
-            self._await_progress(mark, left, poll_s)
+            manager.progress.sleep(mark, left, poll_s)
 
     def collect(self) -> None:
         """Apply the transfers that ended since the last call, as :meth:`step`

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Iterable
 
 from kvtier.tiers.base import SecondaryTier
@@ -13,6 +14,10 @@ from kvtier.tiers.base import SecondaryTier
 __all__ = ["Progress"]
 
 logger = logging.getLogger(__name__)
+
+#: Longest sleep of :meth:`Progress.sleep` between looks when every tier
+#: announces: it only covers a change nobody announced.
+UNANNOUNCED_S = 0.05
 
 
 class Progress:
@@ -61,3 +66,12 @@ class Progress:
                 return self._changed.wait_for(lambda: self.mark != mark, timeout)
             finally:
                 self._waiting -= 1
+
+    def sleep(self, mark: int, left: float, poll_s: float) -> None:
+        """Sleep until :attr:`mark` may have moved past ``mark``, at most
+        ``left`` seconds: woken by an announcement where every tier makes
+        them (bounded by :data:`UNANNOUNCED_S`), else after ``poll_s``."""
+        if self.announced:
+            self.wait(mark, min(left, max(poll_s, UNANNOUNCED_S)))
+        else:
+            time.sleep(min(left, poll_s))

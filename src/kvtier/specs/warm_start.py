@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 BATCH = 16
 #: How long to sleep between looks at a job of a tier that announces nothing.
 POLL_S = 0.002
+#: Longest sleep between looks at a job (closing the cache announces, too).
+_LOOK_S = 0.5
 
 
 class WarmStart:
@@ -108,11 +110,9 @@ class WarmStart:
         """Until the job's result is applied (collected here: an idle engine
         collects nothing), or the warm start stops."""
         manager = self.manager
-        progress = manager.progress
-        timeout = 0.5 if progress.announced else POLL_S
         while not self._stopping.is_set():
-            mark = progress.mark
+            mark = manager.progress.mark
             manager.collect()
             if not manager.running(index, job):
                 return
-            progress.wait(mark, timeout)
+            manager.progress.sleep(mark, _LOOK_S, POLL_S)
