@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -176,10 +177,13 @@ def test_a_restarted_engine_warms_its_cpu_tier_from_fs(
 
     assert warm["tokens"] == stored["tokens"]
     assert warm["cached"] == [_full_chunks(p) for p in PROMPTS]
-    # Each chunk read once, by the warm start or by a request it had not reached yet.
+    # Each chunk read once, by the warm start or by a request it had not
+    # reached yet (which of the two is a race with the engine's first prompts).
     assert _fs_tier(warm["stats"])["chunks_loaded"] == 6
     assert warm["stats"]["connector"]["load_failures"] == 0
-    assert "warm start promoted 6 chunks" in warm["log"]
+    ended = re.search(r"warm start promoted (\d+) chunks", warm["log"])
+    assert ended is not None, "the warm start never ended"
+    assert int(ended[1]) <= 6
 
 
 def test_vllm_serve_loads_prefixes_from_fs_over_http(
