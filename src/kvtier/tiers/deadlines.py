@@ -173,8 +173,13 @@ class Deadlines:
                 return
             if self._thread.ident is None:  # never started
                 self._thread.start()
-            heapq.heappush(self._heap, (self._clock() + seconds, next(self._sequence), callback))
-            self._wake.notify()
+            entry = (self._clock() + seconds, next(self._sequence), callback)
+            heapq.heappush(self._heap, entry)
+            # Only a new earliest deadline changes the thread's wait: most
+            # come later than the head (a step's checks all share one bound),
+            # and waking the thread for each only makes it contend for the lock.
+            if self._heap[0] is entry:
+                self._wake.notify()
 
     def close(self) -> None:
         """Stop; callbacks not yet due are dropped."""
