@@ -146,6 +146,7 @@ class KVCache:
         slots: list[int] = []
         manager = self.manager
         waited = False
+        woke = 0.0
         try:
             while True:
                 with self._running:
@@ -159,14 +160,17 @@ class KVCache:
                     )
                     slots += pinned
                     # The clock is read only when more may come (most lookups: never).
-                    left = deadline - time.monotonic() if pending else 0.0
+                    now = time.monotonic() if pending else 0.0
+                    left = deadline - now
                     if not pending or left <= 0:
                         if owned and pending:
                             manager.on_request_finished(request)
                         return HeldPrefix(self, keys[: len(slots)], slots, pending)
                     manager.step()  # submits the promotions this lookup started
+                # How long this look took since the wake (the first: not known).
+                manager.progress.sleep(mark, left, poll_s, now - woke if waited else 0.0)
                 waited = True
-                manager.progress.sleep(mark, left, poll_s)
+                woke = time.monotonic()
         except BaseException:
             self._unpin(keys[: len(slots)])
             if owned:
@@ -327,17 +331,20 @@ class KVCache:
         poll_s = seconds(poll_s, "poll_s")
         manager = self.manager
         deadline = time.monotonic() + timeout
+        woke: float | None = None  # when the last sleep ended
         while True:
             with self.lifecycle.running():
                 manager.collect()
                 # Taken after that collect: a result applied from here on moves it.
                 mark = manager.progress.mark
                 result = manager.lookup(keys, request_id)
-                left = deadline - time.monotonic() if result.pending else 0.0
+                now = time.monotonic()
+                left = deadline - now if result.pending else 0.0
                 if left <= 0:
                     return result
                 manager.step()  # submits the promotions this probe started
-            manager.progress.sleep(mark, left, poll_s)
+            manager.progress.sleep(mark, left, poll_s, 0.0 if woke is None else now - woke)
+            woke = time.monotonic()
 
     def collect(self) -> None:
         """Apply the transfers that ended since the last call, as :meth:`step`

@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 #: Longest sleep of :meth:`Progress.sleep` between looks when every tier
 #: announces: it only covers a change nobody announced.
 UNANNOUNCED_S = 0.05
+#: A waiter spaces its looks at least this many times as long as a look
+#: takes: looking then costs it at most 1 / (1 + LOOK_SPACING) of a core.
+LOOK_SPACING = 7.0
 
 
 class Progress:
@@ -67,11 +70,22 @@ class Progress:
             finally:
                 self._waiting -= 1
 
-    def sleep(self, mark: int, left: float, poll_s: float) -> None:
+    def sleep(self, mark: int, left: float, poll_s: float, looked_s: float = 0.0) -> None:
         """Sleep until :attr:`mark` may have moved past ``mark``, at most
         ``left`` seconds: woken by an announcement where every tier makes
-        them (bounded by :data:`UNANNOUNCED_S`), else after ``poll_s``."""
+        them (bounded by :data:`UNANNOUNCED_S`), else after ``poll_s``.
+
+        ``looked_s``: how long the caller's last look took. Once woken it
+        sleeps :data:`LOOK_SPACING` times that more, so that announcements
+        arriving faster than it can look (a check answering per chunk of a
+        long prefix) are taken a batch at a time, and its looks hold the
+        interpreter lock a bounded share of the time.
+        """
         if self.announced:
+            started = time.monotonic()
             self.wait(mark, min(left, max(poll_s, UNANNOUNCED_S)))
+            spacing = min(LOOK_SPACING * looked_s, left - (time.monotonic() - started))
+            if spacing > 0:
+                time.sleep(spacing)
         else:
-            time.sleep(min(left, poll_s))
+            time.sleep(min(left, max(poll_s, LOOK_SPACING * looked_s)))
