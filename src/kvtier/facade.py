@@ -146,12 +146,13 @@ class KVCache:
         slots: list[int] = []
         manager = self.manager
         waited = False
-        woke = 0.0
+        looking = 0.0  # when the look began (once it has waited: else not read)
         try:
             while True:
                 with self._running:
                     if waited:  # the results that woke it, before it looks again
                         manager.collect()
+                        looking = time.monotonic()
                     # Taken after that collect: results applied from here on
                     # (by this pass's step too) move it, so none is missed.
                     mark = manager.progress.mark
@@ -167,10 +168,11 @@ class KVCache:
                             manager.on_request_finished(request)
                         return HeldPrefix(self, keys[: len(slots)], slots, pending)
                     manager.step()  # submits the promotions this lookup started
-                # How long this look took since the wake (the first: not known).
-                manager.progress.sleep(mark, left, poll_s, now - woke if waited else 0.0)
+                # How long the look took: the walk over the keys still
+                # pending, not the results collected before it (the first
+                # look's cost, with the promotions it starts, is not measured).
+                manager.progress.sleep(mark, left, poll_s, now - looking if waited else 0.0)
                 waited = True
-                woke = time.monotonic()
         except BaseException:
             self._unpin(keys[: len(slots)])
             if owned:
@@ -331,10 +333,11 @@ class KVCache:
         poll_s = seconds(poll_s, "poll_s")
         manager = self.manager
         deadline = time.monotonic() + timeout
-        woke: float | None = None  # when the last sleep ended
+        waited = False
         while True:
             with self.lifecycle.running():
                 manager.collect()
+                looking = time.monotonic()
                 # Taken after that collect: a result applied from here on moves it.
                 mark = manager.progress.mark
                 result = manager.lookup(keys, request_id)
@@ -343,8 +346,9 @@ class KVCache:
                 if left <= 0:
                     return result
                 manager.step()  # submits the promotions this probe started
-            manager.progress.sleep(mark, left, poll_s, 0.0 if woke is None else now - woke)
-            woke = time.monotonic()
+            # The look's cost, as lookup measures it (the first: not measured).
+            manager.progress.sleep(mark, left, poll_s, now - looking if waited else 0.0)
+            waited = True
 
     def collect(self) -> None:
         """Apply the transfers that ended since the last call, as :meth:`step`
