@@ -7,7 +7,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvtier.tiers.base import SecondaryTier
 
@@ -26,7 +26,13 @@ LOOK_SPACING = 7.0
 class Progress:
     """Take :attr:`mark` before a lookup, then :meth:`wait` past it."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        pause: Callable[[float], None] = time.sleep,
+    ) -> None:
+        # The clock and the plain sleep of :meth:`sleep` (tests replace them).
+        self._clock, self._pause = clock, pause
         self._changed = threading.Condition(threading.Lock())
         #: Moves past every value it had whenever something a lookup may find
         #: changed. Read-only to callers (a plain attribute: read by every lookup).
@@ -75,17 +81,17 @@ class Progress:
         ``left`` seconds: woken by an announcement where every tier makes
         them (bounded by :data:`UNANNOUNCED_S`), else after ``poll_s``.
 
-        ``looked_s``: how long the caller's last look took. Once woken it
-        sleeps :data:`LOOK_SPACING` times that more, so that announcements
-        arriving faster than it can look (a check answering per chunk of a
-        long prefix) are taken a batch at a time, and its looks hold the
-        interpreter lock a bounded share of the time.
+        ``looked_s``: how long the caller's last look took. Woken sooner
+        than :data:`LOOK_SPACING` times that, it sleeps out the rest, so
+        that announcements arriving faster than it can look (a check
+        answering per chunk of a long prefix) are taken a batch at a time,
+        and its looks hold the interpreter lock a bounded share of the time.
         """
         if self.announced:
-            started = time.monotonic()
+            started = self._clock()
             self.wait(mark, min(left, max(poll_s, UNANNOUNCED_S)))
-            spacing = min(LOOK_SPACING * looked_s, left - (time.monotonic() - started))
-            if spacing > 0:
-                time.sleep(spacing)
+            rest = min(LOOK_SPACING * looked_s, left) - (self._clock() - started)
+            if rest > 0:
+                self._pause(rest)
         else:
-            time.sleep(min(left, max(poll_s, LOOK_SPACING * looked_s)))
+            self._pause(min(left, max(poll_s, LOOK_SPACING * looked_s)))

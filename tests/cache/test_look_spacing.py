@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier import KVCache, progress
+from kvtier import KVCache
 from kvtier.progress import LOOK_SPACING, Progress
 from kvtier.testing import small_layout
 from kvtier.tiers.fs import io as chunk_io
@@ -31,48 +31,65 @@ LOOK_S = 0.02
 
 
 class Sleeps:
-    """Records the ``time.sleep`` calls of :mod:`kvtier.progress`, sleeping none."""
+    """The plain sleeps of a :class:`Progress`, recorded and not slept, on a
+    clock that stands still (its own waits take no time)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self) -> None:
         self.seconds: list[float] = []
-        monkeypatch.setattr(progress.time, "sleep", self.seconds.append)
+
+    def progress(self) -> Progress:
+        return Progress(clock=lambda: 100.0, pause=self.seconds.append)
 
 
-def test_a_woken_waiter_sleeps_its_look_spacing_before_looking_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    waiter = Progress()
+def test_a_woken_waiter_sleeps_its_look_spacing_before_looking_again() -> None:
+    sleeps = Sleeps()
+    waiter = sleeps.progress()
     mark = waiter.mark
     waiter.announce()  # moved already: the wait ends at once
-    sleeps = Sleeps(monkeypatch)
     waiter.sleep(mark, left=60.0, poll_s=0.0005, looked_s=0.001)
-    assert sleeps.seconds == [pytest.approx(LOOK_SPACING * 0.001, rel=0.05)]
+    assert sleeps.seconds == [pytest.approx(LOOK_SPACING * 0.001)]
 
 
-def test_the_spacing_never_runs_past_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
-    waiter = Progress()
+def test_the_spacing_never_runs_past_the_time_left() -> None:
+    sleeps = Sleeps()
+    waiter = sleeps.progress()
     mark = waiter.mark
     waiter.announce()
-    sleeps = Sleeps(monkeypatch)
     waiter.sleep(mark, left=0.01, poll_s=0.0005, looked_s=1.0)
-    assert len(sleeps.seconds) == 1 and 0 < sleeps.seconds[0] <= 0.01
+    assert sleeps.seconds == [0.01]
 
 
-def test_a_first_look_of_unknown_cost_is_not_spaced(monkeypatch: pytest.MonkeyPatch) -> None:
-    waiter = Progress()
+def test_a_waiter_woken_late_sleeps_only_the_rest_of_its_spacing() -> None:
+    now = [100.0]
+    slept: list[float] = []
+    waiter = Progress(clock=lambda: now[0], pause=slept.append)
+    real_wait = waiter.wait
+
+    def wait(mark: int, timeout: float) -> bool:
+        now[0] += 0.005  # woken 5 ms after the look
+        return real_wait(mark, timeout)
+
+    waiter.wait = wait  # type: ignore[method-assign]
     mark = waiter.mark
     waiter.announce()
-    sleeps = Sleeps(monkeypatch)
+    waiter.sleep(mark, left=60.0, poll_s=0.0005, looked_s=0.001)  # spacing 7 ms: 2 left
+    waiter.sleep(mark, left=60.0, poll_s=0.0005, looked_s=0.0005)  # spacing 3.5 ms: none
+    assert slept == [pytest.approx(LOOK_SPACING * 0.001 - 0.005)]
+
+
+def test_a_first_look_of_unknown_cost_is_not_spaced() -> None:
+    sleeps = Sleeps()
+    waiter = sleeps.progress()
+    mark = waiter.mark
+    waiter.announce()
     waiter.sleep(mark, left=60.0, poll_s=0.0005)
     assert sleeps.seconds == []
 
 
-def test_a_waiter_polling_a_silent_tier_spaces_its_looks_too(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    waiter = Progress()
+def test_a_waiter_polling_a_silent_tier_spaces_its_looks_too() -> None:
+    sleeps = Sleeps()
+    waiter = sleeps.progress()
     waiter.announced = False  # a tier that does not announce: polled
-    sleeps = Sleeps(monkeypatch)
     waiter.sleep(waiter.mark, left=60.0, poll_s=0.0005, looked_s=0.01)
     waiter.sleep(waiter.mark, left=60.0, poll_s=0.5, looked_s=0.01)
     waiter.sleep(waiter.mark, left=0.001, poll_s=0.5, looked_s=0.01)
