@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 #: Longest sleep of :meth:`Progress.sleep` between looks when every tier
 #: announces: it only covers a change nobody announced.
 UNANNOUNCED_S = 0.05
-#: A waiter spaces its looks at least this many times as long as a look
-#: takes: looking then costs it at most 1 / (1 + LOOK_SPACING) of a core.
+#: Once woken, a waiter sleeps this many times as long as its last look
+#: took before it looks again: looking costs it at most 1 / (1 + LOOK_SPACING)
+#: of a core.
 LOOK_SPACING = 7.0
 
 
@@ -81,17 +82,19 @@ class Progress:
         ``left`` seconds: woken by an announcement where every tier makes
         them (bounded by :data:`UNANNOUNCED_S`), else after ``poll_s``.
 
-        ``looked_s``: how long the caller's last look took. Woken sooner
-        than :data:`LOOK_SPACING` times that, it sleeps out the rest, so
-        that announcements arriving faster than it can look (a check
-        answering per chunk of a long prefix) are taken a batch at a time,
-        and its looks hold the interpreter lock a bounded share of the time.
+        ``looked_s``: how long the caller's last look took. Once woken it
+        sleeps :data:`LOOK_SPACING` times that more, within ``left``, so that
+        announcements arriving faster than it can look (a check answering
+        per chunk of a long prefix) are taken a batch at a time, and its
+        looks hold the interpreter lock a bounded share of the time. (Sleeping
+        only what a late wake left of it made half as many looks again over
+        a cold ``obj`` prefix: see docs/tuning.md.)
         """
         if self.announced:
             started = self._clock()
             self.wait(mark, min(left, max(poll_s, UNANNOUNCED_S)))
-            rest = min(LOOK_SPACING * looked_s, left) - (self._clock() - started)
-            if rest > 0:
-                self._pause(rest)
+            spacing = min(LOOK_SPACING * looked_s, left - (self._clock() - started))
+            if spacing > 0:
+                self._pause(spacing)
         else:
             self._pause(min(left, max(poll_s, LOOK_SPACING * looked_s)))

@@ -59,7 +59,7 @@ def test_the_spacing_never_runs_past_the_time_left() -> None:
     assert sleeps.seconds == [0.01]
 
 
-def test_a_waiter_woken_late_sleeps_only_the_rest_of_its_spacing() -> None:
+def test_a_waiter_woken_late_spaces_its_look_within_the_time_left() -> None:
     now = [100.0]
     slept: list[float] = []
     waiter = Progress(clock=lambda: now[0], pause=slept.append)
@@ -72,9 +72,10 @@ def test_a_waiter_woken_late_sleeps_only_the_rest_of_its_spacing() -> None:
     waiter.wait = wait  # type: ignore[method-assign]
     mark = waiter.mark
     waiter.announce()
-    waiter.sleep(mark, left=60.0, poll_s=0.0005, looked_s=0.001)  # spacing 7 ms: 2 left
-    waiter.sleep(mark, left=60.0, poll_s=0.0005, looked_s=0.0005)  # spacing 3.5 ms: none
-    assert slept == [pytest.approx(LOOK_SPACING * 0.001 - 0.005)]
+    waiter.sleep(mark, left=60.0, poll_s=0.0005, looked_s=0.001)  # the whole spacing
+    waiter.sleep(mark, left=0.006, poll_s=0.0005, looked_s=0.001)  # 1 ms left of 6
+    waiter.sleep(mark, left=0.004, poll_s=0.0005, looked_s=0.001)  # none left
+    assert slept == [pytest.approx(LOOK_SPACING * 0.001), pytest.approx(0.001)]
 
 
 def test_a_first_look_of_unknown_cost_is_not_spaced() -> None:
