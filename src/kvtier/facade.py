@@ -161,9 +161,8 @@ class KVCache:
                     )
                     slots += pinned
                     # The clock is read only when more may come (most lookups: never).
-                    now = time.monotonic() if pending else 0.0
-                    left = deadline - now
-                    if not pending or left <= 0:
+                    now = time.monotonic() if pending else deadline
+                    if now >= deadline:
                         if owned and pending:
                             manager.on_request_finished(request)
                         return HeldPrefix(self, keys[: len(slots)], slots, pending)
@@ -171,7 +170,8 @@ class KVCache:
                 # How long the look took: the walk over the keys still
                 # pending, not the results collected before it (the first
                 # look's cost, with the promotions it starts, is not measured).
-                manager.progress.sleep(mark, left, poll_s, now - looking if waited else 0.0)
+                looked_s = now - looking if waited else 0.0
+                manager.progress.sleep(mark, deadline - now, poll_s, looked_s)
                 waited = True
         except BaseException:
             self._unpin(keys[: len(slots)])
@@ -342,12 +342,12 @@ class KVCache:
                 mark = manager.progress.mark
                 result = manager.lookup(keys, request_id)
                 now = time.monotonic()
-                left = deadline - now if result.pending else 0.0
-                if left <= 0:
+                if not result.pending or now >= deadline:
                     return result
                 manager.step()  # submits the promotions this probe started
             # The look's cost, as lookup measures it (the first: not measured).
-            manager.progress.sleep(mark, left, poll_s, now - looking if waited else 0.0)
+            looked_s = now - looking if waited else 0.0
+            manager.progress.sleep(mark, deadline - now, poll_s, looked_s)
             waited = True
 
     def collect(self) -> None:
