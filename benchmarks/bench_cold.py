@@ -47,6 +47,13 @@ machine is shared), then the median (p50) over runs, with the spread
 * ``checksum``: one thread hashing the prefix in memory, the CPU the
   in-pass verification costs; ``copies``: ``load``, slots to the output.
 
+``cpu s`` is the CPU time the timed part took (medians): ``client``, the
+measuring process's (all its threads, user and system: for ``fs`` the
+kernel's reads too), and for a remote tier ``server``, its server's
+processes' (from ``/proc``, in clock ticks of 10 ms). On a machine of few
+cores a remote tier's rate is bounded by the two together: a client that
+spends more CPU per byte than its raw client takes it from the server.
+
     python benchmarks/bench_cold.py --root /var/tmp/kvtier-cold --runs 5
 
 ``--tier redis|obj|mooncake`` measures a cold prefix from that remote tier
@@ -164,19 +171,53 @@ def probe_lookup_path(probe: Probe, cache: Any, tier: Any) -> None:
         probe.wrap(stage, "decode", "decode")
 
 
-def bring_back(cache: Any, tokens: Any, expected: Any, out: Any) -> tuple[float, float, float]:
+#: Pids of the processes serving a remote tier, comma-separated (set by
+#: ``bench_cold_remote.remote_server``; children inherit it): their CPU time
+#: is counted beside this process's.
+SERVER_PIDS = "KVTIER_BENCH_SERVER_PIDS"
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds so far: this process's (all its threads, user and system)
+    and the serving processes' (:data:`SERVER_PIDS`, in clock ticks)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    pids = [int(pid) for pid in os.environ.get(SERVER_PIDS, "").split(",") if pid]
+    return usage.ru_utime + usage.ru_stime, sum(map(_process_cpu_s, pids))
+
+
+def _process_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` from ``/proc`` (threads that ended included)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_spent(before: tuple[float, float]) -> dict[str, float]:
+    """The CPU seconds since ``before`` (:func:`cpu_seconds`)."""
+    client, server = cpu_seconds()
+    return {"client_cpu_s": client - before[0], "server_cpu_s": server - before[1]}
+
+
+def bring_back(
+    cache: Any, tokens: Any, expected: Any, out: Any
+) -> tuple[float, float, float, dict[str, float]]:
     """``cached_prefix`` + ``load`` of ``tokens`` into ``out``, every byte checked
-    against ``expected``: ``(begin, prefix_s, load_s)``."""
+    against ``expected``: ``(begin, prefix_s, load_s, cpu)``, ``cpu`` what the two
+    calls took of the CPU (:func:`cpu_spent`; the check after is not counted)."""
     import numpy as np
 
+    cpu_before = cpu_seconds()
     begin = time.perf_counter()
     found = cache.cached_prefix(tokens)
     prefix_s = time.perf_counter() - begin
     loaded = cache.load(tokens, found, out)
     load_s = time.perf_counter() - begin - prefix_s
+    cpu = cpu_spent(cpu_before)
     if loaded != len(tokens) or not np.array_equal(out, expected):
         raise SystemExit(f"loaded {loaded} of {len(tokens)} tokens, or wrong bytes")
-    return begin, prefix_s, load_s
+    return begin, prefix_s, load_s, cpu
 
 
 def breakdown(
@@ -272,12 +313,13 @@ def measure_cold(
         watcher.start()
         index_ready = tier.index_ready
         probe_lookup_path(probe, cache, tier)
-        begin, prefix_s, load_s = bring_back(cache, tokens, expected, out)
+        begin, prefix_s, load_s, cpu = bring_back(cache, tokens, expected, out)
         watcher.join()
     finally:
         cache.close()
     return {
         **breakdown(probe, begin, prefix_s, load_s, expected),
+        "client_cpu_s": cpu["client_cpu_s"],
         "store_s": store_s,
         "cold": cold,
         "construct_s": construct_s,
@@ -379,6 +421,12 @@ def measure_chunk(
     top = next((name for name in ("fio", "raw") if name in runs), None)
     for name, rounds in runs.items():
         row: dict[str, Any] = {"gbps": summary([r["gbps"] for r in rounds])}
+        # CPU seconds of the timed part (see cpu_seconds), where counted: medians.
+        row["cpu_s"] = {
+            side: round(statistics.median(r[f"{side}_cpu_s"] for r in rounds), 4)
+            for side in ("client", "server")
+            if f"{side}_cpu_s" in rounds[0]
+        }
         if top is not None and name != top:
             ceiling = [r["gbps"] / f["gbps"] for r, f in zip(rounds, runs[top], strict=True)]
             row[f"vs_{top}"] = summary(ceiling)
@@ -560,6 +608,8 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], notes: dict[
                 line += f"  {key} {row[key]['p50']:.2f}x ({row[key]['spread']:.0%})"
             if "store_gbps" in row:
                 line += f"  store {row['store_gbps']['p50']:.2f}"
+            if row.get("cpu_s"):
+                line += "  cpu s " + " ".join(f"{k} {v:.3f}" for k, v in row["cpu_s"].items())
             print(line)
             if "breakdown" in row:
                 parts = ", ".join(f"{k} {v}" for k, v in row["breakdown"].items())

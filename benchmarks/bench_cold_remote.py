@@ -44,7 +44,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench_cold import Probe, breakdown, bring_back, layout_for, probe_lookup_path
+from bench_cold import (
+    SERVER_PIDS,
+    Probe,
+    breakdown,
+    bring_back,
+    cpu_seconds,
+    cpu_spent,
+    layout_for,
+    probe_lookup_path,
+)
 from cold_codecs import (
     REFERENCE,
     prefix_rows,
@@ -60,6 +69,17 @@ RawClient = tuple[Callable[[list[str]], None], Callable[[], None]]
 #: ``chunk bytes -> RawClient``.
 NewRawClient = Callable[[int], RawClient]
 REMOTE_TIERS = ("redis", "obj", "mooncake")
+
+
+@contextmanager
+def counting_cpu_of(server: Any) -> Iterator[None]:
+    """Count ``server``'s processes' CPU time beside this process's (see
+    ``bench_cold.cpu_seconds``), in children too, while in the block."""
+    os.environ[SERVER_PIDS] = ",".join(map(str, server.pids()))
+    try:
+        yield
+    finally:
+        del os.environ[SERVER_PIDS]
 
 
 @contextmanager
@@ -81,7 +101,8 @@ def remote_server(
                 raw.batch = RedisBackend.batch_chunks(chunk)  # the tier's pipeline depth
                 return raw.load, raw.client.close
 
-            yield {"type": "redis", "url": redis_server.url, **WHOLE_JOBS}, raw_redis
+            with counting_cpu_of(redis_server):
+                yield {"type": "redis", "url": redis_server.url, **WHOLE_JOBS}, raw_redis
     elif tier == "obj":
         with S3Server() as s3_server:
             bucket = s3_server.create_bucket("kvtier-bench-cold")
@@ -90,7 +111,8 @@ def remote_server(
                 raw = RawS3(s3_server, bucket, threads)
                 return raw.load, raw.client.close
 
-            yield {"type": "obj", **s3_server.tier_options(bucket), **WHOLE_JOBS}, raw_s3
+            with counting_cpu_of(s3_server):
+                yield {"type": "obj", **s3_server.tier_options(bucket), **WHOLE_JOBS}, raw_s3
     elif tier == "mooncake":
         from bench_mooncake import RawMooncake
 
@@ -106,7 +128,9 @@ def remote_server(
                 raw = RawMooncake(master, threads, MooncakeTier.io_batch, value_bytes)
                 return raw.get, raw.close
 
-            yield {**master.tier_options(), "global_segment_size": 0, **WHOLE_JOBS}, raw_mooncake
+            config = {**master.tier_options(), "global_segment_size": 0, **WHOLE_JOBS}
+            with counting_cpu_of(master):
+                yield config, raw_mooncake
     else:
         raise SystemExit(f"--tier must be fs or one of {', '.join(REMOTE_TIERS)}, got {tier!r}")
 
@@ -182,12 +206,13 @@ def measure_kvtier(stored: StoredPrefix, seed: int) -> dict[str, Any]:
             probe.wrap(tier.store, "move_many", "io")
         else:
             probe.wrap(tier, "_transfer", "io")
-        begin, prefix_s, load_s = bring_back(cache, tokens, expected, out)
+        begin, prefix_s, load_s, cpu = bring_back(cache, tokens, expected, out)
     finally:
         cache.close()
     return {
         **stored.figures,
         **breakdown(probe, begin, prefix_s, load_s, expected),
+        **cpu,
         "gbps": stored.size / (prefix_s + load_s) / 1e9,
         "store_gbps": stored.size / stored.figures["store_s"] / 1e9,
         "cold": "fresh KVCache",
@@ -203,9 +228,11 @@ def measure_raw(stored: StoredPrefix, new_client: NewRawClient, seed: int) -> di
     stored.ensure(seed)
     read, close = new_client(stored.chunk)
     try:
+        cpu_before = cpu_seconds()
         started = time.perf_counter()
         read(stored.names)
-        return {"gbps": stored.size / (time.perf_counter() - started) / 1e9}
+        seconds = time.perf_counter() - started
+        return {"gbps": stored.size / seconds / 1e9, **cpu_spent(cpu_before)}
     finally:
         close()
 

@@ -111,6 +111,8 @@ def test_bench_cold_verifies_the_prefix_and_breaks_its_time_down(tmp_path: Path)
             # (one run: no medians in between, only the report's rounding).
             caller = parts["lookup_s"] + parts["step_s"] + parts["waits_s"]
             assert caller == pytest.approx(parts["prefix_s"], abs=1e-3)
+            # The client's CPU, the kernel's reads included; no server to count.
+            assert set(row["cpu_s"]) == {"client"} and row["cpu_s"]["client"] > 0
         assert result["kvtier"]["vs_baseline"]["p50"] > 0
         # fio is the ceiling where it is installed; otherwise the run says why not.
         assert ("fio" in result) != ("fio" in out["skipped"])
@@ -140,6 +142,10 @@ def test_bench_cold_remote_tier_verifies_the_prefix_against_its_raw_client(
         caller = parts["lookup_s"] + parts["step_s"] + parts["waits_s"]
         assert caller == pytest.approx(parts["prefix_s"], abs=1e-3)
         assert result["raw"]["gbps"]["p50"] > 0 and row["vs_raw"]["p50"] > 0
+        for name in ("kvtier", "raw"):  # the server's CPU beside the client's, for both
+            cpu = result[name]["cpu_s"]
+            assert set(cpu) == {"client", "server"}
+            assert cpu["client"] > 0 and cpu["server"] >= 0
 
 
 def test_bench_cold_remote_tier_runs_a_baseline_kvtier_alike() -> None:
@@ -153,6 +159,7 @@ def test_bench_cold_remote_tier_runs_a_baseline_kvtier_alike() -> None:
             assert row["verified_chunks"] == [out["size"] // result["chunk"]]
             assert row["store_gbps"]["p50"] > 0 and row["vs_raw"]["p50"] > 0
             assert row["breakdown"]["checked_keys"] == result["chunks"]
+            assert set(row["cpu_s"]) == {"client", "server"}  # counted in the children too
         assert result["kvtier"]["vs_baseline"]["p50"] > 0
 
 
@@ -358,3 +365,4 @@ def test_bench_codec_quality_trains_once_and_rates_every_codec_against_exact(
     assert len(list(tmp_path.glob("model-*.pt"))) == 1
     again = run_quick("bench_codec_quality.py", "--cache-dir", str(tmp_path))
     assert again["model"] == first["model"]  # the cached model, not a second training
+

@@ -125,6 +125,10 @@ class _Process:
         self._started = True
         return self
 
+    def pids(self) -> list[int]:
+        """The processes serving clients now (benchmarks count their CPU time)."""
+        return [] if self.process is None else [self.process.pid]
+
     def _launch(self) -> None:
         log_path = os.path.join(self.workdir, "output.log")
         with open(log_path, "ab") as log:
@@ -437,6 +441,10 @@ class MooncakeMaster(_Process):
     def _ready(self) -> bool:
         with socket.create_connection((LOOPBACK, self.port), timeout=2):
             return True
+
+    def pids(self) -> list[int]:
+        """The master's and, with storage, the process lending the pool memory."""
+        return super().pids() + (self._storage.pids() if self._storage is not None else [])
 
     def start(self) -> Self:
         """Start (or restart) the master; with storage, return once the pool
