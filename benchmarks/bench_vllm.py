@@ -46,11 +46,14 @@ import json
 import mmap
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,20 @@ import numpy as np
 ENGINE = Path(__file__).resolve().parents[1] / "tests" / "integrations" / "vllm_engine.py"
 #: Bytes after the payload in a chunk file (``kvtier.tiers.fs.io.TRAILER_BLOCK``).
 TRAILER_BLOCK = 4096
+
+
+@contextmanager
+def work_directory(prefix: str) -> Iterator[Path]:
+    """A scratch directory for a run's model, tiers and engine logs: removed
+    once the run succeeded, kept (and named on stderr) when it failed, for
+    the engines' logs."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    except BaseException:
+        print(f"the engines' logs are kept in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def _engine(
@@ -304,7 +321,13 @@ def main() -> None:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
 
-    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
+    with work_directory("kvtier-bench-vllm-") as work:
+        result = _run(work, args)
+    print(json.dumps(result, indent=1) if args.json else report(result))
+
+
+def _run(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Every engine of one run under ``work``: the figures ``report`` takes."""
     model = make_model(work, args.layers, args.hidden)
     warmup, rounds = prompt_rounds(args.rounds, args.prefix, args.tail)
     common = {
@@ -331,12 +354,11 @@ def main() -> None:
             rows["kvtier-fs"]["extra_over_native_s"]
         )
         figures[f"tp{tp}"] = {"engines": rows, "floor": floor}
-    result = {
+    return {
         "args": vars(args),
         "load_average": [load_before, _load_average()],
         "figures": figures,
     }
-    print(json.dumps(result, indent=1) if args.json else report(result))
 
 
 def report(result: dict[str, Any]) -> str:

@@ -29,11 +29,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 from pathlib import Path
 
 import restart_trace
-from bench_vllm import _engine, _load_average, make_model, prompt_rounds
+from bench_vllm import _engine, _load_average, make_model, prompt_rounds, work_directory
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -73,8 +72,12 @@ def main() -> None:
     )
     parser.add_argument("--trace", action="store_true", help="break B and D down by stage")
     args = parser.parse_args()
+    with work_directory("kvtier-bench-restart-") as work:
+        _run(work, args)
 
-    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-restart-"))
+
+def _run(work: Path, args: argparse.Namespace) -> None:
+    """Every engine of the run under ``work``, and the report."""
     model = make_model(work, args.layers, args.hidden)
     warmup, rounds = prompt_rounds(args.rounds, args.prefix, args.tail)
     common = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -366,3 +367,23 @@ def test_bench_codec_quality_trains_once_and_rates_every_codec_against_exact(
     again = run_quick("bench_codec_quality.py", "--cache-dir", str(tmp_path))
     assert again["model"] == first["model"]  # the cached model, not a second training
 
+
+def test_bench_vllm_work_directory_is_removed_after_a_run_kept_after_a_failure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_vllm import work_directory
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    with work_directory("kvtier-test-work-") as work:
+        (work / "model").mkdir()
+    assert not work.exists()
+    with pytest.raises(RuntimeError), work_directory("kvtier-test-work-") as kept:
+        (kept / "engine.log").write_text("what the engine said")
+        raise RuntimeError("an engine failed")
+    try:
+        assert (kept / "engine.log").read_text() == "what the engine said"
+        assert str(kept) in capsys.readouterr().err
+    finally:
+        shutil.rmtree(kept)
