@@ -584,8 +584,8 @@ def run_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     prefixes = len(args.codecs or [None])
     with remote_server(args.tier, args.threads, args.size, prefixes) as (config, new_client):
         for chunk in chunks:
-            systems = remote_systems(args, chunk, config, new_client)
-            results.append(measure_chunk(args, chunk, systems))
+            with remote_systems(args, chunk, config, new_client) as systems:
+                results.append(measure_chunk(args, chunk, systems))
     report(args, results, {})
     return 0
 

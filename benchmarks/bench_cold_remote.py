@@ -162,12 +162,18 @@ class StoredPrefix:
         with KVCache(self.cache_config(), layout) as writer:
             tier: Any = writer.manager.tiers[0]
             tier.discard(self.keys)  # the last run's values: room for this one's
+            self.keys = []
             writer.manager.primary.buffer.wait_populated()
             started = time.perf_counter()
             if writer.store(tokens, rows) != chunks:
                 raise SystemExit("the prefix was not stored whole")
             writer.drain()
             store_s = time.perf_counter() - started
+            if tier.stats.store_failures:  # a full server, say: say so now, not at the load
+                raise SystemExit(
+                    f"{tier.stats.store_failures} of {chunks} chunks failed to store "
+                    f"in {self.config['type']} (see the server's log)"
+                )
             self.keys = writer.keys(tokens)
             self.names = [tier.store_name(key) for key in self.keys]
             self.figures = {"store_s": store_s}
@@ -175,6 +181,15 @@ class StoredPrefix:
                 self.figures["stored_ratio"] = stored_ratio(tier)
         self.seed, self.expected = seed, served_rows(rows, layout, self.codec)
         return layout, tokens, self.expected
+
+    def discard(self) -> None:
+        """Remove the values stored last: room for the next chunk size's prefix."""
+        from kvtier import KVCache
+
+        if self.keys:
+            with KVCache(self.cache_config(), layout_for(self.chunk, self.codec)) as cache:
+                cache.manager.tiers[0].discard(self.keys)
+        self.keys, self.names, self.seed = [], [], None
 
     def cache_config(self) -> dict[str, Any]:
         layout = layout_for(self.chunk, self.codec)
@@ -256,11 +271,13 @@ def measure_child(entry: dict[str, Any], size: int, chunk: int, seed: int) -> di
     return measure_kvtier(StoredPrefix(entry, size, chunk), seed)
 
 
+@contextmanager
 def remote_systems(
     args: argparse.Namespace, chunk: int, config: dict[str, Any], new_client: NewRawClient
-) -> dict[str, Callable[[int, Path], dict[str, Any]]]:
+) -> Iterator[dict[str, Callable[[int, Path], dict[str, Any]]]]:
     """``bench_cold.measure_chunk``'s systems for a remote tier: kvtier (through
-    each of ``args.codecs``) and its raw client."""
+    each of ``args.codecs``) and its raw client; their values are removed from
+    the server at the end (a server sized for one chunk size's prefixes)."""
     entry = {**config, "io_threads": args.threads}
     stored = {c: StoredPrefix(entry, args.size, chunk, c) for c in args.codecs or [None]}
     reference = stored[REFERENCE if args.codecs else None]
@@ -278,4 +295,8 @@ def remote_systems(
 
         systems[system_name(None)] = in_child(Path(kvtier.__file__).parents[1])
         systems["baseline"] = in_child(args.baseline_src)
-    return systems
+    try:
+        yield systems
+    finally:
+        for prefix in stored.values():
+            prefix.discard()
