@@ -94,6 +94,26 @@ def test_a_restart_finds_the_most_recent_prefix_in_memory(
         np.testing.assert_array_equal(loaded(cache, OLD), prefix_data(1))
 
 
+@pytest.mark.parametrize("policy", ["leaf-lru", "lru", "arc", "s3fifo"])
+def test_new_stores_evict_the_older_warmed_prefix_first(
+    root: Path, tier_options: dict[str, Any], policy: str
+) -> None:
+    # Both prefixes warmed into a CPU tier that holds exactly them: the
+    # warmed chunks keep the order they were used in, whatever the policy,
+    # so a new prefix takes the older one's room.
+    slots = 2 * PREFIX
+    with KVCache(
+        {**config(root, slots=slots, warm=slots * SLOT, **tier_options), "eviction_policy": policy},
+        LAYOUT,
+    ) as cache:
+        assert warm_start(cache).chunks == slots
+        primary = cache.manager.primary
+        assert cache.store(list(range(900, 900 + 4 * PREFIX)), prefix_data(3)) == PREFIX
+        assert primary.lookup(cache.keys(NEW), count_hits=False) == PREFIX
+        assert primary.lookup(cache.keys(OLD), count_hits=False) == 0
+        assert primary.hits == 0  # the warm start is no request's hit
+
+
 def test_a_warm_start_fills_free_slots_only(
     root: Path, tier_options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,6 +134,8 @@ def test_a_warm_start_fills_free_slots_only(
         assert primary.evictions == 0
         assert primary.lookup(cache.keys(list(range(900, 908))), count_hits=False) == 2
         assert len(primary) == slots
+        # The free slots went to the most recently used chunks.
+        assert primary.lookup(cache.keys(NEW), count_hits=False) == PREFIX
 
 
 def test_a_request_during_the_warm_start_gets_each_chunk_once(root: Path) -> None:

@@ -5,6 +5,12 @@ waiting for a promotion from disk.
 
 One small job at a time, each waited for before the next: the engine's own
 promotions never queue behind more than one batch of a warm start.
+
+The chunks chosen (the most recently used, as many as fit the free slots)
+come back least recently used first: each job enters the cache policy as
+newer than the ones before it, so the order they were used in carries
+over, and a CPU tier that fills up later evicts the older ones first,
+whatever the policy. A request for a chunk still to come promotes it itself.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ class WarmStart:
                 except Exception:
                     logger.exception("tier %s: recent_keys raised; not warmed", tier.tier_type)
                     continue
-                left -= self._promote(index, keys)
+                left -= self._promote(index, keys[::-1])
         except Exception:
             logger.exception("warm start failed; the cache starts cold instead")
         finally:
@@ -90,15 +96,21 @@ class WarmStart:
         logger.info("kvtier: warm start promoted %d chunks in %.3f s", self.chunks, self.seconds)
 
     def _promote(self, index: int, keys: list[ChunkKey]) -> int:
-        """Promote ``keys`` from tier ``index`` batch by batch; the chunks promoted."""
-        manager, promoted = self.manager, 0
-        for start in range(0, len(keys), self.batch):
-            if self._stopping.is_set():
+        """Promote ``keys`` (least recently used first) from tier ``index``
+        batch by batch; the chunks promoted. When fewer slots are free than
+        keys are left (the engine stores meanwhile), the older ones are skipped."""
+        manager, primary, promoted = self.manager, self.manager.primary, 0
+        keys = [key for key in keys if primary.slot_of(key) is None]  # those need no slot
+        start = 0
+        while start < len(keys) and not self._stopping.is_set():
+            free = primary.num_slots - len(primary)
+            if free <= 0:
                 break
-            job = manager.promote_into_free(index, keys[start : start + self.batch])
+            start = max(start, len(keys) - free)
+            batch = keys[start : start + self.batch]
+            start += len(batch)
+            job = manager.promote_into_free(index, batch)
             if job is None:
-                if len(manager.primary) >= manager.primary.num_slots:
-                    break  # no free slot left
                 continue  # all resident already
             self._wait(index, job)
             ready = sum(map(manager.primary.is_ready, job.keys))
