@@ -29,10 +29,12 @@ TIER_LABELS = ("tier", "tier_type")
 #: Help text of the built-in :class:`TierStats` counters; fields a tier adds
 #: in a subclass get a generic one.
 STAT_HELP = {
-    "lookups": "Lookups answered by the tier.",
+    "lookups": "Answers the tier gave to lookups, PENDING ones included (the hit rate: "
+    "hits / (hits + misses)).",
     "hits": "Lookups the tier answered HIT.",
     "misses": "Lookups the tier answered MISS (or failed).",
-    "pending": "Lookups the tier answered PENDING (check or transfer in flight).",
+    "pending": "Lookups the tier answered PENDING (check or transfer in flight); a waiting "
+    "lookup asks again.",
     "chunks_stored": "Chunks written to the tier.",
     "chunks_loaded": "Chunks read from the tier into primary slots.",
     "bytes_stored": "Chunk bytes written to the tier.",

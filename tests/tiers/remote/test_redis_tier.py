@@ -174,6 +174,39 @@ def test_corrupt_torn_and_foreign_values_are_never_served(
         harness.close()
 
 
+def test_the_documented_hit_rate_counts_each_chunk_once(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    # A fresh cache checks the server first: its lookup waits, asking again
+    # about the chunks still pending, and every answer counts as a lookup.
+    # Each chunk found counts one hit (its promotion starts, and it is not
+    # asked about again): hits / (hits + misses) (docs/metrics.md) is 1 here,
+    # where hits / lookups is at most a half.
+    layout = small_layout(chunk_tokens=4)
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 128 * layout.slot_bytes,
+        "secondary_tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": key_prefix}],
+    }
+    tokens = list(range(4 * 64))
+    with KVCache(config, layout) as writer:
+        assert writer.store(tokens, np.ones((64, layout.slot_bytes), np.uint8)) == 64
+        writer.drain()
+    with KVCache(config, layout) as cache:
+        assert cache.cached_prefix(tokens) == len(tokens)
+
+        def total(name: str) -> float:
+            labels = {"tier": "0", "tier_type": "redis"}
+            sample = cache.metrics.registry.get_sample_value(f"kvtier_tier_{name}_total", labels)
+            assert sample is not None
+            return sample
+
+        hits, misses, pending = total("hits"), total("misses"), total("pending")
+        assert (hits, misses) == (64, 0) and pending >= 64
+        assert total("lookups") == hits + misses + pending
+        assert hits / (hits + misses) == 1 and hits / total("lookups") <= 0.5
+
+
 def test_server_outage_turns_into_misses_and_recovers(
     own_redis_server: RedisServer, key_prefix: str
 ) -> None:
