@@ -177,14 +177,16 @@ def probe_lookup_path(probe: Probe, cache: Any, tier: Any) -> None:
 SERVER_PIDS = "KVTIER_BENCH_SERVER_PIDS"
 
 
-def cpu_seconds() -> tuple[float, float]:
+def cpu_seconds() -> tuple[float, float | None]:
     """CPU seconds so far: this process's (all its threads, user and system)
-    and the serving processes' (:data:`SERVER_PIDS`, in clock ticks)."""
+    and the serving processes' (:data:`SERVER_PIDS`, in clock ticks; ``None``
+    without a server)."""
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     pids = [int(pid) for pid in os.environ.get(SERVER_PIDS, "").split(",") if pid]
-    return usage.ru_utime + usage.ru_stime, sum(map(_process_cpu_s, pids))
+    server = sum(map(_process_cpu_s, pids)) if pids else None
+    return usage.ru_utime + usage.ru_stime, server
 
 
 def _process_cpu_s(pid: int) -> float:
@@ -194,10 +196,14 @@ def _process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_spent(before: tuple[float, float]) -> dict[str, float]:
-    """The CPU seconds since ``before`` (:func:`cpu_seconds`)."""
+def cpu_spent(before: tuple[float, float | None]) -> dict[str, float]:
+    """The CPU seconds since ``before`` (:func:`cpu_seconds`): the client's,
+    and the server's where there is one."""
     client, server = cpu_seconds()
-    return {"client_cpu_s": client - before[0], "server_cpu_s": server - before[1]}
+    spent = {"client_cpu_s": client - before[0]}
+    if server is not None and before[1] is not None:
+        spent["server_cpu_s"] = server - before[1]
+    return spent
 
 
 def bring_back(
@@ -319,7 +325,7 @@ def measure_cold(
         cache.close()
     return {
         **breakdown(probe, begin, prefix_s, load_s, expected),
-        "client_cpu_s": cpu["client_cpu_s"],
+        **cpu,
         "store_s": store_s,
         "cold": cold,
         "construct_s": construct_s,
