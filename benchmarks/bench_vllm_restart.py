@@ -13,7 +13,8 @@ two taking turns going first, and the two must give the same tokens.
 
 ``--warm-start`` adds engines whose kvtier sets ``warm_start_bytes``: their
 B finds the prefix in the CPU tier if the warm start brought it back before
-the prompt came.
+the prompt came; with ``--baseline-src`` too, the older kvtier also runs
+with a warm start, beside it.
 
 ``--trace`` time-stamps, in each engine's processes, the connector's calls,
 the promotion's submission, each read of the tier's workers, progress
@@ -102,6 +103,8 @@ def _run(work: Path, args: argparse.Namespace) -> None:
     if args.warm_start:
         warm = {"kvtier": {**kvtier["kvtier"], "warm_start_bytes": "1GiB"}}
         sides["warm start"] = (SRC, warm)
+        if args.baseline_src is not None:
+            sides["warm start before"] = (args.baseline_src.resolve(), warm)
     site = _tracing(work) if args.trace else None
 
     def env(src: Path, trace: Path | None) -> dict[str, str]:
@@ -159,9 +162,10 @@ def _run(work: Path, args: argparse.Namespace) -> None:
             f"{side}: kvtier-fs / kvtier-cpu, median of run medians "
             f"{statistics.median(values):.2f}x (runs {', '.join(f'{v:.2f}' for v in values)})"
         )
-    if "before" in ratios:
-        paired = [a / b for a, b in zip(ratios["after"], ratios["before"], strict=True)]
-        print(f"after / before, run by run: median {statistics.median(paired):.2f}")
+    for after, before in (("after", "before"), ("warm start", "warm start before")):
+        if before in ratios:
+            paired = [a / b for a, b in zip(ratios[after], ratios[before], strict=True)]
+            print(f"{after} / {before}, run by run: median {statistics.median(paired):.2f}")
     if args.trace:
         for side, by_prompt in breakdowns.items():
             for name, rows in by_prompt.items():
