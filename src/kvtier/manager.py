@@ -330,7 +330,7 @@ class TieringManager:
         request. The job, or ``None`` when none started (every key resident,
         no free slot, or shut down)."""
         primary = self.primary
-        free = primary.num_slots - len(primary)
+        free = primary.free_count
         wanted = [key for key in dict.fromkeys(keys) if primary.slot_of(key) is None][:free]
         if self._closed or not wanted:
             return None

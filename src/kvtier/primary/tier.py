@@ -112,6 +112,11 @@ class PrimaryTier:
         with self._lock:
             return {**self._writing, **self._ready}
 
+    @property
+    def free_count(self) -> int:
+        """How many slots hold nothing now."""
+        return self.num_slots - len(self)
+
     def free_slots(self) -> list[int]:
         """Slots holding nothing (a snapshot)."""
         with self._lock:

@@ -103,7 +103,7 @@ class WarmStart:
         keys = [key for key in keys if primary.slot_of(key) is None]  # those need no slot
         start = 0
         while start < len(keys) and not self._stopping.is_set():
-            free = primary.num_slots - len(primary)
+            free = primary.free_count
             if free <= 0:
                 break
             start = max(start, len(keys) - free)
