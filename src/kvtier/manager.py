@@ -82,10 +82,14 @@ class TieringManager:
         self._promotions: dict[tuple[int, str | None], list[tuple[ChunkKey, int]]] = defaultdict(
             list
         )
-        # Requests told to ask again: their primary hits were counted at the
-        # first ask, and what was promoted for them counts as the tier's hit,
-        # so a request's chunks count once, however many steps it waits.
-        self._asking: set[str] = set()
+        # Requests told to ask again, each with the (tier, chunk) MISSes it
+        # met: their primary hits were counted at the first ask, what was
+        # promoted for them counts as the tier's hit, and a tier's miss is
+        # not asked again while the request waits, so a request's chunks
+        # count once, however many steps it waits. Unlike a failed load (see
+        # JobBook.failed), a miss is forgotten once the request stops waiting:
+        # the chunk may be stored by then (a preempted request's own chunks).
+        self._asking: dict[str, set[tuple[int, ChunkKey]]] = {}
         self._closed = False
         #: Services closed, in order, at :meth:`shutdown` (after the drain, before the tiers).
         self.attachments: list[Attachment] = []
@@ -159,6 +163,7 @@ class TieringManager:
         primary = self.primary
         pending = False
         chain: set[ChunkKey] | None = None
+        missed: set[tuple[int, ChunkKey]] | None = None
         # Past the ready prefix, only secondary tiers or writes in flight add anything.
         for index in range(hits, len(keys) if self.tiers or primary.has_writes else hits):
             key = keys[index]
@@ -167,29 +172,40 @@ class TieringManager:
             if primary.is_writing(key):
                 pending = True
                 continue
-            if chain is None:
+            if chain is None or missed is None:  # made together, at the first key a tier is asked
                 chain = set(keys)
-            found = self._lookup_secondary(key, LookupContext(request_id, index), chain)
+                counted = self._asking.get(request_id) if request_id is not None else None
+                missed = counted if counted is not None else set()
+            found = self._lookup_secondary(key, LookupContext(request_id, index), chain, missed)
             if found is None:
                 break
             pending = pending or found
         if request_id is not None:
-            if pending:
-                self._asking.add(request_id)
+            if pending:  # no tier asked this time: the misses met before stand
+                self._asking[request_id] = (
+                    missed if missed is not None else self._asking.get(request_id, set())
+                )
             elif asked_before:
-                self._asking.discard(request_id)
+                del self._asking[request_id]
         return pending
 
     def _lookup_secondary(
-        self, key: ChunkKey, ctx: LookupContext, chain: set[ChunkKey]
+        self,
+        key: ChunkKey,
+        ctx: LookupContext,
+        chain: set[ChunkKey],
+        missed: set[tuple[int, ChunkKey]],
     ) -> bool | None:
         """``True`` if a tier has or may have ``key`` (pending), ``None`` on a miss.
 
-        A promotion never evicts another chunk of the same ``chain``.
+        A promotion never evicts another chunk of the same ``chain``. A tier's
+        MISS is added to ``missed``, the request's: asking again would only
+        queue another existence check and count the same miss again.
         """
         failed = self._failed.of(ctx.request_id)
         for index, tier in enumerate(self.tiers):
-            if (index, key) in failed:
+            asked = (index, key)
+            if asked in failed or asked in missed:
                 continue
             try:
                 answer = tier.lookup(key, ctx)
@@ -198,6 +214,8 @@ class TieringManager:
                 count_lookup(tier, None)
                 continue
             count_lookup(tier, answer)
+            if answer is Lookup.MISS:
+                missed.add(asked)
             if answer is Lookup.PENDING:
                 return True
             if answer is Lookup.HIT:
@@ -291,7 +309,7 @@ class TieringManager:
     def _end_request(self, request_id: str) -> None:
         if self._failed:  # most often none: no call
             self._failed.forget(request_id)
-        self._asking.discard(request_id)
+        self._asking.pop(request_id, None)
         for tier in self.tiers:
             self._call(tier, "on_request_finished", request_id)
 

@@ -1,5 +1,6 @@
 """The tiering manager: promotions, cascades, backpressure, failing tiers."""
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,7 +11,7 @@ from kvtier import KVCache, LookupResult, register_tier
 from kvtier.backpressure import Backpressure
 from kvtier.config import BackpressureConfig
 from kvtier.testing import FaultyTier, small_layout
-from kvtier.tiers.base import TransferJob
+from kvtier.tiers.base import Lookup, LookupContext, TransferJob
 from kvtier.tiers.drive import run_job
 from tests.cache.doubles import GatedTier, RecordingTier
 from tests.support.cache_tiers import tier_at, tiers_of
@@ -335,6 +336,51 @@ def test_a_chunk_gone_between_lookup_and_load_is_a_miss_not_a_failure(
         out = np.zeros_like(data)
         assert cache.load(TOKENS, 8, out[:2]) == 8
         np.testing.assert_array_equal(out[:2], data[:2])
+    finally:
+        cache.close()
+
+
+def test_a_request_asked_again_asks_no_tier_again_about_a_chunk_it_missed(
+    data: np.ndarray,
+) -> None:
+    # Chunks 0 and 1 only in the gated tier, whose loads wait for the test:
+    # the request asks again while they are promoted. A tier's MISS stands for
+    # the rest of the request: asked again, a remote tier would check again
+    # (a request to its backend), and its misses would count once per ask.
+    cache = make_cache({"type": "memory"}, {"type": "gated"})
+    try:
+        first, gated = cache.manager.tiers[0], tier_at(cache, 1, GatedTier)
+        cache.store(TOKENS[:8], data[:2])
+        gated.release()
+        cache.drain()
+        keys = cache.keys(TOKENS)
+        first.discard(keys[:2])
+        cache.manager.reset()
+        asked: Counter[tuple[int, int]] = Counter()  # (tier, chunk) -> asks
+
+        def counting(index: int, lookup: Any) -> Any:
+            def counted(key: Any, ctx: LookupContext) -> Lookup:
+                asked[(index, keys.index(key))] += 1
+                return lookup(key, ctx)
+
+            return counted
+
+        for index, tier in enumerate(cache.manager.tiers):
+            tier.lookup = counting(index, tier.lookup)  # type: ignore[method-assign]
+        for _ in range(3):
+            assert peek(cache, TOKENS, "r1") == LookupResult(0, True)
+            cache.step()
+        assert asked == {(0, 0): 1, (1, 0): 1, (0, 1): 1, (1, 1): 1, (0, 2): 1, (1, 2): 1}
+        assert (first.stats.misses, first.stats.hits) == (3, 0)
+        assert (gated.stats.misses, gated.stats.hits) == (1, 2)
+        gated.release()
+        cache.drain()
+        assert peek(cache, TOKENS, "r1") == LookupResult(2, False)
+        assert asked[(0, 2)] == asked[(1, 2)] == 1
+        # Not pending, the request is over: asked again, it is a new one.
+        assert peek(cache, TOKENS, "r1") == LookupResult(2, False)
+        assert asked[(0, 2)] == asked[(1, 2)] == 2
+        assert (first.stats.misses, gated.stats.misses) == (4, 2)
     finally:
         cache.close()
 
