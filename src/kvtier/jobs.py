@@ -20,11 +20,11 @@ from kvtier.residency import ResidencyFeed
 from kvtier.tiers.base import JobResult, Lookup, SecondaryTier, TransferJob
 
 __all__ = [
-    "FailedLoads",
     "JobBook",
     "JobListener",
     "JobOutcome",
     "JobRecord",
+    "RequestMisses",
     "count_lookup",
     "count_refused",
 ]
@@ -77,10 +77,10 @@ def count_refused(tier: SecondaryTier, num_keys: int, *, loading: bool) -> None:
 _K = TypeVar("_K", bound=Hashable)
 
 
-class FailedLoads(Generic[_K]):
-    """Per request, the chunks whose load failed: misses for the rest of the
-    request, so that it never retries a bad chunk; forgotten when it ends.
-    Anonymous lookups (no request id) retry."""
+class RequestMisses(Generic[_K]):
+    """Per request, chunks that are misses for the rest of it (say, those whose
+    load failed, so that it never retries a bad chunk); forgotten when it
+    ends. Anonymous lookups (no request id) ask again."""
 
     __slots__ = ("_by_request",)
 
@@ -92,7 +92,7 @@ class FailedLoads(Generic[_K]):
             self._by_request.setdefault(request_id, set()).update(keys)
 
     def of(self, request_id: str | None) -> Collection[_K]:
-        """The chunks whose load failed for ``request_id`` (read by every lookup)."""
+        """The chunks that are misses for ``request_id`` (read by every lookup)."""
         return self._by_request.get(request_id, ()) if request_id is not None else ()
 
     def forget(self, request_id: str) -> None:
@@ -105,7 +105,7 @@ class FailedLoads(Generic[_K]):
         return request_id in self._by_request
 
     def __bool__(self) -> bool:
-        """Whether any request has a failed load."""
+        """Whether any request has a miss remembered."""
         return bool(self._by_request)
 
 
@@ -173,7 +173,7 @@ class JobBook:
         #: Jobs handed to a tier whose results are not applied yet, by (tier index, job id).
         self.running: dict[tuple[int, int], JobRecord] = {}
         #: Promotions that failed, per request, by (tier index, key).
-        self.failed: FailedLoads[tuple[int, ChunkKey]] = FailedLoads()
+        self.failed: RequestMisses[tuple[int, ChunkKey]] = RequestMisses()
         # Tiers whose get_finished_jobs raised at the last collect (logged once).
         self._collect_failing: set[int] = set()
         #: Results a tier reported that could not be applied (each failed its job).

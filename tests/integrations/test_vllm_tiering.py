@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,7 +29,13 @@ from tests.integrations.vllm_tiering import (  # noqa: E402
     tiering_config,
 )
 from tests.support.servers import MooncakeMaster, RedisServer, S3Server  # noqa: E402
-from vllm.v1.kv_offload.base import Locality, Medium, OffloadKey  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+)
 
 from kvtier.errors import BackendUnavailableError, ConfigError  # noqa: E402
 from kvtier.integrations.vllm.tiering import tiering_layout  # noqa: E402
@@ -232,6 +239,39 @@ def test_a_redis_outage_costs_misses_never_a_crash(
     engine.store(offload_keys(2, tag=b"during the outage"))  # fails, counted, no crash
     stats = engine.adapter.tier.stats
     assert stats.store_failures > 0
+
+
+@pytest.mark.parametrize("kind", ["redis", "obj"])
+def test_a_miss_stays_a_miss_for_the_rest_of_the_request(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Any, engines: Callable[..., Engine]
+) -> None:
+    # A remote tier checks a key it does not know: RETRY, then MISS. vLLM
+    # asks about a request's keys again at every step until it schedules it;
+    # asked again, the check's answer is gone, and without the request's
+    # verdict kept the tier would check once more and answer RETRY: another
+    # step for the request, another request to the backend.
+    engine = engines(tier_factory(kind, request, str(tmp_path / "kv"))())
+    missing = offload_keys(1, tag=b"never stored")[0]
+    ctx = ReqContext(req_id="r")
+    engine.manager.on_new_request(ctx)
+    answers = []
+    deadline = time.monotonic() + 60
+    while LookupResult.MISS not in answers:
+        assert time.monotonic() < deadline, "the check never answered"
+        answers.append(engine.adapter.lookup(missing, ctx))
+        engine.step()
+        time.sleep(0.002)
+    checks = engine.adapter.tier.stats.lookups
+    for _ in range(5):
+        engine.step()
+        assert engine.adapter.lookup(missing, ctx) is LookupResult.MISS
+    assert engine.adapter.tier.stats.lookups == checks  # the tier was not asked again
+    assert engine.adapter.tier.stats.misses == 1
+    engine.manager.on_request_finished(ctx)
+    # Another request asks the tier again.
+    again = ReqContext(req_id="r2")
+    engine.manager.on_new_request(again)
+    assert engine.adapter.lookup(missing, again) is LookupResult.RETRY
 
 
 def test_a_malformed_job_result_fails_its_job_never_the_engine(

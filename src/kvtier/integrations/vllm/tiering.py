@@ -41,7 +41,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.integrations.vllm.row_layout import byte_rows, row_elements, tiering_layout
 from kvtier.integrations.vllm.tiering_events import TierAnnouncements
 from kvtier.integrations.vllm.tiering_options import TieringOptions, validate_entry
-from kvtier.jobs import FailedLoads, JobOutcome, count_lookup, count_refused
+from kvtier.jobs import JobOutcome, RequestMisses, count_lookup, count_refused
 from kvtier.keys import ChunkKey
 from kvtier.layout import KEY_BYTES, KVLayout
 from kvtier.tiers.base import JobResult, Lookup, LookupContext, SecondaryTier, TransferJob
@@ -129,8 +129,12 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 )
         self._jobs: dict[int, _Job] = {}
         self._failed: list[VllmJobResult] = []
-        #: Per request, chunks whose load failed: misses for the rest of it.
-        self._failed_loads: FailedLoads[OffloadKey] = FailedLoads()
+        #: Per request, chunks that are misses for the rest of it: those the
+        #: tier answered MISS for (vLLM's own tiers keep a lookup's verdict
+        #: until the request ends; asked again, a remote tier would check
+        #: again and answer RETRY meanwhile, a step more for the request) and
+        #: those whose load failed.
+        self._misses: RequestMisses[OffloadKey] = RequestMisses()
         self._tokens_per_chunk = int(offloading_spec.config.cache.tokens_per_hash) * int(
             offloading_spec.config.cache.blocks_per_chunk
         )
@@ -160,8 +164,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
     # vLLM's contract ------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if key in self._failed_loads.of(req_context.req_id):
-            return LookupResult.MISS  # its load failed once for this request: recompute
+        if key in self._misses.of(req_context.req_id):
+            return LookupResult.MISS  # a miss, or its load failed, earlier in this request
         try:
             found = self.tier.lookup(self.chunk_key(key), self._context(key, req_context))
         except Exception:
@@ -172,6 +176,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         if found is Lookup.PENDING:
             return LookupResult.RETRY
         if found is Lookup.MISS:
+            self._misses.remember(req_context.req_id, (key,))
             self._forget([key])
             return LookupResult.MISS
         return LookupResult.HIT
@@ -202,7 +207,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
             del self._jobs[kvtier_job.job_id]
             count_refused(self.tier, len(keys), loading=loading)
             if loading:
-                self._failed_loads.remember(job.req_context.req_id, keys)
+                self._misses.remember(job.req_context.req_id, keys)
             self._failed.append(VllmJobResult(job_id=job.job_id, success=False))
 
     def get_finished_jobs(self) -> Iterable[VllmJobResult]:
@@ -233,7 +238,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         if job.loading:
             lost = [job.by_kvtier_key[own] for own in outcome.bad]
             self._forget(lost)
-            self._failed_loads.remember(job.request_id, lost)
+            self._misses.remember(job.request_id, lost)
             whole = result.success and not lost
             return VllmJobResult(
                 job_id=job.vllm_id,
@@ -267,7 +272,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._failed_loads.forget(req_context.req_id)
+        self._misses.forget(req_context.req_id)
         try:
             self.tier.on_request_finished(req_context.req_id)
         except Exception:
