@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -169,3 +170,19 @@ def test_an_existence_check_raising_anything_is_an_unknown_answer_not_a_stuck_ke
     assert answer is Lookup.MISS  # the backend kept failing: a miss, asked again later
     tier.error = None
     assert raising.lookup(key) is Lookup.MISS
+
+
+def test_a_hook_failure_is_settled_once(caplog: pytest.LogCaptureFixture) -> None:
+    # The hook's error is logged (or its chunk discarded, or noted gone)
+    # where it met it; the runtime then only fails the key, not logging a
+    # second, vaguer error for it.
+    harness = TierHarness(dict(ENTRY), small_layout(), call_timeout_s=60)
+    try:
+        keys = harness.keys(2)  # never stored: the hook raises KeyError
+        with caplog.at_level(logging.DEBUG, logger="kvtier.tiers.runtime"):
+            result = harness.load(keys, [0, 1])
+        assert not result.success and result.succeeded == frozenset()
+        failures = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+        assert len(failures) == 2 and all("KeyError" in message for message in failures)
+    finally:
+        harness.close()

@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 #: What a batched move gives back per key: ``None``, or the error that key met.
 ItemErrors = list[BaseException | None]
+#: The error of a key whose failure its store settled where it met it
+#: (discarded, noted or logged): the runtime fails the key and nothing more.
+SETTLED = RuntimeError("the store settled this key's failure")
 #: A job's chunks as ``(key, primary slot)`` pairs.
 SlotPairs = list[tuple[ChunkKey, int]]
 
@@ -357,6 +360,8 @@ class TierRuntime(SecondaryTier[OptionsT]):
     def _failed(self, key: ChunkKey, error: BaseException) -> bool:
         """A chunk's move failed (``False``): a corrupt chunk is discarded and
         counted, a vanished one noted, any other error fails that key alone."""
+        if error is SETTLED:
+            return False
         if isinstance(error, CorruptChunkError):
             self.discard_corrupt(key, error)
         elif isinstance(error, ChunkVanishedError):

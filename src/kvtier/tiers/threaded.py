@@ -15,15 +15,19 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric
 from kvtier.tiers.jobs import JobState
 from kvtier.tiers.options import ThreadedTierOptions
-from kvtier.tiers.runtime import ChunkStore, ItemErrors, SlotPairs, TierRuntime, in_batches
+from kvtier.tiers.runtime import (
+    SETTLED,
+    ChunkStore,
+    ItemErrors,
+    SlotPairs,
+    TierRuntime,
+    in_batches,
+)
 from kvtier.tiers.workers import Priority
 
 __all__ = ["JobState", "Priority", "ThreadedTier", "ThreadedTierOptions"]
 
 ThreadedOptionsT = TypeVar("ThreadedOptionsT", bound=ThreadedTierOptions)
-
-#: A chunk a hook failed: counted and logged where it failed.
-_FAILED = RuntimeError("the tier's hook failed this chunk")
 
 
 class ThreadedTier(TierRuntime[ThreadedOptionsT]):
@@ -110,7 +114,8 @@ class _Hooks:
     def move_many(
         self, state: JobState, keys: list[ChunkKey], payloads: list[memoryview]
     ) -> ItemErrors:
-        return [None if ok else _FAILED for ok in self.tier._transfer(state, keys, payloads)]
+        # A hook's failure was settled in _attempt, or by the override that returned False.
+        return [None if ok else SETTLED for ok in self.tier._transfer(state, keys, payloads)]
 
     def batches(self, pending: SlotPairs, idle_workers: int) -> list[SlotPairs]:
         return in_batches(pending, self.tier.io_batch)
