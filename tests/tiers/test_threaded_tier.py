@@ -17,6 +17,7 @@ from kvtier.tiers.threaded import ThreadedTier
 from tests.tiers.threaded_doubles import (
     WORKERS_SEEN_IN_INIT,
     ObviousNamesTier,
+    PartNamingTier,
     RaisingMemoryTier,
     tier_threads,
 )
@@ -55,6 +56,26 @@ def test_a_constructor_failing_after_super_init_leaves_no_thread() -> None:
     with pytest.raises(OSError, match="the backend is not there"):
         TierHarness(entry, small_layout())
     assert tier_threads("FailingSetUpTier") == []
+
+
+@pytest.mark.parametrize("name", ["workers", "checks", "jobs", "guards", "coded", "store"])
+def test_a_subclass_naming_its_state_like_a_runtime_part_is_refused_at_start(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Else its client replaced, say, the runtime's store, and every lookup
+    # and transfer failed (as misses) with nothing said at start.
+    monkeypatch.setattr(PartNamingTier, "own_name", name)
+    entry = {"type": "PartNamingTier", "module_path": "tests.tiers.threaded_doubles"}
+    with pytest.raises(AttributeError, match=rf"PartNamingTier\.{name}: .*say self\._{name}"):
+        TierHarness(entry, small_layout())
+    assert tier_threads("PartNamingTier") == []
+    monkeypatch.setattr(PartNamingTier, "own_name", f"_my_{name}")
+    harness = TierHarness(entry, small_layout())
+    try:
+        keys = harness.keys(1)
+        assert harness.store(keys, [0]).success and harness.load(keys, [1]).success
+    finally:
+        harness.close()
 
 
 def test_workers_start_when_the_manager_attaches_the_tier() -> None:

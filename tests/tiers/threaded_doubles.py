@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.jobs import JobState
@@ -67,6 +67,17 @@ class FailingSetUpTier(ObviousNamesTier):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         raise OSError("the backend is not there")
+
+
+class PartNamingTier(ObviousNamesTier):
+    """Keeps its own state under :attr:`own_name`, which a test sets (say, to
+    one of the names the runtime keeps its parts in)."""
+
+    own_name: ClassVar[str] = "_client"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        setattr(self, self.own_name, {"its": "own"})
 
 
 class RaisingMemoryBackend(MemoryBackend):

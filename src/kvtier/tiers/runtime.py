@@ -98,6 +98,10 @@ OptionsT = TypeVar("OptionsT", bound=ThreadedTierOptions)
 DEFAULT_CODEC_TIMEOUT_S = 5.0
 
 
+#: The attributes the runtime keeps its parts in, each set once by it.
+_PARTS = frozenset({"workers", "checks", "jobs", "guards", "coded", "store"})
+
+
 class TierRuntime(SecondaryTier[OptionsT]):
     """The tier contract over the :class:`ChunkStore` that :meth:`_open_store`
     builds; the guards come with options that configure them."""
@@ -129,9 +133,9 @@ class TierRuntime(SecondaryTier[OptionsT]):
         self.workers = Workers(f"kvtier-{self.tier_type}", options.io_threads)
         self.checks = ExistenceChecks(self.check_attempts, self.max_unclaimed_answers)
         self.jobs = Jobs(self.slot_bytes, self._progressed)
-        self.guards: Guards | None = None
+        guards = None
         if isinstance(options, RemoteTierOptions):
-            self.guards = Guards(
+            guards = Guards(
                 self.tier_type,
                 options,
                 jobs=self.jobs,
@@ -140,15 +144,27 @@ class TierRuntime(SecondaryTier[OptionsT]):
                 progressed=self._progressed,
                 workers=self.workers,
             )
-        self.coded: CodedMoves | None = None
+        self.guards: Guards | None = guards
+        coded = None
         if not self.codec_stage.identity:
-            default_s = self.guards.deadline_s if self.guards else DEFAULT_CODEC_TIMEOUT_S
-            self.coded = CodedMoves(self, options.codec_timeout_s, default_s)
+            default_s = guards.deadline_s if guards else DEFAULT_CODEC_TIMEOUT_S
+            coded = CodedMoves(self, options.codec_timeout_s, default_s)
+        self.coded: CodedMoves | None = coded
         try:
             self.store: ChunkStore = self._open_store()
         except BaseException:  # no worker started yet: the helpers' threads only
             self._close_helpers()
             raise
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A subclass's own state named like a part would silently replace it.
+        if name in _PARTS and name in self.__dict__:
+            raise AttributeError(
+                f"{type(self).__qualname__}.{name}: the tier runtime keeps its {name} "
+                f"there (see docs/out-of-tree-tier.md); name yours otherwise, say "
+                f"self._{name}"
+            )
+        super().__setattr__(name, value)
 
     @abstractmethod
     def _open_store(self) -> ChunkStore:
