@@ -268,10 +268,14 @@ def test_a_miss_stays_a_miss_for_the_rest_of_the_request(
     assert engine.adapter.tier.stats.lookups == checks  # the tier was not asked again
     assert engine.adapter.tier.stats.misses == 1
     engine.manager.on_request_finished(ctx)
-    # Another request asks the tier again.
-    again = ReqContext(req_id="r2")
-    engine.manager.on_new_request(again)
-    assert engine.adapter.lookup(missing, again) is LookupResult.RETRY
+    # Another request asks the tier again: the tier's recent MISS answers it,
+    # and once that is older than the tier keeps one, a new check (RETRY).
+    for request, answer in (("r2", LookupResult.MISS), ("r3", LookupResult.RETRY)):
+        again = ReqContext(req_id=request)
+        engine.manager.on_new_request(again)
+        assert engine.adapter.lookup(missing, again) is answer
+        engine.adapter.tier.checks.miss_answer_s = 0.0
+    assert engine.adapter.tier.stats.lookups == checks + 2
 
 
 def test_a_malformed_job_result_fails_its_job_never_the_engine(

@@ -52,6 +52,24 @@ def test_an_existence_answer_is_taken_once_and_a_failing_key_gives_up() -> None:
     assert checks.answer(KEYS[0]) is Lookup.MISS
 
 
+def test_a_miss_answers_every_lookup_for_a_while_unless_the_key_is_stored() -> None:
+    now = [0.0]
+    checks = ExistenceChecks(attempts=3, max_answers=16, miss_answer_s=1.0, clock=lambda: now[0])
+    assert checks.answer(KEYS[0]) is Lookup.PENDING
+    checks.take_queued()
+    checks.record([KEYS[0]], [False])
+    now[0] = 1.0
+    assert checks.answer(KEYS[0]) is Lookup.MISS
+    assert checks.answer(KEYS[0]) is Lookup.MISS  # not consumed
+    now[0] = 1.5
+    assert checks.answer(KEYS[0]) is Lookup.PENDING  # too old: checked again
+    assert checks.take_queued() == [KEYS[0]]
+    checks.record([KEYS[0]], [False])
+    assert checks.answer(KEYS[0]) is Lookup.MISS
+    checks.forget([KEYS[0]])  # being stored: the MISS no longer holds
+    assert checks.answer(KEYS[0]) is Lookup.PENDING
+
+
 def test_a_check_past_its_deadline_answers_miss_until_it_ends() -> None:
     checks = ExistenceChecks(attempts=3, max_answers=16)
     checks.answer(KEYS[1])

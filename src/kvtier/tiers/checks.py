@@ -4,25 +4,44 @@ found, and the keys whose check failed or ran past its deadline."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.bounded import drop_oldest
 
+#: Seconds a check's MISS answers every lookup of its key, not only the one
+#: that takes it: a request that asks again at each engine step (blocked
+#: on memory), or the requests of one new prompt arriving together, would
+#: otherwise each check again (PENDING: a step later) for the same answer.
+MISS_ANSWER_S = 1.0
+
 
 class ExistenceChecks:
-    """Thread-safe. An answer is consumed by the lookup that takes it (a
-    shared backend may change under us); an unknown one is asked again, up
-    to ``attempts`` times before the lookup answers MISS."""
+    """Thread-safe. A HIT is consumed by the lookup that takes it (a shared
+    backend may change under us), a MISS answers for :data:`MISS_ANSWER_S`
+    (or until :meth:`forget`); an unknown one is asked again, up to
+    ``attempts`` times before the lookup answers MISS."""
 
-    def __init__(self, attempts: int, max_answers: int) -> None:
+    def __init__(
+        self,
+        attempts: int,
+        max_answers: int,
+        *,
+        miss_answer_s: float = MISS_ANSWER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.attempts = attempts
         self.max_answers = max_answers
+        self.miss_answer_s = miss_answer_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._queued: list[ChunkKey] = []
         self._checking: set[ChunkKey] = set()
         self._checked: dict[ChunkKey, bool] = {}
+        # Keys found missing, and when.
+        self._missing: dict[ChunkKey, float] = {}
         # Checks past their deadline: every lookup of one answers MISS until it ends.
         self._overdue: set[ChunkKey] = set()
         self._failed: dict[ChunkKey, int] = {}
@@ -42,9 +61,13 @@ class ExistenceChecks:
     def answer(self, key: ChunkKey) -> Lookup:
         """The found answer for ``key``, else PENDING with its check queued."""
         with self._lock:
-            found = self._checked.pop(key, None)
-            if found is not None:
-                return Lookup.HIT if found else Lookup.MISS
+            if self._checked.pop(key, False):
+                return Lookup.HIT
+            since = self._missing.get(key)
+            if since is not None:
+                if self._clock() - since <= self.miss_answer_s:
+                    return Lookup.MISS
+                del self._missing[key]
             if key in self._overdue:
                 return Lookup.MISS
             if self._failed.get(key, 0) >= self.attempts:
@@ -62,18 +85,32 @@ class ExistenceChecks:
 
     def record(self, keys: Sequence[ChunkKey], found: Sequence[bool | None]) -> None:
         """What a check found; ``None``: unknown, asked again at the next lookup."""
+        now = self._clock()
         with self._lock:
             for key, present in zip(keys, found, strict=True):
                 self._checking.discard(key)
                 self._overdue.discard(key)
                 if present is None:
                     self._failed[key] = self._failed.get(key, 0) + 1
+                    continue
+                self._failed.pop(key, None)
+                if present:
+                    self._checked[key] = True
+                    self._missing.pop(key, None)
                 else:
-                    self._failed.pop(key, None)
-                    self._checked[key] = present
+                    self._missing.pop(key, None)  # re-inserted: the newest
+                    self._missing[key] = now
             # Oldest answers first: nobody came back for them.
             drop_oldest(self._checked, self.max_answers)
+            drop_oldest(self._missing, self.max_answers)
             drop_oldest(self._failed, self.max_answers)
+
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` are being stored: a MISS found before no longer answers."""
+        with self._lock:
+            if self._missing:
+                for key in keys:
+                    self._missing.pop(key, None)
 
     def overdue(self, keys: Sequence[ChunkKey]) -> None:
         """The check of ``keys`` is past its deadline: MISS until it ends."""

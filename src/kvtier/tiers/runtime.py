@@ -234,6 +234,7 @@ class TierRuntime(SecondaryTier[OptionsT]):
             self.guards.check_done(keys, done)
 
     def submit_store(self, job: TransferJob) -> None:
+        self.checks.forget(job.keys)
         self._submit(job, loading=False)
 
     def submit_load(self, job: TransferJob) -> None:

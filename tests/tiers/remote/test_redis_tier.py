@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier import KVCache
+from kvtier import KVCache, LookupResult
 from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import HEADER_BYTES, frame
@@ -206,6 +206,44 @@ def test_the_documented_hit_rate_counts_each_chunk_once(
         assert (hits, misses) == (64, 1) and pending >= 65
         assert total("lookups") == hits + misses + pending
         assert hits / (hits + misses) == 64 / 65 and hits / total("lookups") <= 0.5
+
+
+def test_a_miss_answers_the_next_requests_without_another_check(
+    own_redis_server: RedisServer, key_prefix: str
+) -> None:
+    # The next requests for a prompt whose new tail a request found missing
+    # (or that request asked again at each step, blocked on memory) get the
+    # MISS at once: not PENDING, a step later, after another EXISTS.
+    import redis
+
+    layout = small_layout(chunk_tokens=4)
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 16 * layout.slot_bytes,
+        "secondary_tiers": [
+            {"type": "redis", "url": own_redis_server.url, "key_prefix": key_prefix}
+        ],
+    }
+    tokens = list(range(4 * 5))  # four chunks stored, the fifth never
+    with KVCache(config, layout) as writer:
+        assert writer.store(tokens[:16], np.ones((4, layout.slot_bytes), np.uint8)) == 4
+        writer.drain()
+    server = redis.Redis.from_url(own_redis_server.url)
+    with KVCache(config, layout) as cache:
+        assert cache.cached_prefix(tokens) == 16
+        tier = cache.manager.tiers[0]
+        assert isinstance(tier, RedisTier)
+        tier.checks.miss_answer_s = 3600.0  # no wall clock in the test: it has not passed
+        server.config_resetstat()
+        for request in ("b", "c"):
+            assert cache.probe(cache.keys(tokens), request_id=request) == LookupResult(4, False)
+            cache.end_request(request)
+        assert "cmdstat_exists" not in server.info("commandstats")
+        assert tier.stats.misses == 3  # one per request
+        tier.checks.miss_answer_s = 0.0  # it has passed: the next lookup checks again
+        assert cache.probe(cache.keys(tokens), request_id="d").pending
+        cache.end_request("d")
+    server.close()
 
 
 def test_server_outage_turns_into_misses_and_recovers(
