@@ -174,6 +174,26 @@ def test_corrupt_torn_and_foreign_values_are_never_served(
         harness.close()
 
 
+LAYOUT_4 = small_layout(chunk_tokens=4)
+
+
+def stored_but_the_last(url: str, key_prefix: str, chunks: int) -> tuple[dict[str, Any], list[int]]:
+    """A cache config over the server at ``url`` and the tokens of ``chunks``
+    chunks of 4, all but the last stored there by a writer that closed."""
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 2 * chunks * LAYOUT_4.slot_bytes,
+        "secondary_tiers": [{"type": "redis", "url": url, "key_prefix": key_prefix}],
+    }
+    tokens = list(range(4 * chunks))
+    stored = chunks - 1
+    with KVCache(config, LAYOUT_4) as writer:
+        rows = np.ones((stored, LAYOUT_4.slot_bytes), np.uint8)
+        assert writer.store(tokens[: 4 * stored], rows) == stored
+        writer.drain()
+    return config, tokens
+
+
 def test_the_documented_hit_rate_counts_each_chunk_once(
     redis_server: RedisServer, key_prefix: str
 ) -> None:
@@ -183,17 +203,8 @@ def test_the_documented_hit_rate_counts_each_chunk_once(
     # asked about again), and so does the miss past them (the request does
     # not ask about it again): hits / (hits + misses) (docs/metrics.md) is
     # 64 / 65 here, where hits / lookups is at most a half.
-    layout = small_layout(chunk_tokens=4)
-    config = {
-        "chunk_tokens": 4,
-        "cpu_bytes_to_use": 128 * layout.slot_bytes,
-        "secondary_tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": key_prefix}],
-    }
-    tokens = list(range(4 * 65))  # the last chunk never stored
-    with KVCache(config, layout) as writer:
-        assert writer.store(tokens[: 4 * 64], np.ones((64, layout.slot_bytes), np.uint8)) == 64
-        writer.drain()
-    with KVCache(config, layout) as cache:
+    config, tokens = stored_but_the_last(redis_server.url, key_prefix, chunks=65)
+    with KVCache(config, LAYOUT_4) as cache:
         assert cache.cached_prefix(tokens) == 4 * 64
 
         def total(name: str) -> float:
@@ -216,20 +227,9 @@ def test_a_miss_answers_the_next_requests_without_another_check(
     # MISS at once: not PENDING, a step later, after another EXISTS.
     import redis
 
-    layout = small_layout(chunk_tokens=4)
-    config = {
-        "chunk_tokens": 4,
-        "cpu_bytes_to_use": 16 * layout.slot_bytes,
-        "secondary_tiers": [
-            {"type": "redis", "url": own_redis_server.url, "key_prefix": key_prefix}
-        ],
-    }
-    tokens = list(range(4 * 5))  # four chunks stored, the fifth never
-    with KVCache(config, layout) as writer:
-        assert writer.store(tokens[:16], np.ones((4, layout.slot_bytes), np.uint8)) == 4
-        writer.drain()
+    config, tokens = stored_but_the_last(own_redis_server.url, key_prefix, chunks=5)
     server = redis.Redis.from_url(own_redis_server.url)
-    with KVCache(config, layout) as cache:
+    with KVCache(config, LAYOUT_4) as cache:
         assert cache.cached_prefix(tokens) == 16
         tier = cache.manager.tiers[0]
         assert isinstance(tier, RedisTier)
