@@ -16,7 +16,7 @@ from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from kvtier.backpressure import Backpressure
 from kvtier.config.sections import BackpressureConfig
-from kvtier.jobs import JobBook, JobListener, count_lookup
+from kvtier.jobs import JobBook, JobListener, RequestMisses, count_lookup
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
 from kvtier.progress import Progress
@@ -82,14 +82,15 @@ class TieringManager:
         self._promotions: dict[tuple[int, str | None], list[tuple[ChunkKey, int]]] = defaultdict(
             list
         )
-        # Requests told to ask again, each with the (tier, chunk) MISSes it
-        # met: their primary hits were counted at the first ask, what was
-        # promoted for them counts as the tier's hit, and a tier's miss is
-        # not asked again while the request waits, so a request's chunks
-        # count once, however many steps it waits. Unlike a failed load (see
-        # JobBook.failed), a miss is forgotten once the request stops waiting:
-        # the chunk may be stored by then (a preempted request's own chunks).
-        self._asking: dict[str, set[tuple[int, ChunkKey]]] = {}
+        # Requests told to ask again: their primary hits were counted at the
+        # first ask, and what was promoted for them counts as the tier's hit,
+        # so a request's chunks count once, however many steps it waits.
+        self._asking: set[str] = set()
+        # The (tier, chunk) MISSes of requests still waiting, not asked (nor
+        # counted) again. Unlike a failed load (JobBook.failed), forgotten
+        # once the request stops waiting: the chunk may be stored by then (a
+        # preempted request's own chunks).
+        self._waiting_misses: RequestMisses[tuple[int, ChunkKey]] = RequestMisses()
         self._closed = False
         #: Services closed, in order, at :meth:`shutdown` (after the drain, before the tiers).
         self.attachments: list[Attachment] = []
@@ -163,7 +164,6 @@ class TieringManager:
         primary = self.primary
         pending = False
         chain: set[ChunkKey] | None = None
-        missed: set[tuple[int, ChunkKey]] | None = None
         # Past the ready prefix, only secondary tiers or writes in flight add anything.
         for index in range(hits, len(keys) if self.tiers or primary.has_writes else hits):
             key = keys[index]
@@ -172,37 +172,33 @@ class TieringManager:
             if primary.is_writing(key):
                 pending = True
                 continue
-            if chain is None or missed is None:  # made together, at the first key a tier is asked
+            if chain is None:
                 chain = set(keys)
-                counted = self._asking.get(request_id) if request_id is not None else None
-                missed = counted if counted is not None else set()
-            found = self._lookup_secondary(key, LookupContext(request_id, index), chain, missed)
+            found = self._lookup_secondary(key, LookupContext(request_id, index), chain)
             if found is None:
                 break
             pending = pending or found
         if request_id is not None:
-            if pending:  # no tier asked this time: the misses met before stand
-                self._asking[request_id] = (
-                    missed if missed is not None else self._asking.get(request_id, set())
-                )
-            elif asked_before:
-                del self._asking[request_id]
+            if pending:
+                self._asking.add(request_id)
+            else:
+                if asked_before:
+                    self._asking.discard(request_id)
+                if self._waiting_misses:  # most often none: no call
+                    self._waiting_misses.forget(request_id)
         return pending
 
     def _lookup_secondary(
-        self,
-        key: ChunkKey,
-        ctx: LookupContext,
-        chain: set[ChunkKey],
-        missed: set[tuple[int, ChunkKey]],
+        self, key: ChunkKey, ctx: LookupContext, chain: set[ChunkKey]
     ) -> bool | None:
         """``True`` if a tier has or may have ``key`` (pending), ``None`` on a miss.
 
         A promotion never evicts another chunk of the same ``chain``. A tier's
-        MISS is added to ``missed``, the request's: asking again would only
-        queue another existence check and count the same miss again.
+        MISS is not asked again while the request waits: that would only queue
+        another existence check and count the same miss again.
         """
-        failed = self._failed.of(ctx.request_id)
+        request_id = ctx.request_id
+        failed, missed = self._failed.of(request_id), self._waiting_misses.of(request_id)
         for index, tier in enumerate(self.tiers):
             asked = (index, key)
             if asked in failed or asked in missed:
@@ -215,7 +211,7 @@ class TieringManager:
                 continue
             count_lookup(tier, answer)
             if answer is Lookup.MISS:
-                missed.add(asked)
+                self._waiting_misses.remember(request_id, (asked,))
             if answer is Lookup.PENDING:
                 return True
             if answer is Lookup.HIT:
@@ -309,7 +305,9 @@ class TieringManager:
     def _end_request(self, request_id: str) -> None:
         if self._failed:  # most often none: no call
             self._failed.forget(request_id)
-        self._asking.pop(request_id, None)
+        self._asking.discard(request_id)
+        if self._waiting_misses:
+            self._waiting_misses.forget(request_id)
         for tier in self.tiers:
             self._call(tier, "on_request_finished", request_id)
 
@@ -389,6 +387,7 @@ class TieringManager:
         self.drain()
         self._failed.clear()
         self._asking.clear()
+        self._waiting_misses.clear()
         self.primary.clear()
 
     @_serialised

@@ -39,7 +39,8 @@ class ExistenceChecks:
         self._lock = threading.Lock()
         self._queued: list[ChunkKey] = []
         self._checking: set[ChunkKey] = set()
-        self._checked: dict[ChunkKey, bool] = {}
+        # Keys found present (a dict: in the order found, for drop_oldest).
+        self._found: dict[ChunkKey, None] = {}
         # Keys found missing, and when.
         self._missing: dict[ChunkKey, float] = {}
         # Checks past their deadline: every lookup of one answers MISS until it ends.
@@ -61,7 +62,8 @@ class ExistenceChecks:
     def answer(self, key: ChunkKey) -> Lookup:
         """The found answer for ``key``, else PENDING with its check queued."""
         with self._lock:
-            if self._checked.pop(key, False):
+            if key in self._found:
+                del self._found[key]
                 return Lookup.HIT
             since = self._missing.get(key)
             if since is not None:
@@ -94,23 +96,23 @@ class ExistenceChecks:
                     self._failed[key] = self._failed.get(key, 0) + 1
                     continue
                 self._failed.pop(key, None)
+                self._missing.pop(key, None)  # superseded; found missing again, the newest
                 if present:
-                    self._checked[key] = True
-                    self._missing.pop(key, None)
+                    self._found[key] = None
                 else:
-                    self._missing.pop(key, None)  # re-inserted: the newest
                     self._missing[key] = now
             # Oldest answers first: nobody came back for them.
-            drop_oldest(self._checked, self.max_answers)
+            drop_oldest(self._found, self.max_answers)
             drop_oldest(self._missing, self.max_answers)
             drop_oldest(self._failed, self.max_answers)
 
     def forget(self, keys: Sequence[ChunkKey]) -> None:
         """``keys`` are being stored: a MISS found before no longer answers."""
+        if not self._missing:  # most stores: read without the lock, as a check racing them would
+            return
         with self._lock:
-            if self._missing:
-                for key in keys:
-                    self._missing.pop(key, None)
+            for key in keys:
+                self._missing.pop(key, None)
 
     def overdue(self, keys: Sequence[ChunkKey]) -> None:
         """The check of ``keys`` is past its deadline: MISS until it ends."""
