@@ -164,6 +164,7 @@ class TieringManager:
         primary = self.primary
         pending = False
         chain: set[ChunkKey] | None = None
+        missed: Collection[tuple[int, ChunkKey]] = ()
         # Past the ready prefix, only secondary tiers or writes in flight add anything.
         for index in range(hits, len(keys) if self.tiers or primary.has_writes else hits):
             key = keys[index]
@@ -172,9 +173,9 @@ class TieringManager:
             if primary.is_writing(key):
                 pending = True
                 continue
-            if chain is None:
-                chain = set(keys)
-            found = self._lookup_secondary(key, LookupContext(request_id, index), chain)
+            if chain is None:  # the first key a tier is asked about (most lookups: none)
+                chain, missed = set(keys), self._waiting_misses.of(request_id)
+            found = self._lookup_secondary(key, LookupContext(request_id, index), chain, missed)
             if found is None:
                 break
             pending = pending or found
@@ -189,16 +190,21 @@ class TieringManager:
         return pending
 
     def _lookup_secondary(
-        self, key: ChunkKey, ctx: LookupContext, chain: set[ChunkKey]
+        self,
+        key: ChunkKey,
+        ctx: LookupContext,
+        chain: set[ChunkKey],
+        missed: Collection[tuple[int, ChunkKey]],
     ) -> bool | None:
         """``True`` if a tier has or may have ``key`` (pending), ``None`` on a miss.
 
-        A promotion never evicts another chunk of the same ``chain``. A tier's
-        MISS is not asked again while the request waits: that would only queue
-        another existence check and count the same miss again.
+        A promotion never evicts another chunk of the same ``chain``. A tier
+        that answered MISS while the request waits (``missed``) is not asked
+        again: that would only queue another existence check and count the
+        same miss again.
         """
         request_id = ctx.request_id
-        failed, missed = self._failed.of(request_id), self._waiting_misses.of(request_id)
+        failed = self._failed.of(request_id)
         for index, tier in enumerate(self.tiers):
             asked = (index, key)
             if asked in failed or asked in missed:
