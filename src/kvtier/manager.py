@@ -54,6 +54,11 @@ def _serialised(
     return locked
 
 
+#: Most bytes one promotion job moves. Smaller, and the jobs' own cost
+#: shows; larger, and a prefix's first chunks wait longer for its last ones.
+PROMOTION_JOB_BYTES = 32 << 20
+
+
 class LookupResult(NamedTuple):
     """``hit_chunks`` leading chunks are ready in the primary tier now;
     ``pending`` means more may be once in-flight work ends: ask again next step."""
@@ -91,6 +96,7 @@ class TieringManager:
         # once the request stops waiting: the chunk may be stored by then (a
         # preempted request's own chunks).
         self._waiting_misses: RequestMisses[tuple[int, ChunkKey]] = RequestMisses()
+        self._promotion_job_chunks = max(1, PROMOTION_JOB_BYTES // primary.buffer.slot_bytes)
         self._closed = False
         #: Services closed, in order, at :meth:`shutdown` (after the drain, before the tiers).
         self.attachments: list[Attachment] = []
@@ -322,7 +328,14 @@ class TieringManager:
         """Once per engine step: collect finished jobs, then submit batched promotions."""
         self.jobs.collect()
         promotions, self._promotions = self._promotions, defaultdict(list)
-        batches = list(promotions.items())
+        # A prefix's promotion in jobs of a few MiB: the first ones' chunks are
+        # ready (and copied out by a streaming load) while the rest still move.
+        size = self._promotion_job_chunks
+        batches = [
+            (where, batch[start : start + size])
+            for where, batch in promotions.items()
+            for start in range(0, len(batch), size)
+        ]
         for done, ((index, request_id), batch) in enumerate(batches, 1):
             keys = tuple(key for key, _ in batch)
             job = TransferJob(keys, tuple(slot for _, slot in batch), request_id=request_id)

@@ -67,9 +67,11 @@ class RequestBudgets:
                 wait.spent = max(wait.spent, answered - wait.first)
 
     def take(self, request_id: str | None) -> tuple[float, float | None]:
-        """Seconds left to a load of ``request_id``, and since when it waits (or ``None``)."""
+        """Seconds left to a load of ``request_id``, and since when it waits (or
+        ``None``). Every load of one wait gets the same: a prefix promoted as
+        several jobs is bounded as one."""
         with self._lock:
-            wait = self._waits.pop(request_id, None) if request_id is not None else None
+            wait = self._waits.get(request_id) if request_id is not None else None
         if wait is None:
             return self.deadline_s, None
         return max(0.0, self.deadline_s - wait.spent), wait.first
