@@ -5,7 +5,8 @@ one prefix (``--size`` bytes of chunks) through a ``KVCache`` with an ``fs``
 tier into a fresh root, closes it, syncs and drops the page cache
 (``drop_caches`` when permitted, else ``posix_fadvise(DONTNEED)`` per file:
 the report says which), then builds a fresh ``KVCache`` on the same root and
-times ``cached_prefix`` + ``load`` of the whole prefix. Every byte loaded is
+times ``load_prefix`` of the whole prefix (an older kvtier, through
+``--baseline-src``: ``cached_prefix`` + ``load``). Every byte loaded is
 checked against the bytes stored.
 
 In the same run, interleaved with it (each run starting with the next
@@ -45,7 +46,9 @@ machine is shared), then the median (p50) over runs, with the spread
   results reaching the caller); ``waits``: the caller's thread neither in a
   lookup nor a step;
 * ``checksum``: one thread hashing the prefix in memory, the CPU the
-  in-pass verification costs; ``copies``: ``load``, slots to the output.
+  in-pass verification costs; ``copies``: slots to the output, on the
+  caller's thread (inside ``load_prefix``, overlapping the reads; an older
+  kvtier's ``load``, after them).
 
 ``cpu s`` is the CPU time the timed part took (medians): ``client``, the
 measuring process's (all its threads, user and system: for ``fs`` the
@@ -166,6 +169,9 @@ def probe_lookup_path(probe: Probe, cache: Any, tier: Any) -> None:
     entry = "lookup_pinned" if hasattr(manager, "lookup_pinned") else "lookup"
     probe.wrap(manager, entry, "lookup")
     probe.wrap(manager, "step", "step")
+    facade = sys.modules[type(cache).__module__]
+    if hasattr(cache, "load_prefix"):  # copies made while waiting: timed where they run
+        probe.wrap(facade, "copy_out", "copies")
     stage = getattr(tier, "codec_stage", None)  # kvtier releases before codecs have none
     if stage is not None:
         probe.wrap(stage, "decode", "decode")
@@ -209,17 +215,22 @@ def cpu_spent(before: tuple[float, float | None]) -> dict[str, float]:
 def bring_back(
     cache: Any, tokens: Any, expected: Any, out: Any
 ) -> tuple[float, float, float, dict[str, float]]:
-    """``cached_prefix`` + ``load`` of ``tokens`` into ``out``, every byte checked
-    against ``expected``: ``(begin, prefix_s, load_s, cpu)``, ``cpu`` what the two
-    calls took of the CPU (:func:`cpu_spent`; the check after is not counted)."""
+    """``load_prefix`` of ``tokens`` into ``out`` (older kvtier: ``cached_prefix`` +
+    ``load``), every byte checked against ``expected``: ``(begin, prefix_s,
+    load_s, cpu)``, ``load_s`` 0 for the one call, ``cpu`` what the calls took
+    of the CPU (:func:`cpu_spent`; the check after is not counted)."""
     import numpy as np
 
     cpu_before = cpu_seconds()
     begin = time.perf_counter()
-    found = cache.cached_prefix(tokens)
-    prefix_s = time.perf_counter() - begin
-    loaded = cache.load(tokens, found, out)
-    load_s = time.perf_counter() - begin - prefix_s
+    if hasattr(cache, "load_prefix"):  # the copies overlap the promotions
+        loaded = cache.load_prefix(tokens, out)
+        prefix_s, load_s = time.perf_counter() - begin, 0.0
+    else:
+        found = cache.cached_prefix(tokens)
+        prefix_s = time.perf_counter() - begin
+        loaded = cache.load(tokens, found, out)
+        load_s = time.perf_counter() - begin - prefix_s
     cpu = cpu_spent(cpu_before)
     if loaded != len(tokens) or not np.array_equal(out, expected):
         raise SystemExit(f"loaded {loaded} of {len(tokens)} tokens, or wrong bytes")
@@ -258,7 +269,7 @@ def breakdown(
         "tail_s": begin + prefix_s - io_end,
         "waits_s": prefix_s - sums.get("lookup", 0.0) - sums.get("step", 0.0),
         "checksum_s": checksum_s,
-        "copies_s": load_s,
+        "copies_s": sums.get("copies", load_s),
     }
 
 

@@ -5,9 +5,9 @@ started on loopback (``tests/support/servers.py``) for the whole run. In each ru
 ``KVCache`` stores one prefix through the tier and closes; then, in turn
 (each run starting with the next one):
 
-* ``kvtier``: a fresh ``KVCache`` on the same server times ``cached_prefix``
-  + ``load`` of the whole prefix, every byte checked (existence checks,
-  promotion, verification, the copy into the engine's rows);
+* ``kvtier``: a fresh ``KVCache`` on the same server times ``load_prefix``
+  of the whole prefix, every byte checked (existence checks, promotion,
+  verification, the copy into the engine's rows);
 * ``raw``: the tier's client library alone reads the very values kvtier
   stored, under their names, with the tier's parallelism: ``io_threads``
   threads, each moving batches of the tier's size (redis-py pipelines of

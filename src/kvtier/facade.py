@@ -128,8 +128,40 @@ class KVCache:
         retried within the call. ``request_id`` groups lookups of one
         request (the caller then ends it with :meth:`end_request`).
         """
+        return self._hold(tokens, request_id, timeout, poll_s, None)
+
+    def load_prefix(
+        self,
+        tokens: TokenIds | KeyedTokens,
+        out: np.ndarray | ChunkCopier,
+        *,
+        request_id: str | None = None,
+        timeout: float = 30.0,
+        poll_s: float = 0.0005,
+    ) -> int:
+        """:meth:`cached_prefix` and :meth:`load` in one call, overlapped: waits
+        for promotions as :meth:`lookup` does, and copies each leading chunk
+        into ``out`` as soon as it is ready, while later ones are still on
+        their way. ``out`` as for :meth:`load`, with a row for every full chunk
+        of ``tokens``. Returns the tokens loaded: as many as a
+        :meth:`cached_prefix` would have answered.
+        """
+        with self._hold(tokens, request_id, timeout, poll_s, out) as found:
+            return found.num_tokens
+
+    def _hold(
+        self,
+        tokens: TokenIds | KeyedTokens,
+        request_id: str | None,
+        timeout: float,
+        poll_s: float,
+        out: np.ndarray | ChunkCopier | None,
+    ) -> HeldPrefix:
+        """:meth:`lookup`; with ``out``, each chunk pinned is copied into it at once."""
         self.lifecycle.check()
         keys, num_tokens = self._request_keys.keys(tokens)
+        if out is not None and not callable(out):
+            out = chunk_rows(out, len(keys), self.layout, "out", writable=True)
         # NaN would never compare past the deadline: a lookup waiting for ever.
         # Floats >= 0 (the defaults) pass without a call: a fixed cost of every lookup.
         if type(timeout) is not float or not timeout >= 0:
@@ -162,11 +194,15 @@ class KVCache:
                     slots += pinned
                     # The clock is read only when more may come (most lookups: never).
                     now = time.monotonic() if pending else deadline
-                    if now >= deadline:
+                    done = now >= deadline
+                    if not done:
+                        manager.step()  # submits the promotions this lookup started
+                    if out is not None and pinned:  # while those promotions run
+                        copy_out(self, pinned, out, start=len(slots) - len(pinned))
+                    if done:
                         if owned and pending:
                             manager.on_request_finished(request)
                         return HeldPrefix(self, keys[: len(slots)], slots, pending)
-                    manager.step()  # submits the promotions this lookup started
                 # How long the look took: the walk over the keys still
                 # pending, not the results collected before it (the first
                 # look's cost, with the promotions it starts, is not measured).

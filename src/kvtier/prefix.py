@@ -52,15 +52,18 @@ class Holder(Protocol):
 ChunkCopier = Callable[[int, np.ndarray], None]
 
 
-def copy_out(cache: Holder, slots: Sequence[int], out: np.ndarray | ChunkCopier) -> None:
-    """Copy pinned ``slots``, in order, into ``out``'s rows (or hand them to a copier)."""
+def copy_out(
+    cache: Holder, slots: Sequence[int], out: np.ndarray | ChunkCopier, *, start: int = 0
+) -> None:
+    """Copy pinned ``slots``, in order, into ``out``'s rows from row ``start`` on
+    (or hand them to a copier as chunks ``start``, ``start + 1``, ...)."""
     slot_rows = cache.manager.primary.buffer.array
     if callable(out):
-        for index, slot in enumerate(slots):
+        for index, slot in enumerate(slots, start):
             out(index, slot_rows[slot])
         return
-    rows = chunk_rows(out, len(slots), cache.layout, "out", writable=True)
-    for index, slot in enumerate(slots):
+    rows = chunk_rows(out, start + len(slots), cache.layout, "out", writable=True)
+    for index, slot in enumerate(slots, start):
         rows[index] = slot_rows[slot]
 
 

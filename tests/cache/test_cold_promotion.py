@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kvtier import KVCache
+from kvtier import manager as manager_module
 from kvtier.errors import ClosedError
 from kvtier.manager import TieringManager
 from kvtier.primary import SlotBuffer
@@ -350,3 +351,118 @@ def test_closing_a_buffer_while_it_is_mapped_ahead_stops_that_first(tmp_path: Pa
 def test_populate_primary_false_maps_nothing_ahead(tmp_path: Path) -> None:
     with KVCache({**config(tmp_path), "populate_primary": False}, LAYOUT) as cache:
         assert cache.manager.primary.buffer._populator is None
+
+
+# Streaming loads: promotion jobs of a few MiB, copied out as each lands ----
+
+
+@pytest.fixture
+def small_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Promotion jobs of two chunks: the cold prefix comes back as three."""
+    monkeypatch.setattr(manager_module, "PROMOTION_JOB_BYTES", 2 * LAYOUT.slot_bytes)
+
+
+def submitted_jobs(cache: KVCache, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of each load job the fs tier is handed from now on."""
+    tier, sizes = fs_tier(cache), []
+    submit = tier.submit_load
+
+    def recorded(job: Any) -> None:
+        sizes.append(len(job.keys))
+        submit(job)
+
+    monkeypatch.setattr(tier, "submit_load", recorded)
+    return sizes
+
+
+def test_a_cold_prefix_is_promoted_in_jobs_of_promotion_job_bytes(
+    root: Path, small_jobs: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with KVCache(config(root), LAYOUT) as cache:
+        assert fs_tier(cache).wait_index(60)
+        sizes = submitted_jobs(cache, monkeypatch)
+        assert cache.cached_prefix(TOKENS, poll_s=POLL_S) == len(TOKENS)
+    assert sizes == [2, 2, 2]
+
+
+def test_load_prefix_copies_a_jobs_chunks_while_later_jobs_still_read(
+    root: Path, data: np.ndarray, small_jobs: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with KVCache(config(root), LAYOUT) as cache:
+        # Found at once by the index, not chunk by chunk by existence checks: jobs in order.
+        assert fs_tier(cache).wait_index(60)
+        last_job = {chunk_file(cache, 4), chunk_file(cache, 5)}
+        first_jobs_copied = threading.Event()
+        copied_before_read: list[bool] = []
+        read = chunk_io._load_file
+
+        def held_back(path: str, *args: Any) -> Any:
+            if path in last_job:  # bounded: a load that copies only at the end fails, not hangs
+                copied_before_read.append(first_jobs_copied.wait(timeout=30))
+            return read(path, *args)
+
+        monkeypatch.setattr(chunk_io, "_load_file", held_back)
+        out, order = np.zeros_like(data), []
+
+        def copier(index: int, chunk: np.ndarray) -> None:
+            out[index] = chunk
+            order.append(index)
+            if index == 3:
+                first_jobs_copied.set()
+
+        assert cache.load_prefix(TOKENS, copier, poll_s=POLL_S) == len(TOKENS)
+        assert cache.manager.primary.busy_counts()["pinned"] == 0
+    assert copied_before_read == [True, True]
+    assert order == list(range(CHUNKS))
+    assert np.array_equal(out, data)
+
+
+def test_load_prefix_into_an_array_stops_at_a_corrupt_chunk(
+    root: Path, data: np.ndarray, small_jobs: None
+) -> None:
+    with KVCache(config(root), LAYOUT) as probe:
+        path = chunk_file(probe, 3)
+    with open(path, "r+b") as f:
+        f.write(bytes([f.read(1)[0] ^ 0xFF]))
+    with KVCache(config(root), LAYOUT) as cache:
+        out = np.zeros_like(data)
+        assert cache.load_prefix(TOKENS, out, poll_s=POLL_S) == 3 * 4
+        assert fs_tier(cache).stats.corrupt_chunks == 1
+        assert cache.manager.primary.busy_counts()["pinned"] == 0
+    assert np.array_equal(out[:3], data[:3])
+    assert not out[3:].any()  # nothing past the prefix found was written
+
+
+def test_load_prefix_of_a_stalled_tier_loads_what_is_ready_at_the_timeout(
+    cold: KVCache, data: np.ndarray, stalled_reads: threading.Event
+) -> None:
+    out = np.zeros_like(data)
+    assert cold.load_prefix(TOKENS, out, timeout=0.2, poll_s=POLL_S) == 0
+    assert not out.any()
+    stalled_reads.set()
+    assert cold.load_prefix(TOKENS, out, poll_s=POLL_S) == len(TOKENS)
+    assert np.array_equal(out, data)
+
+
+@pytest.mark.parametrize(
+    ("rows", "error"),
+    [((CHUNKS - 1, LAYOUT.slot_bytes), ValueError), ((CHUNKS, LAYOUT.slot_bytes + 1), ValueError)],
+)
+def test_load_prefix_refuses_an_output_that_cannot_hold_the_prefix_before_promoting(
+    cold: KVCache, rows: tuple[int, int], error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="out"):
+        cold.load_prefix(TOKENS, np.zeros(rows, np.uint8))
+    cold.drain()
+    assert cold.status.holds(cold.keys(TOKENS)) == [False] * CHUNKS
+
+
+def test_a_copier_that_raises_fails_load_prefix_and_leaves_nothing_pinned(cold: KVCache) -> None:
+    def copier(index: int, chunk: np.ndarray) -> None:
+        if index == 2:
+            raise RuntimeError("engine out of memory")
+
+    with pytest.raises(RuntimeError, match="engine out of memory"):
+        cold.load_prefix(TOKENS, copier, poll_s=POLL_S)
+    cold.drain()
+    assert cold.manager.primary.busy_counts()["pinned"] == 0
