@@ -246,6 +246,34 @@ def test_a_miss_answers_the_next_requests_without_another_check(
     server.close()
 
 
+def test_a_cold_prefix_in_several_jobs_comes_back_byte_exact_through_load_prefix(
+    redis_server: RedisServer, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Promotion jobs of 4 chunks (PROMOTION_JOB_BYTES), each copied out by
+    # load_prefix as it lands: every chunk in its own row, none twice.
+    from kvtier import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "PROMOTION_JOB_BYTES", 4 * LAYOUT_4.slot_bytes)
+    config, tokens = stored_but_the_last(redis_server.url, key_prefix, chunks=17)
+    data = np.random.default_rng(3).integers(0, 256, (16, LAYOUT_4.slot_bytes), np.uint8)
+    with KVCache(config, LAYOUT_4) as writer:  # the 16 chunks again, with distinct bytes
+        writer.manager.tiers[0].discard(writer.keys(tokens)[:16])
+        assert writer.store(tokens[:64], data) == 16
+        writer.drain()
+    with KVCache(config, LAYOUT_4) as cache:
+        tier = cache.manager.tiers[0]
+        sizes: list[int] = []
+        submit = tier.submit_load
+        monkeypatch.setattr(
+            tier, "submit_load", lambda job: (sizes.append(len(job.keys)), submit(job))
+        )
+        out = np.zeros((17, LAYOUT_4.slot_bytes), np.uint8)
+        assert cache.load_prefix(tokens, out) == 64
+        assert cache.manager.primary.busy_counts()["pinned"] == 0
+    assert sum(sizes) == 16 and max(sizes) <= 4
+    assert np.array_equal(out[:16], data) and not out[16].any()
+
+
 def test_server_outage_turns_into_misses_and_recovers(
     own_redis_server: RedisServer, key_prefix: str
 ) -> None:
