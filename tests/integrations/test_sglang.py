@@ -181,6 +181,41 @@ def test_pages_evicted_from_the_primary_tier_come_back_from_every_secondary_tier
         backend.close()
 
 
+def test_pages_promoted_in_several_jobs_each_reach_their_place_in_the_host_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read from fs promoted as jobs of two pages (``PROMOTION_JOB_BYTES``):
+    each page is handed to the host pool as its job lands, where it belongs."""
+    from kvtier import manager as manager_module
+
+    pool = host_pool()
+    fill(pool, seed=6)
+    keys = page_hashes(TOKENS)
+    written = [page_digest(pool, page * PAGE) for page in range(len(keys))]
+    backend = attach(pool, extra_config(fs_config(tmp_path)))
+    try:
+        assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
+        slot_bytes = backend.kv.layout.slot_bytes
+    finally:
+        backend.close()
+    monkeypatch.setattr(manager_module, "PROMOTION_JOB_BYTES", 2 * slot_bytes)
+    fresh = host_pool()
+    backend = attach(fresh, extra_config(fs_config(tmp_path)))
+    try:
+        tier: Any = backend.kv.manager.tiers[0]
+        assert tier.wait_index(60)  # every page known at once: jobs in order
+        sizes: list[int] = []
+        submit = tier.submit_load
+        monkeypatch.setattr(
+            tier, "submit_load", lambda job: (sizes.append(len(job.keys)), submit(job))
+        )
+        assert backend.batch_get_v1(keys, indices(3, len(keys))) == [True] * len(keys)
+        assert [page_digest(fresh, (3 + page) * PAGE) for page in range(len(keys))] == written
+    finally:
+        backend.close()
+    assert sizes == [2, 2, 2]
+
+
 def _read_in_new_process(tmp_path: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     spec_file, out_file = tmp_path / f"{name}-spec.json", tmp_path / f"{name}-out.json"
     spec_file.write_text(json.dumps(spec))

@@ -243,12 +243,17 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def _held(self, keys: Sequence[ChunkKey]) -> HeldPrefix:
         """The leading ``keys`` kvtier holds, pinned, once finished transfers are
         collected and promotions waited for (see :meth:`_ready`)."""
-        kv = self.kv
-        with self._lock:
-            kv.step()
+        kv = self._collected()
         return kv.lookup(
             kv.chunks(keys), timeout=self.options.kvtier_lookup_timeout_s, poll_s=_POLL_S
         )
+
+    def _collected(self) -> KVCache:
+        """The cache, its finished transfers collected first (they free primary slots)."""
+        kv = self.kv
+        with self._lock:
+            kv.step()
+        return kv
 
     def _windows(self, keys: Sequence[ChunkKey]) -> list[Sequence[ChunkKey]]:
         return [keys[start : start + self._window] for start in range(0, len(keys), self._window)]
@@ -264,10 +269,14 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return found
 
     def _read_window(self, keys: Sequence[ChunkKey], sink: _SlotCopier) -> int:
-        # Pinned from the lookup on: no other thread's store can evict a page before it is read.
-        with self._held(keys) as found:
-            found.load(sink)
-            return found.num_chunks
+        # Each page handed to ``sink`` as soon as it is ready, while later ones
+        # are still promoted; pinned until then, so no other thread's store
+        # can evict a page before it is read.
+        kv = self._collected()
+        loaded = kv.load_prefix(
+            kv.chunks(keys), sink, timeout=self.options.kvtier_lookup_timeout_s, poll_s=_POLL_S
+        )
+        return loaded // kv.chunk_tokens
 
     def _write(self, keys: Sequence[ChunkKey], source: _SlotCopier) -> list[bool]:
         """Fill a primary slot per new page from ``source``; they then cascade to
