@@ -14,8 +14,9 @@ from kvtier.keys import ChunkKey
 from kvtier.testing import TierHarness
 from kvtier.tiers.fs import FilesystemTier
 from kvtier.tiers.fs import io as fs_io
+from kvtier.tiers.fs.backend import FsBackend
 from kvtier.tiers.fs.layout import _TMP_NAME, HOST, NamespaceDir
-from tests.tiers.fs.fs_support import FILE_BYTES, fs_tier, open_tier
+from tests.tiers.fs.fs_support import FILE_BYTES, LAYOUT, fs_tier, open_tier
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
 
@@ -43,10 +44,28 @@ def test_a_job_larger_than_the_workers_is_grouped_in_order(harness: TierHarness)
 
 def test_a_backed_up_queue_groups_up_to_io_batch_chunks(harness: TierHarness) -> None:
     tier = fs_tier(harness)
+    assert tier.store.group_chunks == tier.io_batch  # small chunks
     groups = _split(tier, 20, backlog=tier.io_threads)
     assert sorted(slot for group in groups for slot in group) == list(range(20))
     assert max(map(len, groups)) <= tier.io_batch
     assert len(groups) == -(-20 // tier.io_batch)
+
+
+@pytest.mark.parametrize(("chunks_in_batch_bytes", "group"), [(1, 1), (0.5, 1), (3, 3)])
+def test_a_backed_up_queue_groups_large_chunks_up_to_batch_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks_in_batch_bytes: float, group: int
+) -> None:
+    # A job of large chunks queued behind others still spreads over the
+    # workers, so that a prefix's promotion jobs end in their order.
+    batch_bytes = int(chunks_in_batch_bytes * LAYOUT.slot_bytes)
+    monkeypatch.setattr(FsBackend, "batch_bytes", batch_bytes)
+    tier = open_tier(tmp_path, io_threads=4)
+    try:
+        groups = _split(fs_tier(tier), 12, backlog=4)
+        assert sorted(slot for group in groups for slot in group) == list(range(12))
+        assert max(map(len, groups)) == group
+    finally:
+        tier.close()
 
 
 def test_grouped_jobs_move_every_byte_and_fail_only_the_bad_chunk(

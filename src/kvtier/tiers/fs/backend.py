@@ -40,6 +40,8 @@ class FsBackend(LocalBackend[FilesystemTierOptions]):
     Options: ClassVar[type[ThreadedTierOptions]] = FilesystemTierOptions
     #: Most chunks one I/O task moves (see :meth:`batches`).
     io_batch: ClassVar[int] = 8
+    #: Most payload bytes one I/O task moves, which caps a group of large chunks.
+    batch_bytes: ClassVar[int] = 2 << 20
     #: A chunk file's size says how long its payload is (see :func:`read_chunk`).
     variable_payloads: ClassVar[bool] = True
 
@@ -49,6 +51,8 @@ class FsBackend(LocalBackend[FilesystemTierOptions]):
         self.dir = NamespaceDir(self.root_dir, runtime.namespace)
         stage = runtime.codec_stage
         self.sizes = ChunkSizes(stage.stored_bytes, variable=not stage.fixed_size)
+        #: Most chunks one I/O task moves: :attr:`io_batch`, fewer of large chunks.
+        self.group_chunks = max(1, min(self.io_batch, self.batch_bytes // stage.stored_bytes))
         self._create_dir()
         #: Size of every chunk file, or of the largest under a variable-size codec.
         self.file_bytes = self.sizes.file_bytes
@@ -191,10 +195,14 @@ class FsBackend(LocalBackend[FilesystemTierOptions]):
         # While workers are idle a job goes one chunk per task, so that its
         # chunks move in parallel. Once the queue holds work for every
         # worker, more tasks add no parallelism: grouping chunks then pays
-        # the queue, the wake-up and the job's lock once per group. Groups
-        # take every n-th chunk, so that the job's chunks still start in
-        # about their order (a prefix's first chunks first).
-        size = min(self.io_batch, max(1, math.ceil(len(pending) / idle_workers)))
+        # the queue, the wake-up and the job's lock once per group, up to
+        # group_chunks. Past a few MiB a group saves nothing, and its chunks
+        # move one after the other: a job of 2 MiB chunks queued behind
+        # others (a prefix's later promotion job) went on two workers and
+        # ended with all the rest, not in its turn. Groups take every n-th
+        # chunk, so that the job's chunks still start in about their order
+        # (a prefix's first chunks first).
+        size = min(self.group_chunks, max(1, math.ceil(len(pending) / idle_workers)))
         groups = math.ceil(len(pending) / size)
         return [pending[i::groups] for i in range(groups)]
 
