@@ -598,7 +598,9 @@ def run_remote(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if args.runs < 1 or any(args.size < c for c in chunks):
         parser.error("need --runs >= 1 and --size of at least one chunk")
     results = []
-    prefixes = len(args.codecs or [None])
+    # With --baseline-src the children store their run's prefix again (the
+    # same values: a put over a held value), while the last run's may be held.
+    prefixes = len(args.codecs or [None]) + (args.baseline_src is not None)
     with remote_server(args.tier, args.threads, args.size, prefixes) as (config, new_client):
         for chunk in chunks:
             with remote_systems(args, chunk, config, new_client) as systems:
