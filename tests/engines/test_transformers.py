@@ -186,6 +186,51 @@ def test_logits_after_a_reused_prefix_equal_a_full_prefill(
     assert (logits - expected).abs().max().item() <= 1e-5
 
 
+def test_a_prefix_promoted_in_several_jobs_is_reused_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One promotion job a chunk: the reader takes each chunk as its job lands.
+    from kvtier import manager as manager_module
+
+    model = tiny_model("llama")
+    slot_bytes = layout_for_model(model, chunk_tokens=CHUNK).slot_bytes
+    monkeypatch.setattr(manager_module, "PROMOTION_JOB_BYTES", slot_bytes)
+    shared, suffix = prompt(5 * CHUNK), prompt(7, seed=3)
+    expected, _ = prefill(model, shared + suffix)
+    with PrefixCache(model, kv_config(tier={"type": "fs", "root_dir": str(tmp_path)})) as kv:
+        kv.prefill(shared)
+        kv.kv.reset()  # the CPU tier forgets; the fs tier behind it keeps
+        logits, reused = kv.prefill(shared + suffix, store=False)
+    assert reused.reused_tokens == reused.hit_tokens == 5 * CHUNK
+    assert reused.promoted_chunks == (5,)
+    assert (logits - expected).abs().max().item() <= 1e-5
+
+
+def test_a_prefix_shorter_than_the_prompt_fills_the_reader_in_part() -> None:
+    model = tiny_model("llama")
+    shared = prompt(2 * CHUNK)
+    tokens = shared + prompt(3 * CHUNK + 4, seed=5)
+    expected, _ = prefill(model, tokens)
+    with PrefixCache(model, kv_config()) as kv:
+        kv.prefill(shared)
+        logits, reused = kv.prefill(tokens, store=False)
+    # Room for five chunks, two found: the model cache holds those two.
+    assert reused.reused_tokens == reused.hit_tokens == 2 * CHUNK
+    assert reused.cache.get_seq_length() == len(tokens)
+    assert (logits - expected).abs().max().item() <= 1e-5
+
+
+def test_a_reader_takes_chunks_in_order_only() -> None:
+    model = tiny_model("llama")
+    layout = layout_for_model(model, chunk_tokens=CHUNK)
+    reader = ChunkReader(layout, 3 * CHUNK)
+    slot = torch.zeros(layout.slot_bytes, dtype=torch.uint8).numpy()
+    reader(0, slot)
+    with pytest.raises(ValueError, match="chunk 2 out of order"):
+        reader(2, slot)
+    assert reader.filled == CHUNK
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_prompt_held_whole_still_computes_its_last_token(family: str) -> None:
     model = tiny_model(family)
@@ -315,16 +360,17 @@ def test_a_prefix_found_stays_loadable_while_another_request_fills_the_cpu_tier(
         kv.prefill(shared)
         interposed: list[int] = []
 
-        class ReaderAfterAnotherRequestStored(ChunkReader):
-            """Built between the lookup and the load: another request offloads four
-            chunks into a CPU tier of four slots first. It may not take the held three."""
+        class ReaderInterruptedByAnotherRequest(ChunkReader):
+            """Between the lookup and the first copy, another request offloads four
+            chunks into a CPU tier of four slots. It may not take the three found."""
 
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                rows = torch.zeros((4, slot_bytes), dtype=torch.uint8).numpy()
-                interposed.append(kv.kv.store(prompt(4 * CHUNK, seed=9), rows))
-                super().__init__(*args, **kwargs)
+            def __call__(self, index: int, slot: Any) -> None:
+                if not interposed:
+                    rows = torch.zeros((4, slot_bytes), dtype=torch.uint8).numpy()
+                    interposed.append(kv.kv.store(prompt(4 * CHUNK, seed=9), rows))
+                super().__call__(index, slot)
 
-        monkeypatch.setattr(prefix_cache, "ChunkReader", ReaderAfterAnotherRequestStored)
+        monkeypatch.setattr(prefix_cache, "ChunkReader", ReaderInterruptedByAnotherRequest)
         logits, reused = kv.prefill(shared + suffix, store=False)
     assert interposed == [0]
     assert reused.reused_tokens == 3 * CHUNK

@@ -109,11 +109,13 @@ class ChunkWriter:
 
 
 class ChunkReader:
-    """Gathers the first ``num_tokens`` tokens of KV from slots: ``reader(i, slot)``.
+    """Gathers up to ``num_tokens`` tokens of KV from slots: ``reader(i, slot)``,
+    chunk after chunk from the first.
 
-    A :data:`~kvtier.facade.ChunkCopier` for :meth:`kvtier.KVCache.load`. The
-    last chunk may be copied in part, so a prefix need not end on a chunk
-    boundary. :meth:`to_cache` hands the result to the model.
+    A :data:`~kvtier.facade.ChunkCopier` for :meth:`kvtier.KVCache.load` and
+    :meth:`~kvtier.KVCache.load_prefix`. The last chunk may be copied in part,
+    so a prefix need not end on a chunk boundary. :meth:`to_cache` hands the
+    :attr:`filled` tokens to the model.
     """
 
     def __init__(
@@ -136,21 +138,30 @@ class ChunkReader:
         """Chunks to load: the last one may be used in part."""
         return -(-self.num_tokens // self.layout.chunk_tokens)
 
+    @property
+    def filled(self) -> int:
+        """Tokens gathered so far, from the first on."""
+        return self._filled
+
     def __call__(self, index: int, slot: np.ndarray) -> None:
         start = index * self.layout.chunk_tokens
         take = min(self.layout.chunk_tokens, self.num_tokens - start)
         if take <= 0:
             raise IndexError(f"chunk {index} lies beyond the {self.num_tokens} tokens to load")
+        if start != self._filled:
+            raise ValueError(f"chunk {index} out of order: {self._filled} tokens gathered")
         chunk = slot_tensor(slot, self.layout)
         with torch.no_grad():
             self.kv[:, :, :, start : start + take].copy_(chunk[:, :, :take].permute(0, 1, 3, 2, 4))
         self._filled += take
 
     def to_cache(self, config: PretrainedConfig) -> DynamicCache:
-        """A fresh cache holding the gathered tokens."""
-        if self._filled != self.num_tokens:
-            raise RuntimeError(f"gathered {self._filled} of {self.num_tokens} tokens")
+        """A fresh cache holding the :attr:`filled` tokens gathered."""
+        if not self._filled:
+            raise RuntimeError(f"gathered none of {self.num_tokens} tokens")
+        # Fewer than room for (a shorter prefix found): the tokens gathered, contiguous.
+        kv = self.kv if self._filled == self.num_tokens else self.kv[..., : self._filled, :].clone()
         cache = new_cache(config)
         for layer in range(self.layout.num_layers):
-            cache.update(self.kv[layer, 0].unsqueeze(0), self.kv[layer, 1].unsqueeze(0), layer)
+            cache.update(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0), layer)
         return cache

@@ -82,14 +82,19 @@ class PrefixCache:
         self.kv.step()  # collect finished transfers first: they free primary slots
         before = self._promoted_so_far()
         cache: Cache = new_cache(self.model.config)
-        # Held from lookup to load: no other request's store can evict the prefix.
-        with self.kv.lookup(ids) as found:  # a request of its own, finished on return
-            hit = found.num_tokens
-            reuse = min(hit, len(ids) - 1)
-            if reuse > 0:
-                reader = ChunkReader(self.layout, reuse, device=self.model.device)
-                found.load(reader, reader.chunks * self.chunk_tokens)
+        # Every full chunk, but the last token, which the model must compute.
+        most = min(len(ids) - 1, len(ids) // self.chunk_tokens * self.chunk_tokens)
+        if most > 0:
+            reader = ChunkReader(self.layout, most, device=self.model.device)
+            # Each chunk copied in as soon as it is in memory, while the rest
+            # of a long prefix is still read; pinned until then, so no other
+            # request's store can evict it first (a request of its own).
+            hit = self.kv.load_prefix(ids, reader)
+            reuse = reader.filled
+            if reuse:
                 cache = reader.to_cache(self.model.config)
+        else:
+            hit, reuse = self.kv.cached_prefix(ids), 0
         promoted = tuple(b - a for a, b in zip(before, self._promoted_so_far(), strict=True))
         return PrefixLoad(cache, reuse, hit, promoted)
 
