@@ -181,6 +181,21 @@ def test_pages_evicted_from_the_primary_tier_come_back_from_every_secondary_tier
         backend.close()
 
 
+def pages_left_on(root: Path, seed: int) -> tuple[list[str], list[str]]:
+    """The keys of ``TOKENS``' pages, written to an fs tier on ``root`` by a
+    backend that closed (draining: every page is on disk), and their digests."""
+    pool = host_pool()
+    fill(pool, seed=seed)
+    keys = page_hashes(TOKENS)
+    written = [page_digest(pool, page * PAGE) for page in range(len(keys))]
+    backend = attach(pool, extra_config(fs_config(root)))
+    try:
+        assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
+    finally:
+        backend.close()
+    return keys, written
+
+
 def test_pages_promoted_in_several_jobs_each_reach_their_place_in_the_host_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -188,17 +203,9 @@ def test_pages_promoted_in_several_jobs_each_reach_their_place_in_the_host_pool(
     each page is handed to the host pool as its job lands, where it belongs."""
     from kvtier import manager as manager_module
 
-    pool = host_pool()
-    fill(pool, seed=6)
-    keys = page_hashes(TOKENS)
-    written = [page_digest(pool, page * PAGE) for page in range(len(keys))]
-    backend = attach(pool, extra_config(fs_config(tmp_path)))
-    try:
-        assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
-        slot_bytes = backend.kv.layout.slot_bytes
-    finally:
-        backend.close()
-    monkeypatch.setattr(manager_module, "PROMOTION_JOB_BYTES", 2 * slot_bytes)
+    keys, written = pages_left_on(tmp_path, seed=6)
+    page_bytes = host_pool().get_dummy_flat_data_page().numel() * 2  # bf16
+    monkeypatch.setattr(manager_module, "PROMOTION_JOB_BYTES", 2 * page_bytes)
     fresh = host_pool()
     backend = attach(fresh, extra_config(fs_config(tmp_path)))
     try:
@@ -232,16 +239,7 @@ def _read_in_new_process(tmp_path: Path, name: str, spec: dict[str, Any]) -> dic
 
 def test_a_new_process_finds_the_pages_on_the_same_fs_root(tmp_path: Path) -> None:
     root = tmp_path / "kv"
-    pool = host_pool()
-    fill(pool, seed=5)
-    keys = page_hashes(TOKENS)
-    written = [page_digest(pool, page * PAGE) for page in range(len(keys))]
-    backend = attach(pool, extra_config(fs_config(root)))
-    try:
-        assert all(backend.batch_set_v1(keys, indices(0, len(keys))))
-    finally:
-        backend.close()  # drains: every page is on disk
-
+    keys, written = pages_left_on(root, seed=5)
     spec = {"layout": "layer_first", "extra": extra_config(fs_config(root)), "keys": keys}
     same = _read_in_new_process(tmp_path, "same", spec)
     assert same["found"] == len(keys)
