@@ -22,6 +22,7 @@ from kvtier.primary import PrimaryTier
 from kvtier.progress import Progress
 from kvtier.residency import ResidencyFeed
 from kvtier.tiers.base import Lookup, LookupContext, SecondaryTier, TierMetric, TransferJob
+from kvtier.tiers.runtime import in_batches
 
 logger = logging.getLogger(__name__)
 
@@ -332,9 +333,9 @@ class TieringManager:
         # ready (and copied out by a streaming load) while the rest still move.
         size = self._promotion_job_chunks
         batches = [
-            (where, batch[start : start + size])
+            (where, piece)
             for where, batch in promotions.items()
-            for start in range(0, len(batch), size)
+            for piece in in_batches(batch, size)
         ]
         for done, ((index, request_id), batch) in enumerate(batches, 1):
             keys = tuple(key for key, _ in batch)
