@@ -19,8 +19,9 @@ logger = logging.getLogger(__name__)
 #: announces: it only covers a change nobody announced.
 UNANNOUNCED_S = 0.05
 #: Once woken, a waiter sleeps this many times as long as its last look
-#: took before it looks again: looking costs it at most 1 / (1 + LOOK_SPACING)
-#: of a core.
+#: took before it looks again (at most ``UNANNOUNCED_S``): looking costs
+#: it at most 1 / (1 + LOOK_SPACING) of a core, but for looks longer than
+#: UNANNOUNCED_S / LOOK_SPACING.
 LOOK_SPACING = 7.0
 
 
@@ -47,6 +48,8 @@ class Progress:
         self._waiting = 0
         #: Whether every followed tier announces its progress (else waiters poll).
         self.announced = True
+        #: The longest look spacing of :meth:`sleep`.
+        self.max_spacing_s = UNANNOUNCED_S
 
     def follow(self, tiers: Iterable[SecondaryTier]) -> None:
         """Ask each tier to :meth:`announce` its progress, up to one that will not."""
@@ -88,13 +91,17 @@ class Progress:
         per chunk of a long prefix) are taken a batch at a time, and its
         looks hold the interpreter lock a bounded share of the time. (Sleeping
         only what a late wake left of it made half as many looks again over
-        a cold ``obj`` prefix: see docs/tuning.md.)
+        a cold ``obj`` prefix: see docs/tuning.md.) At most :attr:`max_spacing_s`.
         """
+        # Capped: only a look starts the promotions of chunks whose checks
+        # answered meanwhile, so a long spacing idles the tier once those in
+        # flight end (a 15 ms look over 2,048 chunks being checked, then 0.1 s idle).
+        spacing = min(LOOK_SPACING * looked_s, self.max_spacing_s)
         if self.announced:
             started = self._clock()
             self.wait(mark, min(left, max(poll_s, UNANNOUNCED_S)))
-            spacing = min(LOOK_SPACING * looked_s, left - (self._clock() - started))
+            spacing = min(spacing, left - (self._clock() - started))
             if spacing > 0:
                 self._pause(spacing)
         else:
-            self._pause(min(left, max(poll_s, LOOK_SPACING * looked_s)))
+            self._pause(min(left, max(poll_s, spacing)))

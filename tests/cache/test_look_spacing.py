@@ -4,11 +4,13 @@ Over a long prefix from a tier that answers chunk by chunk (an object store
 checks each chunk with a request of its own), announcements come faster than
 a waiter can look again at the whole prefix, and every look holds the
 interpreter lock the tier's own threads need. So once woken, a waiter sleeps
-``LOOK_SPACING`` times as long as its last look took, never past its time.
+``LOOK_SPACING`` times as long as its last look took, never past its time
+and never longer than ``UNANNOUNCED_S``.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 from kvtier import KVCache
-from kvtier.progress import LOOK_SPACING, Progress
+from kvtier.progress import LOOK_SPACING, UNANNOUNCED_S, Progress
 from kvtier.testing import small_layout
 from kvtier.tiers.fs import io as chunk_io
 
@@ -59,6 +61,21 @@ def test_the_spacing_never_runs_past_the_time_left() -> None:
     assert sleeps.seconds == [0.01]
 
 
+def test_the_spacing_of_a_long_look_is_at_most_the_unannounced_bound() -> None:
+    # Only a look starts the promotions of chunks whose checks answered
+    # meanwhile: a longer spacing leaves the tier idle once those in flight end.
+    sleeps = Sleeps()
+    waiter = sleeps.progress()
+    mark = waiter.mark
+    waiter.announce()
+    waiter.sleep(mark, left=60.0, poll_s=0.0005, looked_s=0.015)
+    waiter.announced = False  # polling a silent tier: the same bound
+    waiter.sleep(mark, left=60.0, poll_s=0.0005, looked_s=0.015)
+    waiter.max_spacing_s = math.inf  # as before the bound (a benchmark compares)
+    waiter.sleep(mark, left=60.0, poll_s=0.0005, looked_s=0.015)
+    assert sleeps.seconds == [UNANNOUNCED_S, UNANNOUNCED_S, pytest.approx(LOOK_SPACING * 0.015)]
+
+
 def test_a_waiter_woken_late_spaces_its_look_within_the_time_left() -> None:
     now = [100.0]
     slept: list[float] = []
@@ -91,10 +108,10 @@ def test_a_waiter_polling_a_silent_tier_spaces_its_looks_too() -> None:
     sleeps = Sleeps()
     waiter = sleeps.progress()
     waiter.announced = False  # a tier that does not announce: polled
-    waiter.sleep(waiter.mark, left=60.0, poll_s=0.0005, looked_s=0.01)
-    waiter.sleep(waiter.mark, left=60.0, poll_s=0.5, looked_s=0.01)
-    waiter.sleep(waiter.mark, left=0.001, poll_s=0.5, looked_s=0.01)
-    assert sleeps.seconds == [pytest.approx(LOOK_SPACING * 0.01), 0.5, 0.001]
+    waiter.sleep(waiter.mark, left=60.0, poll_s=0.0005, looked_s=0.005)
+    waiter.sleep(waiter.mark, left=60.0, poll_s=0.5, looked_s=0.005)
+    waiter.sleep(waiter.mark, left=0.001, poll_s=0.5, looked_s=0.005)
+    assert sleeps.seconds == [pytest.approx(LOOK_SPACING * 0.005), 0.5, 0.001]
 
 
 # Through the cache: each wait is told how long the look before it took ----------

@@ -387,3 +387,13 @@ def test_bench_vllm_work_directory_is_removed_after_a_run_kept_after_a_failure(
         assert str(kept) in capsys.readouterr().err
     finally:
         shutil.rmtree(kept)
+
+
+def test_bench_look_spacing_times_capped_and_uncapped_pairs_on_one_prefix() -> None:
+    need_redis_server()
+    out = run_quick("bench_look_spacing.py", "--tier", "redis")
+    assert out["tier"] == "redis" and out["pairs"] == 2
+    assert set(out["seconds_p50"]) == {"capped", "uncapped"}
+    assert all(seconds > 0 for seconds in out["seconds_p50"].values())
+    ratio = out["uncapped_over_capped"]
+    assert 0 < ratio["min"] <= ratio["p50"] <= ratio["max"]
