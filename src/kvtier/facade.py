@@ -146,6 +146,8 @@ class KVCache:
         of ``tokens``. Returns the tokens loaded: as many as a
         :meth:`cached_prefix` would have answered.
         """
+        if out is None:  # refused as by load: to _hold, None is a lookup copying nothing
+            chunk_rows(out, 0, self.layout, "out", writable=True)
         with self._hold(tokens, request_id, timeout, poll_s, out) as found:
             return found.num_tokens
 

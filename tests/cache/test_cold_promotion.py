@@ -445,14 +445,19 @@ def test_load_prefix_of_a_stalled_tier_loads_what_is_ready_at_the_timeout(
 
 
 @pytest.mark.parametrize(
-    ("rows", "error"),
-    [((CHUNKS - 1, LAYOUT.slot_bytes), ValueError), ((CHUNKS, LAYOUT.slot_bytes + 1), ValueError)],
+    ("out", "error"),
+    [
+        (np.zeros((CHUNKS - 1, LAYOUT.slot_bytes), np.uint8), ValueError),
+        (np.zeros((CHUNKS, LAYOUT.slot_bytes + 1), np.uint8), ValueError),
+        (None, TypeError),  # refused as by load, not taken for a lookup copying nothing
+        ([[0] * LAYOUT.slot_bytes] * CHUNKS, TypeError),
+    ],
 )
 def test_load_prefix_refuses_an_output_that_cannot_hold_the_prefix_before_promoting(
-    cold: KVCache, rows: tuple[int, int], error: type[Exception]
+    cold: KVCache, out: Any, error: type[Exception]
 ) -> None:
     with pytest.raises(error, match="out"):
-        cold.load_prefix(TOKENS, np.zeros(rows, np.uint8))
+        cold.load_prefix(TOKENS, out)
     cold.drain()
     assert cold.status.holds(cold.keys(TOKENS)) == [False] * CHUNKS
 
