@@ -34,7 +34,7 @@ from kvtier.tiers.deadlines import call_within
 from kvtier.tiers.guards import Guards
 from kvtier.tiers.jobs import JobState
 from kvtier.tiers.prefetch import Prefetched
-from kvtier.tiers.runtime import ItemErrors, SlotPairs, in_batches
+from kvtier.tiers.runtime import ItemErrors, SlotPairs, in_batches, spread_size
 
 if TYPE_CHECKING:
     from kvtier.tiers.runtime import TierRuntime
@@ -145,7 +145,7 @@ class RemoteStore:
         return None
 
     def batches(self, pending: SlotPairs, idle_workers: int) -> list[SlotPairs]:
-        return in_batches(pending, min(self._batch, max(1, -(-len(pending) // self._spread_over))))
+        return in_batches(pending, spread_size(len(pending), self._spread_over, self._batch))
 
     def step_task(self) -> None:
         return None

@@ -50,9 +50,17 @@ SETTLED = RuntimeError("the store settled this key's failure")
 SlotPairs = list[tuple[ChunkKey, int]]
 
 
-def in_batches(pending: SlotPairs, size: int) -> list[SlotPairs]:
-    """``pending`` in order, ``size`` pairs a batch (the last may be shorter)."""
-    return [pending[i : i + size] for i in range(0, len(pending), size)]
+_Item = TypeVar("_Item")
+
+
+def in_batches(items: list[_Item], size: int) -> list[list[_Item]]:
+    """``items`` in order, ``size`` a batch (the last may be shorter)."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def spread_size(count: int, parts: int, most: int) -> int:
+    """Items a batch for ``count`` spread over ``parts`` batches, at most ``most`` each."""
+    return min(most, max(1, -(-count // parts)))
 
 
 class ChunkStore(Protocol):
@@ -208,9 +216,7 @@ class TierRuntime(SecondaryTier[OptionsT]):
         batch = self.checks.take_queued()
         # Spread over the idle workers: a prefix's checks answer in parallel.
         idle = max(1, self.workers.count - self.workers.backlog())
-        size = min(self.check_chunks, max(1, -(-len(batch) // idle)))
-        for start in range(0, len(batch), size):
-            keys = batch[start : start + size]
+        for keys in in_batches(batch, spread_size(len(batch), idle, self.check_chunks)):
             done = None
             if self.guards is not None:
                 done = self.guards.bound_check(keys, functools.partial(self._overdue, keys))

@@ -27,6 +27,7 @@ from kvtier.tiers.fs.io import DIRECT_ALIGN, TRAILER_BLOCK, probe_direct_io, rea
 from kvtier.tiers.fs.layout import NamespaceDir, mode_kind
 from kvtier.tiers.fs.options import FilesystemTierOptions
 from kvtier.tiers.local import ItemErrors, LocalBackend, LocalRuntime, SlotPairs
+from kvtier.tiers.runtime import spread_size
 from kvtier.tiers.threaded import ThreadedTierOptions
 
 logger = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class FsBackend(LocalBackend[FilesystemTierOptions]):
         # ended with all the rest, not in its turn. Groups take every n-th
         # chunk, so that the job's chunks still start in about their order
         # (a prefix's first chunks first).
-        size = min(self.group_chunks, max(1, math.ceil(len(pending) / idle_workers)))
+        size = spread_size(len(pending), idle_workers, self.group_chunks)
         groups = math.ceil(len(pending) / size)
         return [pending[i::groups] for i in range(groups)]
 
