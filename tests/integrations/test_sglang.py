@@ -149,7 +149,7 @@ def test_pages_evicted_from_the_primary_tier_come_back_from_every_secondary_tier
     fill(pool, seed=4)
     keys = page_hashes(TOKENS)
     written = [page_digest(pool, page * PAGE) for page in range(len(keys))]
-    page_bytes = pool.get_dummy_flat_data_page().numel() * 2
+    page_bytes = bytes_a_page(pool)
     tiers = [
         {"type": "memory", "max_bytes": 64 * page_bytes},
         {"type": "fs", "root_dir": str(tmp_path)},
@@ -181,6 +181,11 @@ def test_pages_evicted_from_the_primary_tier_come_back_from_every_secondary_tier
         backend.close()
 
 
+def bytes_a_page(pool: Any) -> int:
+    page = pool.get_dummy_flat_data_page()
+    return int(page.numel() * page.element_size())
+
+
 def pages_left_on(root: Path, seed: int) -> tuple[list[str], list[str]]:
     """The keys of ``TOKENS``' pages, written to an fs tier on ``root`` by a
     backend that closed (draining: every page is on disk), and their digests."""
@@ -204,9 +209,8 @@ def test_pages_promoted_in_several_jobs_each_reach_their_place_in_the_host_pool(
     from kvtier import manager as manager_module
 
     keys, written = pages_left_on(tmp_path, seed=6)
-    page_bytes = host_pool().get_dummy_flat_data_page().numel() * 2  # bf16
-    monkeypatch.setattr(manager_module, "PROMOTION_JOB_BYTES", 2 * page_bytes)
     fresh = host_pool()
+    monkeypatch.setattr(manager_module, "PROMOTION_JOB_BYTES", 2 * bytes_a_page(fresh))
     backend = attach(fresh, extra_config(fs_config(tmp_path)))
     try:
         tier: Any = backend.kv.manager.tiers[0]
