@@ -26,6 +26,7 @@ __all__ = [
     "JobRecord",
     "RequestMisses",
     "count_lookup",
+    "count_lookups",
     "count_refused",
 ]
 
@@ -66,6 +67,19 @@ def count_lookup(tier: SecondaryTier, answer: Lookup | None) -> None:
     """Count a lookup of ``tier`` by its answer; ``None``: the lookup raised,
     a miss and a failed load."""
     tier.count(**_LOOKUP_COUNTS[answer])
+
+
+def count_lookups(tier: SecondaryTier, answers: Sequence[Lookup]) -> None:
+    """:func:`count_lookup` of each of ``answers``, in one call of the tier's counters."""
+    if len(answers) == 1:
+        count_lookup(tier, answers[0])
+        return
+    tier.count(
+        lookups=len(answers),
+        hits=answers.count(Lookup.HIT),
+        misses=answers.count(Lookup.MISS),
+        pending=answers.count(Lookup.PENDING),
+    )
 
 
 def count_refused(tier: SecondaryTier, num_keys: int, *, loading: bool) -> None:

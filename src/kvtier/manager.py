@@ -16,7 +16,7 @@ from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from kvtier.backpressure import Backpressure
 from kvtier.config.sections import BackpressureConfig
-from kvtier.jobs import JobBook, JobListener, RequestMisses, count_lookup
+from kvtier.jobs import JobBook, JobListener, RequestMisses, count_lookup, count_lookups
 from kvtier.keys import ChunkKey
 from kvtier.primary import PrimaryTier
 from kvtier.progress import Progress
@@ -58,6 +58,30 @@ def _serialised(
 #: Most bytes one promotion job moves. Smaller, and the jobs' own cost
 #: shows; larger, and a prefix's first chunks wait longer for its last ones.
 PROMOTION_JOB_BYTES = 32 << 20
+
+
+#: Most keys a look asks the first tier about in one call. A look's first
+#: run is of 4 keys and each next one twice as long, up to this: a prompt
+#: whose first uncached chunk comes soon looks at few keys past it for nothing.
+LOOK_RUN = 64
+
+
+class _Look(NamedTuple):
+    """What one look asks the tiers on behalf of (made once a look)."""
+
+    request_id: str | None
+    chain: set[ChunkKey]
+    missed: Collection[tuple[int, ChunkKey]]
+
+
+def _hits_from(index: int, ahead: dict[int, Lookup]) -> list[int]:
+    """``index`` (a HIT) and the indices of the HITs right after it in ``ahead``."""
+    hits = [index]
+    for later, answer in ahead.items():  # in order
+        if answer is not Lookup.HIT:
+            break
+        hits.append(later)
+    return hits
 
 
 class LookupResult(NamedTuple):
@@ -166,12 +190,16 @@ class TieringManager:
         Linear in ``keys``: every promotion protects the same set of the
         chain's keys, made once. The primary tier touched the ready chunks
         first, so that the promotions' evictions meet them at the recent end
-        of the policy's order.
+        of the policy's order. The first tier is asked a run of keys at a
+        time (:meth:`_ask_run`): a request waiting on a long prefix asks
+        about all of it at every look.
         """
         primary = self.primary
         pending = False
-        chain: set[ChunkKey] | None = None
-        missed: Collection[tuple[int, ChunkKey]] = ()
+        look: _Look | None = None
+        ahead: dict[int, Lookup] = {}  # the first tier's answers for keys to come
+        whole_runs = True  # its runs of HITs reserved at once
+        run = 4
         # Past the ready prefix, only secondary tiers or writes in flight add anything.
         for index in range(hits, len(keys) if self.tiers or primary.has_writes else hits):
             key = keys[index]
@@ -180,9 +208,26 @@ class TieringManager:
             if primary.is_writing(key):
                 pending = True
                 continue
-            if chain is None:  # the first key a tier is asked about (most lookups: none)
-                chain, missed = set(keys), self._waiting_misses.of(request_id)
-            found = self._lookup_secondary(key, LookupContext(request_id, index), chain, missed)
+            if not self.tiers:
+                break
+            if look is None:  # the first key a tier is asked about (most lookups: none)
+                look = _Look(request_id, set(keys), self._waiting_misses.of(request_id))
+            first = ahead.pop(index, None)
+            if first is None:
+                ahead = self._ask_run(keys, index, look, run)
+                first = ahead.pop(index, None)
+                run = min(2 * run, LOOK_RUN)
+            if first is Lookup.PENDING:
+                pending = True
+                continue
+            if first is Lookup.HIT and whole_runs:
+                hits_ahead = _hits_from(index, ahead)
+                if len(hits_ahead) > 1:
+                    if self._promote_all(keys, hits_ahead, ahead, look):
+                        pending = True
+                        continue
+                    whole_runs = False  # short of room: one at a time, as many as fit
+            found = self._lookup_secondary(key, index, look, first)
             if found is None:
                 break
             pending = pending or found
@@ -196,42 +241,92 @@ class TieringManager:
                     self._waiting_misses.forget(request_id)
         return pending
 
+    def _ask_run(
+        self, keys: Sequence[ChunkKey], start: int, look: _Look, most: int
+    ) -> dict[int, Lookup]:
+        """The first tier's answers, by index, for up to ``most`` keys from
+        ``start`` on that are neither ready nor being written, up to one it is
+        not to be asked about (see :meth:`_lookup_secondary`)."""
+        tier, primary = self.tiers[0], self.primary
+        failed = self._failed.of(look.request_id)
+        indices: list[int] = []
+        for index in range(start, len(keys)):
+            key = keys[index]
+            if primary.is_ready(key) or primary.is_writing(key):
+                continue
+            if (0, key) in failed or (0, key) in look.missed:
+                break
+            indices.append(index)
+            if len(indices) == most:
+                break
+        if not indices:
+            return {}
+        try:
+            ctx = LookupContext(look.request_id, indices[0])
+            answers = tier.lookup_run([keys[i] for i in indices], ctx)
+            if not 0 < len(answers) <= len(indices):
+                raise ValueError(f"{len(answers)} answers about {len(indices)} keys")
+        except Exception:
+            logger.exception("tier %s: lookup raised; counted as a miss", tier.tier_type)
+            count_lookup(tier, None)
+            return {}
+        count_lookups(tier, answers)
+        return dict(zip(indices, answers, strict=False))
+
+    def _promote_all(
+        self, keys: Sequence[ChunkKey], indices: list[int], ahead: dict[int, Lookup], look: _Look
+    ) -> bool:
+        """Reserve slots at once for the first tier's HITs at ``indices``
+        (taken from ``ahead``) and queue their promotions; ``False``, with
+        nothing changed, when there is not room for all."""
+        reserved = self._reserve([keys[i] for i in indices], protect=look.chain)
+        if reserved is None:
+            return False
+        promotions = self._promotions[(0, look.request_id)]
+        for index in indices:
+            ahead.pop(index, None)
+            promotions.append((keys[index], reserved[keys[index]]))
+        return True
+
     def _lookup_secondary(
-        self,
-        key: ChunkKey,
-        ctx: LookupContext,
-        chain: set[ChunkKey],
-        missed: Collection[tuple[int, ChunkKey]],
+        self, key: ChunkKey, index: int, look: _Look, first: Lookup | None
     ) -> bool | None:
         """``True`` if a tier has or may have ``key`` (pending), ``None`` on a miss.
 
-        A promotion never evicts another chunk of the same ``chain``. A tier
-        that answered MISS while the request waits (``missed``) is not asked
-        again: that would only queue another existence check and count the
-        same miss again.
+        ``first`` is the first tier's answer, asked in a run (``None``: it is
+        not asked). A promotion never evicts another chunk of the same chain.
+        A tier that answered MISS while the request waits (``look.missed``),
+        or whose load of the key failed, is not asked again: that would only
+        queue another existence check and count the same miss again.
         """
-        request_id = ctx.request_id
+        request_id = look.request_id
+        ctx = LookupContext(request_id, index)
         failed = self._failed.of(request_id)
-        for index, tier in enumerate(self.tiers):
-            asked = (index, key)
-            if asked in failed or asked in missed:
-                continue
-            try:
-                answer = tier.lookup(key, ctx)
-            except Exception:
-                logger.exception("tier %s: lookup raised; counted as a miss", tier.tier_type)
-                count_lookup(tier, None)
-                continue
-            count_lookup(tier, answer)
+        for tier_index, tier in enumerate(self.tiers):
+            asked = (tier_index, key)
+            if tier_index == 0:
+                if first is None:
+                    continue
+                answer = first
+            else:
+                if asked in failed or asked in look.missed:
+                    continue
+                try:
+                    answer = tier.lookup(key, ctx)
+                except Exception:
+                    logger.exception("tier %s: lookup raised; counted as a miss", tier.tier_type)
+                    count_lookup(tier, None)
+                    continue
+                count_lookup(tier, answer)
             if answer is Lookup.MISS:
                 self._waiting_misses.remember(request_id, (asked,))
             if answer is Lookup.PENDING:
                 return True
             if answer is Lookup.HIT:
-                reserved = self._reserve([key], protect=chain)
+                reserved = self._reserve([key], protect=look.chain)
                 if not reserved:
                     return None  # no room to promote into: treat as a miss
-                self._promotions[(index, ctx.request_id)].append((key, reserved[key]))
+                self._promotions[(tier_index, request_id)].append((key, reserved[key]))
                 return True
         return None
 

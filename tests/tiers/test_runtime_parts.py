@@ -8,7 +8,7 @@ import threading
 
 from kvtier.keys import ChunkKey
 from kvtier.testing import TierHarness, small_layout
-from kvtier.tiers.base import Lookup, TransferJob
+from kvtier.tiers.base import Lookup, LookupContext, TransferJob
 from kvtier.tiers.checks import ExistenceChecks
 from kvtier.tiers.jobs import Jobs, JobState
 from kvtier.tiers.memory import MemoryTier
@@ -16,6 +16,12 @@ from kvtier.tiers.workers import Priority, Workers
 from tests.tiers.remote.remote_doubles import FreezableTier
 
 KEYS = [ChunkKey(bytes([i]) * 16) for i in range(4)]
+
+
+def answer(checks: ExistenceChecks, key: ChunkKey) -> Lookup:
+    """The checks' answer for ``key`` alone."""
+    [found] = checks.answer_run([key])
+    return found
 
 
 def test_workers_take_held_loads_then_checks_then_loads_then_stores() -> None:
@@ -40,45 +46,77 @@ def test_workers_take_held_loads_then_checks_then_loads_then_stores() -> None:
 
 def test_an_existence_answer_is_taken_once_and_a_failing_key_gives_up() -> None:
     checks = ExistenceChecks(attempts=2, max_answers=16)
-    assert checks.answer(KEYS[0]) is Lookup.PENDING
-    assert checks.answer(KEYS[0]) is Lookup.PENDING  # one check for both lookups
+    assert answer(checks, KEYS[0]) is Lookup.PENDING
+    assert answer(checks, KEYS[0]) is Lookup.PENDING  # one check for both lookups
     assert checks.take_queued() == [KEYS[0]] and checks.checking == {KEYS[0]}
     checks.record([KEYS[0]], [True])
-    assert checks.answer(KEYS[0]) is Lookup.HIT
-    assert checks.answer(KEYS[0]) is Lookup.PENDING  # consumed: asked again
+    assert answer(checks, KEYS[0]) is Lookup.HIT
+    assert answer(checks, KEYS[0]) is Lookup.PENDING  # consumed: asked again
     for _ in range(2):
         checks.take_queued()
         checks.record([KEYS[0]], [None])  # the backend could not say
-    assert checks.answer(KEYS[0]) is Lookup.MISS
+    assert answer(checks, KEYS[0]) is Lookup.MISS
+
+
+def test_a_run_of_answers_ends_at_its_first_miss_and_asks_nothing_past_it() -> None:
+    checks = ExistenceChecks(attempts=3, max_answers=16)
+    answer(checks, KEYS[1])
+    answer(checks, KEYS[2])
+    answer(checks, KEYS[3])
+    checks.take_queued()
+    checks.record(KEYS[1:], [True, False, True])
+    assert checks.answer_run(KEYS) == [Lookup.PENDING, Lookup.HIT, Lookup.MISS]
+    assert checks.take_queued() == [KEYS[0]]  # no check queued past the miss...
+    assert answer(checks, KEYS[3]) is Lookup.HIT  # ...nor its HIT taken
+    assert checks.answer_run(KEYS[:1]) == [Lookup.PENDING]  # still being checked
+    assert checks.take_queued() == []
+
+
+def test_a_tier_answers_a_run_of_the_keys_its_index_knows_or_of_those_it_does_not() -> None:
+    harness = TierHarness({"type": "memory"}, small_layout(), tier_class=MemoryTier)
+    try:
+        tier = harness.tier
+        # An index that knows KEYS[0] is there, KEYS[1] is not, and nothing else.
+        index = {KEYS[0]: True, KEYS[1]: False}
+        tier.store.known = index.get  # type: ignore[method-assign]
+        ctx = LookupContext()
+        assert tier.lookup_run(KEYS, ctx) == [Lookup.HIT, Lookup.MISS]
+        assert tier.lookup_run(KEYS[2:], ctx) == [Lookup.PENDING, Lookup.PENDING]
+        assert tier.checks.queued == tuple(KEYS[2:])
+        # A run is of one kind: the keys the index knows end one it does not.
+        assert tier.lookup_run([KEYS[2], KEYS[0]], ctx) == [Lookup.PENDING]
+        assert tier.lookup_run([KEYS[0], KEYS[3]], ctx) == [Lookup.HIT]
+    finally:
+        harness.close()
 
 
 def test_a_miss_answers_every_lookup_for_a_while_unless_the_key_is_stored() -> None:
     now = [0.0]
     checks = ExistenceChecks(attempts=3, max_answers=16, miss_answer_s=1.0, clock=lambda: now[0])
-    assert checks.answer(KEYS[0]) is Lookup.PENDING
+    assert answer(checks, KEYS[0]) is Lookup.PENDING
     checks.take_queued()
     checks.record([KEYS[0]], [False])
     now[0] = 1.0
-    assert checks.answer(KEYS[0]) is Lookup.MISS
-    assert checks.answer(KEYS[0]) is Lookup.MISS  # not consumed
+    assert answer(checks, KEYS[0]) is Lookup.MISS
+    assert answer(checks, KEYS[0]) is Lookup.MISS  # not consumed
     now[0] = 1.5
-    assert checks.answer(KEYS[0]) is Lookup.PENDING  # too old: checked again
+    assert answer(checks, KEYS[0]) is Lookup.PENDING  # too old: checked again
     assert checks.take_queued() == [KEYS[0]]
     checks.record([KEYS[0]], [False])
-    assert checks.answer(KEYS[0]) is Lookup.MISS
+    assert answer(checks, KEYS[0]) is Lookup.MISS
     checks.forget([KEYS[0]])  # being stored: the MISS no longer holds
-    assert checks.answer(KEYS[0]) is Lookup.PENDING
+    assert answer(checks, KEYS[0]) is Lookup.PENDING
 
 
 def test_a_check_past_its_deadline_answers_miss_until_it_ends() -> None:
     checks = ExistenceChecks(attempts=3, max_answers=16)
-    checks.answer(KEYS[1])
+    answer(checks, KEYS[1])
     checks.overdue([KEYS[1], KEYS[2]])  # KEYS[2] is not being checked: left alone
-    assert checks.answer(KEYS[1]) is Lookup.MISS
-    assert checks.answer(KEYS[1]) is Lookup.MISS
-    assert checks.answer(KEYS[2]) is Lookup.PENDING
+    assert answer(checks, KEYS[1]) is Lookup.MISS
+    assert answer(checks, KEYS[1]) is Lookup.MISS
+    assert answer(checks, KEYS[2]) is Lookup.PENDING
     checks.record([KEYS[1]], [True])
-    assert checks.answer(KEYS[1]) is Lookup.HIT
+    assert answer(checks, KEYS[1]) is Lookup.HIT
 
 
 def test_a_job_reports_its_batches_and_the_keys_found_gone() -> None:

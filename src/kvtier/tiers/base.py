@@ -319,6 +319,13 @@ class SecondaryTier(ABC, Generic[OptionsT]):
     def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
         """HIT, MISS, or PENDING while an existence check runs. Never blocks on I/O."""
 
+    def lookup_run(self, keys: Sequence[ChunkKey], ctx: LookupContext) -> list[Lookup]:
+        """:meth:`lookup` of the leading ``keys``, in order (``ctx`` is the
+        first's): at least one answer, ending after any MISS. A waiting request
+        asks about its whole prefix at every look, so a tier answering many
+        keys at once saves it a call per key. Default: the first key only."""
+        return [self.lookup(keys[0], ctx)]
+
     @abstractmethod
     def submit_store(self, job: TransferJob) -> None:
         """Start copying ``job``'s slots out to the tier; returns at once."""

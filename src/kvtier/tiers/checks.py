@@ -59,25 +59,37 @@ class ExistenceChecks:
         with self._lock:
             return tuple(self._queued)
 
-    def answer(self, key: ChunkKey) -> Lookup:
-        """The found answer for ``key``, else PENDING with its check queued."""
+    def answer_run(self, keys: Sequence[ChunkKey]) -> list[Lookup]:
+        """For ``keys`` in order, under one lock, ending after the first MISS
+        (no check queued, nor HIT taken, past it): each found answer, else
+        PENDING with its check queued."""
+        answers: list[Lookup] = []
         with self._lock:
-            if key in self._found:
-                del self._found[key]
-                return Lookup.HIT
-            since = self._missing.get(key)
-            if since is not None:
-                if self._clock() - since <= self.miss_answer_s:
-                    return Lookup.MISS
-                del self._missing[key]
-            if key in self._overdue:
+            now = self._clock()
+            for key in keys:
+                answer = self._answer(key, now)
+                answers.append(answer)
+                if answer is Lookup.MISS:
+                    break
+        return answers
+
+    def _answer(self, key: ChunkKey, now: float) -> Lookup:
+        if key in self._found:
+            del self._found[key]
+            return Lookup.HIT
+        since = self._missing.get(key)
+        if since is not None:
+            if now - since <= self.miss_answer_s:
                 return Lookup.MISS
-            if self._failed.get(key, 0) >= self.attempts:
-                del self._failed[key]
-                return Lookup.MISS  # the backend keeps failing for this key
-            if key not in self._checking:
-                self._checking.add(key)
-                self._queued.append(key)
+            del self._missing[key]
+        if key in self._overdue:
+            return Lookup.MISS
+        if self._failed.get(key, 0) >= self.attempts:
+            del self._failed[key]
+            return Lookup.MISS  # the backend keeps failing for this key
+        if key not in self._checking:
+            self._checking.add(key)
+            self._queued.append(key)
         return Lookup.PENDING
 
     def take_queued(self) -> list[ChunkKey]:

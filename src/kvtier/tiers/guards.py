@@ -70,23 +70,30 @@ class Guards:
         """Whether to send requests (backends check it between requests)."""
         return self.breaker.closed and not self._workers.stopped
 
-    def lookup(
-        self, key: ChunkKey, ctx: LookupContext, ask: Callable[[ChunkKey], Lookup]
-    ) -> Lookup:
-        """``ask(key)`` unless the breaker is open; the answer feeds the request's budget."""
-        answer = ask(key) if self.admit() else self._lookup_while_down()
-        if ctx.request_id is not None:
-            if answer is Lookup.PENDING:
-                self.budgets.waiting(ctx.request_id)
-            else:
-                self.budgets.found(ctx.request_id, key)
-        return answer
+    def lookup_run(
+        self,
+        keys: Sequence[ChunkKey],
+        ctx: LookupContext,
+        ask: Callable[[Sequence[ChunkKey]], list[Lookup]],
+    ) -> list[Lookup]:
+        """``ask(keys)`` unless the breaker is open; the answers feed the request's budget."""
+        answers = ask(keys) if self.admit() else self._lookup_while_down(len(keys))
+        request_id = ctx.request_id
+        if request_id is not None:
+            budgets = self.budgets
+            if Lookup.PENDING in answers:
+                budgets.waiting(request_id)
+            for key, answer in zip(keys, answers, strict=False):
+                if answer is not Lookup.PENDING:
+                    budgets.found(request_id, key)
+        return answers
 
-    def _lookup_while_down(self) -> Lookup:
+    def _lookup_while_down(self, count: int) -> list[Lookup]:
+        """Answers for ``count`` keys while the breaker is open, ending at the first MISS."""
         if self.breaker.state is BreakerState.HALF_OPEN:
-            return Lookup.PENDING  # the probe answers within deadline_s: wait for it
+            return [Lookup.PENDING] * count  # the probe answers within deadline_s: wait for it
         self._count(outage_skipped_lookups=1)
-        return Lookup.MISS
+        return [Lookup.MISS]
 
     def count_lost(self, job: TransferJob, loading: bool) -> None:
         """``job`` was not admitted: its chunks are lost to the outage."""

@@ -205,12 +205,36 @@ class TierRuntime(SecondaryTier[OptionsT]):
     # The contract ---------------------------------------------------------
 
     def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
-        known = self.store.known(key)
-        if known is not None:
-            return Lookup.HIT if known else Lookup.MISS
+        return self._answer_run([key], ctx)[0]
+
+    def lookup_run(self, keys: Sequence[ChunkKey], ctx: LookupContext) -> list[Lookup]:
+        if getattr(self.lookup, "__func__", None) is not TierRuntime.lookup:
+            return super().lookup_run(keys, ctx)  # a lookup of its own answers, key by key
+        return self._answer_run(keys, ctx)
+
+    def _answer_run(self, keys: Sequence[ChunkKey], ctx: LookupContext) -> list[Lookup]:
+        """The leading keys the store's index answers, else the leading ones it
+        does not (answered by the existence checks), ending after any MISS."""
+        known = self.store.known
+        answers: list[Lookup] = []
+        unknown: list[ChunkKey] = []
+        for key in keys:
+            found = known(key)
+            if found is None:
+                if answers:
+                    break
+                unknown.append(key)
+            else:
+                if unknown:
+                    break
+                answers.append(Lookup.HIT if found else Lookup.MISS)
+                if not found:
+                    break
+        if not unknown:
+            return answers
         if self.guards is None:
-            return self.checks.answer(key)
-        return self.guards.lookup(key, ctx, self.checks.answer)
+            return self.checks.answer_run(unknown)
+        return self.guards.lookup_run(unknown, ctx, self.checks.answer_run)
 
     def on_step_end(self) -> None:
         batch = self.checks.take_queued()

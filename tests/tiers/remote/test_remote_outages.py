@@ -450,6 +450,7 @@ def test_lookups_wait_for_the_probe_so_the_first_request_after_recovery_hits(
             tier.breaker.trip("injected outage")
             ctx = LookupContext()
             assert tier.lookup(keys[0], ctx) is Lookup.MISS  # open: no wait at all
+            assert tier.lookup_run(keys, ctx) == [Lookup.MISS]  # a run ends at its miss
             real_ping, release = tier.backend.ping, threading.Event()
 
             def held_ping() -> None:
@@ -460,11 +461,12 @@ def test_lookups_wait_for_the_probe_so_the_first_request_after_recovery_hits(
             clock.advance(tier.breaker.max_backoff_s)
             # Half-open while the probe runs: lookups wait instead of missing.
             assert [tier.lookup(k, ctx) for k in keys] == [Lookup.PENDING] * 2
+            assert tier.lookup_run(keys, ctx) == [Lookup.PENDING] * 2
             assert tier.breaker.state is BreakerState.HALF_OPEN
             release.set()
             wait_until(lambda: tier.breaker.closed, what="closed")
             assert [harness.lookup(k) for k in keys] == [Lookup.HIT] * 2
-            assert tier.stats.outage_skipped_lookups == 1
+            assert tier.stats.outage_skipped_lookups == 2
         finally:
             release.set()
 
