@@ -18,12 +18,6 @@ from tests.tiers.remote.remote_doubles import FreezableTier
 KEYS = [ChunkKey(bytes([i]) * 16) for i in range(4)]
 
 
-def answer(checks: ExistenceChecks, key: ChunkKey) -> Lookup:
-    """The checks' answer for ``key`` alone."""
-    [found] = checks.answer_run([key])
-    return found
-
-
 def test_workers_take_held_loads_then_checks_then_loads_then_stores() -> None:
     workers = Workers("kvtier-parts", 1)
     started, gate = threading.Event(), threading.Event()
@@ -46,28 +40,28 @@ def test_workers_take_held_loads_then_checks_then_loads_then_stores() -> None:
 
 def test_an_existence_answer_is_taken_once_and_a_failing_key_gives_up() -> None:
     checks = ExistenceChecks(attempts=2, max_answers=16)
-    assert answer(checks, KEYS[0]) is Lookup.PENDING
-    assert answer(checks, KEYS[0]) is Lookup.PENDING  # one check for both lookups
+    assert checks.answer(KEYS[0]) is Lookup.PENDING
+    assert checks.answer(KEYS[0]) is Lookup.PENDING  # one check for both lookups
     assert checks.take_queued() == [KEYS[0]] and checks.checking == {KEYS[0]}
     checks.record([KEYS[0]], [True])
-    assert answer(checks, KEYS[0]) is Lookup.HIT
-    assert answer(checks, KEYS[0]) is Lookup.PENDING  # consumed: asked again
+    assert checks.answer(KEYS[0]) is Lookup.HIT
+    assert checks.answer(KEYS[0]) is Lookup.PENDING  # consumed: asked again
     for _ in range(2):
         checks.take_queued()
         checks.record([KEYS[0]], [None])  # the backend could not say
-    assert answer(checks, KEYS[0]) is Lookup.MISS
+    assert checks.answer(KEYS[0]) is Lookup.MISS
 
 
 def test_a_run_of_answers_ends_at_its_first_miss_and_asks_nothing_past_it() -> None:
     checks = ExistenceChecks(attempts=3, max_answers=16)
-    answer(checks, KEYS[1])
-    answer(checks, KEYS[2])
-    answer(checks, KEYS[3])
+    checks.answer(KEYS[1])
+    checks.answer(KEYS[2])
+    checks.answer(KEYS[3])
     checks.take_queued()
     checks.record(KEYS[1:], [True, False, True])
     assert checks.answer_run(KEYS) == [Lookup.PENDING, Lookup.HIT, Lookup.MISS]
     assert checks.take_queued() == [KEYS[0]]  # no check queued past the miss...
-    assert answer(checks, KEYS[3]) is Lookup.HIT  # ...nor its HIT taken
+    assert checks.answer(KEYS[3]) is Lookup.HIT  # ...nor its HIT taken
     assert checks.answer_run(KEYS[:1]) == [Lookup.PENDING]  # still being checked
     assert checks.take_queued() == []
 
@@ -93,30 +87,30 @@ def test_a_tier_answers_a_run_of_the_keys_its_index_knows_or_of_those_it_does_no
 def test_a_miss_answers_every_lookup_for_a_while_unless_the_key_is_stored() -> None:
     now = [0.0]
     checks = ExistenceChecks(attempts=3, max_answers=16, miss_answer_s=1.0, clock=lambda: now[0])
-    assert answer(checks, KEYS[0]) is Lookup.PENDING
+    assert checks.answer(KEYS[0]) is Lookup.PENDING
     checks.take_queued()
     checks.record([KEYS[0]], [False])
     now[0] = 1.0
-    assert answer(checks, KEYS[0]) is Lookup.MISS
-    assert answer(checks, KEYS[0]) is Lookup.MISS  # not consumed
+    assert checks.answer(KEYS[0]) is Lookup.MISS
+    assert checks.answer(KEYS[0]) is Lookup.MISS  # not consumed
     now[0] = 1.5
-    assert answer(checks, KEYS[0]) is Lookup.PENDING  # too old: checked again
+    assert checks.answer(KEYS[0]) is Lookup.PENDING  # too old: checked again
     assert checks.take_queued() == [KEYS[0]]
     checks.record([KEYS[0]], [False])
-    assert answer(checks, KEYS[0]) is Lookup.MISS
+    assert checks.answer(KEYS[0]) is Lookup.MISS
     checks.forget([KEYS[0]])  # being stored: the MISS no longer holds
-    assert answer(checks, KEYS[0]) is Lookup.PENDING
+    assert checks.answer(KEYS[0]) is Lookup.PENDING
 
 
 def test_a_check_past_its_deadline_answers_miss_until_it_ends() -> None:
     checks = ExistenceChecks(attempts=3, max_answers=16)
-    answer(checks, KEYS[1])
+    checks.answer(KEYS[1])
     checks.overdue([KEYS[1], KEYS[2]])  # KEYS[2] is not being checked: left alone
-    assert answer(checks, KEYS[1]) is Lookup.MISS
-    assert answer(checks, KEYS[1]) is Lookup.MISS
-    assert answer(checks, KEYS[2]) is Lookup.PENDING
+    assert checks.answer(KEYS[1]) is Lookup.MISS
+    assert checks.answer(KEYS[1]) is Lookup.MISS
+    assert checks.answer(KEYS[2]) is Lookup.PENDING
     checks.record([KEYS[1]], [True])
-    assert answer(checks, KEYS[1]) is Lookup.HIT
+    assert checks.answer(KEYS[1]) is Lookup.HIT
 
 
 def test_a_job_reports_its_batches_and_the_keys_found_gone() -> None:

@@ -59,27 +59,30 @@ class ExistenceChecks:
         with self._lock:
             return tuple(self._queued)
 
+    def answer(self, key: ChunkKey) -> Lookup:
+        """The found answer for ``key``, else PENDING with its check queued."""
+        with self._lock:
+            return self._answer(key)
+
     def answer_run(self, keys: Sequence[ChunkKey]) -> list[Lookup]:
-        """For ``keys`` in order, under one lock, ending after the first MISS
-        (no check queued, nor HIT taken, past it): each found answer, else
-        PENDING with its check queued."""
+        """:meth:`answer` for ``keys`` in order, under one lock, ending after
+        the first MISS: no check is queued, nor HIT taken, past it."""
         answers: list[Lookup] = []
         with self._lock:
-            now = self._clock()
             for key in keys:
-                answer = self._answer(key, now)
+                answer = self._answer(key)
                 answers.append(answer)
                 if answer is Lookup.MISS:
                     break
         return answers
 
-    def _answer(self, key: ChunkKey, now: float) -> Lookup:
+    def _answer(self, key: ChunkKey) -> Lookup:
         if key in self._found:
             del self._found[key]
             return Lookup.HIT
         since = self._missing.get(key)
         if since is not None:
-            if now - since <= self.miss_answer_s:
+            if self._clock() - since <= self.miss_answer_s:
                 return Lookup.MISS
             del self._missing[key]
         if key in self._overdue:

@@ -70,13 +70,25 @@ class Guards:
         """Whether to send requests (backends check it between requests)."""
         return self.breaker.closed and not self._workers.stopped
 
+    def lookup(
+        self, key: ChunkKey, ctx: LookupContext, ask: Callable[[ChunkKey], Lookup]
+    ) -> Lookup:
+        """``ask(key)`` unless the breaker is open; the answer feeds the request's budget."""
+        answer = ask(key) if self.admit() else self._lookup_while_down(1)[0]
+        if ctx.request_id is not None:
+            if answer is Lookup.PENDING:
+                self.budgets.waiting(ctx.request_id)
+            else:
+                self.budgets.found(ctx.request_id, key)
+        return answer
+
     def lookup_run(
         self,
         keys: Sequence[ChunkKey],
         ctx: LookupContext,
         ask: Callable[[Sequence[ChunkKey]], list[Lookup]],
     ) -> list[Lookup]:
-        """``ask(keys)`` unless the breaker is open; the answers feed the request's budget."""
+        """:meth:`lookup` of a run of keys: the request waits once for all it waits on."""
         answers = ask(keys) if self.admit() else self._lookup_while_down(len(keys))
         request_id = ctx.request_id
         if request_id is not None:

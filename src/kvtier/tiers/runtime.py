@@ -205,7 +205,12 @@ class TierRuntime(SecondaryTier[OptionsT]):
     # The contract ---------------------------------------------------------
 
     def lookup(self, key: ChunkKey, ctx: LookupContext) -> Lookup:
-        return self._answer_run([key], ctx)[0]
+        known = self.store.known(key)
+        if known is not None:
+            return Lookup.HIT if known else Lookup.MISS
+        if self.guards is None:
+            return self.checks.answer(key)
+        return self.guards.lookup(key, ctx, self.checks.answer)
 
     def lookup_run(self, keys: Sequence[ChunkKey], ctx: LookupContext) -> list[Lookup]:
         if getattr(self.lookup, "__func__", None) is not TierRuntime.lookup:

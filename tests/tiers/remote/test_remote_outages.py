@@ -582,8 +582,9 @@ def test_every_request_waiting_on_a_check_past_its_deadline_answers_miss(
         harness.close()
 
 
+@pytest.mark.parametrize("asked_in", ["lookup", "lookup_run"])
 def test_a_requests_checks_and_loads_share_one_deadline(
-    s3_server: S3Server, s3_bucket: str
+    s3_server: S3Server, s3_bucket: str, asked_in: str
 ) -> None:
     options = {"type": "obj", **s3_server.tier_options(s3_bucket)}
     stored_by_another_engine(options, 2)
@@ -608,16 +609,23 @@ def test_a_requests_checks_and_loads_share_one_deadline(
     tier.backend.exists_many = held_check  # type: ignore[method-assign]
     tier.backend.get_many = held_get  # type: ignore[method-assign]
 
+    def lookup(key: Any, ctx: LookupContext) -> Lookup:
+        """The tier's answer, asked alone or as a run of one key."""
+        if asked_in == "lookup":
+            return tier.lookup(key, ctx)
+        [answer] = tier.lookup_run([key], ctx)
+        return answer
+
     def request(name: str, key: Any, slot: int, check_takes: float, engine_away: float) -> Any:
         ctx = LookupContext(name)
-        assert tier.lookup(key, ctx) is Lookup.PENDING
+        assert lookup(key, ctx) is Lookup.PENDING
         tier.on_step_end()
         now[0] += check_takes
         check_gate.set()
         wait_until(lambda: key not in tier.checks.checking, what="the check answered")
         check_gate.clear()
         now[0] += engine_away  # the engine's own time: not the backend's
-        assert tier.lookup(key, ctx) is Lookup.HIT
+        assert lookup(key, ctx) is Lookup.HIT
         job = TransferJob((key,), (slot,), request_id=name)
         tier.submit_load(job)
         results: list[Any] = []
