@@ -285,7 +285,9 @@ class TieringManager:
         promotions = self._promotions[(0, look.request_id)]
         for index in indices:
             ahead.pop(index, None)
-            promotions.append((keys[index], reserved[keys[index]]))
+            slot = reserved.pop(keys[index], None)  # a key given twice: promoted once
+            if slot is not None:
+                promotions.append((keys[index], slot))
         return True
 
     def _lookup_secondary(

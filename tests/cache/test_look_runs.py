@@ -214,3 +214,19 @@ def test_a_tier_with_a_lookup_of_its_own_is_asked_key_by_key() -> None:
         loaded(cache, tokens, data, 10)
     finally:
         cache.close()
+
+
+def test_a_key_given_twice_in_a_run_is_promoted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens, data = prompt(8)
+    cache = make_cache({"type": "memory"}, slots=12)
+    try:
+        keys = stored_only_in_tiers(cache, tokens, data)
+        submitted = spy(monkeypatch, cache.manager.tiers[0], "submit_load")
+        twice = keys[:3] + keys[:3] + keys[3:]
+        assert cache.manager.lookup(twice, "r") == LookupResult(0, True)
+        cache.drain()
+        assert sorted(key for (job,) in submitted for key in job.keys) == sorted(keys)
+        assert cache.manager.lookup(twice, "r2") == LookupResult(len(twice), False)
+        loaded(cache, tokens, data, 8)
+    finally:
+        cache.close()
