@@ -397,3 +397,15 @@ def test_bench_look_spacing_times_capped_and_uncapped_pairs_on_one_prefix() -> N
     assert all(seconds > 0 for seconds in out["seconds_p50"].values())
     ratio = out["uncapped_over_capped"]
     assert 0 < ratio["min"] <= ratio["p50"] <= ratio["max"]
+
+
+def test_bench_look_cost_reports_every_figure_for_kvtier_and_its_baseline() -> None:
+    need_redis_server()
+    out = run_quick("bench_look_cost.py", "--baseline-src", str(ROOT / "src"))
+    assert (out["keys"], out["pairs"]) == (64, 1)
+    figures = {"look_us", "lookup_memory_us", "lookup_redis_us", "prefix_s"}
+    for name in ("kvtier", "baseline"):
+        assert set(out["p50"][name]) == figures
+        assert all(value > 0 for value in out["p50"][name].values())
+    ratios = out["baseline_over_kvtier"]
+    assert set(ratios) == figures and all(len(r) == 1 and r[0] > 0 for r in ratios.values())
