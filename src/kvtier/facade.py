@@ -7,6 +7,7 @@ See docs/engine-api.md and docs/threads.md.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import threading
 import time
@@ -35,6 +36,13 @@ from kvtier.specs.factory import OffloadingSpecFactory
 from kvtier.status import CacheStatus
 
 __all__ = ["ChunkCopier", "HeldPrefix", "KVCache"]
+
+
+class _Copy(enum.Enum):
+    """What a hold copies as it pins, besides into an output (``load_prefix``)."""
+
+    NOTHING = "nothing"  # a lookup: its caller loads the held chunks later
+
 
 #: Ids of the lookups made without a ``request_id``: unique in the process
 #: (``next`` on a counter is atomic), and cheaper than a UUID per lookup.
@@ -128,7 +136,7 @@ class KVCache:
         retried within the call. ``request_id`` groups lookups of one
         request (the caller then ends it with :meth:`end_request`).
         """
-        return self._hold(tokens, request_id, timeout, poll_s, None)
+        return self._hold(tokens, request_id, timeout, poll_s, _Copy.NOTHING)
 
     def load_prefix(
         self,
@@ -146,8 +154,6 @@ class KVCache:
         of ``tokens``. Returns the tokens loaded: as many as a
         :meth:`cached_prefix` would have answered.
         """
-        if out is None:  # refused as by load: to _hold, None is a lookup copying nothing
-            chunk_rows(out, 0, self.layout, "out", writable=True)
         with self._hold(tokens, request_id, timeout, poll_s, out) as found:
             return found.num_tokens
 
@@ -157,12 +163,12 @@ class KVCache:
         request_id: str | None,
         timeout: float,
         poll_s: float,
-        out: np.ndarray | ChunkCopier | None,
+        out: np.ndarray | ChunkCopier | _Copy,
     ) -> HeldPrefix:
         """:meth:`lookup`; with ``out``, each chunk pinned is copied into it at once."""
         self.lifecycle.check()
         keys, num_tokens = self._request_keys.keys(tokens)
-        if out is not None and not callable(out):
+        if out is not _Copy.NOTHING and not callable(out):
             out = chunk_rows(out, len(keys), self.layout, "out", writable=True)
         # NaN would never compare past the deadline: a lookup waiting for ever.
         # Floats >= 0 (the defaults) pass without a call: a fixed cost of every lookup.
@@ -199,7 +205,7 @@ class KVCache:
                     done = now >= deadline
                     if not done:
                         manager.step()  # submits the promotions this lookup started
-                    if out is not None and pinned:  # while those promotions run
+                    if out is not _Copy.NOTHING and pinned:  # while those promotions run
                         copy_out(self, pinned, out, start=len(slots) - len(pinned))
                     if done:
                         if owned and pending:

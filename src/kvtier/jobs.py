@@ -71,9 +71,6 @@ def count_lookup(tier: SecondaryTier, answer: Lookup | None) -> None:
 
 def count_lookups(tier: SecondaryTier, answers: Sequence[Lookup]) -> None:
     """:func:`count_lookup` of each of ``answers``, in one call of the tier's counters."""
-    if len(answers) == 1:
-        count_lookup(tier, answers[0])
-        return
     tier.count(
         lookups=len(answers),
         hits=answers.count(Lookup.HIT),
