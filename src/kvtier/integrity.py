@@ -147,6 +147,14 @@ def unframe_into(
         np.frombuffer(out, np.uint8)[len(payload) :] = 0
 
 
+def verify_in_place(
+    header: bytes | memoryview, payload: memoryview, *, namespace: bytes, key: bytes
+) -> None:
+    """Verify a fixed-size value received in two parts: ``header``, then
+    ``payload`` where it is to stay."""
+    unpack_header(header, namespace=namespace, key=key, payload_bytes=len(payload)).verify(payload)
+
+
 def copy_bytes(out: memoryview, data: bytes | memoryview) -> None:
     """``out[:] = data`` for byte buffers of equal length, without the interpreter lock.
 

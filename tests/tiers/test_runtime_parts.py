@@ -157,3 +157,23 @@ def test_guards_come_with_options_that_configure_them() -> None:
     finally:
         local.close()
         remote.close()
+
+
+def test_a_job_answered_while_a_worker_touches_its_slots_reports_once_it_leaves() -> None:
+    jobs = Jobs(chunk_bytes=8, on_progress=lambda: None)
+    keys = KEYS[:2]
+    state = JobState(TransferJob(tuple(keys), (0, 1)), loading=True)
+    jobs.open(state, batches=2)
+    with jobs.touching_slots(state) as allowed:
+        assert allowed
+        assert jobs.answer_early(state.job.job_id) is state  # at its deadline
+        assert jobs.take_finished() == []  # not while the worker may still write
+        with jobs.touching_slots(state) as late:
+            assert not late  # no worker starts after the answer
+        assert jobs.answer_early(state.job.job_id) is None  # answered once
+    [result] = jobs.take_finished()
+    assert not result.success and state.reported
+    with jobs.touching_slots(state) as after:
+        assert not after
+    jobs.batch_done(state, keys[:1], [True])  # a batch ending now changes nothing
+    assert jobs.take_finished() == [] and result.succeeded == frozenset()

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 #: Every proxy listens on, and forwards to, this address only.
 LOOPBACK = "127.0.0.1"
 
-Mode = Literal["forward", "stall", "delay", "status", "cut"]
+Mode = Literal["forward", "stall", "delay", "status", "cut", "hold"]
 
 
 class FakeClock:
@@ -77,8 +77,8 @@ class FaultProxy:
     ``delay`` (forward after :attr:`delay_s`); ``status`` (answer each HTTP
     request with :attr:`status` and S3 error :attr:`error_code`, then
     close); ``cut`` (forward, but close each reply after :attr:`cut_after`
-    bytes). :attr:`connections` counts
-    the connections accepted.
+    bytes); ``hold`` (forward :attr:`cut_after` bytes of the replies, the rest
+    once the mode changes). :attr:`connections` counts the connections accepted.
     """
 
     def __init__(self, target_port: int, mode: Mode = "forward") -> None:
@@ -148,6 +148,7 @@ class FaultProxy:
             ).start()
 
     def _serve(self, client: socket.socket, mode: Mode) -> None:
+        released = self._stalled  # set when the mode changes
         with contextlib.closing(client):
             if mode == "stall":
                 self._stall(client)
@@ -162,12 +163,21 @@ class FaultProxy:
             except OSError:
                 return
             with contextlib.closing(upstream):
-                limit = self.cut_after if mode == "cut" else None
+                limit = self.cut_after if mode in ("cut", "hold") else None
                 forward = threading.Thread(target=_pipe, args=(client, upstream, None), daemon=True)
                 forward.start()
-                _pipe(upstream, client, limit)
+                _pipe(upstream, client, limit, end=mode != "hold")
+                if mode == "hold" and self._held(released):
+                    _pipe(upstream, client, None)
                 with contextlib.suppress(OSError):
                     client.shutdown(socket.SHUT_RDWR)
+
+    def _held(self, released: threading.Event) -> bool:
+        """Wait for the mode to change; whether the proxy is still open."""
+        while not released.wait(0.1):
+            if self._closed:
+                return False
+        return not self._closed
 
     def _stall(self, client: socket.socket) -> None:
         released = self._stalled
@@ -200,8 +210,9 @@ class FaultProxy:
             )
 
 
-def _pipe(source: socket.socket, sink: socket.socket, limit: int | None) -> None:
-    """Copy ``source`` to ``sink`` until either closes, or ``limit`` bytes."""
+def _pipe(source: socket.socket, sink: socket.socket, limit: int | None, end: bool = True) -> None:
+    """Copy ``source`` to ``sink`` until either closes, or ``limit`` bytes;
+    then (``end``) shut ``sink``'s sending side."""
     sent = 0
     with contextlib.suppress(OSError):
         while limit is None or sent < limit:
@@ -210,4 +221,5 @@ def _pipe(source: socket.socket, sink: socket.socket, limit: int | None) -> None
                 break
             sink.sendall(data)
             sent += len(data)
-        sink.shutdown(socket.SHUT_WR)
+        if end:
+            sink.shutdown(socket.SHUT_WR)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 from kvtier.errors import BackendUnavailableError, MissingDependencyError, describe_error
@@ -26,6 +27,7 @@ __all__ = [
     "Fetched",
     "FramedValue",
     "PutErrors",
+    "ReadCut",
     "RemoteTierOptions",
     "ValueBuffer",
 ]
@@ -53,6 +55,11 @@ class FramedValue(NamedTuple):
 
 class BackendSkipped(ConnectionError):
     """A call not sent because the backend is known to be down (breaker open)."""
+
+
+class ReadCut(BackendSkipped):
+    """A read into slots given up at its job's deadline. The job was answered
+    without it, and its missed deadline already told the breaker."""
 
 
 class BackendRuntime(Protocol):
@@ -128,6 +135,9 @@ class Backend(ABC, Generic[OptionsT]):
     #: Whether stores go through :meth:`put_framed` (no copy of the payload)
     #: instead of :meth:`put_many`. Set in ``__init__`` where options decide it.
     sends_framed: bool = False
+    #: Whether loads of fixed-size values go through :meth:`get_into`
+    #: (received in place) instead of :meth:`get_many`. Set like :attr:`sends_framed`.
+    receives_into: bool = False
 
     def __init__(self, options: OptionsT, runtime: BackendRuntime) -> None:
         """Connect (through :meth:`BackendRuntime.start_backend`, bounded) or raise."""
@@ -178,6 +188,23 @@ class Backend(ABC, Generic[OptionsT]):
     def get_many(self, names: Sequence[str]) -> list[Fetched]:
         """Read each value. One that cannot be a chunk (wrong size or type) is
         a :class:`~kvtier.errors.CorruptChunkError` item: deleted and counted."""
+
+    def get_into(
+        self,
+        names: Sequence[str],
+        headers: Sequence[memoryview],
+        payloads: Sequence[memoryview],
+        deadline: float,
+        touch: Callable[[], AbstractContextManager[bool]],
+    ) -> list[Fetched]:
+        """:meth:`get_many` received in place (see :attr:`receives_into`): each
+        value's start into ``headers[i]``, the rest into ``payloads[i]``, a slot.
+        Per name: ``payloads[i]`` once filled, ``None``, or the item's error (a
+        value of another length: :class:`~kvtier.errors.CorruptChunkError`).
+        Write only within ``touch()``, and only when it yields true; the job's
+        report waits for it to end, so end it by ``deadline`` (``time.monotonic``),
+        raising :class:`ReadCut`: the slots may be another chunk's after it."""
+        raise NotImplementedError(f"{type(self).__name__} does not receive in place")
 
     @abstractmethod
     def put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:

@@ -14,7 +14,7 @@ from kvtier.errors import CorruptChunkError
 from kvtier.integrity import copy_bytes
 from kvtier.keys import ChunkKey
 from kvtier.tiers.deadlines import BoundedCalls, CallTimeout
-from kvtier.tiers.jobs import JobState
+from kvtier.tiers.jobs import Jobs, JobState
 
 if TYPE_CHECKING:
     from kvtier.codecs import CodecStage
@@ -35,6 +35,9 @@ class CodedTier(Protocol):
 
     @property
     def slot_bytes(self) -> int: ...
+
+    @property
+    def jobs(self) -> Jobs: ...
 
     def slot(self, index: int) -> memoryview: ...
 
@@ -79,8 +82,8 @@ class CodedMoves:
         payloads: list[memoryview] = []
         encoded: list[int] = []
         raw_bytes = 0
-        with state.slots_guard:
-            if state.reported:
+        with self.tier.jobs.touching_slots(state) as allowed:
+            if not allowed:
                 return [False] * len(keys)
             for index, (slot, buffer) in enumerate(zip(slots, buffers, strict=True)):
                 try:
@@ -116,8 +119,8 @@ class CodedMoves:
         tier, stage = self.tier, self.stage
         ok = [False] * len(keys)
         refused: list[tuple[ChunkKey, CorruptChunkError]] = []
-        with state.slots_guard:
-            if state.reported:  # answered at its deadline: the slots may be another's now
+        with self.tier.jobs.touching_slots(state) as allowed:
+            if not allowed:  # answered at its deadline: the slots may be another's now
                 return ok
             bounded = self.calls is not None
             for index, (key, slot, buffer) in enumerate(zip(keys, slots, buffers, strict=True)):

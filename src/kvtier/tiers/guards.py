@@ -115,8 +115,9 @@ class Guards:
     def bound_job(self, state: JobState) -> None:
         """Answer the job at its deadline; a load gets what its request's checks left."""
         left, since = self.budgets.take(state.job.request_id) if state.loading else (None, None)
-        at_deadline = functools.partial(self._job_deadline, state, since)
-        self._deadlines.after(self.deadline_s if left is None else left, at_deadline)
+        seconds = self.deadline_s if left is None else left
+        state.deadline = time.monotonic() + seconds  # the clock of Deadlines
+        self._deadlines.after(seconds, functools.partial(self._job_deadline, state, since))
 
     def _job_deadline(self, state: JobState, waiting_since: float | None) -> None:
         if not state.reported:  # else it ended in time

@@ -3,9 +3,11 @@ found gone, and the results waiting for the manager to collect them."""
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvtier.keys import ChunkKey
@@ -22,12 +24,17 @@ class JobState:
     remaining: int = 0
     succeeded: set[ChunkKey] = field(default_factory=set)
     nbytes: int = 0
+    #: When the job is answered however far it got, on ``time.monotonic``
+    #: (``Guards.bound_job``): a worker reading into its slots gives up then.
+    deadline: float = math.inf
     #: Set once the job's result is out (all batches ended, or answered at its
     #: deadline): its slots are no longer the tier's to touch.
     reported: bool = False
-    #: Held while a worker touches the job's slots, so that answering early
-    #: first waits for any copy in progress to end.
-    slots_guard: threading.Lock = field(default_factory=threading.Lock)
+    #: Workers touching the job's slots now (see :meth:`Jobs.touching_slots`).
+    touching: int = 0
+    #: Answered at its deadline while workers touched its slots: the last of
+    #: them to leave reports it.
+    answer_due: bool = False
 
 
 class Jobs:
@@ -64,17 +71,36 @@ class Jobs:
                 self._finish(state)
 
     def answer_early(self, job_id: int) -> JobState | None:
-        """Report a job still running with what it has, once any copy into
-        or out of its slots ended; ``None`` when it was reported already."""
+        """Report a job still running with what it has; ``None`` when it was
+        reported already. Workers touching its slots delay the report until
+        the last of them leaves, and none starts after this."""
         with self._lock:
             state = self._running.get(job_id)
-        if state is None:
-            return None
-        with state.slots_guard, self._lock:
-            if state.reported:
+            if state is None or state.reported or state.answer_due:
                 return None
-            self._finish(state)
+            if state.touching:
+                state.answer_due = True
+            else:
+                self._finish(state)
         return state
+
+    @contextmanager
+    def touching_slots(self, state: JobState) -> Iterator[bool]:
+        """Whether a worker may touch ``state``'s slots: false once the job was
+        answered, for they may be another chunk's now. While a worker is
+        inside, the job's report waits for it: the worker must leave by the
+        job's :attr:`~JobState.deadline` (a copy; a read bounded by it)."""
+        with self._lock:
+            allowed = not (state.reported or state.answer_due)
+            state.touching += allowed
+        try:
+            yield allowed
+        finally:
+            if allowed:
+                with self._lock:
+                    state.touching -= 1
+                    if state.answer_due and not state.touching and not state.reported:
+                        self._finish(state)
 
     def report(self, result: JobResult) -> None:
         """Hand out the result of a job settled without the workers."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -143,7 +144,7 @@ class RedisBackend(Backend[RedisTierOptions]):
         self._target = _target(options)
         self._cluster = options.is_cluster
         # A cluster client keeps redis-py's own connections (and packer).
-        self.sends_framed = not self._cluster
+        self.sends_framed = self.receives_into = not self._cluster
         tls = (options.url or "").lower().startswith("rediss://")
         self.client: Any = self.start_client(
             lambda: _connected(options),
@@ -188,13 +189,27 @@ class RedisBackend(Backend[RedisTierOptions]):
         """Values received straight into this worker's buffers (see :mod:`.redis_reads`)."""
         if self._cluster:
             return self._get_pipelined(names)
-        buffers = self.runtime.scratch_values(len(names))[: len(names)]
+        return self._read(names, self.runtime.scratch_values(len(names))[: len(names)])
+
+    def get_into(
+        self,
+        names: Sequence[str],
+        headers: Sequence[memoryview],
+        payloads: Sequence[memoryview],
+        deadline: float,
+        touch: Callable[[], AbstractContextManager[bool]],
+    ) -> list[Fetched]:
+        return self._read(names, headers, payloads=payloads, deadline=deadline, touch=touch)
+
+    def _read(
+        self, names: Sequence[str], buffers: Sequence[ValueBuffer], **split: Any
+    ) -> list[Fetched]:
         pool = self.client.connection_pool
         connection = pool.get_connection()
         try:
             # A failed attempt closed the connection; the next one reconnects.
             replies: list[Fetched] = connection.retry.call_with_retry(
-                lambda: get_into(connection, names, buffers, ttl_ms=self._ttl_ms),
+                lambda: get_into(connection, names, buffers, ttl_ms=self._ttl_ms, **split),
                 lambda _error: None,
             )
             return replies

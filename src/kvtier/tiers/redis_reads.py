@@ -1,16 +1,21 @@
 """Pipelined ``GET``\\s read straight into buffers, for the ``redis`` tier's
-loads: each value is received with ``recv_into`` into a worker's buffer, not
-copied into a fresh ``bytes``. A connection goes back to the pool only once
-every reply was read; on any error it is closed.
+loads: each value is received with ``recv_into`` into a worker's buffer, or
+split between a header buffer and a slot, not copied into a fresh ``bytes``.
+A connection goes back to the pool only once every reply was read; on any
+error it is closed.
 """
 
 from __future__ import annotations
 
+import math
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from kvtier.errors import CorruptChunkError
+from kvtier.tiers.backend import BackendSkipped, ReadCut
 
 #: Per name: a view of the value in its buffer, ``None`` when absent, or that item's error.
 Reply = memoryview | None | BaseException
@@ -24,11 +29,27 @@ _LINE_LIMIT = 1 << 16
 class _Replies:
     """RESP2 or RESP3 replies read from one socket, values received into given buffers."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
         self._sock = sock
         self._pending = bytearray()  # read past the last line, not yet consumed
+        self._deadline = deadline
+        self._timeout = sock.gettimeout()  # the connection's own, between deadlines
+
+    def _bound(self) -> None:
+        """Let the next socket call wait no later than the deadline."""
+        if self._deadline == math.inf:
+            return
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise ReadCut("the job's deadline passed while its values were read")
+        self._sock.settimeout(left if self._timeout is None else min(left, self._timeout))
+
+    def restore(self) -> None:
+        if self._deadline != math.inf:
+            self._sock.settimeout(self._timeout)
 
     def _recv(self, size: int) -> bytes:
+        self._bound()
         data = self._sock.recv(size)
         if not data:
             raise ConnectionError("the server closed the connection")
@@ -49,6 +70,7 @@ class _Replies:
         out[:taken] = self._pending[:taken]
         del self._pending[:taken]
         while taken < len(out):
+            self._bound()
             got = self._sock.recv_into(out[taken:])
             if not got:
                 raise ConnectionError("the server closed the connection")
@@ -77,10 +99,17 @@ def get_into(
     buffers: Sequence[bytearray | memoryview],
     *,
     ttl_ms: int | None,
+    payloads: Sequence[memoryview] | None = None,
+    deadline: float = math.inf,
+    touch: Callable[[], AbstractContextManager[bool]] = lambda: nullcontext(True),
 ) -> list[Reply]:
     """``GET`` each name into its buffer (then ``PEXPIRE`` them when ``ttl_ms``) in
-    one round trip. A whole-batch failure raises redis-py's ``ConnectionError`` or
-    ``TimeoutError``; a value too long or not a string is that item's
+    one round trip. With ``payloads``, a value is received split: the length of
+    its buffer, then the rest into its payload. The replies are read within
+    ``touch()`` (false: the buffers are not ours now) and, past ``deadline``
+    (``time.monotonic``), given up with :class:`ReadCut`. A whole-batch failure
+    raises redis-py's ``ConnectionError`` or ``TimeoutError``; a value too long
+    (split: not exactly as long) or not a string is that item's
     :class:`CorruptChunkError`, another server error its ``ResponseError``."""
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import ResponseError
@@ -89,18 +118,30 @@ def get_into(
     commands: list[tuple[Any, ...]] = [("GET", name) for name in names]
     if ttl_ms is not None:
         commands += [("PEXPIRE", name, ttl_ms) for name in names]
+    rests: Sequence[memoryview | None] = payloads or [None] * len(names)
     try:
         connection.send_packed_command(connection.pack_commands(commands), check_health=False)
-        replies = _Replies(connection._sock)
-        results = [_value(replies, memoryview(buffer), ResponseError) for buffer in buffers]
-        if ttl_ms is not None:
-            for _ in names:  # :1, :0 (gone meanwhile) or an error: nothing to do
-                _skip_reply(replies, _reply_line(replies))
+        replies = _Replies(connection._sock, deadline)
+        with touch() as allowed:
+            if not allowed:
+                raise ReadCut("the job was answered before its values were read")
+            results = [
+                _value(replies, memoryview(buffer), rest, ResponseError)
+                for buffer, rest in zip(buffers, rests, strict=True)
+            ]
+            if ttl_ms is not None:
+                for _ in names:  # :1, :0 (gone meanwhile) or an error: nothing to do
+                    _skip_reply(replies, _reply_line(replies))
         if not replies.clean:
             raise ConnectionError("the server sent more than was asked")
+        replies.restore()
     except BaseException as exc:
         connection.disconnect()
+        if isinstance(exc, BackendSkipped):
+            raise
         if isinstance(exc, socket.timeout):
+            if time.monotonic() >= deadline:
+                raise ReadCut(f"reading GET replies past the job's deadline: {exc}") from exc
             raise RedisTimeoutError(f"reading GET replies: {exc}") from exc
         if isinstance(exc, (OSError, ValueError)):
             raise RedisConnectionError(f"reading GET replies: {exc}") from exc
@@ -117,13 +158,19 @@ def _reply_line(replies: _Replies) -> bytes:
     return line
 
 
-def _value(replies: _Replies, out: memoryview, error_class: type[Exception]) -> Reply:
+def _value(
+    replies: _Replies, out: memoryview, rest: memoryview | None, error_class: type[Exception]
+) -> Reply:
+    """The next ``GET`` reply: the value received into ``out`` (``rest``: the
+    part past ``out`` into it, which it returns), ``None``, or the item's error."""
     line = _reply_line(replies)
-    kind, rest = line[:1], line[1:]
+    kind, rest_of_line = line[:1], line[1:]
     if kind == b"$":
-        length = int(rest)
+        length = int(rest_of_line)
         if length < 0:
             return None
+        if rest is not None:
+            return _split_value(replies, length, out, rest)
         if length > len(out):  # shorter ones are left to the integrity check
             replies.skip(length)
             replies.end_of_value()
@@ -135,8 +182,20 @@ def _value(replies: _Replies, out: memoryview, error_class: type[Exception]) -> 
     if kind == b"_":  # RESP3's null
         return None
     if kind in (b"-", b"!"):
-        return _error(replies, kind, rest, error_class)
+        return _error(replies, kind, rest_of_line, error_class)
     raise ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
+
+
+def _split_value(replies: _Replies, length: int, out: memoryview, rest: memoryview) -> Reply:
+    """A value of exactly ``len(out) + len(rest)`` bytes, received into both."""
+    if length != len(out) + len(rest):
+        replies.skip(length)
+        replies.end_of_value()
+        return CorruptChunkError(f"the value is {length} bytes, a chunk {len(out) + len(rest)}")
+    replies.into(out)
+    replies.into(rest)
+    replies.end_of_value()
+    return rest
 
 
 def _error(replies: _Replies, kind: bytes, rest: bytes, error_class: type[Exception]) -> Reply:

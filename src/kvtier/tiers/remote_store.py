@@ -81,6 +81,8 @@ class RemoteStore:
         self._spread_over = tier.workers.count if backend_class.spreads_batches else 1
         self._worker_local = threading.local()
         self.backend: Backend[Any] = backend_class(options, self)
+        #: Whether loads receive values in their slots (see ``Backend.get_into``).
+        self.receives_into = self.backend.receives_into and self.fixed_value_size
         #: Values existence checks read whole, for the loads that follow.
         self.prefetched: Prefetched | None = None
         if self.backend.prefetch_bytes:
@@ -101,6 +103,16 @@ class RemoteStore:
 
     def answered(self) -> None:
         self.guards.answered()
+
+    def scratch_headers(self, count: int) -> list[memoryview]:
+        """This worker's header buffers, reused, for values received in place."""
+        headers: list[memoryview] = getattr(self._worker_local, "headers", [])
+        if len(headers) < count:
+            size = integrity.HEADER_BYTES
+            block = memoryview(bytearray(count * size))
+            headers = [block[i * size : (i + 1) * size] for i in range(count)]
+            self._worker_local.headers = headers
+        return headers[:count]
 
     def scratch_values(self, count: int) -> list[ValueBuffer]:
         """This worker's value buffers, reused: no allocation per chunk."""
@@ -207,22 +219,47 @@ class RemoteStore:
         names = [self.store_name(k) for k in keys]
         if self.prefetched is not None:
             values = self._fetch_held(self.prefetched, names)
+        elif self.receives_into:
+            return self._receive(state, keys, names, outs)
         else:
             values = self.backend.get_many(names)
             self.guards.account(values)
-        with state.slots_guard:
-            if state.reported:  # answered at its deadline: the slots may be another's now
+        with self.tier.jobs.touching_slots(state) as allowed:
+            if not allowed:  # answered at its deadline: the slots may be another's now
                 return [_SKIPPED] * len(keys)
             return [self._unframe(k, v, out) for k, v, out in zip(keys, values, outs, strict=True)]
 
-    def _unframe(self, key: ChunkKey, value: Fetched, out: memoryview) -> BaseException | None:
-        """Verify ``value`` into ``out``; else why not (a missing value: vanished)."""
+    def _receive(
+        self, state: JobState, keys: list[ChunkKey], names: list[str], outs: list[memoryview]
+    ) -> ItemErrors:
+        """Values received in their slots, then verified there. Bytes that fail
+        are in a slot no one reads: the chunk's failure frees it unpublished."""
+        headers = self.scratch_headers(len(keys))
+        touch = functools.partial(self.tier.jobs.touching_slots, state)
+        values = self.backend.get_into(names, headers, outs, state.deadline, touch)
+        self.guards.account(values)
+        with touch() as allowed:
+            if not allowed:  # answered meanwhile: the slots may hold another chunk
+                return [_SKIPPED] * len(keys)
+            return [
+                self._unframe(k, v, out, header)
+                for k, v, out, header in zip(keys, values, outs, headers, strict=True)
+            ]
+
+    def _unframe(
+        self, key: ChunkKey, value: Fetched, out: memoryview, header: memoryview | None = None
+    ) -> BaseException | None:
+        """Verify ``value`` into ``out``, or ``out`` itself when its value was
+        received there after ``header``; else why not (a missing value: vanished)."""
         if value is None or isinstance(value, BaseException):
             return ChunkVanishedError(key.hex()) if value is None else value
         try:
-            integrity.unframe_into(
-                value, out, namespace=self.namespace, key=key, exact_size=self.fixed_value_size
-            )
+            if header is None:
+                integrity.unframe_into(
+                    value, out, namespace=self.namespace, key=key, exact_size=self.fixed_value_size
+                )
+            else:
+                integrity.verify_in_place(header, out, namespace=self.namespace, key=key)
         except CorruptChunkError as exc:
             return exc
         return None
@@ -278,8 +315,8 @@ class RemoteStore:
             held = [f is True for f in self.backend.exists_many(names)]
         todo = [i for i, present in enumerate(held) if not present]
         todo_names = [names[i] for i in todo]
-        with state.slots_guard:
-            if state.reported:  # answered at its deadline: the slots may hold other chunks now
+        with self.tier.jobs.touching_slots(state) as allowed:
+            if not allowed:  # answered at its deadline: the slots may hold other chunks now
                 return [_SKIPPED] * len(keys)
             if self.backend.sends_framed:
                 # Checksummed here, sent after from the slot itself: should the

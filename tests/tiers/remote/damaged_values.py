@@ -59,8 +59,13 @@ def assert_no_damaged_value_served(
     assert result.succeeded == frozenset([keys[-1]])
     assert result.vanished == frozenset([keys[count]])
     np.testing.assert_array_equal(harness.buffer.array[slots[-1]], stored[-1])
-    for index, slot in enumerate(slots[:count]):
-        assert (harness.buffer.array[slot] == 7).all(), f"damage {index} served"
+    # A tier that verifies a value before copying it never lets a damaged one
+    # reach its slot. One that receives values in their slots (redis) verifies
+    # them there, and a failure leaves the slot unpublished: its KVCache tests
+    # show such bytes never reach the engine.
+    if not tier.store.receives_into:
+        for index, slot in enumerate(slots[:count]):
+            assert (harness.buffer.array[slot] == 7).all(), f"damage {index} served"
     # Each damaged value counted and deleted; none of it an outage.
     assert tier.stats.corrupt_chunks == count
     assert tier.stats.backend_errors == 0

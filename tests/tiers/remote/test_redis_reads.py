@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import time
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 redis = pytest.importorskip("redis")
 
 from kvtier.errors import CorruptChunkError  # noqa: E402
+from kvtier.tiers.backend import ReadCut  # noqa: E402
 from kvtier.tiers.redis_reads import get_into  # noqa: E402
 
 
@@ -89,3 +92,36 @@ def test_a_reply_line_that_never_ends_fails_the_batch_and_closes_the_connection(
     with pytest.raises(redis.exceptions.ConnectionError, match="no reply line"):
         get_into(connection, ["a"], [bytearray(4)], ttl_ms=None)
     assert connection.disconnected
+
+
+def test_a_value_received_split_fills_its_header_and_its_slot_exactly() -> None:
+    connection = ScriptedConnection(b"$6\r\nhhabcd\r\n$5\r\nhhabc\r\n$-1\r\n")
+    headers = [memoryview(bytearray(2)) for _ in range(3)]
+    slots = [memoryview(bytearray(b"....")) for _ in range(3)]
+    replies = get_into(connection, ["a", "b", "c"], headers, ttl_ms=None, payloads=slots)
+    assert replies[0] is slots[0] and bytes(headers[0]) == b"hh" and bytes(slots[0]) == b"abcd"
+    assert isinstance(replies[1], CorruptChunkError)  # one byte short: never received
+    assert bytes(slots[1]) == b"...." and replies[2] is None
+    assert not connection.disconnected
+
+
+def read_one_split(connection: ScriptedConnection, slot: memoryview, **bounds: Any) -> None:
+    """Read the value of one name: 2 header bytes, the rest into ``slot``."""
+    header = memoryview(bytearray(2))
+    get_into(connection, ["a"], [header], ttl_ms=None, payloads=[slot], **bounds)
+
+
+def test_a_read_past_its_deadline_is_cut_and_closes_the_connection() -> None:
+    connection = ScriptedConnection(b"$6\r\nhhab")  # the rest never comes
+    connection._sock.settimeout(60)  # the connection's own bound: far later
+    with pytest.raises(ReadCut):
+        read_one_split(connection, memoryview(bytearray(4)), deadline=time.monotonic() + 0.05)
+    assert connection.disconnected
+
+
+def test_replies_for_slots_no_longer_ours_are_not_read() -> None:
+    connection = ScriptedConnection(b"$6\r\nhhabcd\r\n")
+    slot = memoryview(bytearray(b"...."))
+    with pytest.raises(ReadCut):
+        read_one_split(connection, slot, touch=lambda: nullcontext(False))
+    assert bytes(slot) == b"...." and connection.disconnected

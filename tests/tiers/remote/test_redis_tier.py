@@ -15,7 +15,7 @@ from kvtier.config import load_config
 from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependencyError
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
-from kvtier.testing.outages import recover, wait_until
+from kvtier.testing.outages import FaultProxy, recover, wait_until
 from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.remote import RemoteTier
@@ -135,6 +135,98 @@ def test_cluster_spreads_chunks_over_every_node(
         harness.close()
 
 
+@pytest.mark.parametrize("damage", ["flipped", "foreign", "torn"])
+def test_a_damaged_value_received_in_its_slot_never_reaches_the_engine(
+    redis_server: RedisServer, key_prefix: str, damage: str
+) -> None:
+    """Values are received in their slots and verified there: a damaged one
+    ends the prefix a fresh cache finds, and its bytes reach no output."""
+    layout = small_layout(chunk_tokens=4)
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 12 * layout.slot_bytes,
+        "secondary_tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": key_prefix}],
+    }
+    tokens = list(range(500, 524))
+    data = np.random.default_rng(3).integers(0, 256, (6, layout.slot_bytes), dtype=np.uint8)
+    with KVCache(config, layout) as writer:
+        assert writer.store(tokens, data) == 6
+        writer.drain()
+        tier = writer.manager.tiers[0]
+        assert isinstance(tier, RemoteTier) and tier.store.receives_into
+        names = [tier.store_name(k) for k in writer.keys(tokens)]
+    client = raw_client(redis_server.url)
+    value = client.get(names[3])
+    if damage == "flipped":
+        client.set(
+            names[3],
+            value[:HEADER_BYTES] + bytes([value[HEADER_BYTES] ^ 1]) + value[HEADER_BYTES + 1 :],
+        )
+    elif damage == "foreign":
+        other = small_layout(chunk_tokens=4, model_id="another-model")
+        client.set(
+            names[3],
+            frame(other.namespace, bytes.fromhex(names[3].rsplit(":", 1)[1]), data[3].tobytes()),
+        )
+    else:
+        client.set(names[3], value[: len(value) // 2])
+    with KVCache(config, layout) as cache:
+        out = np.zeros_like(data)
+        assert cache.load_prefix(tokens, out) == 3 * 4
+        np.testing.assert_array_equal(out[:3], data[:3])
+        assert not out[3:].any()
+        tier = cache.manager.tiers[0]
+        assert tier.stats.corrupt_chunks == 1
+        assert not client.exists(names[3])
+        # Asked again, the prefix still ends there: the slot was never published.
+        out[:] = 0
+        assert cache.load_prefix(tokens, out) == 3 * 4
+        assert not out[3:].any()
+    client.close()
+
+
+def test_a_read_into_slots_stalled_mid_value_gives_up_at_its_deadline(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    """The job is answered while the server still holds the rest of a value,
+    and what arrives later never lands in the slot, given to another chunk."""
+    with FaultProxy(redis_server.port) as proxy:
+        harness = TierHarness(
+            {
+                "type": "redis",
+                "url": f"redis://{LOOPBACK}:{proxy.port}/0",
+                "key_prefix": key_prefix,
+                "deadline_s": 0.3,
+                "socket_timeout_s": 60,
+                "retries": 0,
+            },
+            small_layout(),
+            tier_class=RedisTier,
+            call_timeout_s=30,  # far below socket_timeout_s: a read not cut fails here
+        )
+        try:
+            [key] = harness.keys(1)
+            stored = harness.fill([0])
+            assert harness.store([key], [0]).success
+            harness.tier.backend.client.connection_pool.disconnect()  # next: a held connection
+            proxy.cut_after = 1000  # the reply's start, then nothing until released
+            proxy.set_mode("hold")
+            result = harness.load([key], [1])
+            assert not result.success
+            harness.buffer.array[1] = 7  # the slot's next chunk
+            proxy.set_mode("forward")  # the rest of the value arrives, too late
+            harness.drain()
+            assert (harness.buffer.array[1] == 7).all()
+            tier = harness.tier
+            assert tier.stats.deadline_misses == 1
+            # Nothing answered in time: the breaker opened. Its probe closes it.
+            wait_until(lambda: tier.guards.admit() or tier.breaker.closed, what="closed again")
+            assert harness.load([key], [2]).success  # a new connection serves it whole
+            np.testing.assert_array_equal(harness.buffer.array[2], stored[0])
+        finally:
+            harness.close()
+
+
 def _scan(url: str) -> list[bytes]:
     return list(raw_client(url).scan_iter(count=1000))
 
@@ -164,8 +256,11 @@ def test_corrupt_torn_and_foreign_values_are_never_served(
         result = harness.load(keys, [8, 9, 10, 11])
         assert not result.success
         assert result.succeeded == frozenset([keys[3]])
-        # Bad values never reached their slots, and were deleted and counted.
-        assert (harness.buffer.array[8:11] == 7).all()
+        # Bad values were not served, and were deleted and counted. Values are
+        # received in their slots and verified there: a flipped or foreign one
+        # fails there, in a slot its failure leaves unpublished; a torn one, of
+        # the wrong length, is never received at all.
+        assert (harness.buffer.array[9] == 7).all()
         np.testing.assert_array_equal(harness.buffer.array[11], harness.buffer.array[3])
         assert tier.stats.corrupt_chunks == 3
         assert client.exists(*names[:3]) == 0
