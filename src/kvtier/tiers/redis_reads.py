@@ -119,6 +119,8 @@ def get_into(
     if ttl_ms is not None:
         commands += [("PEXPIRE", name, ttl_ms) for name in names]
     rests: Sequence[memoryview | None] = payloads or [None] * len(names)
+    if time.monotonic() >= deadline:  # a retry after the job was answered: send nothing
+        raise ReadCut("the job's deadline passed before its values were asked for")
     try:
         connection.send_packed_command(connection.pack_commands(commands), check_health=False)
         replies = _Replies(connection._sock, deadline)

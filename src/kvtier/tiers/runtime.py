@@ -359,11 +359,11 @@ class TierRuntime(SecondaryTier[OptionsT]):
             pending = self._unheld(state, pending)
         batches = self._split(pending)
         self.jobs.open(state, len(batches))
+        if guards is not None:  # before any batch starts: its reads are bounded by the deadline
+            guards.bound_job(state)
         priority = self._load_priority(job.keys) if loading else Priority.STORE
         for batch in batches:
             self.workers.submit(priority, functools.partial(self._run_batch, state, batch))
-        if guards is not None:
-            guards.bound_job(state)
 
     def _load_priority(self, keys: Sequence[ChunkKey]) -> Priority:
         """The queue a load of ``keys`` waits in. Default: :attr:`Priority.LOAD`."""

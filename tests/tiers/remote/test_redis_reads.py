@@ -125,3 +125,10 @@ def test_replies_for_slots_no_longer_ours_are_not_read() -> None:
     with pytest.raises(ReadCut):
         read_one_split(connection, slot, touch=lambda: nullcontext(False))
     assert bytes(slot) == b"...." and connection.disconnected
+
+
+def test_nothing_is_asked_for_past_the_deadline() -> None:
+    connection = ScriptedConnection(b"$6\r\nhhabcd\r\n")
+    with pytest.raises(ReadCut):
+        read_one_split(connection, memoryview(bytearray(4)), deadline=time.monotonic() - 1)
+    assert connection.sent == b"" and not connection.disconnected  # still clean: reusable

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -225,6 +226,43 @@ def test_a_read_into_slots_stalled_mid_value_gives_up_at_its_deadline(
             np.testing.assert_array_equal(harness.buffer.array[2], stored[0])
         finally:
             harness.close()
+
+
+def test_every_read_into_slots_is_bounded_by_its_jobs_deadline(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    harness = TierHarness(
+        {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix, "io_threads": 4},
+        small_layout(),
+        tier_class=RedisTier,
+    )
+    try:
+        tier = harness.tier
+        keys = harness.keys(16)
+        harness.fill(range(16))
+        assert harness.store(keys, list(range(16))).success
+        reads: list[tuple[float, float]] = []  # (when, its deadline)
+        read = tier.backend.get_into
+
+        def recording(*args: Any) -> Any:
+            reads.append((time.monotonic(), args[3]))
+            return read(*args)
+
+        tier.backend.get_into = recording  # type: ignore[method-assign]
+        bound_job = tier.guards.bound_job
+
+        def slow_bound_job(state: Any) -> None:  # as on a loaded machine
+            time.sleep(0.05)
+            bound_job(state)
+
+        tier.guards.bound_job = slow_bound_job  # type: ignore[method-assign]
+        for _ in range(3):
+            assert harness.load(keys, list(range(16, 32))).success
+        assert reads and all(
+            when < deadline <= when + tier.options.deadline_s for when, deadline in reads
+        )
+    finally:
+        harness.close()
 
 
 def _scan(url: str) -> list[bytes]:
