@@ -138,15 +138,13 @@ def test_a_frozen_backend_costs_one_deadline_then_nothing(frozen_capable: Backen
         harness.buffer.array[32:64] = 7
         server.pause()
         try:
-            # One request of 32 chunks over 4 workers: answered at its deadline.
-            # Reads into the slots (redis) give up then; the others' workers
-            # are still waiting on the frozen server...
+            # One request of 32 chunks over 4 workers: answered at its deadline,
+            # while workers are still waiting on the frozen server (a redis
+            # read into the slots gives up then, but connecting, outside the
+            # slots, waits for its own timeout)...
             result = harness.load(keys, list(range(32, 64)))
             assert not result.success and result.succeeded == frozenset()
-            if tier.store.receives_into:
-                wait_until(lambda: calls.running == 0, what="the reads given up")
-            else:
-                assert calls.running >= 1
+            assert calls.running >= 1
             # ...having sent one request per worker, not one per chunk.
             assert 1 <= calls.started <= 4
             assert tier.breaker.state is BreakerState.OPEN
