@@ -217,29 +217,21 @@ class RemoteStore:
 
     def _load(self, state: JobState, keys: list[ChunkKey], outs: list[memoryview]) -> ItemErrors:
         names = [self.store_name(k) for k in keys]
+        touch = functools.partial(self.tier.jobs.touching_slots, state)
+        # Values received in their slots (after a header each) are verified
+        # there: bytes that fail stay in a slot the chunk's failure frees unread.
+        headers: Sequence[memoryview | None] = [None] * len(keys)
         if self.prefetched is not None:
             values = self._fetch_held(self.prefetched, names)
-        elif self.receives_into:
-            return self._receive(state, keys, names, outs)
         else:
-            values = self.backend.get_many(names)
+            if self.receives_into:
+                headers = self.scratch_headers(len(keys))
+                values = self.backend.get_into(names, headers, outs, state.deadline, touch)
+            else:
+                values = self.backend.get_many(names)
             self.guards.account(values)
-        with self.tier.jobs.touching_slots(state) as allowed:
-            if not allowed:  # answered at its deadline: the slots may be another's now
-                return [_SKIPPED] * len(keys)
-            return [self._unframe(k, v, out) for k, v, out in zip(keys, values, outs, strict=True)]
-
-    def _receive(
-        self, state: JobState, keys: list[ChunkKey], names: list[str], outs: list[memoryview]
-    ) -> ItemErrors:
-        """Values received in their slots, then verified there. Bytes that fail
-        are in a slot no one reads: the chunk's failure frees it unpublished."""
-        headers = self.scratch_headers(len(keys))
-        touch = functools.partial(self.tier.jobs.touching_slots, state)
-        values = self.backend.get_into(names, headers, outs, state.deadline, touch)
-        self.guards.account(values)
         with touch() as allowed:
-            if not allowed:  # answered meanwhile: the slots may hold another chunk
+            if not allowed:  # answered at its deadline: the slots may be another's now
                 return [_SKIPPED] * len(keys)
             return [
                 self._unframe(k, v, out, header)
