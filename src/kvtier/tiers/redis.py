@@ -10,7 +10,7 @@ import functools
 import urllib.parse
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar, Protocol, Self
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -30,8 +30,10 @@ from kvtier.tiers.backend import (
     RemoteTierOptions,
     ValueBuffer,
 )
-from kvtier.tiers.redis_reads import get_into
+from kvtier.tiers.redis_reads import exists, get_into
 from kvtier.tiers.remote import RemoteTier
+
+_T = TypeVar("_T")
 
 _URL_SCHEMES = ("redis", "rediss", "unix")
 #: Longest ``ttl_s`` (ten years): Redis refuses expiry times past its clock's range.
@@ -163,6 +165,8 @@ class RedisBackend(Backend[RedisTierOptions]):
         return self.client.pipeline(transaction=False)
 
     def exists_many(self, names: Sequence[str]) -> list[Exists]:
+        if not self._cluster:
+            return self._on_connection(lambda connection: exists(connection, names))
         pipe = self._pipeline()
         for name in names:
             pipe.exists(name)
@@ -204,15 +208,21 @@ class RedisBackend(Backend[RedisTierOptions]):
     def _read(
         self, names: Sequence[str], buffers: Sequence[ValueBuffer], **split: Any
     ) -> list[Fetched]:
+        return self._on_connection(
+            lambda connection: get_into(connection, names, buffers, ttl_ms=self._ttl_ms, **split)
+        )
+
+    def _on_connection(self, call: Callable[[Any], _T]) -> _T:
+        """``call`` on a pooled connection (not a cluster's), retried as redis-py
+        retries its own commands: a failed attempt closed the connection, and
+        the next one reconnects."""
         pool = self.client.connection_pool
         connection = pool.get_connection()
         try:
-            # A failed attempt closed the connection; the next one reconnects.
-            replies: list[Fetched] = connection.retry.call_with_retry(
-                lambda: get_into(connection, names, buffers, ttl_ms=self._ttl_ms, **split),
-                lambda _error: None,
+            result: _T = connection.retry.call_with_retry(
+                lambda: call(connection), lambda _error: None
             )
-            return replies
+            return result
         finally:
             pool.release(connection)
 

@@ -1,8 +1,11 @@
-"""Pipelined ``GET``\\s read straight into buffers, for the ``redis`` tier's
-loads: each value is received with ``recv_into`` into a worker's buffer, or
-split between a header buffer and a slot, not copied into a fresh ``bytes``.
-A connection goes back to the pool only once every reply was read; on any
-error it is closed.
+"""The ``redis`` tier's reads, pipelined on one pooled connection without
+redis-py's pipeline: ``GET``\\s whose values are received with ``recv_into``
+into a worker's buffer, or split between a header buffer and a slot, not
+copied into a fresh ``bytes``; and ``EXISTS`` checks. Commands are packed
+here too: redis-py's packer costs about 4.6 µs a command, ten times this
+one, and a cold prefix of 2,048 chunks sends them twice (its checks, then
+its reads). A connection goes back to the pool only once every reply was
+read; on any error it is closed.
 """
 
 from __future__ import annotations
@@ -10,15 +13,17 @@ from __future__ import annotations
 import math
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.errors import CorruptChunkError
-from kvtier.tiers.backend import BackendSkipped, ReadCut
+from kvtier.tiers.backend import BackendSkipped, Fetched, ReadCut
 
 #: Per name: a view of the value in its buffer, ``None`` when absent, or that item's error.
 Reply = memoryview | None | BaseException
+
+_T = TypeVar("_T")
 
 _CRLF = b"\r\n"
 _LINE_READ = 4096
@@ -93,6 +98,18 @@ class _Replies:
         return not self._pending
 
 
+def pack(commands: Iterable[tuple[str | int, ...]]) -> bytes:
+    """``commands`` as RESP arrays of bulk strings, in one buffer (names
+    encoded as UTF-8, as redis-py's default encoder does)."""
+    parts: list[bytes] = []
+    for command in commands:
+        parts.append(b"*%d\r\n" % len(command))
+        for arg in command:
+            data = str(arg).encode()
+            parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
 def get_into(
     connection: Any,
     names: Sequence[str],
@@ -102,7 +119,7 @@ def get_into(
     payloads: Sequence[memoryview] | None = None,
     deadline: float = math.inf,
     touch: Callable[[], AbstractContextManager[bool]] = lambda: nullcontext(True),
-) -> list[Reply]:
+) -> list[Fetched]:
     """``GET`` each name into its buffer (then ``PEXPIRE`` them when ``ttl_ms``) in
     one round trip. With ``payloads``, a value is received split: the length of
     its buffer, then the rest into its payload. The replies are read within
@@ -111,29 +128,59 @@ def get_into(
     raises redis-py's ``ConnectionError`` or ``TimeoutError``; a value too long
     (split: not exactly as long) or not a string is that item's
     :class:`CorruptChunkError`, another server error its ``ResponseError``."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import ResponseError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    commands: list[tuple[Any, ...]] = [("GET", name) for name in names]
+    commands: list[tuple[str | int, ...]] = [("GET", name) for name in names]
     if ttl_ms is not None:
         commands += [("PEXPIRE", name, ttl_ms) for name in names]
     rests: Sequence[memoryview | None] = payloads or [None] * len(names)
-    if time.monotonic() >= deadline:  # a retry after the job was answered: send nothing
-        raise ReadCut("the job's deadline passed before its values were asked for")
-    try:
-        connection.send_packed_command(connection.pack_commands(commands), check_health=False)
-        replies = _Replies(connection._sock, deadline)
+
+    def read(replies: _Replies) -> list[Fetched]:
         with touch() as allowed:
             if not allowed:
                 raise ReadCut("the job was answered before its values were read")
-            results = [
+            results: list[Fetched] = [
                 _value(replies, memoryview(buffer), rest, ResponseError)
                 for buffer, rest in zip(buffers, rests, strict=True)
             ]
             if ttl_ms is not None:
                 for _ in names:  # :1, :0 (gone meanwhile) or an error: nothing to do
                     _skip_reply(replies, _reply_line(replies))
+        return results
+
+    return _exchange(connection, commands, deadline, read)
+
+
+def exists(connection: Any, names: Sequence[str]) -> list[bool | BaseException]:
+    """``EXISTS`` each name in one round trip: per name, whether it is there,
+    or that item's ``ResponseError``. A whole-batch failure as :func:`get_into`'s."""
+    from redis.exceptions import ResponseError
+
+    return _exchange(
+        connection,
+        [("EXISTS", name) for name in names],
+        math.inf,
+        lambda replies: [_present(replies, ResponseError) for _ in names],
+    )
+
+
+def _exchange(
+    connection: Any,
+    commands: list[tuple[str | int, ...]],
+    deadline: float,
+    read: Callable[[_Replies], _T],
+) -> _T:
+    """Send ``commands``, then ``read`` every reply; the connection is closed
+    on any error, which becomes redis-py's (or :class:`ReadCut`, past ``deadline``)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    if time.monotonic() >= deadline:  # a retry after the job was answered: send nothing
+        raise ReadCut("the job's deadline passed before its values were asked for")
+    try:
+        connection.send_packed_command([pack(commands)], check_health=False)
+        replies = _Replies(connection._sock, deadline)
+        result = read(replies)
         if not replies.clean:
             raise ConnectionError("the server sent more than was asked")
         replies.restore()
@@ -143,12 +190,12 @@ def get_into(
             raise
         if isinstance(exc, socket.timeout):
             if time.monotonic() >= deadline:
-                raise ReadCut(f"reading GET replies past the job's deadline: {exc}") from exc
-            raise RedisTimeoutError(f"reading GET replies: {exc}") from exc
+                raise ReadCut(f"reading replies past the job's deadline: {exc}") from exc
+            raise RedisTimeoutError(f"reading replies: {exc}") from exc
         if isinstance(exc, (OSError, ValueError)):
-            raise RedisConnectionError(f"reading GET replies: {exc}") from exc
+            raise RedisConnectionError(f"reading replies: {exc}") from exc
         raise
-    return results
+    return result
 
 
 def _reply_line(replies: _Replies) -> bytes:
@@ -200,7 +247,20 @@ def _split_value(replies: _Replies, length: int, out: memoryview, rest: memoryvi
     return rest
 
 
-def _error(replies: _Replies, kind: bytes, rest: bytes, error_class: type[Exception]) -> Reply:
+def _present(replies: _Replies, error_class: type[Exception]) -> bool | BaseException:
+    """The next ``EXISTS`` reply (of one name: ``:1`` or ``:0``), or the item's error."""
+    line = _reply_line(replies)
+    kind, rest = line[:1], line[1:]
+    if kind == b":":
+        return int(rest) > 0
+    if kind in (b"-", b"!"):
+        return _error(replies, kind, rest, error_class)
+    raise ConnectionError(f"unexpected reply to EXISTS: {line[:40]!r}")
+
+
+def _error(
+    replies: _Replies, kind: bytes, rest: bytes, error_class: type[Exception]
+) -> BaseException:
     """The item error an error reply stands for: simple, or (RESP3) with a length."""
     if kind == b"!":
         message_bytes = bytearray(int(rest))

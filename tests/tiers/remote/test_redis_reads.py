@@ -13,7 +13,7 @@ redis = pytest.importorskip("redis")
 
 from kvtier.errors import CorruptChunkError  # noqa: E402
 from kvtier.tiers.backend import ReadCut  # noqa: E402
-from kvtier.tiers.redis_reads import get_into  # noqa: E402
+from kvtier.tiers.redis_reads import exists, get_into, pack  # noqa: E402
 
 
 class ScriptedConnection:
@@ -24,9 +24,6 @@ class ScriptedConnection:
         self.answer, self.then_close = answer, then_close
         self.sent = b""
         self.disconnected = False
-
-    def pack_commands(self, commands: list[tuple[Any, ...]]) -> list[bytes]:
-        return [" ".join(map(str, command)).encode() for command in commands]
 
     def send_packed_command(self, packed: list[bytes], check_health: bool = True) -> None:
         self.sent = b"\n".join(packed)
@@ -63,6 +60,43 @@ def test_pushes_nulls_and_errors_are_told_apart_from_values() -> None:
     assert buffers[0] == b"abcd" and buffers[5] == bytearray(4)
     assert connection.sent.count(b"PEXPIRE") == 6
     assert not connection.disconnected  # every reply read: the connection is reusable
+
+
+def test_commands_are_packed_as_redis_py_packs_them() -> None:
+    commands: list[tuple[str | int, ...]] = [
+        ("GET", "kvtier:0123abcd"),
+        ("PEXPIRE", "kvtier:0123abcd", 86_400_000),
+        ("EXISTS", "préfixe:ключ"),  # a key prefix need not be ASCII
+        ("EXISTS", ""),
+    ]
+    packer = redis.Redis().connection_pool.make_connection()
+    assert pack(commands) == b"".join(packer.pack_commands(commands))
+
+
+def test_existence_replies_pushes_and_item_errors() -> None:
+    answer = (
+        b":1\r\n"
+        b">2\r\n+invalidate\r\n*1\r\n$1\r\nk\r\n:0\r\n"  # a RESP3 push first
+        b"-NOPERM this user has no permissions to access one of the keys\r\n"
+        b"!7\r\nERR bad\r\n"
+    )
+    connection = ScriptedConnection(answer)
+    found = exists(connection, ["a", "b", "c", "d"])
+    assert found[:2] == [True, False]
+    assert isinstance(found[2], redis.exceptions.ResponseError) and "NOPERM" in str(found[2])
+    assert isinstance(found[3], redis.exceptions.ResponseError) and "ERR bad" in str(found[3])
+    assert connection.sent.count(b"EXISTS") == 4
+    assert not connection.disconnected
+
+
+@pytest.mark.parametrize(
+    "answer", [b"$1\r\nx\r\n", b":1\r\n:1\r\n", b":1"], ids=["a value", "one too many", "cut"]
+)
+def test_an_existence_reply_out_of_place_fails_the_batch(answer: bytes) -> None:
+    connection = ScriptedConnection(answer, then_close=True)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        exists(connection, ["a"])
+    assert connection.disconnected
 
 
 def test_a_reply_cut_short_fails_the_batch_and_closes_the_connection() -> None:
