@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 from kvtier.errors import CorruptChunkError
-from kvtier.tiers.backend import BackendSkipped, Fetched, ReadCut
+from kvtier.tiers.backend import BackendSkipped, Exists, Fetched, ReadCut
 
 #: Per name: a view of the value in its buffer, ``None`` when absent, or that item's error.
 Reply = memoryview | None | BaseException
@@ -151,7 +151,7 @@ def get_into(
     return _exchange(connection, commands, deadline, read)
 
 
-def exists(connection: Any, names: Sequence[str]) -> list[bool | BaseException]:
+def exists(connection: Any, names: Sequence[str]) -> list[Exists]:
     """``EXISTS`` each name in one round trip: per name, whether it is there,
     or that item's ``ResponseError``. A whole-batch failure as :func:`get_into`'s."""
     from redis.exceptions import ResponseError
@@ -247,7 +247,7 @@ def _split_value(replies: _Replies, length: int, out: memoryview, rest: memoryvi
     return rest
 
 
-def _present(replies: _Replies, error_class: type[Exception]) -> bool | BaseException:
+def _present(replies: _Replies, error_class: type[Exception]) -> Exists:
     """The next ``EXISTS`` reply (of one name: ``:1`` or ``:0``), or the item's error."""
     line = _reply_line(replies)
     kind, rest = line[:1], line[1:]
