@@ -125,9 +125,9 @@ class RawRedis:
         from redis._parsers.encoders import Encoder
         from redis.connection import PythonRespSerializer
 
-        # Commands packed as kvtier's redis tier packs them: large values
-        # handed to the socket as they are (redis-py's hiredis packer copies
-        # each twice); replies parsed by hiredis where it is installed.
+        # redis-py's Python packer, which sends large values as they are, as
+        # kvtier's redis tier does (redis-py's hiredis packer copies each
+        # twice); replies parsed by hiredis where it is installed.
         packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
         pool = redis.BlockingConnectionPool.from_url(url, command_packer=packer)
         self.client = redis.Redis(connection_pool=pool)

@@ -6,7 +6,6 @@ See docs/shared-tiers.md for batching, outages and eviction.
 
 from __future__ import annotations
 
-import functools
 import urllib.parse
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -30,7 +29,7 @@ from kvtier.tiers.backend import (
     RemoteTierOptions,
     ValueBuffer,
 )
-from kvtier.tiers.redis_reads import exists, get_into
+from kvtier.tiers.redis_wire import exists, get_into, set_many
 from kvtier.tiers.remote import RemoteTier
 
 _T = TypeVar("_T")
@@ -180,9 +179,15 @@ class RedisBackend(Backend[RedisTierOptions]):
         return self._set_many(names, values)
 
     def put_framed(self, names: Sequence[str], values: Sequence[FramedValue]) -> PutErrors:
-        return self._set_many(names, values)  # see _framed_serializer_class
+        return self._set_many(names, values)
 
-    def _set_many(self, names: Sequence[str], values: Sequence[object]) -> PutErrors:
+    def _set_many(
+        self, names: Sequence[str], values: Sequence[ValueBuffer | FramedValue]
+    ) -> PutErrors:
+        if not self._cluster:
+            return self._on_connection(
+                lambda connection: set_many(connection, names, values, ttl_ms=self._ttl_ms)
+            )
         pipe = self._pipeline()
         for name, value in zip(names, values, strict=True):
             pipe.set(name, value, px=self._ttl_ms)
@@ -190,7 +195,7 @@ class RedisBackend(Backend[RedisTierOptions]):
         return [reply if isinstance(reply, BaseException) else None for reply in replies]
 
     def get_many(self, names: Sequence[str]) -> list[Fetched]:
-        """Values received straight into this worker's buffers (see :mod:`.redis_reads`)."""
+        """Values received straight into this worker's buffers (see :mod:`.redis_wire`)."""
         if self._cluster:
             return self._get_pipelined(names)
         return self._read(names, self.runtime.scratch_values(len(names))[: len(names)])
@@ -404,61 +409,7 @@ def redis_client(options: RedisTarget) -> Any:
         timeout=options.socket_timeout_s,
         **common,
     )
-    pool.connection_class = _sending_values_in_place(pool.connection_class)
     return redis.Redis(connection_pool=pool)
-
-
-@functools.cache
-def _sending_values_in_place(connection_class: type) -> type:
-    """``connection_class`` packing commands with redis-py's Python packer (see
-    :func:`_framed_serializer_class`).
-
-    With ``hiredis`` installed redis-py packs every command with it, which
-    copies a value twice (``bytes()`` of a buffer, then into one command
-    string) at about 1 GB/s with the interpreter lock held: slower than the
-    server takes values. redis-py's pure-Python packer hands a large value
-    to ``sendall`` as it is, no copy at all; replies are still parsed by
-    ``hiredis``.
-    """
-
-    def _construct_command_packer(self: Any, packer: Any) -> Any:
-        if packer is not None:
-            return packer
-        return _framed_serializer_class()(self._buffer_cutoff, self.encoder.encode)
-
-    return type(
-        f"InPlace{connection_class.__name__}",
-        (connection_class,),
-        {"_construct_command_packer": _construct_command_packer},
-    )
-
-
-@functools.cache
-def _framed_serializer_class() -> type:
-    from redis.connection import PythonRespSerializer
-
-    class FramedSerializer(PythonRespSerializer):
-        """redis-py's Python packer, which also takes a :class:`FramedValue`
-        argument: one bulk string sent as its header, then its payload as it
-        lies in the slot (redis-py sends a memoryview piece by itself)."""
-
-        def pack(self, *args: Any) -> list[bytes | memoryview]:
-            at = next((i for i, arg in enumerate(args) if isinstance(arg, FramedValue)), None)
-            if at is None:  # every command but a store's SET: as redis-py packs it
-                packed: list[bytes | memoryview] = super().pack(*args)
-                return packed
-            header, payload = args[at]
-            pieces: list[bytes | memoryview] = super().pack(*args[:at], payload, *args[at + 1 :])
-            index = next(i for i, piece in enumerate(pieces) if piece is payload)
-            length = b"$%d\r\n" % len(payload)
-            before = pieces[index - 1]
-            if not isinstance(before, bytes) or not before.endswith(length):
-                raise RuntimeError("redis-py packed a bulk string in an unknown way")
-            total = b"$%d\r\n" % (len(header) + len(payload))
-            pieces[index - 1] = before[: -len(length)] + total + header
-            return pieces
-
-    return FramedSerializer
 
 
 def _target(options: RedisTierOptions) -> str:

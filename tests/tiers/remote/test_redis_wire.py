@@ -1,4 +1,5 @@
-"""Replies of pipelined GETs read into buffers, against scripted server bytes."""
+"""Pipelined GETs, EXISTS and SETs against scripted server bytes: what is sent, and
+how the replies are read."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 redis = pytest.importorskip("redis")
 
 from kvtier.errors import CorruptChunkError  # noqa: E402
-from kvtier.tiers.backend import ReadCut  # noqa: E402
-from kvtier.tiers.redis_reads import exists, get_into, pack  # noqa: E402
+from kvtier.tiers.backend import FramedValue, ReadCut  # noqa: E402
+from kvtier.tiers.redis_wire import exists, get_into, pack, set_many  # noqa: E402
 
 
 class ScriptedConnection:
@@ -23,10 +24,14 @@ class ScriptedConnection:
         self._sock, self.server = socket.socketpair()
         self.answer, self.then_close = answer, then_close
         self.sent = b""
+        self.pieces: list[bytes | memoryview] = []
         self.disconnected = False
 
-    def send_packed_command(self, packed: list[bytes], check_health: bool = True) -> None:
-        self.sent = b"\n".join(packed)
+    def send_packed_command(
+        self, packed: list[bytes | memoryview], check_health: bool = True
+    ) -> None:
+        self.pieces = packed
+        self.sent = b"".join(packed)
         self.server.sendall(self.answer)
         if self.then_close:
             self.server.close()
@@ -55,7 +60,7 @@ def test_pushes_nulls_and_errors_are_told_apart_from_values() -> None:
     assert replies[1] is None and replies[2] is None
     assert isinstance(replies[3], CorruptChunkError)
     assert isinstance(replies[4], redis.exceptions.ResponseError)
-    assert "ERR other" in str(replies[4])
+    assert "other" in str(replies[4])
     assert isinstance(replies[5], CorruptChunkError)  # 7 bytes where a chunk has 4
     assert buffers[0] == b"abcd" and buffers[5] == bytearray(4)
     assert connection.sent.count(b"PEXPIRE") == 6
@@ -63,14 +68,31 @@ def test_pushes_nulls_and_errors_are_told_apart_from_values() -> None:
 
 
 def test_commands_are_packed_as_redis_py_packs_them() -> None:
-    commands: list[tuple[str | int, ...]] = [
+    payload = bytearray(range(256)) * 64  # long: sent from where it lies
+    header = b"H" * 48
+    commands: list[tuple[Any, ...]] = [
         ("GET", "kvtier:0123abcd"),
         ("PEXPIRE", "kvtier:0123abcd", 86_400_000),
         ("EXISTS", "préfixe:ключ"),  # a key prefix need not be ASCII
         ("EXISTS", ""),
+        ("SET", "kvtier:a", FramedValue(header, memoryview(payload)), "PX", 500),
+        ("SET", "kvtier:b", memoryview(payload)[:100]),  # short: copied into the buffer
+        ("SET", "kvtier:c", bytes(payload)),
+        ("SET", "kvtier:d", FramedValue(header, memoryview(payload)[:10])),
+    ]
+    as_redis_py = [
+        tuple(bytes(a.header) + bytes(a.payload) if isinstance(a, FramedValue) else a for a in c)
+        for c in commands
     ]
     packer = redis.Redis().connection_pool.make_connection()
-    assert pack(commands) == b"".join(packer.pack_commands(commands))
+    packed = pack(commands)
+    assert b"".join(packed) == b"".join(packer.pack_commands(as_redis_py))
+    # The long payloads are sent apart, the first two with no copy at all.
+    apart = [piece for piece in packed if isinstance(piece, memoryview)]
+    assert [len(piece) for piece in apart] == [len(payload)] * 2
+    assert apart[0].obj is payload
+    # The small parts between them are joined: no send a name or a number.
+    assert len(packed) == 2 * len(apart) + 1
 
 
 def test_existence_replies_pushes_and_item_errors() -> None:
@@ -83,8 +105,8 @@ def test_existence_replies_pushes_and_item_errors() -> None:
     connection = ScriptedConnection(answer)
     found = exists(connection, ["a", "b", "c", "d"])
     assert found[:2] == [True, False]
-    assert isinstance(found[2], redis.exceptions.ResponseError) and "NOPERM" in str(found[2])
-    assert isinstance(found[3], redis.exceptions.ResponseError) and "ERR bad" in str(found[3])
+    assert isinstance(found[2], redis.exceptions.NoPermissionError)  # as redis-py tells it
+    assert isinstance(found[3], redis.exceptions.ResponseError) and "bad" in str(found[3])
     assert connection.sent.count(b"EXISTS") == 4
     assert not connection.disconnected
 
@@ -96,6 +118,37 @@ def test_an_existence_reply_out_of_place_fails_the_batch(answer: bytes) -> None:
     connection = ScriptedConnection(answer, then_close=True)
     with pytest.raises(redis.exceptions.ConnectionError):
         exists(connection, ["a"])
+    assert connection.disconnected
+
+
+def test_write_replies_pushes_and_item_errors_as_redis_py_tells_them() -> None:
+    answer = (
+        b"+OK\r\n"
+        b">2\r\n+invalidate\r\n*1\r\n$1\r\nk\r\n+OK\r\n"  # a RESP3 push first
+        b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"
+        b"-READONLY You can't write against a read only replica.\r\n"
+        b"-NOPERM this user has no permissions to access one of the keys\r\n"
+        b"!7\r\nERR bad\r\n"
+    )
+    connection = ScriptedConnection(answer)
+    names = ["a", "b", "c", "d", "e", "f"]
+    errors = set_many(connection, names, [b"v"] * len(names), ttl_ms=250)
+    assert errors[:2] == [None, None]
+    assert isinstance(errors[2], redis.exceptions.OutOfMemoryError)
+    assert isinstance(errors[3], redis.exceptions.ReadOnlyError)
+    assert isinstance(errors[4], redis.exceptions.NoPermissionError)
+    assert type(errors[5]) is redis.exceptions.ResponseError and "bad" in str(errors[5])
+    assert connection.sent.count(b"$2\r\nPX\r\n$3\r\n250\r\n") == len(names)
+    assert not connection.disconnected
+
+
+@pytest.mark.parametrize(
+    "answer", [b"$1\r\nx\r\n", b"+OK\r\n+OK\r\n", b"+O"], ids=["a value", "one too many", "cut"]
+)
+def test_a_write_reply_out_of_place_fails_the_batch(answer: bytes) -> None:
+    connection = ScriptedConnection(answer, then_close=True)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        set_many(connection, ["a"], [b"v"], ttl_ms=None)
     assert connection.disconnected
 
 

@@ -1,11 +1,12 @@
-"""The ``redis`` tier's reads, pipelined on one pooled connection without
+"""The ``redis`` tier's commands on one pooled connection, pipelined without
 redis-py's pipeline: ``GET``\\s whose values are received with ``recv_into``
 into a worker's buffer, or split between a header buffer and a slot, not
-copied into a fresh ``bytes``; and ``EXISTS`` checks. Commands are packed
-here too: redis-py's packer costs about 4.6 µs a command, ten times this
-one, and a cold prefix of 2,048 chunks sends them twice (its checks, then
-its reads). A connection goes back to the pool only once every reply was
-read; on any error it is closed.
+copied into a fresh ``bytes``; ``EXISTS`` checks; and ``SET``\\s whose values
+are sent as they lie in their slots. Commands are packed here too:
+redis-py's packer costs about 4.6 µs a command, ten times this one, and a
+cold prefix of 2,048 chunks sends them twice (its checks, then its reads).
+A connection goes back to the pool only once every reply was read; on any
+error it is closed. Errors are classified as redis-py classifies them.
 """
 
 from __future__ import annotations
@@ -18,10 +19,15 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 from kvtier.errors import CorruptChunkError
-from kvtier.tiers.backend import BackendSkipped, Exists, Fetched, ReadCut
+from kvtier.tiers.backend import BackendSkipped, Exists, Fetched, FramedValue, PutErrors, ReadCut
 
 #: Per name: a view of the value in its buffer, ``None`` when absent, or that item's error.
 Reply = memoryview | None | BaseException
+
+#: A command's argument: a name or a number, or a value (sent as it lies when long).
+Argument = str | int | bytes | bytearray | memoryview | FramedValue
+#: Packed commands: buffers to send one after the other.
+Packed = list[bytes | memoryview]
 
 _T = TypeVar("_T")
 
@@ -29,6 +35,9 @@ _CRLF = b"\r\n"
 _LINE_READ = 4096
 #: Longer than any reply line these commands get (a length, an error message).
 _LINE_LIMIT = 1 << 16
+#: Values at least this long are sent from where they lie, not copied into
+#: the packed buffer (redis-py's own cut-off between the two).
+_SEND_APART = 6000
 
 
 class _Replies:
@@ -98,16 +107,45 @@ class _Replies:
         return not self._pending
 
 
-def pack(commands: Iterable[tuple[str | int, ...]]) -> bytes:
-    """``commands`` as RESP arrays of bulk strings, in one buffer (names
-    encoded as UTF-8, as redis-py's default encoder does)."""
+def pack(commands: Iterable[tuple[Argument, ...]]) -> Packed:
+    """``commands`` as RESP arrays of bulk strings: names encoded as UTF-8, as
+    redis-py's default encoder does, and every part joined into one buffer
+    but long values, sent apart from where they lie (a :class:`FramedValue`
+    as one bulk string: its header, then its payload)."""
+    packed: Packed = []
     parts: list[bytes] = []
     for command in commands:
         parts.append(b"*%d\r\n" % len(command))
         for arg in command:
-            data = str(arg).encode()
-            parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return b"".join(parts)
+            if isinstance(arg, (str, int)):
+                data = str(arg).encode()
+                parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+                continue
+            header, payload = arg if isinstance(arg, FramedValue) else (b"", arg)
+            parts.append(b"$%d\r\n%b" % (len(header) + len(payload), header))
+            if len(payload) < _SEND_APART:
+                parts.append(bytes(payload))
+            else:
+                packed += (b"".join(parts), memoryview(payload))
+                parts = []
+            parts.append(_CRLF)
+    packed.append(b"".join(parts))
+    return packed
+
+
+def set_many(
+    connection: Any, names: Sequence[str], values: Sequence[Argument], *, ttl_ms: int | None
+) -> PutErrors:
+    """``SET`` each name to its value (to live ``ttl_ms``) in one round trip:
+    per name, ``None`` or that item's error (redis-py's class: ``OutOfMemoryError``,
+    ``ReadOnlyError``, ...). A whole-batch failure as :func:`get_into`'s."""
+    expiry: tuple[str | int, ...] = () if ttl_ms is None else ("PX", ttl_ms)
+    return _exchange(
+        connection,
+        [("SET", name, value, *expiry) for name, value in zip(names, values, strict=True)],
+        math.inf,
+        lambda replies: [_written(replies) for _ in names],
+    )
 
 
 def get_into(
@@ -128,9 +166,8 @@ def get_into(
     raises redis-py's ``ConnectionError`` or ``TimeoutError``; a value too long
     (split: not exactly as long) or not a string is that item's
     :class:`CorruptChunkError`, another server error its ``ResponseError``."""
-    from redis.exceptions import ResponseError
 
-    commands: list[tuple[str | int, ...]] = [("GET", name) for name in names]
+    commands: list[tuple[Argument, ...]] = [("GET", name) for name in names]
     if ttl_ms is not None:
         commands += [("PEXPIRE", name, ttl_ms) for name in names]
     rests: Sequence[memoryview | None] = payloads or [None] * len(names)
@@ -140,7 +177,7 @@ def get_into(
             if not allowed:
                 raise ReadCut("the job was answered before its values were read")
             results: list[Fetched] = [
-                _value(replies, memoryview(buffer), rest, ResponseError)
+                _value(replies, memoryview(buffer), rest)
                 for buffer, rest in zip(buffers, rests, strict=True)
             ]
             if ttl_ms is not None:
@@ -154,19 +191,17 @@ def get_into(
 def exists(connection: Any, names: Sequence[str]) -> list[Exists]:
     """``EXISTS`` each name in one round trip: per name, whether it is there,
     or that item's ``ResponseError``. A whole-batch failure as :func:`get_into`'s."""
-    from redis.exceptions import ResponseError
-
     return _exchange(
         connection,
         [("EXISTS", name) for name in names],
         math.inf,
-        lambda replies: [_present(replies, ResponseError) for _ in names],
+        lambda replies: [_present(replies) for _ in names],
     )
 
 
 def _exchange(
     connection: Any,
-    commands: list[tuple[str | int, ...]],
+    commands: list[tuple[Argument, ...]],
     deadline: float,
     read: Callable[[_Replies], _T],
 ) -> _T:
@@ -178,7 +213,7 @@ def _exchange(
     if time.monotonic() >= deadline:  # a retry after the job was answered: send nothing
         raise ReadCut("the job's deadline passed before its values were asked for")
     try:
-        connection.send_packed_command([pack(commands)], check_health=False)
+        connection.send_packed_command(pack(commands), check_health=False)
         replies = _Replies(connection._sock, deadline)
         result = read(replies)
         if not replies.clean:
@@ -207,9 +242,7 @@ def _reply_line(replies: _Replies) -> bytes:
     return line
 
 
-def _value(
-    replies: _Replies, out: memoryview, rest: memoryview | None, error_class: type[Exception]
-) -> Reply:
+def _value(replies: _Replies, out: memoryview, rest: memoryview | None) -> Reply:
     """The next ``GET`` reply: the value received into ``out`` (``rest``: the
     part past ``out`` into it, which it returns), ``None``, or the item's error."""
     line = _reply_line(replies)
@@ -231,7 +264,7 @@ def _value(
     if kind == b"_":  # RESP3's null
         return None
     if kind in (b"-", b"!"):
-        return _error(replies, kind, rest_of_line, error_class)
+        return _error(replies, kind, rest_of_line)
     raise ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
 
 
@@ -247,21 +280,32 @@ def _split_value(replies: _Replies, length: int, out: memoryview, rest: memoryvi
     return rest
 
 
-def _present(replies: _Replies, error_class: type[Exception]) -> Exists:
+def _present(replies: _Replies) -> Exists:
     """The next ``EXISTS`` reply (of one name: ``:1`` or ``:0``), or the item's error."""
     line = _reply_line(replies)
     kind, rest = line[:1], line[1:]
     if kind == b":":
         return int(rest) > 0
     if kind in (b"-", b"!"):
-        return _error(replies, kind, rest, error_class)
+        return _error(replies, kind, rest)
     raise ConnectionError(f"unexpected reply to EXISTS: {line[:40]!r}")
 
 
-def _error(
-    replies: _Replies, kind: bytes, rest: bytes, error_class: type[Exception]
-) -> BaseException:
+def _written(replies: _Replies) -> BaseException | None:
+    """The next ``SET`` reply: ``None`` once written, or the item's error."""
+    line = _reply_line(replies)
+    kind, rest = line[:1], line[1:]
+    if kind == b"+":
+        return None
+    if kind in (b"-", b"!"):
+        return _error(replies, kind, rest)
+    raise ConnectionError(f"unexpected reply to SET: {line[:40]!r}")
+
+
+def _error(replies: _Replies, kind: bytes, rest: bytes) -> BaseException:
     """The item error an error reply stands for: simple, or (RESP3) with a length."""
+    from redis._parsers import BaseParser
+
     if kind == b"!":
         message_bytes = bytearray(int(rest))
         replies.into(memoryview(message_bytes))
@@ -270,7 +314,8 @@ def _error(
     message = rest.decode("utf-8", "replace")
     if message.startswith("WRONGTYPE"):
         return CorruptChunkError(f"the value is not a string: {message}")
-    return error_class(message)
+    error: BaseException = BaseParser.parse_error(message)  # OOM, NOPERM, ... as redis-py's
+    return error
 
 
 def _skip_elements(replies: _Replies, count: int) -> None:
