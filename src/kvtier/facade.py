@@ -12,7 +12,7 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -305,13 +305,20 @@ class KVCache:
                 return 0
             slot_rows = self.manager.primary.buffer.array
             try:
-                # One loop per kind of source: no test of it per chunk.
-                if rows is not None:
-                    for index, slot in _positions(keys, reserved):
-                        slot_rows[slot] = rows[index]
-                else:
-                    for index, slot in _positions(keys, reserved):
+                indexes = _positions(keys, reserved)
+                slots = list(reserved.values())
+                if rows is None:
+                    for index, slot in zip(indexes, slots, strict=True):
                         src(index, slot_rows[slot])  # type: ignore[operator]
+                elif len(slots) == 1:  # a call less
+                    slot_rows[slots[0]] = rows[indexes[0]]
+                else:
+                    # One copy for every chunk, the interpreter lock given up
+                    # once (see copy_out); a run of rows is a view, not a copy.
+                    if isinstance(indexes, range):
+                        slot_rows[slots] = rows[indexes.start : indexes.stop]
+                    else:
+                        slot_rows[slots] = rows[indexes]
             except BaseException:
                 self.manager.complete_store(reserved.keys(), success=False)
                 raise
@@ -483,15 +490,13 @@ class KVCache:
         self.close()
 
 
-def _positions(
-    keys: Sequence[ChunkKey], reserved: Mapping[ChunkKey, int]
-) -> Iterable[tuple[int, int]]:
-    """``(index in keys, slot)`` of each reserved key (reserved in the order of ``keys``).
+def _positions(keys: Sequence[ChunkKey], reserved: Mapping[ChunkKey, int]) -> range | list[int]:
+    """Where in ``keys`` each reserved key is (reserved in the order of ``keys``).
 
     Most stores reserve a run of chunks to the end of the prompt (those past
-    the cached prefix): then the indexes are a range, with no lookup per key.
+    the cached prefix): then a range, with no lookup per key.
     """
     start = keys.index(next(iter(reserved)))
     if len(keys) - start == len(reserved):
-        return zip(range(start, len(keys)), reserved.values(), strict=True)
-    return ((index, reserved[key]) for index, key in enumerate(keys) if key in reserved)
+        return range(start, len(keys))
+    return [index for index, key in enumerate(keys) if key in reserved]

@@ -63,8 +63,15 @@ def copy_out(
             out(index, slot_rows[slot])
         return
     rows = chunk_rows(out, start + len(slots), cache.layout, "out", writable=True)
-    for index, slot in enumerate(slots, start):
-        rows[index] = slot_rows[slot]
+    if len(slots) == 1:  # most loads of a request's new tokens: a call less
+        rows[start] = slot_rows[slots[0]]
+    elif slots:
+        # One call for every chunk, so the interpreter lock is given up once:
+        # a loop would give it up for each chunk's copy and, beside a thread
+        # running Python (an engine's, or the tier's workers), wait a switch
+        # interval (5 ms) to get it back each time. "clip": numpy copies into
+        # ``out`` directly (pinned slots are always in range).
+        np.take(slot_rows, slots, axis=0, out=rows[start : start + len(slots)], mode="clip")
 
 
 class HeldPrefix:

@@ -81,6 +81,49 @@ def test_store_takes_rows_of_bytes_or_of_the_layout_shape_and_dtype(
     np.testing.assert_array_equal(out.view(np.uint8).reshape(4, -1), data)
 
 
+# store and load: each chunk's bytes in its own slot and row -----------------
+
+
+@pytest.mark.parametrize(
+    "resident",
+    [[], [0], [0, 1, 2], [0, 2], [1, 3]],
+    ids=["none", "a-run-after", "one-after", "holes", "holes-from-the-start"],
+)
+@pytest.mark.parametrize("kind", ["array", "copier"])
+def test_a_store_puts_each_new_chunk_in_its_own_slot_around_resident_ones(
+    cache: KVCache, data: np.ndarray, resident: list[int], kind: str
+) -> None:
+    keys = cache.keys(TOKENS)
+    if resident:  # those chunks alone, by their keys
+        stored = cache.store(cache.chunks([keys[i] for i in resident]), data[resident])
+        assert stored == len(resident)
+
+    def copier(index: int, slot: np.ndarray) -> None:
+        slot[:] = data[index]
+
+    assert cache.store(TOKENS, data if kind == "array" else copier) == 4 - len(resident)
+    out = np.zeros_like(data)
+    assert cache.load(TOKENS, 16, out) == 16
+    np.testing.assert_array_equal(out, data)
+    for index in (3, 1):  # one chunk a load: each row from its own slot
+        one = np.zeros((1, LAYOUT.slot_bytes), np.uint8)
+        assert cache.load(cache.chunks([keys[index]]), 4, one) == 4
+        np.testing.assert_array_equal(one[0], data[index])
+
+
+def test_load_prefix_copies_later_chunks_into_their_own_rows(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    cache.store(TOKENS, data)
+    cache.drain()  # every chunk in the memory tier too
+    cache.reset()
+    cache.store(TOKENS[:8], data[:2])  # the first two in the CPU tier, the others promoted
+    out = np.zeros_like(data)
+    assert cache.load_prefix(TOKENS, out) == 16
+    np.testing.assert_array_equal(out, data)
+    assert cache.manager.primary.busy_counts()["pinned"] == 0
+
+
 # load: never more than was there, never past the tokens given ----------------
 
 

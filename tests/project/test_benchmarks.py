@@ -409,3 +409,17 @@ def test_bench_look_cost_reports_every_figure_for_kvtier_and_its_baseline() -> N
         assert all(value > 0 for value in out["p50"][name].values())
     ratios = out["baseline_over_kvtier"]
     assert set(ratios) == figures and all(len(r) == 1 and r[0] > 0 for r in ratios.values())
+
+
+def test_bench_busy_copies_reports_every_figure_for_kvtier_and_its_baseline() -> None:
+    out = run_quick("bench_busy_copies.py", "--baseline-src", str(ROOT / "src"))
+    assert (out["size"], out["pairs"]) == (8 << 20, 1)
+    moves = {f"{move}_{when}" for move in ("store", "load") for when in ("alone", "busy")}
+    figures = {f"{move}_s" for move in moves} | {"raw_alone_s", "raw_busy_s"}
+    for name in ("kvtier", "baseline"):
+        assert set(out["p50"][name]) == figures
+        assert all(seconds > 0 for seconds in out["p50"][name].values())
+        assert set(out["over_raw"][name]) == moves
+    ratios = out["baseline_over_kvtier"]
+    assert set(ratios) == {f"{move}_s" for move in moves}
+    assert all(len(r) == 1 and r[0] > 0 for r in ratios.values())

@@ -1,0 +1,221 @@
+"""A prefix copied into and out of kvtier's CPU tier, alone and beside a
+thread that runs Python without pause (an engine's busy loop, say).
+
+Per kvtier (``--baseline-src`` runs an older kvtier's src alike, the two
+taking turns going first), each in a process of its own per pair, the
+median over ``--rounds`` of:
+
+* ``store``: :meth:`KVCache.store` of a ``--size`` prefix from an array
+  (chunks of ``--chunk``) into free CPU slots;
+* ``load``: :meth:`KVCache.load_prefix` of the same prefix, all CPU hits,
+  into an array;
+* ``raw``: one numpy copy of as many bytes, the floor of both;
+
+each ``alone`` and ``busy``: beside a thread counting in a Python loop.
+The busy figures show what a copy that gives up the interpreter lock once
+per chunk pays: it waits for the lock to come back, up to the switch
+interval (5 ms), at every chunk. Reports seconds (medians over pairs),
+kvtier ÷ raw, and with a baseline, baseline ÷ kvtier per pair (above 1:
+this one is faster).
+
+Run: ``python benchmarks/bench_busy_copies.py [--size 256MiB] [--chunk 1MiB]
+[--pairs 3] [--baseline-src DIR] [--json]``; ``--quick``: 8 MiB, one pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench_cold import parse_size
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+MOVES = ("store", "load", "raw")
+FIGURES = tuple(f"{move}_{when}_s" for move in MOVES for when in ("alone", "busy"))
+
+
+@contextmanager
+def busy(on: bool) -> Iterator[None]:
+    """A thread that runs Python without pause while the block runs (``on``)."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        count = 0
+        while not stop.is_set():
+            count += 1
+
+    thread = threading.Thread(target=spin, daemon=True)
+    if on:
+        thread.start()
+        time.sleep(0.01)  # running before the timed part starts
+    try:
+        yield
+    finally:
+        stop.set()
+        if on:
+            thread.join()
+
+
+def timed(
+    call: Callable[[], object],
+    rounds: int,
+    busy_thread: bool,
+    before: Callable[[], object] = lambda: None,
+) -> float:
+    """Median seconds of ``call`` (``before`` it, untimed) over ``rounds``,
+    with or without a busy thread."""
+    seconds = []
+    with busy(busy_thread):
+        for _ in range(rounds):
+            before()
+            started = time.perf_counter()
+            call()
+            seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def child(args: argparse.Namespace) -> dict[str, float]:
+    """This kvtier's figures, in this process."""
+    import numpy as np
+
+    from kvtier import KVCache, KVLayout
+
+    chunks = args.size // args.chunk
+    # One token a chunk, of the chunk's bytes: fp16 K and V, one layer, one head.
+    layout = KVLayout(
+        model_id="bench-busy-copies",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=args.chunk // 4,
+        dtype="float16",
+        chunk_tokens=1,
+    )
+    rows = np.random.default_rng(7).integers(0, 256, (chunks, layout.slot_bytes), dtype=np.uint8)
+    out = np.ones_like(rows)
+    tokens = list(range(chunks))
+    config = {"chunk_tokens": 1, "cpu_bytes_to_use": 2 * args.size}
+    figures: dict[str, float] = {}
+    with KVCache(config, layout) as cache:
+        cache.manager.primary.buffer.wait_populated()
+
+        def store() -> None:
+            if cache.store(tokens, rows) != chunks:
+                raise SystemExit("the prefix was not stored whole")
+
+        def load() -> None:
+            if cache.load_prefix(tokens, out) != chunks:
+                raise SystemExit("the prefix was not loaded whole")
+
+        def raw() -> None:
+            np.copyto(out, rows)
+
+        for when in ("alone", "busy"):
+            figures[f"store_{when}_s"] = timed(store, args.rounds, when == "busy", cache.reset)
+            figures[f"load_{when}_s"] = timed(load, args.rounds, when == "busy")
+            if not np.array_equal(out, rows):
+                raise SystemExit("a loaded byte differs from the stored one")
+            figures[f"raw_{when}_s"] = timed(raw, args.rounds, when == "busy")
+    return figures
+
+
+def run_child(src: Path, args: argparse.Namespace) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    command = [sys.executable, str(Path(__file__).resolve()), "--child"]
+    for option in ("size", "chunk", "rounds"):
+        command += [f"--{option}", str(getattr(args, option))]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the run of {src} failed:\n{done.stderr}")
+    figures: dict[str, float] = json.loads(done.stdout)
+    return figures
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    sources = {"kvtier": SRC}
+    if args.baseline_src is not None:
+        sources["baseline"] = args.baseline_src.resolve()
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
+    for pair in range(args.pairs):
+        order = list(sources) if pair % 2 == 0 else list(reversed(sources))
+        for name in order:
+            runs[name].append(run_child(sources[name], args))
+    p50 = {
+        name: {f: statistics.median(run[f] for run in runs[name]) for f in FIGURES}
+        for name in sources
+    }
+    report: dict[str, Any] = {
+        "size": args.size,
+        "chunk": args.chunk,
+        "pairs": args.pairs,
+        "p50": p50,
+        "over_raw": {
+            name: {
+                f"{move}_{when}": figures[f"{move}_{when}_s"] / figures[f"raw_{when}_s"]
+                for move in ("store", "load")
+                for when in ("alone", "busy")
+            }
+            for name, figures in p50.items()
+        },
+    }
+    if "baseline" in runs:
+        report["baseline_over_kvtier"] = {
+            f: [b[f] / k[f] for b, k in zip(runs["baseline"], runs["kvtier"], strict=True)]
+            for f in FIGURES
+            if not f.startswith("raw")
+        }
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(
+        f"a prefix of {report['size']} bytes in chunks of {report['chunk']}, "
+        f"to and from the CPU tier; seconds, medians of {report['pairs']} pairs of processes"
+    )
+    print(f"{'':10} " + " ".join(f"{f[:-2]:>11}" for f in FIGURES))
+    for name, figures in report["p50"].items():
+        print(f"{name:10} " + " ".join(f"{figures[f]:>11.4f}" for f in FIGURES))
+    for name, ratios in report["over_raw"].items():
+        print(f"{name} ÷ raw: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    ratios = report.get("baseline_over_kvtier")
+    if ratios:
+        print("baseline ÷ kvtier, per pair:")
+        for figure, values in ratios.items():
+            print(f"  {figure:15} " + ", ".join(f"{v:.2f}" for v in values))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=parse_size, default=256 << 20, help="the prefix's bytes")
+    parser.add_argument("--chunk", type=parse_size, default=1 << 20, help="a chunk's bytes")
+    parser.add_argument("--rounds", type=int, default=5, help="times each figure is taken")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--baseline-src", type=Path, help="an older kvtier's src, run alike")
+    parser.add_argument("--quick", action="store_true", help="8 MiB, one pair")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.size, args.pairs, args.rounds = 8 << 20, 1, 2
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    report = measure(args)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+
+
+if __name__ == "__main__":
+    main()
