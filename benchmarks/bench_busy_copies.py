@@ -25,22 +25,16 @@ Run: ``python benchmarks/bench_busy_copies.py [--size 256MiB] [--chunk 1MiB]
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from bench_cold import parse_size
+from paired import add_options, baseline_over_kvtier, medians, print_ratios, serve, take_turns
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
 MOVES = ("store", "load", "raw")
 FIGURES = tuple(f"{move}_{when}_s" for move in MOVES for when in ("alone", "busy"))
 
@@ -129,31 +123,10 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     return figures
 
 
-def run_child(src: Path, args: argparse.Namespace) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    command = [sys.executable, str(Path(__file__).resolve()), "--child"]
-    for option in ("size", "chunk", "rounds"):
-        command += [f"--{option}", str(getattr(args, option))]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"the run of {src} failed:\n{done.stderr}")
-    figures: dict[str, float] = json.loads(done.stdout)
-    return figures
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    sources = {"kvtier": SRC}
-    if args.baseline_src is not None:
-        sources["baseline"] = args.baseline_src.resolve()
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
-    for pair in range(args.pairs):
-        order = list(sources) if pair % 2 == 0 else list(reversed(sources))
-        for name in order:
-            runs[name].append(run_child(sources[name], args))
-    p50 = {
-        name: {f: statistics.median(run[f] for run in runs[name]) for f in FIGURES}
-        for name in sources
-    }
+    options = {o: getattr(args, o) for o in ("size", "chunk", "rounds")}
+    runs = take_turns(__file__, args.baseline_src, args.pairs, options)
+    p50 = medians(runs, FIGURES)
     report: dict[str, Any] = {
         "size": args.size,
         "chunk": args.chunk,
@@ -169,11 +142,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     if "baseline" in runs:
-        report["baseline_over_kvtier"] = {
-            f: [b[f] / k[f] for b, k in zip(runs["baseline"], runs["kvtier"], strict=True)]
-            for f in FIGURES
-            if not f.startswith("raw")
-        }
+        copies = [f for f in FIGURES if not f.startswith("raw")]
+        report["baseline_over_kvtier"] = baseline_over_kvtier(runs, copies)
     return report
 
 
@@ -187,11 +157,7 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{name:10} " + " ".join(f"{figures[f]:>11.4f}" for f in FIGURES))
     for name, ratios in report["over_raw"].items():
         print(f"{name} ÷ raw: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    ratios = report.get("baseline_over_kvtier")
-    if ratios:
-        print("baseline ÷ kvtier, per pair:")
-        for figure, values in ratios.items():
-            print(f"  {figure:15} " + ", ".join(f"{v:.2f}" for v in values))
+    print_ratios(report)
 
 
 def main() -> None:
@@ -199,22 +165,12 @@ def main() -> None:
     parser.add_argument("--size", type=parse_size, default=256 << 20, help="the prefix's bytes")
     parser.add_argument("--chunk", type=parse_size, default=1 << 20, help="a chunk's bytes")
     parser.add_argument("--rounds", type=int, default=5, help="times each figure is taken")
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--baseline-src", type=Path, help="an older kvtier's src, run alike")
     parser.add_argument("--quick", action="store_true", help="8 MiB, one pair")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_options(parser)
     args = parser.parse_args()
     if args.quick:
         args.size, args.pairs, args.rounds = 8 << 20, 1, 2
-    if args.child:
-        print(json.dumps(child(args)))
-        return
-    report = measure(args)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
+    serve(args, child, measure, print_table)
 
 
 if __name__ == "__main__":

@@ -25,20 +25,14 @@ Run: ``python benchmarks/bench_look_cost.py [--keys 2048] [--pairs 3]
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from bench_cold import parse_size
+from paired import add_options, baseline_over_kvtier, medians, print_ratios, serve, take_turns
 
-HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
 FIGURES = ("look_us", "lookup_memory_us", "lookup_redis_us", "prefix_s")
 #: Times each per-key figure is taken; its median is reported.
 ROUNDS = 15
@@ -115,42 +109,18 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     return {**figures, "prefix_s": statistics.median(seconds)}
 
 
-def run_child(src: Path, args: argparse.Namespace) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    command = [sys.executable, str(Path(__file__).resolve()), "--child"]
-    for option in ("keys", "size", "chunk", "prefixes", "threads"):
-        command += [f"--{option}", str(getattr(args, option))]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"the run of {src} failed:\n{done.stderr}")
-    figures: dict[str, float] = json.loads(done.stdout)
-    return figures
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    sources = {"kvtier": SRC}
-    if args.baseline_src is not None:
-        sources["baseline"] = args.baseline_src.resolve()
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in sources}
-    for pair in range(args.pairs):
-        order = list(sources) if pair % 2 == 0 else list(reversed(sources))
-        for name in order:
-            runs[name].append(run_child(sources[name], args))
+    options = {o: getattr(args, o) for o in ("keys", "size", "chunk", "prefixes", "threads")}
+    runs = take_turns(__file__, args.baseline_src, args.pairs, options)
     report: dict[str, Any] = {
         "keys": args.keys,
         "size": args.size,
         "chunk": args.chunk,
         "pairs": args.pairs,
-        "p50": {
-            name: {f: statistics.median(run[f] for run in runs[name]) for f in FIGURES}
-            for name in sources
-        },
+        "p50": medians(runs, FIGURES),
     }
     if "baseline" in runs:
-        report["baseline_over_kvtier"] = {
-            f: [b[f] / k[f] for b, k in zip(runs["baseline"], runs["kvtier"], strict=True)]
-            for f in FIGURES
-        }
+        report["baseline_over_kvtier"] = baseline_over_kvtier(runs, FIGURES)
     return report
 
 
@@ -167,11 +137,7 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{figures[f]:>{w}.3f}" for f, w in zip(FIGURES, (12, 10, 9, 9), strict=True)
             )
         )
-    ratios = report.get("baseline_over_kvtier")
-    if ratios:
-        print("baseline ÷ kvtier, per pair:")
-        for figure, values in ratios.items():
-            print(f"  {figure:18} " + ", ".join(f"{v:.2f}" for v in values))
+    print_ratios(report)
 
 
 def main() -> None:
@@ -180,23 +146,13 @@ def main() -> None:
     parser.add_argument("--size", type=parse_size, default=512 << 20, help="the redis prefix")
     parser.add_argument("--chunk", type=parse_size, default=256 << 10)
     parser.add_argument("--prefixes", type=int, default=8, help="cold prefixes per process")
-    parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=4, help="the redis tier's io_threads")
-    parser.add_argument("--baseline-src", type=Path, help="an older kvtier's src, run alike")
     parser.add_argument("--quick", action="store_true", help="64 keys, 8 MiB, one pair")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_options(parser)
     args = parser.parse_args()
     if args.quick:
         args.keys, args.size, args.prefixes, args.pairs = 64, 8 << 20, 2, 1
-    if args.child:
-        print(json.dumps(child(args)))
-        return
-    report = measure(args)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
+    serve(args, child, measure, print_table)
 
 
 if __name__ == "__main__":

@@ -111,16 +111,6 @@ def test_existence_replies_pushes_and_item_errors() -> None:
     assert not connection.disconnected
 
 
-@pytest.mark.parametrize(
-    "answer", [b"$1\r\nx\r\n", b":1\r\n:1\r\n", b":1"], ids=["a value", "one too many", "cut"]
-)
-def test_an_existence_reply_out_of_place_fails_the_batch(answer: bytes) -> None:
-    connection = ScriptedConnection(answer, then_close=True)
-    with pytest.raises(redis.exceptions.ConnectionError):
-        exists(connection, ["a"])
-    assert connection.disconnected
-
-
 def test_write_replies_pushes_and_item_errors_as_redis_py_tells_them() -> None:
     answer = (
         b"+OK\r\n"
@@ -142,13 +132,30 @@ def test_write_replies_pushes_and_item_errors_as_redis_py_tells_them() -> None:
     assert not connection.disconnected
 
 
+def check(connection: Any) -> object:
+    return exists(connection, ["a"])
+
+
+def write(connection: Any) -> object:
+    return set_many(connection, ["a"], [b"v"], ttl_ms=None)
+
+
 @pytest.mark.parametrize(
-    "answer", [b"$1\r\nx\r\n", b"+OK\r\n+OK\r\n", b"+O"], ids=["a value", "one too many", "cut"]
+    ("call", "answer"),
+    [
+        (check, b"$1\r\nx\r\n"),
+        (check, b":1\r\n:1\r\n"),
+        (check, b":1"),
+        (write, b"$1\r\nx\r\n"),
+        (write, b"+OK\r\n+OK\r\n"),
+        (write, b"+O"),
+    ],
+    ids=[f"{c}-{a}" for c in ("exists", "set") for a in ("a value", "one too many", "cut")],
 )
-def test_a_write_reply_out_of_place_fails_the_batch(answer: bytes) -> None:
+def test_a_check_or_write_reply_out_of_place_fails_the_batch(call: Any, answer: bytes) -> None:
     connection = ScriptedConnection(answer, then_close=True)
     with pytest.raises(redis.exceptions.ConnectionError):
-        set_many(connection, ["a"], [b"v"], ttl_ms=None)
+        call(connection)
     assert connection.disconnected
 
 
