@@ -122,11 +122,12 @@ def pack(commands: Iterable[tuple[Argument, ...]]) -> Packed:
                 parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
                 continue
             header, payload = arg if isinstance(arg, FramedValue) else (b"", arg)
-            parts.append(b"$%d\r\n%b" % (len(header) + len(payload), header))
-            if len(payload) < _SEND_APART:
-                parts.append(bytes(payload))
+            value = memoryview(payload)
+            parts.append(b"$%d\r\n%b" % (len(header) + value.nbytes, header))
+            if value.nbytes < _SEND_APART:
+                parts.append(value.tobytes())
             else:
-                packed += (b"".join(parts), memoryview(payload))
+                packed += (b"".join(parts), value)
                 parts = []
             parts.append(_CRLF)
     packed.append(b"".join(parts))

@@ -93,6 +93,10 @@ def test_commands_are_packed_as_redis_py_packs_them() -> None:
     assert apart[0].obj is payload
     # The small parts between them are joined: no send a name or a number.
     assert len(packed) == 2 * len(apart) + 1
+    # A value of wider items is as long as its bytes, not its items.
+    wide = memoryview(bytearray(8000)).cast("H")
+    start = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$8000\r\n"
+    assert b"".join(pack([("SET", "k", wide)])) == start + bytes(8000) + b"\r\n"
 
 
 def test_existence_replies_pushes_and_item_errors() -> None:
