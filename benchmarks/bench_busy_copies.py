@@ -9,7 +9,10 @@ median over ``--rounds`` of:
   (chunks of ``--chunk``) into free CPU slots;
 * ``load``: :meth:`KVCache.load_prefix` of the same prefix, all CPU hits,
   into an array;
-* ``raw``: one numpy copy of as many bytes, the floor of both;
+* ``fs``: the same once the CPU tier was emptied, every chunk promoted from
+  an ``fs`` tier in a temporary directory (its files in the page cache):
+  the tier's workers give up the lock once a chunk file too;
+* ``raw``: one numpy copy of as many bytes, the floor of all three;
 
 each ``alone`` and ``busy``: beside a thread counting in a Python loop.
 The busy figures show what a copy that gives up the interpreter lock once
@@ -35,7 +38,7 @@ from typing import Any
 from bench_cold import parse_size
 from paired import add_options, baseline_over_kvtier, medians, print_ratios, serve, take_turns
 
-MOVES = ("store", "load", "raw")
+MOVES = ("store", "load", "fs", "raw")
 FIGURES = tuple(f"{move}_{when}_s" for move in MOVES for when in ("alone", "busy"))
 
 
@@ -81,6 +84,8 @@ def timed(
 
 def child(args: argparse.Namespace) -> dict[str, float]:
     """This kvtier's figures, in this process."""
+    import tempfile
+
     import numpy as np
 
     from kvtier import KVCache, KVLayout
@@ -100,26 +105,51 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     tokens = list(range(chunks))
     config = {"chunk_tokens": 1, "cpu_bytes_to_use": 2 * args.size}
     figures: dict[str, float] = {}
-    with KVCache(config, layout) as cache:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-busy-") as root,
+        KVCache(config, layout) as cache,
+        KVCache({**config, "secondary_tiers": [{"type": "fs", "root_dir": root}]}, layout) as fs,
+    ):
         cache.manager.primary.buffer.wait_populated()
+        fs.manager.primary.buffer.wait_populated()
+        fs.store(tokens, rows)
+        fs.drain()  # every chunk in the fs tier too
 
         def store() -> None:
             if cache.store(tokens, rows) != chunks:
                 raise SystemExit("the prefix was not stored whole")
 
-        def load() -> None:
-            if cache.load_prefix(tokens, out) != chunks:
+        def load(source: Any = cache) -> None:
+            if source.load_prefix(tokens, out) != chunks:
                 raise SystemExit("the prefix was not loaded whole")
+
+        def cleared(empty: Any = None) -> Callable[[], None]:
+            """Before a load: ``out`` zeroed (and ``empty``'s CPU tier emptied)."""
+
+            def clear() -> None:
+                out[:] = 0
+                if empty is not None:
+                    empty.reset()
+
+            return clear
+
+        def checked(figure: float) -> float:
+            """``figure``, once the last load's bytes are the stored ones."""
+            if not np.array_equal(out, rows):
+                raise SystemExit("a loaded byte differs from the stored one")
+            return figure
 
         def raw() -> None:
             np.copyto(out, rows)
 
         for when in ("alone", "busy"):
-            figures[f"store_{when}_s"] = timed(store, args.rounds, when == "busy", cache.reset)
-            figures[f"load_{when}_s"] = timed(load, args.rounds, when == "busy")
-            if not np.array_equal(out, rows):
-                raise SystemExit("a loaded byte differs from the stored one")
-            figures[f"raw_{when}_s"] = timed(raw, args.rounds, when == "busy")
+            busy_now = when == "busy"
+            figures[f"store_{when}_s"] = timed(store, args.rounds, busy_now, cache.reset)
+            figures[f"load_{when}_s"] = checked(timed(load, args.rounds, busy_now, cleared()))
+            figures[f"fs_{when}_s"] = checked(
+                timed(lambda: load(fs), args.rounds, busy_now, cleared(fs))
+            )
+            figures[f"raw_{when}_s"] = timed(raw, args.rounds, busy_now)
     return figures
 
 
@@ -135,7 +165,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "over_raw": {
             name: {
                 f"{move}_{when}": figures[f"{move}_{when}_s"] / figures[f"raw_{when}_s"]
-                for move in ("store", "load")
+                for move in ("store", "load", "fs")
                 for when in ("alone", "busy")
             }
             for name, figures in p50.items()

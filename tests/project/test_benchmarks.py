@@ -414,7 +414,7 @@ def test_bench_look_cost_reports_every_figure_for_kvtier_and_its_baseline() -> N
 def test_bench_busy_copies_reports_every_figure_for_kvtier_and_its_baseline() -> None:
     out = run_quick("bench_busy_copies.py", "--baseline-src", str(ROOT / "src"))
     assert (out["size"], out["pairs"]) == (8 << 20, 1)
-    moves = {f"{move}_{when}" for move in ("store", "load") for when in ("alone", "busy")}
+    moves = {f"{move}_{when}" for move in ("store", "load", "fs") for when in ("alone", "busy")}
     figures = {f"{move}_s" for move in moves} | {"raw_alone_s", "raw_busy_s"}
     for name in ("kvtier", "baseline"):
         assert set(out["p50"][name]) == figures
