@@ -145,7 +145,7 @@ def set_many(
         connection,
         [("SET", name, value, *expiry) for name, value in zip(names, values, strict=True)],
         math.inf,
-        lambda replies: [_written(replies) for _ in names],
+        lambda replies: [_written(_status(replies, "SET", b"+")) for _ in names],
     )
 
 
@@ -196,8 +196,18 @@ def exists(connection: Any, names: Sequence[str]) -> list[Exists]:
         connection,
         [("EXISTS", name) for name in names],
         math.inf,
-        lambda replies: [_present(replies) for _ in names],
+        lambda replies: [_present(_status(replies, "EXISTS", b":")) for _ in names],
     )
+
+
+def _present(status: bytes | BaseException) -> Exists:
+    """An ``EXISTS`` of one name: whether it is there (``:1``), or its error."""
+    return status if isinstance(status, BaseException) else int(status) > 0
+
+
+def _written(status: bytes | BaseException) -> BaseException | None:
+    """A ``SET``: ``None`` once written, or its error."""
+    return status if isinstance(status, BaseException) else None
 
 
 def _exchange(
@@ -281,26 +291,17 @@ def _split_value(replies: _Replies, length: int, out: memoryview, rest: memoryvi
     return rest
 
 
-def _present(replies: _Replies) -> Exists:
-    """The next ``EXISTS`` reply (of one name: ``:1`` or ``:0``), or the item's error."""
+def _status(replies: _Replies, command: str, expected: bytes) -> bytes | BaseException:
+    """The next reply to one ``command`` of a name (``EXISTS``: ``:1``; ``SET``:
+    ``+OK``): the rest of its line when it is of the ``expected`` kind, or the
+    item's error."""
     line = _reply_line(replies)
     kind, rest = line[:1], line[1:]
-    if kind == b":":
-        return int(rest) > 0
+    if kind == expected:
+        return rest
     if kind in (b"-", b"!"):
         return _error(replies, kind, rest)
-    raise ConnectionError(f"unexpected reply to EXISTS: {line[:40]!r}")
-
-
-def _written(replies: _Replies) -> BaseException | None:
-    """The next ``SET`` reply: ``None`` once written, or the item's error."""
-    line = _reply_line(replies)
-    kind, rest = line[:1], line[1:]
-    if kind == b"+":
-        return None
-    if kind in (b"-", b"!"):
-        return _error(replies, kind, rest)
-    raise ConnectionError(f"unexpected reply to SET: {line[:40]!r}")
+    raise ConnectionError(f"unexpected reply to {command}: {line[:40]!r}")
 
 
 def _error(replies: _Replies, kind: bytes, rest: bytes) -> BaseException:
