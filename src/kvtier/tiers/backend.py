@@ -225,10 +225,11 @@ class Backend(ABC, Generic[OptionsT]):
     def refresh_many(self, names: Sequence[str]) -> None:
         """Chunks stored again while held: extend their life. Default: nothing."""
 
-    def refuses_write(self, error: BaseException) -> bool:
-        """Whether a write's item error is the store answering "no" (full,
+    def refuses(self, error: BaseException) -> bool:
+        """Whether an item's error is the store answering "no" (full,
         read-only, not permitted) rather than failing to serve: it fails that
-        chunk but never opens the breaker. Default: never."""
+        chunk's write, or leaves its check or read unanswered, but never
+        opens the breaker. Default: never."""
         return False
 
     def allocate_values(self, count: int) -> list[ValueBuffer]:

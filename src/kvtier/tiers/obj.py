@@ -199,7 +199,7 @@ class ObjectStoreBackend(Backend[ObjectStoreTierOptions]):
     def _is_absent(self, exc: Exception) -> bool:
         return self._error_code(exc) in _ABSENT
 
-    def refuses_write(self, error: BaseException) -> bool:
+    def refuses(self, error: BaseException) -> bool:
         return isinstance(error, Exception) and self._error_code(error) in _REFUSED_WRITES
 
     def exists_many(self, names: Sequence[str]) -> list[Exists]:

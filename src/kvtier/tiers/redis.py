@@ -252,7 +252,7 @@ class RedisBackend(Backend[RedisTierOptions]):
     def delete(self, name: str) -> None:
         self.client.delete(name)
 
-    def refuses_write(self, error: BaseException) -> bool:
+    def refuses(self, error: BaseException) -> bool:
         # OOM (full under maxmemory-policy noeviction, Redis's default),
         # READONLY (a replica), NOPERM (an ACL user that may only read).
         from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError

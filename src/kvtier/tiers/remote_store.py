@@ -26,7 +26,6 @@ from kvtier.tiers.backend import (
     Exists,
     Fetched,
     FramedValue,
-    PutErrors,
     ValueBuffer,
 )
 from kvtier.tiers.base import HealthCheck, TierMetric
@@ -170,7 +169,7 @@ class RemoteStore:
             found = self.backend.exists_many(names)
         else:
             found = self._read_checked(self.prefetched, names)
-        self.guards.account(found)
+        self._account(found)
         return [None if isinstance(f, BaseException) else bool(f) for f in found]
 
     def move_many(
@@ -229,7 +228,7 @@ class RemoteStore:
                 values = self.backend.get_into(names, headers, outs, state.deadline, touch)
             else:
                 values = self.backend.get_many(names)
-            self.guards.account(values)
+            self._account(values)
         with touch() as allowed:
             if not allowed:  # answered at its deadline: the slots may be another's now
                 return [_SKIPPED] * len(keys)
@@ -266,7 +265,7 @@ class RemoteStore:
             return values
         missing = [i for i, value in enumerate(values) if value is None]
         fetched = self.backend.get_many([names[i] for i in missing])
-        self.guards.account(fetched)
+        self._account(fetched)
         for index, value in zip(missing, fetched, strict=True):
             values[index] = value
         return values
@@ -335,27 +334,29 @@ class RemoteStore:
             self.backend.refresh_many(
                 [n for n, present in zip(names, held, strict=True) if present]
             )
-        self._account_writes(errors)
+        self._account(errors, writes=True)
         result: ItemErrors = [None] * len(keys)
         for index, error in zip(todo, errors, strict=True):
             result[index] = error
         return result
 
-    def _account_writes(self, errors: PutErrors) -> None:
-        """:meth:`Guards.account` a batch of writes: items the backend
-        refused (:meth:`Backend.refuses_write`) are counted apart and take
-        no part in the breaker's verdict."""
-        kept: PutErrors = []
+    def _account(self, items: Sequence[object], *, writes: bool = False) -> None:
+        """:meth:`Guards.account` a batch: items the backend refused
+        (:meth:`Backend.refuses`) are counted apart and take no part in the
+        breaker's verdict, whichever batch holds them (a key refused alone,
+        asked again, is never an outage)."""
+        kept: list[object] = []
         refused: list[BaseException] = []
-        for error in errors:
-            if error is not None and self.backend.refuses_write(error):
-                refused.append(error)
+        for item in items:
+            if isinstance(item, BaseException) and self.backend.refuses(item):
+                refused.append(item)
             else:
-                kept.append(error)
+                kept.append(item)
         if refused:
-            self.count(backend_errors=len(refused), refused_stores=len(refused))
+            stores = {"refused_stores": len(refused)} if writes else {}
+            self.count(backend_errors=len(refused), **stores)
             self.guards.answered()
-            logger.debug("tier %s: %d writes refused: %r", self.tier_type, len(refused), refused[0])
+            logger.debug("tier %s: %d items refused: %r", self.tier_type, len(refused), refused[0])
         self.guards.account(kept)
 
     def _bounded(self, call: Callable[[], T], timeout_s: float, dispose: Callable[[T], None]) -> T:

@@ -741,6 +741,11 @@ def test_per_item_check_errors_never_flap_the_outage_state(
         assert [a[1] for a in answers] == [Lookup.PENDING] * 3 + [Lookup.MISS]
         assert tier.stats.backend_errors == tier.check_attempts
         assert changes == [] and tier.breaker.closed
+        # Checked alone, past the breaker's count of failures: still answered "no".
+        for _ in range(tier.options.breaker_failures + 1):
+            assert tier.store.contains_many(keys[1:2]) == [None]
+        assert tier.stats.backend_errors == tier.check_attempts + tier.options.breaker_failures + 1
+        assert changes == [] and tier.breaker.closed
     finally:
         harness.close()
 
