@@ -29,6 +29,7 @@ from kvtier.lifecycle import Lifecycle
 from kvtier.manager import LookupResult, TieringManager
 from kvtier.metrics import KVTierMetrics, attach_metrics
 from kvtier.prefix import ChunkCopier, HeldPrefix, copy_out
+from kvtier.primary.rows import copy_rows
 from kvtier.recording import TraceRecorder
 from kvtier.request_keys import RequestKeys
 from kvtier.residency import ResidencyListener
@@ -310,15 +311,8 @@ class KVCache:
                 if rows is None:
                     for index, slot in zip(indexes, slots, strict=True):
                         src(index, slot_rows[slot])  # type: ignore[operator]
-                elif len(slots) == 1:  # a call less
-                    slot_rows[slots[0]] = rows[indexes[0]]
                 else:
-                    # One copy for every chunk, the interpreter lock given up
-                    # once (see copy_out); a run of rows is a view, not a copy.
-                    if isinstance(indexes, range):
-                        slot_rows[slots] = rows[indexes.start : indexes.stop]
-                    else:
-                        slot_rows[slots] = rows[indexes]
+                    copy_rows(slot_rows, slots, rows, indexes)
             except BaseException:
                 self.manager.complete_store(reserved.keys(), success=False)
                 raise

@@ -20,6 +20,7 @@ import numpy as np
 from kvtier.errors import ClosedError
 from kvtier.inputs import chunk_rows, chunks_of
 from kvtier.keys import ChunkKey
+from kvtier.primary.rows import copy_rows
 
 if TYPE_CHECKING:
     from kvtier.layout import KVLayout
@@ -63,15 +64,7 @@ def copy_out(
             out(index, slot_rows[slot])
         return
     rows = chunk_rows(out, start + len(slots), cache.layout, "out", writable=True)
-    if len(slots) == 1:  # most loads of a request's new tokens: a call less
-        rows[start] = slot_rows[slots[0]]
-    elif slots:
-        # One call for every chunk, so the interpreter lock is given up once:
-        # a loop would give it up for each chunk's copy and, beside a thread
-        # running Python (an engine's, or the tier's workers), wait a switch
-        # interval (5 ms) to get it back each time. "clip": numpy copies into
-        # ``out`` directly (pinned slots are always in range).
-        np.take(slot_rows, slots, axis=0, out=rows[start : start + len(slots)], mode="clip")
+    copy_rows(rows, range(start, start + len(slots)), slot_rows, slots)  # pinned: in range
 
 
 class HeldPrefix:

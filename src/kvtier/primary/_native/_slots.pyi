@@ -1,5 +1,7 @@
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from kvtier.keys import ChunkKey
 
 def ready_count(ready: dict[ChunkKey, int], keys: Sequence[ChunkKey]) -> int: ...
@@ -22,3 +24,6 @@ def free_victims(
 def finish_writes(
     writing: dict[ChunkKey, int], keys: Iterable[ChunkKey]
 ) -> dict[ChunkKey, int]: ...
+def copy_rows(
+    target: np.ndarray, target_rows: Sequence[int], source: np.ndarray, source_rows: Sequence[int]
+) -> None: ...
