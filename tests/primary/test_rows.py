@@ -138,3 +138,39 @@ def test_the_compiled_copy_refuses_what_it_cannot_copy_as_bytes() -> None:
     with pytest.raises(TypeError, match="sequence"):
         compiled(rows, 0, source, [1])  # type: ignore[arg-type]
     assert not rows.any()
+
+
+@implementations
+@pytest.mark.parametrize("kind", [list, tuple, np.array])
+def test_rows_are_any_sequence_of_integers(copy_rows: RowCopy, kind: type) -> None:
+    source = np.arange(40, dtype=np.uint8).reshape(5, 8)
+    target = np.zeros((3, 8), np.uint8)
+    copy_rows(target, kind([2, 0]), source, kind([4, 1]))
+    np.testing.assert_array_equal(target, [source[1], [0] * 8, source[4]])
+
+
+@pytest.mark.skipif(compiled is None, reason="kvtier was built without a C compiler")
+def test_rows_changed_by_an_index_method_never_reach_past_the_count() -> None:
+    """An item's ``__index__`` runs Python, which may grow or shrink the list
+    being read: the copy reads as many rows as it counted, or fails."""
+    assert compiled is not None
+    source = np.arange(32, dtype=np.uint8).reshape(4, 8)
+    target = np.zeros((4, 8), np.uint8)
+
+    class Growing:
+        def __index__(self) -> int:
+            rows.extend([0] * 1000)
+            return 3
+
+    rows: list[object] = [Growing(), 1]
+    compiled(target, rows, source, [0, 1])  # type: ignore[arg-type]
+    np.testing.assert_array_equal(target, [[0] * 8, source[1], [0] * 8, source[0]])
+
+    class Shrinking:
+        def __index__(self) -> int:
+            del rows[1:]
+            return 0
+
+    rows = [Shrinking(), 1, 2]
+    with pytest.raises(RuntimeError, match="changed size"):
+        compiled(target, rows, source, [0, 1, 2])  # type: ignore[arg-type]

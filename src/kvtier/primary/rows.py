@@ -38,10 +38,12 @@ def _copy_rows(
         # "clip": numpy writes into ``out`` directly (the rows are in range).
         out = target[target_rows.start : target_rows.stop]
         np.take(source, source_rows, axis=0, out=out, mode="clip")
-    elif isinstance(source_rows, range) and source_rows.step == 1:  # a store: a scatter
-        target[target_rows] = source[source_rows.start : source_rows.stop]  # from a view
+        return
+    into = list(target_rows)  # a tuple would index dimensions, not rows
+    if isinstance(source_rows, range) and source_rows.step == 1:  # a store: a scatter
+        target[into] = source[source_rows.start : source_rows.stop]  # from a view
     else:
-        target[target_rows] = source[source_rows]
+        target[into] = source[list(source_rows)]
 
 
 #: Every implementation present, by name.

@@ -334,11 +334,20 @@ static void stream_bytes(char *dst, const char *src, size_t n) {
 #endif
 }
 
-/* Each item of rows as a row number of a buffer of count rows, into out;
- * -1 with IndexError or TypeError naming which. */
-static int row_numbers(PyObject *rows, Py_ssize_t count, Py_ssize_t *out, const char *which) {
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(rows); i++) {
-        Py_ssize_t row = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(rows, i));
+/* The first n items of rows as row numbers of a buffer of count rows, into
+ * out; -1 with IndexError, TypeError or RuntimeError. An item's __index__
+ * may run Python code, which may change rows: held, and its size re-read. */
+static int row_numbers(PyObject *rows, Py_ssize_t n, Py_ssize_t count, Py_ssize_t *out,
+                       const char *which) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PySequence_Fast_GET_SIZE(rows)) {
+            PyErr_Format(PyExc_RuntimeError, "%s rows changed size during the copy", which);
+            return -1;
+        }
+        PyObject *item = PySequence_Fast_GET_ITEM(rows, i);
+        Py_INCREF(item);
+        Py_ssize_t row = PyNumber_AsSsize_t(item, NULL); /* clipped: then out of range */
+        Py_DECREF(item);
         if (row == -1 && PyErr_Occurred()) return -1;
         if (row < 0 || row >= count) {
             PyErr_Format(PyExc_IndexError, "%s row %zd out of range for %zd rows", which, row,
@@ -401,8 +410,8 @@ static PyObject *copy_rows(PyObject *Py_UNUSED(module), PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if (row_numbers(to, target.shape[0], rows, "target") < 0 ||
-        row_numbers(from, source.shape[0], rows + n, "source") < 0)
+    if (row_numbers(to, n, target.shape[0], rows, "target") < 0 ||
+        row_numbers(from, n, source.shape[0], rows + n, "source") < 0)
         goto done;
     size_t bytes = (size_t)length;
     int stream = (size_t)n * bytes > STREAM_ABOVE;
