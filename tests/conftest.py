@@ -26,6 +26,7 @@ def chunk_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(fs_io, "_store_file", implementation.store)
     monkeypatch.setattr(fs_io, "_load_file", implementation.load)
     monkeypatch.setattr(fs_io, "_complete_files", implementation.complete)
+    monkeypatch.setattr(fs_io, "_load_files", implementation.load_all)
     return str(request.param)
 
 

@@ -145,7 +145,7 @@ def looks(
     manager = cold[0].manager
     given: list[float] = []
     reads = threading.Event()
-    real_read = chunk_io._load_file
+    real_read = chunk_io._load_files
 
     def read(*args: Any) -> Any:
         reads.wait()
@@ -168,7 +168,7 @@ def looks(
 
         return look
 
-    monkeypatch.setattr(chunk_io, "_load_file", read)
+    monkeypatch.setattr(chunk_io, "_load_files", read)
     monkeypatch.setattr(manager.progress, "sleep", sleep)
     monkeypatch.setattr(manager, "lookup_pinned", slowed(manager.lookup_pinned))
     monkeypatch.setattr(manager, "lookup", slowed(manager.lookup))

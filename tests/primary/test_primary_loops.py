@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.primary import loops
+from kvtier.primary import loops, rows
 from kvtier.testing.policy_suite import key
 
 compiled = loops.IMPLEMENTATIONS.get("compiled")
@@ -25,6 +25,10 @@ KEYS = [key(i) for i in range(12)]
 def test_the_compiled_loops_are_built_and_run() -> None:
     if compiled is not None:
         assert loops.IMPLEMENTATION == "compiled" and loops.active is compiled
+        # The row copy is in the same module.
+        assert (
+            rows.IMPLEMENTATION == "compiled" and rows.copy_rows is rows.IMPLEMENTATIONS["compiled"]
+        )
     elif os.environ.get("CI"):
         pytest.fail("CI builds kvtier with a C compiler, but the compiled loops are missing")
     else:

@@ -8,10 +8,13 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvtier import integrity
+from kvtier.errors import CorruptChunkError
+from kvtier.layout import KEY_BYTES
 from kvtier.tiers.fs import io
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
@@ -221,3 +224,67 @@ def test_compiled_calls_with_the_checksum_taken_in_python_store_and_load_the_sam
     )
     Path(final).write_bytes(b"x" * 5000)
     assert unbound.load(final, _pages(PAYLOAD), _pages(4096), False, 60.0) == (5000, None)
+
+
+def test_a_batch_load_gives_each_file_what_a_load_of_it_alone_gives(tmp_path: Path) -> None:
+    """Whole, short, long, missing, not a regular file: in one call, each file
+    read (or not) exactly as on its own, its error in its place."""
+    whole = os.urandom(PAYLOAD) + os.urandom(4096)
+    (tmp_path / "whole").write_bytes(whole)
+    (tmp_path / "short").write_bytes(whole[:-1])
+    (tmp_path / "long").write_bytes(whole + b"x")
+    (tmp_path / "link").symlink_to(tmp_path / "whole")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    names = ["whole", "short", "missing", "link", "whole", "long", "fifo", "dir"]
+    paths = [str(tmp_path / name) for name in names]
+
+    def outcome(got: object, out: memoryview, trailer: memoryview) -> object:
+        if isinstance(got, OSError):
+            return type(got), got.errno, got.filename
+        return got, bytes(out), bytes(trailer)
+
+    alone: list[Any] = []
+    for path in paths:
+        out, trailer = _pages(PAYLOAD, 5), _pages(4096, 5)
+        try:
+            got: object = io._load_file(path, out, trailer, False, 60.0)
+        except OSError as exc:
+            got = exc
+        alone.append(outcome(got, out, trailer))
+    outs = [_pages(PAYLOAD, 5) for _ in paths]
+    trailers = [_pages(4096, 5) for _ in paths]
+    together = io._load_files(paths, outs, trailers, False, 60.0)
+    assert [outcome(*each) for each in zip(together, outs, trailers, strict=True)] == alone
+    assert alone[0][0] == (PAYLOAD + 4096, integrity.checksum(whole[:PAYLOAD]))
+    assert alone[2][0] is FileNotFoundError
+    assert [alone[i][1] for i in (3, 6, 7)] == [errno.ELOOP] + [io.NOT_REGULAR_ERRNO] * 2
+    assert io._load_files([], [], [], False, 60.0) == []
+
+
+def test_read_chunks_verifies_each_chunk_of_a_batch_as_read_chunk_does(tmp_path: Path) -> None:
+    namespace, payload = b"n" * KEY_BYTES, os.urandom(PAYLOAD)
+    keys = [bytes([i]) * KEY_BYTES for i in range(4)]
+    paths = [str(tmp_path / f"chunk{i}") for i in range(4)]
+    for path, key in zip(paths, keys, strict=True):
+        io.write_chunk(
+            path, path + ".tmp", namespace, key, memoryview(payload), direct=False, fsync=False
+        )
+    flipped = bytearray(Path(paths[1]).read_bytes())
+    flipped[7] ^= 1
+    Path(paths[1]).write_bytes(flipped)
+    os.unlink(paths[2])
+    keys[3] = b"z" * KEY_BYTES  # another chunk's file at this one's path
+    outs = [_pages(PAYLOAD) for _ in paths]
+    errors = io.read_chunks(paths, outs, namespace, keys, direct=False)
+    assert errors[0] is None and bytes(outs[0]) == payload
+    assert isinstance(errors[1], CorruptChunkError)
+    assert isinstance(errors[2], FileNotFoundError)
+    assert isinstance(errors[3], CorruptChunkError)
+    for path, key, error in zip(paths, keys, errors, strict=True):
+        alone: object = None
+        try:
+            io.read_chunk(path, _pages(PAYLOAD), namespace, key, direct=False)
+        except Exception as exc:
+            alone = exc
+        assert type(alone) is type(error) and str(alone) == str(error)

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -328,16 +329,15 @@ def test_a_damaged_file_the_re_index_removes_during_its_load_counts_once(
     path = chunk_path(harness, key)
     with open(path, "r+b") as handle:
         handle.truncate(path.stat().st_size - 1)  # torn: the wrong size for a chunk
-    real_load = tier.backend._load_chunk
+    real_load = tier.backend.load_many
 
-    def load_raced_by_the_re_index(key: ChunkKey, out: memoryview) -> None:
-        try:
-            real_load(key, out)
-        except CorruptChunkError:
+    def load_raced_by_the_re_index(keys: list[ChunkKey], outs: list[memoryview]) -> Any:
+        errors = real_load(keys, outs)
+        if any(isinstance(error, CorruptChunkError) for error in errors):
             tier.backend.index.drop_broken([str(path)])  # the re-index removes it first
-            raise
+        return errors
 
-    tier.backend._load_chunk = load_raced_by_the_re_index  # type: ignore[method-assign]
+    tier.backend.load_many = load_raced_by_the_re_index  # type: ignore[method-assign]
     assert not harness.load([key], [1]).success
     assert not path.exists()
     assert tier.stats.corrupt_chunks == 1

@@ -23,7 +23,14 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import HealthCheck, TierMetric
 from kvtier.tiers.fs import io as chunk_io
 from kvtier.tiers.fs.index import ChunkIndex, ChunkSizes, removed_or_kept
-from kvtier.tiers.fs.io import DIRECT_ALIGN, TRAILER_BLOCK, probe_direct_io, read_chunk, write_chunk
+from kvtier.tiers.fs.io import (
+    DIRECT_ALIGN,
+    TRAILER_BLOCK,
+    probe_direct_io,
+    read_chunk,
+    read_chunks,
+    write_chunk,
+)
 from kvtier.tiers.fs.layout import NamespaceDir, mode_kind
 from kvtier.tiers.fs.options import FilesystemTierOptions
 from kvtier.tiers.local import ItemErrors, LocalBackend, LocalRuntime, SlotPairs
@@ -281,30 +288,38 @@ class FsBackend(LocalBackend[FilesystemTierOptions]):
             )
 
     def load_many(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> ItemErrors:
-        return self.each(self._load_chunk, keys, outs)
+        read: Sequence[BaseException | None]
+        if self.sizes.variable:  # each file's size first says how much to read
+            read = self.each(self._read_variable, keys, outs)
+        else:
+            paths = [self.dir.chunk_path(key) for key in keys]
+            read = read_chunks(paths, outs, self.runtime.namespace, keys, direct=self.direct)
+        return [self._loaded(key, error) for key, error in zip(keys, read, strict=True)]
 
-    def _load_chunk(self, key: ChunkKey, out: memoryview) -> None:
-        try:
-            read_chunk(
-                self.dir.chunk_path(key),
-                out,
-                self.runtime.namespace,
-                key,
-                direct=self.direct,
-                variable=self.sizes.variable,
-            )
-        except FileNotFoundError as exc:
-            # Evicted, most likely by another process: a miss, not damage.
+    def _read_variable(self, key: ChunkKey, out: memoryview) -> None:
+        path = self.dir.chunk_path(key)
+        read_chunk(path, out, self.runtime.namespace, key, direct=self.direct, variable=True)
+
+    def _loaded(self, key: ChunkKey, error: BaseException | None) -> BaseException | None:
+        """What reading ``key`` gave, as the runtime takes it: a file gone is
+        a miss (evicted, most likely by another process), not damage; a chunk
+        read gets its use stamp."""
+        if isinstance(error, FileNotFoundError):
             with self._counts_lock:
                 self.vanished_chunks += 1
             self.index.forget(key)
-            raise ChunkVanishedError(f"chunk file gone: {exc.filename}") from exc
+            vanished = ChunkVanishedError(f"chunk file gone: {error.filename}")
+            vanished.__cause__ = error
+            return vanished
+        if error is not None:
+            return error
         bound = self.index.bound
         if bound is not None and bound.touch(key):
             try:
                 bound.flush_if_free()
             except sqlite3.Error as exc:  # the chunk was loaded all the same
                 logger.warning("tier %s: use stamps not written: %s", self.runtime.tier_type, exc)
+        return None
 
     def discard(self, key: ChunkKey) -> bool:
         # One removal for every path that finds damage (a load's verification,

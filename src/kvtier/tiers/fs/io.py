@@ -51,6 +51,19 @@ def _trailer_buffer() -> mmap.mmap:
     return buffer
 
 
+def _trailer_blocks(count: int) -> list[memoryview]:
+    """``count`` of this thread's page-aligned trailer blocks, apart from
+    :func:`_trailer_buffer`'s (kept, with views of it, for the thread's life)."""
+    blocks: list[memoryview] = getattr(_thread_buffers, "blocks", [])
+    if len(blocks) < count:
+        memory = mmap.mmap(-1, count * TRAILER_BLOCK)
+        blocks = [
+            memoryview(memory)[i * TRAILER_BLOCK : (i + 1) * TRAILER_BLOCK] for i in range(count)
+        ]
+        _thread_buffers.blocks = blocks
+    return blocks[:count]
+
+
 def probe_direct_io(path: str) -> str | None:
     """``None`` if ``O_DIRECT`` writes and reads work for a new file at ``path``
     (removed again), else why not. Name ``path`` as a temp file, so that the
@@ -169,6 +182,28 @@ def _load_file_python(
     return done, integrity.checksum(out) if done == total else None
 
 
+#: What reading one file gave: ``_load_file``'s ``(bytes read, digest)``,
+#: or the ``OSError`` it raised.
+Loaded = tuple[int, bytes | None] | OSError
+
+
+def _load_files_python(
+    paths: Sequence[str],
+    outs: Sequence[memoryview],
+    trailers: Sequence[memoryview],
+    direct: bool,
+    stamp_after_s: float,
+) -> list[Loaded]:
+    """:func:`_load_file_python` of each file in turn."""
+    loaded: list[Loaded] = []
+    for path, out, trailer in zip(paths, outs, trailers, strict=True):
+        try:
+            loaded.append(_load_file_python(path, out, trailer, direct, stamp_after_s))
+        except OSError as exc:
+            loaded.append(exc)
+    return loaded
+
+
 def _complete_files_python(paths: Sequence[str], size: int) -> list[bool]:
     """Which of ``paths`` are regular files of exactly ``size`` bytes."""
     return sized_files(paths, size.__eq__)
@@ -194,11 +229,16 @@ class ChunkIO(NamedTuple):
     store: Callable[[str, str, memoryview, memoryview, bool, bool], bool]
     load: Callable[[str, memoryview, memoryview, bool, float], tuple[int, bytes | None]]
     complete: Callable[[Sequence[str], int], list[bool]]
+    load_all: Callable[
+        [Sequence[str], Sequence[memoryview], Sequence[memoryview], bool, float], list[Loaded]
+    ]
 
 
-#: Implementations of the three functions above, by name.
+#: Implementations of the four functions above, by name.
 IMPLEMENTATIONS: dict[str, ChunkIO] = {
-    "python": ChunkIO(_store_file_python, _load_file_python, _complete_files_python)
+    "python": ChunkIO(
+        _store_file_python, _load_file_python, _complete_files_python, _load_files_python
+    )
 }
 
 
@@ -221,11 +261,31 @@ def _compiled_io(chunkio: ModuleType, hashing: bool) -> ChunkIO:
     ) -> tuple[int, bytes | None]:
         digest = bytearray(integrity.DIGEST_BYTES) if hashing else None
         done: int = chunkio.load(path, out, trailer, direct, stamp_after_s, digest)
+        return loaded(done, out, trailer, digest)
+
+    def load_all(
+        paths: Sequence[str],
+        outs: Sequence[memoryview],
+        trailers: Sequence[memoryview],
+        direct: bool,
+        stamp_after_s: float,
+    ) -> list[Loaded]:
+        digests = [bytearray(integrity.DIGEST_BYTES) for _ in paths] if hashing else None
+        results = chunkio.load_all(paths, outs, trailers, direct, stamp_after_s, digests)
+        into: Sequence[bytearray | None] = digests or [None] * len(results)
+        return [
+            done if isinstance(done, OSError) else loaded(done, out, trailer, digest)
+            for done, out, trailer, digest in zip(results, outs, trailers, into, strict=True)
+        ]
+
+    def loaded(
+        done: int, out: memoryview, trailer: memoryview, digest: bytearray | None
+    ) -> tuple[int, bytes | None]:
         if done != len(out) + len(trailer):
             return done, None
         return done, bytes(digest) if digest is not None else integrity.checksum(out)
 
-    return ChunkIO(store, load, chunkio.complete)
+    return ChunkIO(store, load, chunkio.complete, load_all)
 
 
 def _bind_checksum(chunkio: ModuleType) -> bool:
@@ -256,9 +316,9 @@ else:
     COMPILED_CHECKSUM = _bind_checksum(_chunkio)
     IMPLEMENTATIONS["compiled"] = _compiled_io(_chunkio, COMPILED_CHECKSUM)
     IMPLEMENTATION = "compiled"
-#: What :func:`write_chunk`, :func:`read_chunk` and :func:`complete_files`
-#: call (tests swap them).
-_store_file, _load_file, _complete_files = IMPLEMENTATIONS[IMPLEMENTATION]
+#: What :func:`write_chunk`, :func:`read_chunk`, :func:`complete_files` and
+#: :func:`read_chunks` call (tests swap them).
+_store_file, _load_file, _complete_files, _load_files = IMPLEMENTATIONS[IMPLEMENTATION]
 
 
 def complete_files(paths: Sequence[str], file_bytes: int) -> list[bool]:
@@ -351,27 +411,62 @@ def read_chunk(
     if variable:
         whole = out
         out = whole[: _variable_payload_bytes(path, len(whole))]
-    trailer = _trailer_buffer()
+    trailer = memoryview(_trailer_buffer())
     try:
-        done, digest = _load_file(path, out, memoryview(trailer), direct, USE_STAMP_S)
+        got: Loaded = _load_file(path, out, trailer, direct, USE_STAMP_S)
     except OSError as exc:
+        got = exc
+    _verify(path, got, out, trailer, namespace, key)
+    if variable:
+        np.frombuffer(whole, np.uint8)[len(out) :] = 0
+
+
+def read_chunks(
+    paths: Sequence[str],
+    outs: Sequence[memoryview],
+    namespace: bytes,
+    keys: Sequence[bytes],
+    *,
+    direct: bool,
+) -> list[Exception | None]:
+    """:func:`read_chunk` of each chunk of a fixed size, the files read in one
+    call: the compiled one gives up the GIL once for all of them, where a
+    call per file would wait for it to come back after each, beside a thread
+    running Python. Per chunk, ``None`` or the exception :func:`read_chunk`
+    would raise."""
+    trailers = _trailer_blocks(len(paths))
+    errors: list[Exception | None] = []
+    loaded = _load_files(paths, outs, trailers, direct, USE_STAMP_S)
+    for path, got, out, trailer, key in zip(paths, loaded, outs, trailers, keys, strict=True):
+        try:
+            _verify(path, got, out, trailer, namespace, key)
+            errors.append(None)
+        except Exception as exc:
+            errors.append(exc)
+    return errors
+
+
+def _verify(
+    path: str, got: Loaded, out: memoryview, trailer: memoryview, namespace: bytes, key: bytes
+) -> None:
+    """Raise what reading ``path`` into ``out`` and ``trailer`` found wrong, if anything."""
+    if isinstance(got, OSError):
         # Look only on the error path: the hot path pays no extra lstat.
-        _raise_if_not_a_file(path, exc)
-        raise
+        _raise_if_not_a_file(path, got)
+        raise got
+    done, digest = got
     total = len(out) + TRAILER_BLOCK
     if done < total:
         raise CorruptChunkError(f"chunk file truncated: {done} of {total} bytes")
     if done > total:  # a valid chunk with bytes appended is damage too
         raise CorruptChunkError(f"chunk file is {done} bytes, a chunk is {total}")
     parsed = integrity.unpack_header(
-        memoryview(trailer)[: integrity.HEADER_BYTES],
+        trailer[: integrity.HEADER_BYTES],
         namespace=namespace,
         key=key,
         payload_bytes=len(out),
     )
     parsed.check_digest(digest)
-    if variable:
-        np.frombuffer(whole, np.uint8)[len(out) :] = 0
 
 
 #: Bytes :func:`verify_file` reads at a time.

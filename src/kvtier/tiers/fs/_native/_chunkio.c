@@ -1,8 +1,9 @@
 /* The fs tier's chunk-file system calls, compiled: store() and load() do what
  * _store_file_python() and _load_file_python() in io.py do, with the GIL
  * released for the whole sequence of calls, so a thread moving one chunk takes
- * the GIL once instead of once per call. Same contract, same errors
- * (OSError subclasses carrying errno and the file name).
+ * the GIL once instead of once per call; load_all() reads a task's files
+ * with one release. Same contract, same errors (OSError subclasses carrying
+ * errno and the file name).
  *
  * The chunk's checksum (xxh3-128) is taken in the same GIL release, by the
  * XXH3 function of the xxhash extension module already loaded in the
@@ -147,6 +148,37 @@ static PyObject *store(PyObject *Py_UNUSED(module), PyObject *args) {
     return result;
 }
 
+/* Read the file at path into out then trailer, as load() describes; with a
+ * digest (not NULL), the checksum of out goes there once both are full.
+ * Returns 0 or an errno; *total is the bytes read, or the file's size when
+ * it is not exactly what out and trailer hold. Called without the GIL. */
+static int read_file(const char *path, Py_buffer *out, Py_buffer *trailer, int direct,
+                     double stamp_after, unsigned char *digest, Py_ssize_t *total) {
+    int error = 0;
+    *total = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | (direct ? O_DIRECT : 0));
+    struct stat info;
+    if (fd < 0) return errno;
+    if (fstat(fd, &info) != 0) {
+        error = errno;
+    } else if (!S_ISREG(info.st_mode)) {
+        error = NOT_REGULAR;
+    } else if (info.st_size != (off_t)(out->len + trailer->len)) {
+        *total = (Py_ssize_t)info.st_size; /* a chunk file has one size: damage, not read */
+    } else {
+        struct iovec iov[2] = {{out->buf, (size_t)out->len}, {trailer->buf, (size_t)trailer->len}};
+        error = transfer(fd, iov, 2, 0, total);
+        struct timespec now;
+        if (!error && clock_gettime(CLOCK_REALTIME, &now) == 0 &&
+            (double)(now.tv_sec - info.st_mtim.tv_sec) > stamp_after)
+            futimens(fd, NULL);
+        if (!error && digest != NULL && *total == out->len + trailer->len)
+            checksum_into(out->buf, (size_t)out->len, digest);
+    }
+    close(fd);
+    return error;
+}
+
 /* load(path, out, trailer, direct, stamp_after_s, digest): reads the file into
  * out then trailer; with a 16-byte digest buffer (not None), the checksum of out
  * goes there once the whole file was read. A file whose size is not exactly
@@ -175,33 +207,11 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
         return NULL;
     }
     const char *path = PyBytes_AS_STRING(path_obj);
-    int error = 0;
-    Py_ssize_t total = 0;
+    int error;
+    Py_ssize_t total;
     Py_BEGIN_ALLOW_THREADS
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | (direct ? O_DIRECT : 0));
-    struct stat info;
-    if (fd < 0) {
-        error = errno;
-    } else if (fstat(fd, &info) != 0) {
-        error = errno;
-        close(fd);
-    } else if (!S_ISREG(info.st_mode)) {
-        error = NOT_REGULAR;
-        close(fd);
-    } else if (info.st_size != (off_t)(out.len + trailer.len)) {
-        total = (Py_ssize_t)info.st_size; /* a chunk file has one size: damage, not read */
-        close(fd);
-    } else {
-        struct iovec iov[2] = {{out.buf, (size_t)out.len}, {trailer.buf, (size_t)trailer.len}};
-        error = transfer(fd, iov, 2, 0, &total);
-        struct timespec now;
-        if (!error && clock_gettime(CLOCK_REALTIME, &now) == 0 &&
-            (double)(now.tv_sec - info.st_mtim.tv_sec) > stamp_after)
-            futimens(fd, NULL);
-        close(fd);
-        if (!error && hashing && total == out.len + trailer.len)
-            checksum_into(out.buf, (size_t)out.len, digest.buf);
-    }
+    error = read_file(path, &out, &trailer, direct, stamp_after, hashing ? digest.buf : NULL,
+                      &total);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&out);
     PyBuffer_Release(&trailer);
@@ -215,6 +225,104 @@ static PyObject *load(PyObject *Py_UNUSED(module), PyObject *args) {
         result = PyLong_FromSsize_t(total);
     }
     Py_DECREF(path_obj);
+    return result;
+}
+
+/* One file of load_all(): its path, its buffers, what reading it gave. */
+typedef struct {
+    PyObject *path; /* bytes, from PyUnicode_FSConverter */
+    Py_buffer out, trailer, digest;
+    Py_ssize_t total;
+    int error;
+} file_load;
+
+/* The OSError load() raises for error at path, as an object. */
+static PyObject *os_error(int error, PyObject *path) {
+    PyObject *name = PyUnicode_DecodeFSDefault(PyBytes_AS_STRING(path));
+    if (name == NULL) return NULL;
+    PyObject *exc = PyObject_CallFunction(PyExc_OSError, "isO", error, strerror(error), name);
+    Py_DECREF(name);
+    return exc;
+}
+
+/* load_all(paths, outs, trailers, direct, stamp_after_s, digests): load() of
+ * each file in turn, with the GIL released once for all of them: beside a
+ * thread running Python, each release costs a wait for the GIL to come back.
+ * Per file, what load() returns, or the OSError it would raise; digests is a
+ * 16-byte buffer per file, or None. */
+static PyObject *load_all(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *paths_obj, *outs_obj, *trailers_obj, *digests_obj;
+    int direct;
+    double stamp_after;
+    if (!PyArg_ParseTuple(args, "OOOpdO", &paths_obj, &outs_obj, &trailers_obj, &direct,
+                          &stamp_after, &digests_obj))
+        return NULL;
+    int hashing = digests_obj != Py_None;
+    if (hashing && xxh3_128 == NULL) {
+        PyErr_SetString(PyExc_ValueError, "no checksum function bound");
+        return NULL;
+    }
+    PyObject *seqs[4] = {NULL, NULL, NULL, NULL}, *result = NULL;
+    PyObject *given[4] = {paths_obj, outs_obj, trailers_obj, digests_obj};
+    file_load *files = NULL;
+    Py_ssize_t n = 0, ready = 0;
+    for (int k = 0; k < 3 + hashing; k++) {
+        seqs[k] = PySequence_Fast(given[k], "load_all takes sequences");
+        if (seqs[k] == NULL) goto done;
+        if (k > 0 && PySequence_Fast_GET_SIZE(seqs[k]) != n) {
+            PyErr_SetString(PyExc_ValueError, "load_all: sequences of different lengths");
+            goto done;
+        }
+        n = PySequence_Fast_GET_SIZE(seqs[k]);
+    }
+    files = PyMem_Calloc(n ? (size_t)n : 1, sizeof(file_load));
+    if (files == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; ready < n; ready++) {
+        file_load *file = &files[ready];
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seqs[0], ready), &file->path))
+            goto done;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seqs[1], ready), &file->out,
+                               PyBUF_WRITABLE) != 0)
+            goto done;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seqs[2], ready), &file->trailer,
+                               PyBUF_WRITABLE) != 0)
+            goto done;
+        if (hashing && (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seqs[3], ready),
+                                           &file->digest, PyBUF_WRITABLE) != 0 ||
+                        file->digest.len != 16)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "digest must be a 16-byte buffer");
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        file_load *file = &files[i];
+        file->error = read_file(PyBytes_AS_STRING(file->path), &file->out, &file->trailer,
+                                direct, stamp_after, hashing ? file->digest.buf : NULL,
+                                &file->total);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *item = files[i].error ? os_error(files[i].error, files[i].path)
+                                        : PyLong_FromSsize_t(files[i].total);
+        if (item == NULL) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, item);
+    }
+done:
+    /* Every file up to the one that failed (partly set up: zeroed fields). */
+    for (Py_ssize_t i = 0; files != NULL && i < n && i <= ready; i++) {
+        Py_XDECREF(files[i].path);
+        if (files[i].out.obj != NULL) PyBuffer_Release(&files[i].out);
+        if (files[i].trailer.obj != NULL) PyBuffer_Release(&files[i].trailer);
+        if (files[i].digest.obj != NULL) PyBuffer_Release(&files[i].digest);
+    }
+    PyMem_Free(files);
+    for (int k = 0; k < 4; k++) Py_XDECREF(seqs[k]);
     return result;
 }
 
@@ -297,6 +405,8 @@ static PyMethodDef methods[] = {
      "store(temp, final, payload, trailer, direct, fsync, digest_at) -> written"},
     {"load", load, METH_VARARGS,
      "load(path, out, trailer, direct, stamp_after_s, digest) -> bytes read"},
+    {"load_all", load_all, METH_VARARGS,
+     "load_all(paths, outs, trailers, direct, stamp_after_s, digests) -> [bytes read or OSError]"},
     {"bind_xxh3", bind_xxh3, METH_VARARGS, "bind_xxh3(module_path) -> found"},
     {"checksum", checksum, METH_VARARGS, "checksum(data) -> xxh3-128 digest"},
     {NULL, NULL, 0, NULL},
