@@ -42,18 +42,10 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 _thread_buffers = threading.local()
 
 
-def _trailer_buffer() -> mmap.mmap:
-    """This thread's page-aligned trailer block (``mmap`` memory is page-aligned)."""
-    buffer: mmap.mmap | None = getattr(_thread_buffers, "trailer", None)
-    if buffer is None:
-        buffer = mmap.mmap(-1, TRAILER_BLOCK)
-        _thread_buffers.trailer = buffer
-    return buffer
-
-
 def _trailer_blocks(count: int) -> list[memoryview]:
-    """``count`` of this thread's page-aligned trailer blocks, apart from
-    :func:`_trailer_buffer`'s (kept, with views of it, for the thread's life)."""
+    """``count`` of this thread's page-aligned trailer blocks (``mmap`` memory
+    is page-aligned), kept for the thread's life: a write uses the first, a
+    read of ``count`` files one each."""
     blocks: list[memoryview] = getattr(_thread_buffers, "blocks", [])
     if len(blocks) < count:
         memory = mmap.mmap(-1, count * TRAILER_BLOCK)
@@ -349,12 +341,12 @@ def write_chunk(
     part; two writers of one chunk both rename a complete file, last one wins.
     A failure (``ENOSPC`` too) removes the temp file and raises ``OSError``.
     """
-    trailer = _trailer_buffer()
+    [trailer] = _trailer_blocks(1)
     # The store call fills the checksum in, unless the chunk is there already.
     packed = integrity.pack_header(namespace, key, payload, _NO_DIGEST_YET)
     trailer[: len(packed)] = packed
     try:
-        written = _store_file(temp_path, final_path, payload, memoryview(trailer), direct, fsync)
+        written = _store_file(temp_path, final_path, payload, trailer, direct, fsync)
     except FileNotFoundError:
         # Only when its bucket was removed: a temp file removed under the
         # write (evicted as abandoned) must fail it, not start it again.
@@ -362,7 +354,7 @@ def write_chunk(
         if os.path.isdir(directory):
             raise
         os.makedirs(directory, exist_ok=True)
-        written = _store_file(temp_path, final_path, payload, memoryview(trailer), direct, fsync)
+        written = _store_file(temp_path, final_path, payload, trailer, direct, fsync)
     if written and fsync:
         _fsync_directory(os.path.dirname(final_path))
     return written
@@ -411,7 +403,7 @@ def read_chunk(
     if variable:
         whole = out
         out = whole[: _variable_payload_bytes(path, len(whole))]
-    trailer = memoryview(_trailer_buffer())
+    [trailer] = _trailer_blocks(1)
     try:
         got: Loaded = _load_file(path, out, trailer, direct, USE_STAMP_S)
     except OSError as exc:
