@@ -84,6 +84,12 @@ def _hits_from(index: int, ahead: dict[int, Lookup]) -> list[int]:
     return hits
 
 
+def _all_pending(answers: dict[int, Lookup]) -> bool:
+    """Whether every answer of a run is PENDING."""
+    values = list(answers.values())
+    return values.count(Lookup.PENDING) == len(values)
+
+
 class LookupResult(NamedTuple):
     """``hit_chunks`` leading chunks are ready in the primary tier now;
     ``pending`` means more may be once in-flight work ends: ask again next step."""
@@ -195,17 +201,20 @@ class TieringManager:
         about all of it at every look.
         """
         primary = self.primary
+        is_ready, is_writing = primary.is_ready, primary.is_writing
         pending = False
         look: _Look | None = None
         ahead: dict[int, Lookup] = {}  # the first tier's answers for keys to come
         whole_runs = True  # its runs of HITs reserved at once
         run = 4
         # Past the ready prefix, only secondary tiers or writes in flight add anything.
-        for index in range(hits, len(keys) if self.tiers or primary.has_writes else hits):
+        end = len(keys) if self.tiers or primary.has_writes else hits
+        index = hits - 1
+        while (index := index + 1) < end:
             key = keys[index]
-            if primary.is_ready(key):
+            if is_ready(key):
                 continue
-            if primary.is_writing(key):
+            if is_writing(key):
                 pending = True
                 continue
             if not self.tiers:
@@ -215,8 +224,16 @@ class TieringManager:
             first = ahead.pop(index, None)
             if first is None:
                 ahead = self._ask_run(keys, index, look, run)
-                first = ahead.pop(index, None)
                 run = min(2 * run, LOOK_RUN)
+                if ahead and _all_pending(ahead):
+                    # A run still being checked, as most of a long cold prefix
+                    # is at each look while it waits: nothing to do but wait.
+                    # The keys the run passed over are ready or being written.
+                    pending = True
+                    index = next(reversed(ahead))
+                    ahead = {}
+                    continue
+                first = ahead.pop(index, None)
             if first is Lookup.PENDING:
                 pending = True
                 continue
@@ -244,33 +261,34 @@ class TieringManager:
     def _ask_run(
         self, keys: Sequence[ChunkKey], start: int, look: _Look, most: int
     ) -> dict[int, Lookup]:
-        """The first tier's answers, by index, for up to ``most`` keys from
-        ``start`` on that are neither ready nor being written, up to one it is
-        not to be asked about (see :meth:`_lookup_secondary`)."""
-        tier, primary = self.tiers[0], self.primary
+        """The first tier's answers, by index, for the keys among the ``most``
+        from ``start`` on that are neither ready nor being written, up to one
+        it is not to be asked about (see :meth:`_lookup_secondary`)."""
+        tier = self.tiers[0]
+        window = keys[start : start + most]
+        offsets = self.primary.absent(window)
         failed = self._failed.of(look.request_id)
-        indices: list[int] = []
-        for index in range(start, len(keys)):
-            key = keys[index]
-            if primary.is_ready(key) or primary.is_writing(key):
-                continue
-            if (0, key) in failed or (0, key) in look.missed:
-                break
-            indices.append(index)
-            if len(indices) == most:
-                break
-        if not indices:
+        if failed or look.missed:  # most looks: neither, and no pair is made a key
+            for count, offset in enumerate(offsets):
+                pair = (0, window[offset])
+                if pair in failed or pair in look.missed:
+                    del offsets[count:]
+                    break
+        if not offsets:
             return {}
+        whole = len(offsets) == len(window)  # none passed over: most runs
+        asked = window if whole else [window[offset] for offset in offsets]
         try:
-            ctx = LookupContext(look.request_id, indices[0])
-            answers = tier.lookup_run([keys[i] for i in indices], ctx)
-            if not 0 < len(answers) <= len(indices):
-                raise ValueError(f"{len(answers)} answers about {len(indices)} keys")
+            ctx = LookupContext(look.request_id, start + offsets[0])
+            answers = tier.lookup_run(asked, ctx)
+            if not 0 < len(answers) <= len(offsets):
+                raise ValueError(f"{len(answers)} answers about {len(offsets)} keys")
         except Exception:
             logger.exception("tier %s: lookup raised; counted as a miss", tier.tier_type)
             count_lookup(tier, None)
             return {}
         count_lookups(tier, answers)
+        indices = range(start, start + len(window)) if whole else [start + o for o in offsets]
         return dict(zip(indices, answers, strict=False))
 
     def _promote_all(

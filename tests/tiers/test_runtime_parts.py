@@ -4,6 +4,7 @@ the existence checks' answers, the jobs' results, and guards chosen by options."
 from __future__ import annotations
 
 import functools
+import random
 import threading
 
 from kvtier.keys import ChunkKey
@@ -66,6 +67,63 @@ def test_a_run_of_answers_ends_at_its_first_miss_and_asks_nothing_past_it() -> N
     assert checks.take_queued() == []
 
 
+def _answers_one_by_one(checks: ExistenceChecks, keys: list[ChunkKey]) -> list[Lookup]:
+    """What :meth:`ExistenceChecks.answer_run` must give: :meth:`answer` of each
+    key in turn, up to the first MISS."""
+    answers = []
+    for key in keys:
+        answers.append(checks.answer(key))
+        if answers[-1] is Lookup.MISS:
+            break
+    return answers
+
+
+def _check_state(checks: ExistenceChecks) -> tuple[object, ...]:
+    return (
+        checks.queued,
+        checks.checking,
+        dict(checks._found),
+        dict(checks._missing),
+        set(checks._overdue),
+        dict(checks._failed),
+    )
+
+
+def test_a_run_answers_and_queues_as_its_keys_asked_one_by_one_would() -> None:
+    # answer_run takes whole runs at once where no key has an answer yet, or
+    # every key is being checked: in any state, it must do what answer() of
+    # each key would, to the same answers and the same checks queued.
+    pool = [ChunkKey(bytes([i]) * 16) for i in range(12)]
+    rng = random.Random(7)
+    now = [0.0]
+    for _ in range(300):
+        run_checks, key_checks = (
+            ExistenceChecks(attempts=2, max_answers=64, clock=lambda: now[0]) for _ in range(2)
+        )
+        for _ in range(rng.randrange(12)):  # the same history for both
+            keys = rng.sample(pool, rng.randrange(1, 6))
+            step = rng.randrange(4)
+            found = [rng.choice([True, False, None]) for _ in keys]
+            for checks in (run_checks, key_checks):
+                if step == 0:
+                    _answers_one_by_one(checks, keys)
+                elif step == 1:  # checks of the keys being checked answer
+                    checks.take_queued()
+                    answered = [
+                        (k, f) for k, f in zip(keys, found, strict=True) if k in checks.checking
+                    ]
+                    checks.record([k for k, _ in answered], [f for _, f in answered])
+                elif step == 2:
+                    checks.overdue(keys)
+                else:
+                    checks.forget(keys)
+            now[0] += rng.choice([0.0, 0.5, 2.0])
+        assert _check_state(run_checks) == _check_state(key_checks)
+        run = [rng.choice(pool) for _ in range(rng.randrange(1, 8))]  # repeats too
+        assert run_checks.answer_run(run) == _answers_one_by_one(key_checks, run), run
+        assert _check_state(run_checks) == _check_state(key_checks)
+
+
 def test_a_tier_answers_a_run_of_the_keys_its_index_knows_or_of_those_it_does_not() -> None:
     harness = TierHarness({"type": "memory"}, small_layout(), tier_class=MemoryTier)
     try:
@@ -75,6 +133,8 @@ def test_a_tier_answers_a_run_of_the_keys_its_index_knows_or_of_those_it_does_no
         tier.store.known = index.get  # type: ignore[method-assign]
         ctx = LookupContext()
         assert tier.lookup_run(KEYS, ctx) == [Lookup.HIT, Lookup.MISS]
+        assert tier.lookup_run([KEYS[0], KEYS[0]], ctx) == [Lookup.HIT, Lookup.HIT]
+        assert tier.checks.queued == ()
         assert tier.lookup_run(KEYS[2:], ctx) == [Lookup.PENDING, Lookup.PENDING]
         assert tier.checks.queued == tuple(KEYS[2:])
         # A run is of one kind: the keys the index knows end one it does not.

@@ -71,6 +71,11 @@ class PrimaryTier:
     def is_writing(self, key: ChunkKey) -> bool:
         return key in self._writing
 
+    def absent(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """The positions in ``keys`` of those neither ready nor being written."""
+        ready, writing = self._ready, self._writing
+        return [i for i, key in enumerate(keys) if key not in ready and key not in writing]
+
     @property
     def has_writes(self) -> bool:
         """Whether any write is in flight."""

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import repeat
 
 from kvtier.keys import ChunkKey
 from kvtier.tiers.bounded import drop_oldest
@@ -58,13 +59,14 @@ class RequestBudgets:
                 self._answered[key] = now
             drop_oldest(self._answered, self.max_entries)
 
-    def found(self, request_id: str | None, key: ChunkKey) -> None:
-        """A lookup of ``request_id`` took ``key``'s check answer: it waited until then."""
+    def found(self, request_id: str | None, keys: Iterable[ChunkKey]) -> None:
+        """A lookup of ``request_id`` took the check answers of ``keys``: it waited until then."""
         with self._lock:
-            answered = self._answered.pop(key, None)
+            taken = map(self._answered.pop, keys, repeat(None))
+            answered = [when for when in taken if when is not None]
             wait = self._waits.get(request_id) if request_id is not None else None
-            if wait is not None and answered is not None:
-                wait.spent = max(wait.spent, answered - wait.first)
+            if wait is not None and answered:
+                wait.spent = max(wait.spent, max(answered) - wait.first)
 
     def take(self, request_id: str | None) -> tuple[float, float | None]:
         """Seconds left to a load of ``request_id``, and since when it waits (or

@@ -79,7 +79,7 @@ class Guards:
             if answer is Lookup.PENDING:
                 self.budgets.waiting(ctx.request_id)
             else:
-                self.budgets.found(ctx.request_id, key)
+                self.budgets.found(ctx.request_id, (key,))
         return answer
 
     def lookup_run(
@@ -93,11 +93,12 @@ class Guards:
         request_id = ctx.request_id
         if request_id is not None:
             budgets = self.budgets
-            if Lookup.PENDING in answers:
+            waiting = answers.count(Lookup.PENDING)
+            if waiting:
                 budgets.waiting(request_id)
-            for key, answer in zip(keys, answers, strict=False):
-                if answer is not Lookup.PENDING:
-                    budgets.found(request_id, key)
+            if waiting < len(answers):
+                pairs = zip(keys, answers, strict=False)
+                budgets.found(request_id, [k for k, a in pairs if a is not Lookup.PENDING])
         return answers
 
     def _lookup_while_down(self, count: int) -> list[Lookup]:

@@ -63,6 +63,27 @@ def spread_size(count: int, parts: int, most: int) -> int:
     return min(most, max(1, -(-count // parts)))
 
 
+def _known_answers(
+    keys: Sequence[ChunkKey], found_all: Sequence[bool | None]
+) -> tuple[list[Lookup], list[ChunkKey]]:
+    """The answers of the leading keys an index knew (``found_all``: its
+    answer per key), ending after any MISS; else the leading keys it did not."""
+    answers: list[Lookup] = []
+    unknown: list[ChunkKey] = []
+    for key, found in zip(keys, found_all, strict=True):
+        if found is None:
+            if answers:
+                break
+            unknown.append(key)
+        else:
+            if unknown:
+                break
+            answers.append(Lookup.HIT if found else Lookup.MISS)
+            if not found:
+                break
+    return answers, unknown
+
+
 class ChunkStore(Protocol):
     """The blocking, batched calls the runtime drives on its workers."""
 
@@ -220,23 +241,15 @@ class TierRuntime(SecondaryTier[OptionsT]):
     def _answer_run(self, keys: Sequence[ChunkKey], ctx: LookupContext) -> list[Lookup]:
         """The leading keys the store's index answers, else the leading ones it
         does not (answered by the existence checks), ending after any MISS."""
-        known = self.store.known
-        answers: list[Lookup] = []
-        unknown: list[ChunkKey] = []
-        for key in keys:
-            found = known(key)
-            if found is None:
-                if answers:
-                    break
-                unknown.append(key)
-            else:
-                if unknown:
-                    break
-                answers.append(Lookup.HIT if found else Lookup.MISS)
-                if not found:
-                    break
-        if not unknown:
-            return answers
+        found_all = list(map(self.store.known, keys))
+        if found_all.count(True) == len(keys):  # an index that holds the whole run
+            return [Lookup.HIT] * len(keys)
+        if found_all.count(None) == len(keys):  # a store without an index: every run
+            unknown = list(keys)
+        else:
+            answers, unknown = _known_answers(keys, found_all)
+            if not unknown:
+                return answers
         if self.guards is None:
             return self.checks.answer_run(unknown)
         return self.guards.lookup_run(unknown, ctx, self.checks.answer_run)
