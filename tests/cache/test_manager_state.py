@@ -10,7 +10,7 @@ changes nothing.
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier import KVCache
 from kvtier.keys import ChunkKey
@@ -94,10 +94,15 @@ class ManagerMachine(RuleBasedStateMachine):
             self.manager.prepare_load(keys)
             self.pinned.append(keys)
 
-    @precondition(lambda self: self.pinned)
+    # No rule has a precondition on what the tiers' threads did: which rules
+    # are enabled must not depend on timing, or hypothesis finds the same
+    # choices leading to other rules and stops (FlakyStrategyDefinition).
+    # A rule that does not apply does nothing instead.
+
     @rule()
     def unpin(self) -> None:
-        self.manager.complete_load(self.pinned.pop())
+        if self.pinned:
+            self.manager.complete_load(self.pinned.pop())
 
     @rule()
     def step(self) -> None:
@@ -117,16 +122,18 @@ class ManagerMachine(RuleBasedStateMachine):
         if keys:
             inner.backend.corrupt_for_tests(keys[index % len(keys)])
 
-    @precondition(lambda self: not self.pinned)
     @rule()
     def drain_then_nothing_is_busy(self) -> None:
+        if self.pinned:
+            return
         self.manager.drain()
         assert not self.manager.busy
         assert all(refs == 0 for refs in self.manager.primary.refcounts().values())
 
-    @precondition(lambda self: not self.pinned)
     @rule()
     def reset(self) -> None:
+        if self.pinned:
+            return
         self.manager.reset()
         assert len(self.manager.primary) == 0
 
