@@ -158,6 +158,45 @@ def test_lookups_check_the_filesystem_until_the_index_is_ready(
         harness.close()
 
 
+def test_a_half_built_index_answers_no_lookup_so_that_a_prefix_comes_back_in_order(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The index walks the root in its own order: had it answered the keys it
+    # had walked, those would be promoted first and the rest a check later,
+    # and a reader of the prefix would wait for its earliest chunk.
+    first = open_tier(root)
+    keys = keys_for(9, 3)
+    assert store(first, keys)
+    first.close()
+    release, walked = threading.Event(), threading.Event()
+    real_survey = NamespaceDir.survey
+
+    def half_survey(self: NamespaceDir) -> Iterator[object]:
+        entries = real_survey(self)
+        yield next(entries)
+        walked.set()  # the first entry is in the index by now
+        release.wait(30)
+        yield from entries
+
+    monkeypatch.setattr(NamespaceDir, "survey", half_survey)
+    harness = TierHarness({"type": "fs", "root_dir": str(root), "shared": False}, LAYOUT, 4)
+    try:
+        tier = harness.tier
+        assert isinstance(tier, FilesystemTier)
+        assert walked.wait(30)
+        assert len(tier.backend.index.keys & set(keys)) == 1 and not tier.index_ready
+        ctx = LookupContext()
+        assert [tier.lookup(key, ctx) for key in keys] == [Lookup.PENDING] * 3
+        assert tier.lookup_run(keys, ctx) == [Lookup.PENDING] * 3
+        assert [harness.lookup(key) for key in keys] == [Lookup.HIT] * 3  # as checked
+        release.set()
+        assert tier.wait_index(30)
+        assert [tier.lookup(key, ctx) for key in keys] == [Lookup.HIT] * 3  # from the index
+    finally:
+        release.set()
+        harness.close()
+
+
 def test_a_chunk_stored_by_another_process_is_found(root: Path) -> None:
     harness = open_tier(root)  # running before the other process stores
     try:

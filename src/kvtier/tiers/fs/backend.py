@@ -148,11 +148,17 @@ class FsBackend(LocalBackend[FilesystemTierOptions]):
     # Lookups ----------------------------------------------------------------
 
     def known(self, key: ChunkKey) -> bool | None:
+        if not self.index.ready.is_set():
+            # Being built, the index knows the chunks it has walked so far, in
+            # the root's order, not a prefix's: answering those at once and
+            # checking the rest would promote a prefix out of order, and its
+            # reader waits for its earliest chunk. So until the index is
+            # whole, every key is checked (one it knows costs no system call).
+            return None
         if key in self.index.keys:
             return True
-        if self.shared or not self.index.ready.is_set():
-            return None  # ask the filesystem, off the caller's thread
-        return False
+        # Another process may have stored it: ask the filesystem, off the caller's thread.
+        return None if self.shared else False
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         # Every key the index does not know is looked at in one system-call
