@@ -118,6 +118,10 @@ def test_a_run_answers_and_queues_as_its_keys_asked_one_by_one_would() -> None:
                 else:
                     checks.forget(keys)
             now[0] += rng.choice([0.0, 0.5, 2.0])
+            # What answering a key being checked at once rests on.
+            for key in run_checks.checking:
+                assert key not in run_checks._found and key not in run_checks._missing
+                assert run_checks._failed.get(key, 0) < run_checks.attempts
         assert _check_state(run_checks) == _check_state(key_checks)
         run = [rng.choice(pool) for _ in range(rng.randrange(1, 8))]  # repeats too
         assert run_checks.answer_run(run) == _answers_one_by_one(key_checks, run), run

@@ -68,24 +68,21 @@ class ExistenceChecks:
         """:meth:`answer` for ``keys`` in order, under one lock, ending after
         the first MISS: no check is queued, nor HIT taken, past it."""
         answers: list[Lookup] = []
-        checking, overdue = self._checking, self._overdue
+        checking = self._checking
         with self._lock:
-            # A key being checked is neither found nor missing, nor failed for
-            # good: PENDING unless overdue. Most runs of a long prefix's later
-            # looks are all so (tests/tiers/test_runtime_parts.py holds each
-            # shortcut to what :meth:`_answer` of each key would do).
-            if not overdue and checking.issuperset(keys):
+            # Two runs answered whole (tests/tiers/test_runtime_parts.py holds
+            # each to what :meth:`_answer` of each key would do): every key
+            # being checked, as most runs of a long prefix's later looks are;
+            # or no key with any answer yet, as a new prefix's first look.
+            if not self._overdue and checking.issuperset(keys):
                 return [Lookup.PENDING] * len(keys)
-            if self._unanswered(keys):  # a new prefix's first look: all queued at once
+            if self._unanswered(keys):
                 new = [key for key in dict.fromkeys(keys) if key not in checking]
                 checking.update(new)
                 self._queued += new
                 return [Lookup.PENDING] * len(keys)
             for key in keys:
-                if key in checking:
-                    answer = Lookup.MISS if key in overdue else Lookup.PENDING
-                else:
-                    answer = self._answer(key)
+                answer = self._answer(key)
                 answers.append(answer)
                 if answer is Lookup.MISS:
                     break
@@ -101,6 +98,8 @@ class ExistenceChecks:
         )
 
     def _answer(self, key: ChunkKey) -> Lookup:
+        if key in self._checking:  # then neither found nor missing, nor failed for good
+            return Lookup.MISS if key in self._overdue else Lookup.PENDING
         if key in self._found:
             del self._found[key]
             return Lookup.HIT
@@ -114,9 +113,8 @@ class ExistenceChecks:
         if self._failed.get(key, 0) >= self.attempts:
             del self._failed[key]
             return Lookup.MISS  # the backend keeps failing for this key
-        if key not in self._checking:
-            self._checking.add(key)
-            self._queued.append(key)
+        self._checking.add(key)
+        self._queued.append(key)
         return Lookup.PENDING
 
     def take_queued(self) -> list[ChunkKey]:
