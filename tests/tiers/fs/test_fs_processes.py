@@ -197,6 +197,46 @@ def test_a_half_built_index_answers_no_lookup_so_that_a_prefix_comes_back_in_ord
         harness.close()
 
 
+def test_a_store_while_the_index_is_half_built_writes_no_chunk_already_on_disk(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A half-built index answers no lookup (above), so the runtime skips no
+    # store by it: the store itself finds the chunks on disk, walked or not.
+    first = open_tier(root)
+    keys = keys_for(13, 3)
+    assert store(first, keys)
+    first.close()
+    release, walked = threading.Event(), threading.Event()
+    real_survey = NamespaceDir.survey
+
+    def half_survey(self: NamespaceDir) -> Iterator[object]:
+        entries = real_survey(self)
+        yield next(entries)
+        walked.set()
+        release.wait(30)
+        yield from entries
+
+    monkeypatch.setattr(NamespaceDir, "survey", half_survey)
+    harness = TierHarness({"type": "fs", "root_dir": str(root), "shared": False}, LAYOUT, 4)
+    try:
+        tier = harness.tier
+        assert isinstance(tier, FilesystemTier)
+        assert walked.wait(30) and not tier.index_ready
+        assert len(tier.backend.index.keys & set(keys)) == 1
+        files = {key: os.stat(tier_path(harness, key)) for key in keys}
+        assert store(harness, keys)
+        for key, before in files.items():
+            after = os.stat(tier_path(harness, key))
+            assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+        assert tier.backend.index.keys >= set(keys)
+        assert harness.load(keys, [0, 1, 2]).success
+        for slot, key in enumerate(keys):
+            np.testing.assert_array_equal(harness.buffer.array[slot], payload_for(key))
+    finally:
+        release.set()
+        harness.close()
+
+
 def test_a_chunk_stored_by_another_process_is_found(root: Path) -> None:
     harness = open_tier(root)  # running before the other process stores
     try:
