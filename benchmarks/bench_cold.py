@@ -59,6 +59,11 @@ spends more CPU per byte than its raw client takes it from the server.
 
     python benchmarks/bench_cold.py --root /var/tmp/kvtier-cold --runs 5
 
+Each chunk size ends with the goals its figures are judged against, met or
+not: kvtier at least 0.9x the ceiling (``fio``, or a remote tier's raw
+client), for ``fs`` a spread of at most 15 % and at least 1.2x LMCache's
+disk backend (where it ran); in ``--json``, a chunk size's ``goals``.
+
 ``--tier redis|obj|mooncake`` measures a cold prefix from that remote tier
 against its raw client instead (``bench_cold_remote.py``; ``--threads`` is
 then the tier's ``io_threads``, 4 by default, and the raw client's;
@@ -109,6 +114,12 @@ from physical import drop_caches  # noqa: E402
 #: Bytes of one token across the layout's layers (4 layers, 2 KV heads, 64 dims, fp16, K and V).
 TOKEN_BYTES = 2 * 4 * 2 * 64 * 2
 PEER = "lmcache-disk-odirect"
+#: The cold prefix's goals: kvtier at least this share of the ceiling (the
+#: disk's or the raw client's), with at most this spread over runs (fs), and
+#: at least this many times LMCache's disk backend (fs).
+GOAL_VS_CEILING = 0.9
+GOAL_FS_SPREAD = 0.15
+GOAL_VS_PEER = 1.2
 
 
 # One measurement, in its own process -----------------------------------------
@@ -479,7 +490,28 @@ def measure_chunk(
             if "stored_ratio" in rounds[0]:
                 row["codec"] = codec_row(rounds, runs["kvtier"], summary)
         result[name] = row
+    if "kvtier" in result:
+        result["goals"] = goals(result["kvtier"], top)
     return result
+
+
+def goals(row: dict[str, Any], ceiling: str | None) -> list[dict[str, Any]]:
+    """Each goal kvtier's ``row`` was measured against: what it asks, the
+    figure (medians of the per-run ratios) and whether it is met."""
+    wanted: list[tuple[str, str, float, bool]] = []  # (figure, bound, value, met)
+    if ceiling is not None:
+        value = row[f"vs_{ceiling}"]["p50"]
+        wanted.append((f"vs {ceiling}", f">= {GOAL_VS_CEILING}x", value, value >= GOAL_VS_CEILING))
+    if ceiling == "fio":
+        value = row["gbps"]["spread"]
+        wanted.append(("spread", f"<= {GOAL_FS_SPREAD:.0%}", value, value <= GOAL_FS_SPREAD))
+    if f"vs_{PEER}" in row:
+        value = row[f"vs_{PEER}"]["p50"]
+        wanted.append((f"vs {PEER}", f">= {GOAL_VS_PEER}x", value, value >= GOAL_VS_PEER))
+    return [
+        {"figure": figure, "goal": bound, "value": value, "met": met}
+        for figure, bound, value, met in wanted
+    ]
 
 
 def peer_system(args: argparse.Namespace, stack: ExitStack) -> tuple[Any, str | None]:
@@ -639,6 +671,11 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], notes: dict[
                 print(f"    {parts}")
         for line in codec_table(result):
             print(line)
+        for goal in result.get("goals", []):
+            verdict = "met" if goal["met"] else "NOT met"
+            value = goal["value"]
+            shown = f"{value:.0%}" if goal["figure"] == "spread" else f"{value:.2f}x"
+            print(f"  goal: kvtier {goal['figure']} {goal['goal']}: {shown}, {verdict}")
     for name, why in notes.items():
         print(f"skipped {name}: {why}")
 

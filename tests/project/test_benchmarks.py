@@ -117,7 +117,43 @@ def test_bench_cold_verifies_the_prefix_and_breaks_its_time_down(tmp_path: Path)
         assert result["kvtier"]["vs_baseline"]["p50"] > 0
         # fio is the ceiling where it is installed; otherwise the run says why not.
         assert ("fio" in result) != ("fio" in out["skipped"])
+        # The goals judged from the same figures: the disk's ceiling and the
+        # spread where fio ran (one run spreads 0 %), no peer (--no-peer).
+        goals = {goal["figure"]: goal for goal in result["goals"]}
+        if "fio" in result:
+            assert set(goals) == {"vs fio", "spread"} and goals["spread"]["met"]
+            ratio = result["kvtier"]["vs_fio"]["p50"]
+            assert goals["vs fio"]["value"] == ratio
+            assert goals["vs fio"]["met"] == (ratio >= 0.9)
+        else:
+            assert goals == {}
     assert out["skipped"]["lmcache-disk-odirect"] == "--no-peer"
+
+
+def test_bench_cold_judges_each_goal_at_its_bound() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_cold import goals
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def row(gbps_spread: float, **ratios: float) -> dict[str, Any]:
+        return {"gbps": {"spread": gbps_spread}} | {k: {"p50": v} for k, v in ratios.items()}
+
+    def verdicts(found: list[dict[str, Any]]) -> dict[str, bool]:
+        return {goal["figure"]: goal["met"] for goal in found}
+
+    fs = row(0.15, vs_fio=0.9, **{"vs_lmcache-disk-odirect": 1.2})
+    assert verdicts(goals(fs, "fio")) == {
+        "vs fio": True,
+        "spread": True,
+        "vs lmcache-disk-odirect": True,
+    }
+    fs = row(0.16, vs_fio=0.89, **{"vs_lmcache-disk-odirect": 1.19})
+    assert not any(verdicts(goals(fs, "fio")).values())
+    # A remote tier: its raw client is the ceiling, and no spread is asked of it.
+    assert verdicts(goals(row(0.9, vs_raw=0.9), "raw")) == {"vs raw": True}
+    assert verdicts(goals(row(0.0, vs_raw=0.899), "raw")) == {"vs raw": False}
 
 
 @pytest.mark.parametrize(
@@ -132,8 +168,11 @@ def test_bench_cold_remote_tier_verifies_the_prefix_against_its_raw_client(
     assert out["tier"] == tier and out["skipped"] == {}
     assert [r["chunk"] for r in out["results"]] == [256 << 10, 2 << 20]
     for result in out["results"]:
-        assert set(result) == {"chunk", "chunks", "kvtier", "raw"}
+        assert set(result) == {"chunk", "chunks", "kvtier", "raw", "goals"}
         row = result["kvtier"]
+        [goal] = result["goals"]
+        assert (goal["figure"], goal["value"]) == ("vs raw", row["vs_raw"]["p50"])
+        assert goal["met"] == (goal["value"] >= 0.9)
         assert row["verified_chunks"] == [out["size"] // result["chunk"]]
         parts = row["breakdown"]
         # A fresh cache knows nothing of a remote store: every chunk is checked, then
@@ -154,7 +193,7 @@ def test_bench_cold_remote_tier_runs_a_baseline_kvtier_alike() -> None:
     # The checkout's own src as the baseline: both run in child processes alike.
     out = run_quick("bench_cold.py", "--tier", "obj", "--baseline-src", str(ROOT / "src"))
     for result in out["results"]:
-        assert set(result) == {"chunk", "chunks", "kvtier", "raw", "baseline"}
+        assert set(result) == {"chunk", "chunks", "kvtier", "raw", "baseline", "goals"}
         for name in ("kvtier", "baseline"):
             row = result[name]
             assert row["verified_chunks"] == [out["size"] // result["chunk"]]
