@@ -674,7 +674,9 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], notes: dict[
         for goal in result.get("goals", []):
             verdict = "met" if goal["met"] else "NOT met"
             value = goal["value"]
-            shown = f"{value:.0%}" if goal["figure"] == "spread" else f"{value:.2f}x"
+            # As many digits as the figure has (rounded to 3 decimals): a
+            # spread of 15.2 % must not read as a 15 % that failed.
+            shown = f"{value:.1%}" if goal["figure"] == "spread" else f"{value:.3f}x"
             print(f"  goal: kvtier {goal['figure']} {goal['goal']}: {shown}, {verdict}")
     for name, why in notes.items():
         print(f"skipped {name}: {why}")

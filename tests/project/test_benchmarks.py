@@ -6,6 +6,7 @@ only that each driver runs end to end and reports consistent counts.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -154,6 +155,26 @@ def test_bench_cold_judges_each_goal_at_its_bound() -> None:
     # A remote tier: its raw client is the ceiling, and no spread is asked of it.
     assert verdicts(goals(row(0.9, vs_raw=0.9), "raw")) == {"vs raw": True}
     assert verdicts(goals(row(0.0, vs_raw=0.899), "raw")) == {"vs raw": False}
+
+
+def test_bench_cold_prints_each_goal_with_the_digits_it_was_judged_by(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_cold import report
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    missed = [
+        {"figure": "vs fio", "goal": ">= 0.9x", "value": 0.899, "met": False},
+        {"figure": "spread", "goal": "<= 15%", "value": 0.152, "met": False},
+    ]
+    args = argparse.Namespace(json=False, tier="fs", threads=32, size=1 << 20, runs=5, codecs=None)
+    report(args, [{"chunk": 1 << 20, "chunks": 1, "goals": missed}], {})
+    lines = capsys.readouterr().out.splitlines()
+    # Not 0.90x and 15 %: a figure that missed its goal never reads as one that met it.
+    assert "  goal: kvtier vs fio >= 0.9x: 0.899x, NOT met" in lines
+    assert "  goal: kvtier spread <= 15%: 15.2%, NOT met" in lines
 
 
 @pytest.mark.parametrize(
