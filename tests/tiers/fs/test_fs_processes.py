@@ -158,14 +158,13 @@ def test_lookups_check_the_filesystem_until_the_index_is_ready(
         harness.close()
 
 
-def test_a_half_built_index_answers_no_lookup_so_that_a_prefix_comes_back_in_order(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The index walks the root in its own order: had it answered the keys it
-    # had walked, those would be promoted first and the rest a check later,
-    # and a reader of the prefix would wait for its earliest chunk.
+@contextlib.contextmanager
+def half_indexed(
+    root: Path, monkeypatch: pytest.MonkeyPatch, keys: list[bytes]
+) -> Iterator[tuple[TierHarness, FilesystemTier, threading.Event]]:
+    """A tier on ``root``, where another stored ``keys``, whose re-index is
+    held after its first entry until the event yielded is set."""
     first = open_tier(root)
-    keys = keys_for(9, 3)
     assert store(first, keys)
     first.close()
     release, walked = threading.Event(), threading.Event()
@@ -184,6 +183,20 @@ def test_a_half_built_index_answers_no_lookup_so_that_a_prefix_comes_back_in_ord
         tier = harness.tier
         assert isinstance(tier, FilesystemTier)
         assert walked.wait(30)
+        yield harness, tier, release
+    finally:
+        release.set()
+        harness.close()
+
+
+def test_a_half_built_index_answers_no_lookup_so_that_a_prefix_comes_back_in_order(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The index walks the root in its own order: had it answered the keys it
+    # had walked, those would be promoted first and the rest a check later,
+    # and a reader of the prefix would wait for its earliest chunk.
+    keys = keys_for(9, 3)
+    with half_indexed(root, monkeypatch, keys) as (harness, tier, release):
         assert len(tier.backend.index.keys & set(keys)) == 1 and not tier.index_ready
         ctx = LookupContext()
         assert [tier.lookup(key, ctx) for key in keys] == [Lookup.PENDING] * 3
@@ -192,9 +205,6 @@ def test_a_half_built_index_answers_no_lookup_so_that_a_prefix_comes_back_in_ord
         release.set()
         assert tier.wait_index(30)
         assert [tier.lookup(key, ctx) for key in keys] == [Lookup.HIT] * 3  # from the index
-    finally:
-        release.set()
-        harness.close()
 
 
 def test_a_store_while_the_index_is_half_built_writes_no_chunk_already_on_disk(
@@ -202,26 +212,9 @@ def test_a_store_while_the_index_is_half_built_writes_no_chunk_already_on_disk(
 ) -> None:
     # A half-built index answers no lookup (above), so the runtime skips no
     # store by it: the store itself finds the chunks on disk, walked or not.
-    first = open_tier(root)
     keys = keys_for(13, 3)
-    assert store(first, keys)
-    first.close()
-    release, walked = threading.Event(), threading.Event()
-    real_survey = NamespaceDir.survey
-
-    def half_survey(self: NamespaceDir) -> Iterator[object]:
-        entries = real_survey(self)
-        yield next(entries)
-        walked.set()
-        release.wait(30)
-        yield from entries
-
-    monkeypatch.setattr(NamespaceDir, "survey", half_survey)
-    harness = TierHarness({"type": "fs", "root_dir": str(root), "shared": False}, LAYOUT, 4)
-    try:
-        tier = harness.tier
-        assert isinstance(tier, FilesystemTier)
-        assert walked.wait(30) and not tier.index_ready
+    with half_indexed(root, monkeypatch, keys) as (harness, tier, _):
+        assert not tier.index_ready
         assert len(tier.backend.index.keys & set(keys)) == 1
         files = {key: os.stat(tier_path(harness, key)) for key in keys}
         assert store(harness, keys)
@@ -232,9 +225,6 @@ def test_a_store_while_the_index_is_half_built_writes_no_chunk_already_on_disk(
         assert harness.load(keys, [0, 1, 2]).success
         for slot, key in enumerate(keys):
             np.testing.assert_array_equal(harness.buffer.array[slot], payload_for(key))
-    finally:
-        release.set()
-        harness.close()
 
 
 def test_a_chunk_stored_by_another_process_is_found(root: Path) -> None:
