@@ -7,6 +7,7 @@ only that each driver runs end to end and reports consistent counts.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -35,6 +36,14 @@ def run_quick(script: str, *args: str) -> Any:
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def from_benchmarks(module: str) -> Any:
+    """A module of ``benchmarks/``, imported as its drivers run: beside its
+    siblings, which it imports by name."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ROOT / "benchmarks"))
+        return importlib.import_module(module)
 
 
 def test_bench_primary_replays_the_same_trace_through_every_system() -> None:
@@ -132,11 +141,7 @@ def test_bench_cold_verifies_the_prefix_and_breaks_its_time_down(tmp_path: Path)
 
 
 def test_bench_cold_judges_each_goal_at_its_bound() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from bench_cold import goals
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    goals = from_benchmarks("bench_cold").goals
 
     def row(gbps_spread: float, **ratios: float) -> dict[str, Any]:
         return {"gbps": {"spread": gbps_spread}} | {k: {"p50": v} for k, v in ratios.items()}
@@ -160,11 +165,7 @@ def test_bench_cold_judges_each_goal_at_its_bound() -> None:
 def test_bench_cold_prints_each_goal_with_the_digits_it_was_judged_by(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from bench_cold import report
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    report = from_benchmarks("bench_cold").report
     missed = [
         {"figure": "vs fio", "goal": ">= 0.9x", "value": 0.899, "met": False},
         {"figure": "spread", "goal": "<= 15%", "value": 0.152, "met": False},
@@ -329,11 +330,9 @@ def test_bench_peers_skips_a_missing_environment_with_its_reason(tmp_path: Path)
 
 
 def test_bench_peers_check_refuses_a_wrong_or_missing_chunk() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from peers.common import check_chunks, chunk_payloads
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    common = from_benchmarks("peers.common")
+    check_chunks = common.check_chunks
+    chunk_payloads = common.chunk_payloads
     chunks = chunk_payloads(7, 3, 4096)
     # The same seed gives the same bytes; another seed others.
     assert chunks == chunk_payloads(7, 3, 4096) and chunks != chunk_payloads(8, 3, 4096)
@@ -431,11 +430,7 @@ def test_bench_codec_quality_trains_once_and_rates_every_codec_against_exact(
 def test_bench_vllm_work_directory_is_removed_after_a_run_kept_after_a_failure(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from bench_vllm import work_directory
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    work_directory = from_benchmarks("bench_vllm").work_directory
     with work_directory("kvtier-test-work-") as work:
         (work / "model").mkdir()
     assert not work.exists()
