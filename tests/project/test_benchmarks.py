@@ -225,6 +225,17 @@ def test_bench_cold_remote_tier_runs_a_baseline_kvtier_alike() -> None:
         assert result["kvtier"]["vs_baseline"]["p50"] > 0
 
 
+def test_bench_obj_client_times_both_clients_at_each_size() -> None:
+    need_s3_server()
+    out = run_quick("bench_obj_client.py")
+    assert set(out) == {str(256 << 10), str(2 << 20)}
+    for figures in out.values():
+        for client in ("tier", "boto3"):
+            assert 0 < figures[client]["least_ms"] <= figures[client]["median_ms"]
+        ratio = figures["tier_over_boto3"]
+        assert 0 < ratio["least"] <= ratio["median"]
+
+
 @pytest.mark.parametrize("tier", ["fs", "redis"])
 def test_bench_cold_loads_the_prefix_through_each_codec_beside_none(
     tier: str, tmp_path: Path
