@@ -42,6 +42,8 @@ _REFUSED_WRITES = frozenset(
 )
 
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9._-]+")
+#: What botocore accepts as a region name when it builds a client.
+_REGION_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 class ObjectStoreTierOptions(RemoteTierOptions):
@@ -101,6 +103,16 @@ class ObjectStoreTierOptions(RemoteTierOptions):
             )
         return bucket
 
+    @field_validator("region")
+    @classmethod
+    def _check_region(cls, region: str | None) -> str | None:
+        if region is not None and not _REGION_NAME.fullmatch(region):
+            raise ValueError(
+                "a region name is 1 to 63 letters, digits and '-', neither first nor last "
+                "(for example us-east-1), or leave it unset for the standard AWS configuration"
+            )
+        return region
+
     @field_validator("endpoint_url")
     @classmethod
     def _check_endpoint(cls, url: str | None) -> str | None:
@@ -145,7 +157,14 @@ class ObjectStoreBackend(Backend[ObjectStoreTierOptions]):
         self._bucket = options.bucket
         where = f" at {options.endpoint_url}" if options.endpoint_url else ""
         self._target = f"bucket {options.bucket!r}{where}"
-        self._client_error, self.client = _connect(options)
+        try:
+            self._client_error, self.client = _connect(options)
+        except MissingDependencyError:
+            raise
+        except Exception as exc:  # the AWS configuration, as a missing profile: before any request
+            raise BackendUnavailableError(
+                runtime.tier_type, self._target, describe_error(exc)
+            ) from exc
         try:
             self._check_bucket()
         except BaseException:

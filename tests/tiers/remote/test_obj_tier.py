@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -218,6 +219,10 @@ def test_a_hung_endpoint_times_out_and_recovers(own_s3_server: S3Server) -> None
         ({"bucket": "kv-bucket", "connect_timeout_s": 1e300}, "connect_timeout_s"),
         ({"bucket": "kv-bucket", "startup_timeout_s": float("inf")}, "startup_timeout_s"),
         ({"bucket": "kv-bucket", "endpoint": "http://x"}, "did you mean 'endpoint_url'"),
+        ({"bucket": "kv-bucket", "region": "us east 1"}, r"region: .*for example us-east-1"),
+        ({"bucket": "kv-bucket", "region": "-us-east-1"}, r"region: .*for example us-east-1"),
+        ({"bucket": "kv-bucket", "region": "r" * 64}, r"region: .*for example us-east-1"),
+        ({"bucket": "kv-bucket", "region": ""}, r"region: .*for example us-east-1"),
     ],
 )
 def test_bad_options_fail_validation_with_the_path(options: dict[str, Any], message: str) -> None:
@@ -356,6 +361,32 @@ def test_a_missing_bucket_names_its_entry(s3_server: S3Server) -> None:
     }
     with pytest.raises(BackendUnavailableError, match=r"^secondary_tiers\[0\]: .*does not exist"):
         KVCache(config, layout)
+
+
+def test_a_profile_the_aws_configuration_lacks_names_its_entry(
+    s3_server: S3Server, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    aws_config = tmp_path / "config"
+    aws_config.write_text("[profile team-kv]\nregion = us-east-1\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(aws_config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    options = s3_server.tier_options(s3_bucket)
+    del options["access_key_id"], options["secret_access_key"]
+    layout = small_layout()
+    config = {
+        "chunk_tokens": layout.chunk_tokens,
+        "cpu_bytes_to_use": 4 * layout.slot_bytes,
+        "secondary_tiers": [{"type": "obj", **options, "profile": "team-kv-typo"}],
+    }
+    with pytest.raises(
+        BackendUnavailableError, match=r"^secondary_tiers\[0\]: tier 'obj': .*team-kv-typo"
+    ):
+        KVCache(config, layout)
+
+
+@pytest.mark.parametrize("region", ["us-east-1", "eu-central-1", "local", "r" * 63])
+def test_region_names_botocore_accepts_load(region: str) -> None:
+    load_config({"secondary_tiers": [{"type": "obj", "bucket": "kv-bucket", "region": region}]})
 
 
 def test_a_job_is_split_over_the_workers(s3_server: S3Server, s3_bucket: str) -> None:
