@@ -91,6 +91,19 @@ def test_bad_options_fail_validation_with_their_path(root: Path) -> None:
         load_config({"secondary_tiers": [{"type": "fs", "root_dir": str(root), "direct_io": "x"}]})
 
 
+@pytest.mark.parametrize(
+    ("root_dir", "problem"),
+    [("", "an empty path"), ("   ", "an empty path"), ("/tmp/kv\0x", "NUL")],
+)
+def test_a_root_dir_no_directory_can_have_fails_when_the_config_loads(
+    root_dir: str, problem: str
+) -> None:
+    from kvtier.config import load_config
+
+    with pytest.raises(ConfigError, match=rf"secondary_tiers\[0\]\.root_dir: .*{problem}"):
+        load_config({"secondary_tiers": [{"type": "fs", "root_dir": root_dir}]})
+
+
 def test_max_bytes_below_one_chunk_is_rejected(root: Path) -> None:
     with pytest.raises(ValueError, match="cannot hold one chunk"):
         TierHarness({"type": "fs", "root_dir": str(root), "max_bytes": 4096}, small_layout())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, field_validator
 
 from kvtier.tiers.threaded import ThreadedTierOptions
 
@@ -50,3 +50,15 @@ class FilesystemTierOptions(ThreadedTierOptions):
     other processes. A process stopped or hung while holding it makes stores
     fail after this long (counted, the chunks stay where they are) instead of
     blocking I/O threads and ``close()``."""
+
+    @field_validator("root_dir", mode="before")
+    @classmethod
+    def _check_root_dir(cls, root_dir: object) -> object:
+        if isinstance(root_dir, str):
+            # An empty one would become ".", wherever the engine happens to run
+            # (an unset variable in a templated configuration, most likely).
+            if not root_dir.strip():
+                raise ValueError("an empty path; name the directory to hold the chunk files")
+            if "\0" in root_dir:
+                raise ValueError("a path holds no NUL byte")
+        return root_dir
