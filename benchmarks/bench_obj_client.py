@@ -3,7 +3,8 @@ client, against a boto3 client made as boto3's documentation makes one.
 
 On moto's S3 server on loopback (``tests/support/servers.py``), both clients
 read the same objects in turn, round after round, one thread each: the
-tier's client as ``ObjectStoreBackend`` builds it, and ``boto3.client("s3")``
+tier's client as ``ObjectStoreBackend`` builds it, and the raw boto3 client
+``bench_cold.py --tier obj`` measures against (``bench_shared_tiers.RawS3``),
 with the same connection pool and checksum settings. Per object size: the
 CPU time of the calling thread per ``GET`` (the body read whole), the median
 and the least over ``--rounds``, and tier ÷ boto3 round by round, its median
@@ -20,33 +21,22 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
-
+from bench_shared_tiers import RawS3  # puts the checkout on sys.path
 from tests.support.servers import S3Server
 
 SIZES = (256 << 10, 2 << 20)
 
 
 def clients(server: S3Server, bucket: str) -> dict[str, Any]:
-    """The tier's client and a plain boto3 one, with the same pool and checksums."""
-    from botocore.config import Config
-
+    """The tier's client and the raw one ``bench_cold.py --tier obj`` measures
+    against, with the same pool and checksums."""
     from kvtier.tiers.obj import ObjectStoreTierOptions, _connect
 
     _, tier_client = _connect(ObjectStoreTierOptions(**server.tier_options(bucket), io_threads=4))
-    plain = server.client(
-        Config(
-            max_pool_connections=4,
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-    )
-    return {"tier": tier_client, "boto3": plain}
+    return {"tier": tier_client, "boto3": RawS3(server, bucket, threads=4).client}
 
 
 def cpu_per_get_ms(client: Any, bucket: str, names: list[str]) -> float:

@@ -157,14 +157,11 @@ class ObjectStoreBackend(Backend[ObjectStoreTierOptions]):
         self._bucket = options.bucket
         where = f" at {options.endpoint_url}" if options.endpoint_url else ""
         self._target = f"bucket {options.bucket!r}{where}"
-        try:
-            self._client_error, self.client = _connect(options)
-        except MissingDependencyError:
-            raise
-        except Exception as exc:  # the AWS configuration, as a missing profile: before any request
-            raise BackendUnavailableError(
-                runtime.tier_type, self._target, describe_error(exc)
-            ) from exc
+        # As redis's and mooncake's: an error building the client (a profile
+        # the AWS configuration lacks, say) names the tier and its target.
+        self._client_error, self.client = self.start_client(
+            lambda: _connect(options), lambda made: made[1].close(), self._target
+        )
         try:
             self._check_bucket()
         except BaseException:

@@ -352,15 +352,20 @@ def test_a_bucket_name_no_client_accepts_fails_when_the_config_loads(bucket: str
         load_config({"secondary_tiers": [{"type": "obj", "bucket": bucket}]})
 
 
-def test_a_missing_bucket_names_its_entry(s3_server: S3Server) -> None:
+def start_cache(tier: dict[str, Any]) -> KVCache:
+    """A cache with ``tier`` as its one secondary tier, started as an engine starts it."""
     layout = small_layout()
     config = {
         "chunk_tokens": layout.chunk_tokens,
         "cpu_bytes_to_use": 4 * layout.slot_bytes,
-        "secondary_tiers": [{"type": "obj", **s3_server.tier_options("no-such-bucket")}],
+        "secondary_tiers": [tier],
     }
+    return KVCache(config, layout)
+
+
+def test_a_missing_bucket_names_its_entry(s3_server: S3Server) -> None:
     with pytest.raises(BackendUnavailableError, match=r"^secondary_tiers\[0\]: .*does not exist"):
-        KVCache(config, layout)
+        start_cache({"type": "obj", **s3_server.tier_options("no-such-bucket")})
 
 
 def test_a_profile_the_aws_configuration_lacks_names_its_entry(
@@ -372,16 +377,10 @@ def test_a_profile_the_aws_configuration_lacks_names_its_entry(
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
     options = s3_server.tier_options(s3_bucket)
     del options["access_key_id"], options["secret_access_key"]
-    layout = small_layout()
-    config = {
-        "chunk_tokens": layout.chunk_tokens,
-        "cpu_bytes_to_use": 4 * layout.slot_bytes,
-        "secondary_tiers": [{"type": "obj", **options, "profile": "team-kv-typo"}],
-    }
     with pytest.raises(
         BackendUnavailableError, match=r"^secondary_tiers\[0\]: tier 'obj': .*team-kv-typo"
     ):
-        KVCache(config, layout)
+        start_cache({"type": "obj", **options, "profile": "team-kv-typo"})
 
 
 @pytest.mark.parametrize("region", ["us-east-1", "eu-central-1", "local", "r" * 63])
@@ -408,9 +407,7 @@ def test_a_job_is_split_over_the_workers(s3_server: S3Server, s3_bucket: str) ->
 def test_an_empty_object_at_a_chunk_name_is_corrupt_not_an_outage(
     s3_server: S3Server, s3_bucket: str
 ) -> None:
-    harness = TierHarness[ObjectStoreTier](
-        {"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout()
-    )
+    harness = TierHarness({"type": "obj", **s3_server.tier_options(s3_bucket)}, small_layout())
     tier = harness.tier
     assert isinstance(tier, RemoteTier)
     client = s3_server.client()
