@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 from kvtier.errors import BackendUnavailableError, MissingDependencyError, describe_error
@@ -147,10 +147,17 @@ class Backend(ABC, Generic[OptionsT]):
     def start_client(
         self, connect: Callable[[], T], dispose: Callable[[T], None], target: str, hint: str = ""
     ) -> T:
-        """:meth:`BackendRuntime.start_backend`, with any error but a missing
-        dependency turned into a :class:`BackendUnavailableError` naming ``target``."""
-        try:
+        """:meth:`BackendRuntime.start_backend`, failing as :meth:`starting` says."""
+        with self.starting(target):
             return self.runtime.start_backend(connect, dispose, target, hint)
+
+    @contextmanager
+    def starting(self, target: str) -> Iterator[None]:
+        """Any error but a missing dependency raised within, as a
+        :class:`BackendUnavailableError` naming ``target``: for start-up work
+        that needs no bound (building a client, which sends nothing)."""
+        try:
+            yield
         except (MissingDependencyError, BackendUnavailableError):
             raise
         except Exception as exc:

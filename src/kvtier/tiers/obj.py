@@ -157,11 +157,12 @@ class ObjectStoreBackend(Backend[ObjectStoreTierOptions]):
         self._bucket = options.bucket
         where = f" at {options.endpoint_url}" if options.endpoint_url else ""
         self._target = f"bucket {options.bucket!r}{where}"
-        # As redis's and mooncake's: an error building the client (a profile
-        # the AWS configuration lacks, say) names the tier and its target.
-        self._client_error, self.client = self.start_client(
-            lambda: _connect(options), lambda made: made[1].close(), self._target
-        )
+        # An error building the client (a profile the AWS configuration
+        # lacks, say) names the tier and its target, as a failed connection's
+        # does. Unbounded: it sends nothing, and startup_timeout_s is the
+        # endpoint's (_check_bucket's) to spend.
+        with self.starting(self._target):
+            self._client_error, self.client = _connect(options)
         try:
             self._check_bucket()
         except BaseException:
