@@ -76,6 +76,55 @@ def test_negative_and_zero_values_are_refused() -> None:
     assert set(found) == {"chunk_tokens", "cpu_bytes_to_use"}
 
 
+def test_a_boolean_is_not_a_number_anywhere() -> None:
+    found = problems(
+        {
+            "chunk_tokens": True,
+            "cpu_bytes_to_use": False,
+            "metrics": {"port": True},
+            "backpressure": {"smoothing": True},
+            "secondary_tiers": [
+                {"type": "fs", "root_dir": "/tmp/kvtier-unused", "io_threads": True},
+                {"type": "redis", "url": "redis://127.0.0.1:1", "deadline_s": True},
+                {
+                    "type": "memory",
+                    "max_bytes": "1MiB",
+                    "codec": {"type": "lossless", "level": True},
+                },
+                {"type": "OutOfTreeTier", "module_path": OOT, "weight": True},
+            ],
+        }
+    )
+    assert set(found) == {
+        "chunk_tokens",
+        "cpu_bytes_to_use",
+        "metrics.port",
+        "backpressure.smoothing",
+        "secondary_tiers[0].io_threads",
+        "secondary_tiers[1].deadline_s",
+        "secondary_tiers[2].codec.level",
+        "secondary_tiers[3].weight",
+    }
+    assert all("expected a number, not a boolean" in problem for problem in found.values())
+
+
+def test_yaml_yes_is_refused_where_a_number_goes_and_kept_where_a_switch_does(
+    tmp_path: Path,
+) -> None:
+    document = tmp_path / "kvtier.yaml"
+    document.write_text("chunk_tokens: yes\n")  # YAML 1.1 reads yes as true: one-token chunks
+    assert "not a boolean" in problems(document)["chunk_tokens"]
+    document.write_text(
+        "populate_primary: no\nmetrics: {global_registry: on}\n"
+        "secondary_tiers:\n"
+        "  - {type: fs, root_dir: /tmp/kvtier-unused, io_threads: 3, fsync: yes}\n"
+    )
+    config = load_config(document)
+    assert config.populate_primary is False and config.metrics.global_registry is True
+    assert config.secondary_tiers[0].options.fsync is True  # type: ignore[attr-defined]
+    assert config.secondary_tiers[0].options.io_threads == 3
+
+
 def test_tier_entries_need_a_type_and_a_known_name() -> None:
     found = problems({"secondary_tiers": [{"root_dir": "/x"}, {"type": "nope"}, "fs", {"type": 3}]})
     assert "required" in found["secondary_tiers[0].type"]

@@ -14,20 +14,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
-
 from kvtier.errors import KVTierError
 from kvtier.layout import KVLayout
+from kvtier.options import Options
 
 
-class CodecOptions(BaseModel):
+class CodecOptions(Options):
     """Base for a codec's typed options; unknown keys are errors.
 
     Subclass it, declare fields with defaults and docstrings, and set it as the
     codec's ``Options``: configuration is validated against it at start.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class CodecLayoutError(KVTierError, ValueError):

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import ByteSize, ConfigDict, Field
 
 from kvtier.codecs import CodecConfig
 from kvtier.config.sections import BackpressureConfig, MetricsConfig, TraceRecordingConfig
 from kvtier.fleet.base import ClusterIndex, IndexOptions
+from kvtier.options import Options
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.factory import policy_registry
 from kvtier.tiers.base import SecondaryTier, TierOptions
@@ -54,12 +55,10 @@ class IndexConfig:
     options: IndexOptions
 
 
-class KVTierConfig(BaseModel):
+class KVTierConfig(Options):
     """The whole kvtier configuration. Build it with :func:`load_config`."""
 
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, arbitrary_types_allowed=True, use_attribute_docstrings=True
-    )
+    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     chunk_tokens: int = Field(default=256, gt=0)
     """Tokens per chunk: the unit of storage, lookup and transfer."""

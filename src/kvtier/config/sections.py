@@ -7,14 +7,14 @@ above the runtime.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import ByteSize, Field
+
+from kvtier.options import Options
 
 
-class BackpressureConfig(BaseModel):
+class BackpressureConfig(Options):
     """When a secondary tier falls behind, new stores to it are dropped (and
     counted) until it catches up; loads always go on."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     max_inflight_stores: int = Field(default=16, ge=1)
     """Store jobs a tier may have in flight before further stores are dropped."""
@@ -29,10 +29,8 @@ class BackpressureConfig(BaseModel):
     """Weight of the newest job in the moving average of store latency."""
 
 
-class MetricsConfig(BaseModel):
+class MetricsConfig(Options):
     """Prometheus metrics of the tiers and the primary tier."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     port: int | None = Field(default=None, ge=0, le=65535)
     """Serve ``/metrics`` over HTTP on this port (``0``: any free port); unset: no server."""
@@ -45,10 +43,8 @@ class MetricsConfig(BaseModel):
     process) instead of a registry of the cache's own."""
 
 
-class TraceRecordingConfig(BaseModel):
+class TraceRecordingConfig(Options):
     """Recording each request's chunk keys, anonymised, for ``kvtier simulate``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     path: str | None = None
     """Append one JSON line per request to this file; unset: nothing is recorded."""

@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from kvtier.keys import ChunkKey
+from kvtier.options import Options
 from kvtier.tiers.addresses import parse_host_port
 
 #: The medium of the primary (CPU) tier; a secondary tier's medium is its ``type``.
@@ -38,10 +39,8 @@ def default_node_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-class IndexOptions(BaseModel):
+class IndexOptions(Options):
     """Options every cluster index takes; a backend adds its own in a subclass."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     node: str | None = None
     """This node's name in the index: what routing answers call it (say, the

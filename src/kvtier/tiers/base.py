@@ -18,10 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict
-
 from kvtier.codecs import Codec, CodecStage
 from kvtier.keys import ChunkKey
+from kvtier.options import Options
 
 if TYPE_CHECKING:
     from kvtier.layout import KVLayout
@@ -171,15 +170,13 @@ class HealthCheck:
     detail: str = ""
 
 
-class TierOptions(BaseModel):
+class TierOptions(Options):
     """Base for a tier's typed options; unknown keys are errors.
 
     Subclass it, declare fields with defaults and docstrings, and set it as the
     tier's ``Options``: configuration is validated against it before any tier
     starts, and the configuration reference is generated from it.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 #: The options type of a tier: ``class AcmeTier(ThreadedTier[AcmeTierOptions])``

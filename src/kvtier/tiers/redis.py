@@ -11,12 +11,13 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Protocol, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from kvtier.errors import (
     CorruptChunkError,
     MissingDependencyError,
 )
+from kvtier.options import Options
 from kvtier.tiers.addresses import host_problem, parse_host_port, split_url
 from kvtier.tiers.backend import (
     MAX_WAIT_S,
@@ -39,11 +40,9 @@ _URL_SCHEMES = ("redis", "rediss", "unix")
 MAX_TTL_S = 10 * 365 * 86400.0
 
 
-class RedisServerOptions(BaseModel):
+class RedisServerOptions(Options):
     """Where the Redis or Valkey server (or cluster) is and how to log in:
     the options the tier and the cluster index share."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     url: str | None = None
     """``redis://[user[:password]@]host:port/db`` (``rediss://`` for TLS); with

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from kvtier.config import KVTierConfig, load_config, validate_options
 from kvtier.errors import ConfigError, LayoutMismatchError
@@ -32,6 +32,7 @@ from kvtier.identity import (
     weights_identity,
 )
 from kvtier.layout import KVLayout
+from kvtier.options import Options
 
 #: Where SGLang's users write these keys, for error paths.
 EXTRA_CONFIG = "hicache_storage_backend_extra_config"
@@ -52,10 +53,10 @@ SGLANG_KEYS = frozenset(
 )
 
 
-class StorageOptions(BaseModel):
+class StorageOptions(Options):
     """The backend's own keys in SGLang's storage backend extra config."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="ignore")
 
     kvtier: dict[str, Any] | None = None
     """The kvtier configuration document, inline."""

@@ -13,23 +13,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from kvtier.config import KVTierConfig, load_config, validate_options
 from kvtier.errors import ConfigError, LayoutMismatchError
 from kvtier.layout import KVLayout
+from kvtier.options import Options
 
 from .identity import model_identity, model_name
 from .shared_memory import engine_buffer_name
 
 
-class ConnectorOptions(BaseModel):
+class ConnectorOptions(Options):
     """The connector's own keys in ``kv_connector_extra_config``."""
 
-    # The connector owns its extra config: a misspelt key is a start-up error
-    # naming the nearest valid one, not a silent fallback to defaults.
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
+    # The connector owns its extra config (Options forbids unknown keys): a
+    # misspelt key is a start-up error naming the nearest valid one, not a
+    # silent fallback to defaults.
     kvtier: dict[str, Any] | None = None
     """The kvtier configuration document, inline."""
 

@@ -7,22 +7,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import field_validator
 from vllm.v1.kv_offload.base import Locality
 
 from kvtier.config import TierConfig, validate_options, validate_tier
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.row_layout import row_elements
+from kvtier.options import Options
 
 #: Keys of a ``secondary_tiers`` entry that vLLM's factory takes for itself.
 _FACTORY_KEYS = frozenset({"type", "module_path", "backpressure"})
 
 
-class TieringOptions(BaseModel):
+class TieringOptions(Options):
     """What a ``secondary_tiers`` entry of vLLM's tiering gives this tier, beside
     ``type``, ``module_path`` and ``backpressure`` (which vLLM's factory takes)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     tier: dict[str, Any]
     """One kvtier secondary-tier entry: ``{type: fs, root_dir: ...}`` and its options."""
