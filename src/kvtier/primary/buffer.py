@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -13,6 +14,8 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
+
+from kvtier.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,23 @@ def _shm_path(name: str) -> str:
     return os.path.join(_SHM_DIR, name)
 
 
+def _check_room(size: int) -> None:
+    """Refuse a named buffer larger than the free space of ``/dev/shm``.
+
+    Its pages are allocated as they are first written, and a write that
+    finds no room there kills the process with ``SIGBUS``: a container's
+    ``/dev/shm`` is 64 MiB unless it is given more.
+    """
+    stats = os.statvfs(_SHM_DIR)
+    free = stats.f_bavail * stats.f_frsize
+    if size > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"{_SHM_DIR} has {format_bytes(free)} free: give it more "
+            "(a container's --shm-size) or ask for less",
+        )
+
+
 def _advise_huge_pages(region: mmap.mmap) -> None:
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
@@ -137,6 +157,8 @@ class SlotBuffer:
             self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         else:
             path = _shm_path(shared_name)
+            if not _attach:
+                _check_room(size)
             flags = os.O_RDWR if _attach else os.O_RDWR | os.O_CREAT | os.O_EXCL
             fd = os.open(path, flags, 0o600)
             try:
@@ -184,8 +206,17 @@ class SlotBuffer:
         try:
             _lower_this_threads_priority()
             _populate_pieces(self.array.ctypes.data, size, advice, self._stop_populating)
-        except OSError as exc:  # an older kernel: first use maps them
-            logger.info("primary buffer not populated ahead: %s", exc)
+        except OSError as exc:
+            if exc.errno in (errno.EFAULT, errno.ENOMEM):  # /dev/shm or memory ran out
+                logger.warning(
+                    "primary buffer: only part of its %s could be mapped ahead (%s): "
+                    "the memory left to the machine or in %s is short",
+                    format_bytes(size),
+                    exc,
+                    _SHM_DIR,
+                )
+            else:  # an older kernel: first use maps them
+                logger.info("primary buffer not populated ahead: %s", exc)
         finally:
             self._populated.set()
 

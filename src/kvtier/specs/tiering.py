@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 
 from kvtier.config.model import IndexConfig
@@ -15,6 +16,7 @@ from kvtier.specs.base import OffloadingSpec
 from kvtier.specs.warm_start import WarmStart
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.factory import SecondaryTierFactory
+from kvtier.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class TieringSpec(OffloadingSpec):
                     )
                 ]
             )
-        buffer = SlotBuffer(num_slots, slot_bytes, shared_name=self.config.shared_memory_name)
+        buffer = self._primary_buffer(num_slots, slot_bytes)
         if self.config.populate_primary:
             buffer.populate_in_background()
         policy = self.config.policy_class()(num_slots)
@@ -88,6 +90,17 @@ class TieringSpec(OffloadingSpec):
             manager.shutdown()
             raise
         return manager
+
+    def _primary_buffer(self, num_slots: int, slot_bytes: int) -> SlotBuffer:
+        try:
+            return SlotBuffer(num_slots, slot_bytes, shared_name=self.config.shared_memory_name)
+        except OSError as error:
+            if error.errno not in (errno.ENOMEM, errno.ENOSPC):
+                raise
+            where = " in shared memory" if self.config.shared_memory_name else ""
+            size = format_bytes(num_slots * slot_bytes)
+            problem = f"cannot map {size} of slots{where}: {error.strerror}"
+            raise ConfigError([("cpu_bytes_to_use", problem)]) from error
 
     @staticmethod
     def _attach_index(manager: TieringManager, section: IndexConfig) -> None:

@@ -1,0 +1,106 @@
+"""A primary tier larger than the memory it can have fails at start, naming
+``cpu_bytes_to_use``, instead of killing the engine later.
+
+A named buffer's pages in ``/dev/shm`` are allocated as they are first
+written: with too little room there (a container's is 64 MiB unless it is
+given more), the write that finds none ends the process with ``SIGBUS``.
+"""
+
+import errno
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier import ConfigError, KVCache
+from kvtier.primary import SlotBuffer
+from kvtier.primary import buffer as buffer_module
+from kvtier.testing import small_layout
+
+LAYOUT = small_layout()
+
+
+def shared_memory_with(monkeypatch: pytest.MonkeyPatch, free: int) -> None:
+    """Make ``/dev/shm`` report ``free`` bytes free, whatever it has."""
+    real = os.statvfs
+
+    def statvfs(path: Any) -> Any:
+        stats = real(path)
+        if os.fspath(path) != buffer_module._SHM_DIR:
+            return stats
+        blocks = free // stats.f_frsize
+        fields = list(stats)
+        fields[3] = fields[4] = blocks  # f_bfree, f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+def start(cpu_bytes: str, name: str | None = None) -> KVCache:
+    config = {"chunk_tokens": LAYOUT.chunk_tokens, "cpu_bytes_to_use": cpu_bytes}
+    return KVCache({**config, "shared_memory_name": name}, LAYOUT)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this platform")
+def test_shared_slots_beyond_the_free_shared_memory_fail_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = f"kvtier-room-{os.getpid()}"
+    shared_memory_with(monkeypatch, 8 << 20)
+    with pytest.raises(ConfigError) as info:
+        start("32MiB", name)
+    (where, problem), *others = info.value.problems
+    assert not others and where == "cpu_bytes_to_use"
+    assert problem == (
+        "cannot map 32.0 MiB of slots in shared memory: /dev/shm has 8.0 MiB free: "
+        "give it more (a container's --shm-size) or ask for less"
+    )
+    assert not Path("/dev/shm", name).exists()  # nothing left behind
+
+    shared_memory_with(monkeypatch, 64 << 20)
+    cache = start("32MiB", name)
+    try:
+        tokens = list(range(4 * LAYOUT.chunk_tokens))
+        kv = np.random.default_rng(0).integers(0, 256, (4, LAYOUT.slot_bytes), np.uint8)
+        cache.store(tokens, kv)
+        out = np.zeros_like(kv)
+        assert cache.load_prefix(tokens, out) == len(tokens)
+        assert np.array_equal(out, kv)
+    finally:
+        cache.close()
+
+
+def test_slots_beyond_the_address_space_fail_at_start() -> None:
+    with pytest.raises(ConfigError) as info:
+        start("4EiB")
+    ((where, problem),) = info.value.problems
+    assert where == "cpu_bytes_to_use"
+    assert problem == "cannot map 4194304.0 TiB of slots: Cannot allocate memory"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+@pytest.mark.parametrize(
+    ("code", "level"), [(errno.EFAULT, logging.WARNING), (errno.EINVAL, logging.INFO)]
+)
+def test_memory_that_runs_short_while_mapped_ahead_is_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int, level: int
+) -> None:
+    def short(*args: Any) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(buffer_module, "_populate_pieces", short)
+    buffer = SlotBuffer(4, 4096)
+    try:
+        with caplog.at_level(logging.INFO, logger=buffer_module.__name__):
+            buffer.populate_in_background()
+            assert buffer.wait_populated(60)
+    finally:
+        buffer.close()
+    (record,) = caplog.records
+    assert record.levelno == level
+    if level == logging.WARNING:
+        assert "only part of its 16.0 KiB could be mapped ahead" in record.getMessage()
