@@ -6,6 +6,7 @@ See docs/metrics.md.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import threading
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.config.sections import MetricsConfig
+from kvtier.errors import ConfigError
 from kvtier.manager import TieringManager
 from kvtier.recording import TraceRecorder
 from kvtier.tiers.base import JobResult, SecondaryTier, TierMetric
@@ -331,6 +333,11 @@ def attach_metrics(
     if config.port is not None:
         try:
             metrics.serve(config.port, config.host)
+        except OSError as error:  # the port is taken, or the host is not this machine's
+            metrics.close()
+            key = "metrics.port" if error.errno == errno.EADDRINUSE else "metrics.host"
+            problem = f"cannot serve /metrics on {config.host}:{config.port}: {error.strerror}"
+            raise ConfigError([(key, problem)]) from error
         except BaseException:
             metrics.close()
             raise

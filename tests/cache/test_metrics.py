@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from kvtier import KVCache
+from kvtier import ConfigError, KVCache
 from kvtier.testing import FaultyTier, restore_registries, small_layout
 from kvtier.tiers import TierMetric, TierStats, register_tier
 from kvtier.tiers.memory import MemoryTier
@@ -193,6 +194,18 @@ def test_metrics_are_served_over_http_on_loopback() -> None:
         assert 'kvtier_primary_slots{state="idle"} 1.0' in body
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+
+
+def test_a_port_metrics_cannot_be_served_on_fails_at_start_naming_the_option() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as info:
+            KVCache(config({"type": "memory"}, metrics={"port": port}), LAYOUT)
+    ((where, problem),) = info.value.problems
+    assert where == "metrics.port"
+    assert problem == f"cannot serve /metrics on 127.0.0.1:{port}: Address already in use"
 
 
 def test_each_cache_has_its_own_registry_unless_told() -> None:

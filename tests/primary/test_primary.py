@@ -10,9 +10,11 @@ import uuid
 import numpy as np
 import pytest
 
+from kvtier import ConfigError, KVCache, load_config
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.primary import WRITING, PrimaryTier, SlotBuffer, loops
 from kvtier.primary.buffer import populate_now
+from kvtier.testing import small_layout
 from kvtier.testing.policy_suite import key
 
 
@@ -183,6 +185,23 @@ def test_named_shared_memory_is_visible_to_another_process() -> None:
 def test_shared_memory_names_cannot_be_paths(name: str) -> None:
     with pytest.raises(ValueError, match="shared memory name"):
         SlotBuffer(1, 4096, shared_name=name)
+    # Nor in a configuration, which says so when it loads, before any memory.
+    with pytest.raises(ConfigError) as info:
+        load_config({"shared_memory_name": name})
+    assert [where for where, _ in info.value.problems] == ["shared_memory_name"]
+
+
+def test_a_shared_memory_name_in_use_fails_at_start_naming_the_option() -> None:
+    layout = small_layout()
+    config = {"chunk_tokens": layout.chunk_tokens, "cpu_bytes_to_use": "1MiB"}
+    name = f"kvtier-test-taken-{os.getpid()}"
+    with KVCache({**config, "shared_memory_name": name}, layout):
+        with pytest.raises(ConfigError) as info:
+            KVCache({**config, "shared_memory_name": name}, layout)
+        ((where, problem),) = info.value.problems
+        assert where == "shared_memory_name"
+        assert problem.startswith(f"/dev/shm/{name} exists: another engine's primary tier")
+        assert os.path.exists(f"/dev/shm/{name}")  # the first cache's slots are left alone
 
 
 def test_slots_are_writable_views_not_copies() -> None:

@@ -268,10 +268,27 @@ def test_recording_is_off_by_default_and_dropped_requests_are_counted(
     assert len(path.read_text().splitlines()) == 2
 
 
-def test_an_unwritable_trace_path_never_stops_the_cache(tmp_path: Path) -> None:
+def test_a_trace_path_no_file_can_be_written_at_fails_when_the_cache_starts(
+    tmp_path: Path,
+) -> None:
     layout = small_layout(chunk_tokens=4, head_dim=4)
-    path = tmp_path / "missing-dir" / "traffic.jsonl"
+    for path, problem in [
+        (tmp_path / "missing-dir" / "traffic.jsonl", "not a directory this process can write"),
+        (tmp_path, "is a directory: name the trace file"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            KVCache({"chunk_tokens": 4, "trace_recording": {"path": str(path)}}, layout)
+        ((where, message),) = info.value.problems
+        assert where == "trace_recording.path" and problem in message
+
+
+def test_a_trace_path_that_goes_away_never_stops_the_cache(tmp_path: Path) -> None:
+    layout = small_layout(chunk_tokens=4, head_dim=4)
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    path = folder / "traffic.jsonl"
     with KVCache({"chunk_tokens": 4, "trace_recording": {"path": str(path)}}, layout) as cache:
+        folder.rmdir()  # before the first write: the file is opened then
         tokens = list(range(16))
         cache.store(tokens, lambda index, chunk: None)
         assert cache.cached_prefix(tokens) == 16

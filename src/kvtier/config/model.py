@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ByteSize, ConfigDict, Field
+from pydantic import ByteSize, ConfigDict, Field, field_validator
 
 from kvtier.codecs import CodecConfig
 from kvtier.config.sections import BackpressureConfig, MetricsConfig, TraceRecordingConfig
@@ -18,6 +18,7 @@ from kvtier.fleet.base import ClusterIndex, IndexOptions
 from kvtier.options import Options
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.factory import policy_registry
+from kvtier.primary.buffer import shared_name_problem
 from kvtier.tiers.base import SecondaryTier, TierOptions
 
 
@@ -81,6 +82,14 @@ class KVTierConfig(Options):
 
     shared_memory_name: str | None = None
     """Put the primary tier in ``/dev/shm/NAME`` so another process can map its slots."""
+
+    @field_validator("shared_memory_name")
+    @classmethod
+    def _a_file_name(cls, name: str | None) -> str | None:
+        problem = None if name is None else shared_name_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        return name
 
     populate_primary: bool = True
     """Map all of the primary tier's memory at start, on a background thread,

@@ -94,9 +94,17 @@ def _lower_this_threads_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _POPULATE_NICE)
 
 
-def _shm_path(name: str) -> str:
+def shared_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a buffer in ``/dev/shm``, or ``None`` if it can."""
     if not _NAME.match(name) or name.startswith("."):
-        raise ValueError(f"shared memory name {name!r}: use 1-200 letters, digits, '_', '-' or '.'")
+        return "use 1-200 letters, digits, '_', '-' or '.', not starting with '.'"
+    return None
+
+
+def _shm_path(name: str) -> str:
+    problem = shared_name_problem(name)
+    if problem is not None:
+        raise ValueError(f"shared memory name {name!r}: {problem}")
     return os.path.join(_SHM_DIR, name)
 
 

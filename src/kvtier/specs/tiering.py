@@ -92,12 +92,19 @@ class TieringSpec(OffloadingSpec):
         return manager
 
     def _primary_buffer(self, num_slots: int, slot_bytes: int) -> SlotBuffer:
+        name = self.config.shared_memory_name
         try:
-            return SlotBuffer(num_slots, slot_bytes, shared_name=self.config.shared_memory_name)
+            return SlotBuffer(num_slots, slot_bytes, shared_name=name)
+        except FileExistsError as error:
+            problem = (
+                f"/dev/shm/{name} exists: another engine's primary tier, or one a killed "
+                "process left; name another, or remove it if no process uses it"
+            )
+            raise ConfigError([("shared_memory_name", problem)]) from error
         except OSError as error:
             if error.errno not in (errno.ENOMEM, errno.ENOSPC):
                 raise
-            where = " in shared memory" if self.config.shared_memory_name else ""
+            where = " in shared memory" if name else ""
             size = format_bytes(num_slots * slot_bytes)
             problem = f"cannot map {size} of slots{where}: {error.strerror}"
             raise ConfigError([("cpu_bytes_to_use", problem)]) from error
