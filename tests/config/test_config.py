@@ -108,6 +108,18 @@ def test_a_boolean_is_not_a_number_anywhere() -> None:
     assert all("expected a number, not a boolean" in problem for problem in found.values())
 
 
+@pytest.mark.parametrize(
+    ("backpressure", "low", "high"),
+    [({"high_latency_s": 0.1, "low_latency_s": 5}, 5.0, 0.1), ({"high_latency_s": 0.3}, 0.5, 0.3)],
+)
+def test_backpressure_recovers_below_where_it_is_pressured(
+    backpressure: dict[str, float], low: float, high: float
+) -> None:
+    found = problems({"backpressure": backpressure})
+    assert f"low_latency_s ({low}) is above high_latency_s ({high})" in found["backpressure"]
+    assert load_config({"backpressure": {"high_latency_s": 1, "low_latency_s": 1}})
+
+
 def test_yaml_yes_is_refused_where_a_number_goes_and_kept_where_a_switch_does(
     tmp_path: Path,
 ) -> None:

@@ -7,7 +7,7 @@ above the runtime.
 
 from __future__ import annotations
 
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, model_validator
 
 from kvtier.options import Options
 
@@ -27,6 +27,16 @@ class BackpressureConfig(Options):
 
     smoothing: float = Field(default=0.2, gt=0, le=1)
     """Weight of the newest job in the moving average of store latency."""
+
+    @model_validator(mode="after")
+    def _recovers_below_where_it_is_pressured(self) -> BackpressureConfig:
+        if self.low_latency_s > self.high_latency_s:
+            raise ValueError(
+                f"low_latency_s ({self.low_latency_s}) is above high_latency_s "
+                f"({self.high_latency_s}): a tier would recover at latencies that "
+                "pressure it, flapping between the two"
+            )
+        return self
 
 
 class MetricsConfig(Options):
