@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("fs", "redis", "obj", "mooncake"),
         help="a remote tier: its server on loopback, against its raw client (bench_cold_remote)",
     )
-    parser.add_argument("--threads", type=int, help="the tier's io_threads (fs: 32, else 4)")
+    parser.add_argument("--threads", type=int, help="the tier's io_threads (fs: 16, else 4)")
     parser.add_argument("--peer-threads", type=int, default=16, help="LMCache's disk_io_threads")
     parser.add_argument("--baseline-src", type=Path, help="an older kvtier's src, run alike")
     parser.add_argument("--no-peer", action="store_true", help="leave LMCache out")
@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.codecs = codec_names(args.codec)
     if args.threads is None:
-        args.threads = 32 if args.tier == "fs" else 4
+        args.threads = 16 if args.tier == "fs" else 4
     if args.quick:
         args.size, args.runs, args.no_peer = parse_size("8MiB"), 1, True
     if args.tier != "fs":

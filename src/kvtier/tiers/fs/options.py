@@ -23,10 +23,12 @@ class FilesystemTierOptions(ThreadedTierOptions):
     fail cleanly when the disk is full. Processes sharing a root should give
     it the same value (the smallest one given is what holds)."""
 
-    io_threads: int = Field(default=32, ge=1, le=256)
+    io_threads: int = Field(default=16, ge=1, le=256)
     """Worker threads doing file I/O. One pool serves both directions and
     always takes queued loads before queued stores, so no separate read and
-    write counts are needed for loads to win."""
+    write counts are needed for loads to win. Sixteen reads of a chunk each
+    keep a disk busy; more only contend for the cores that check and copy
+    what they read (docs/tuning.md, 'Where the goals stand')."""
 
     direct_io: Literal["auto", "on", "off"] = "auto"
     """``O_DIRECT`` I/O: ``auto`` uses it when a probe write in ``root_dir``
