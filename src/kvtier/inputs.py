@@ -9,9 +9,11 @@ key of ``1``), and so is a bool.
 from __future__ import annotations
 
 import functools
+import os
 import struct
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -164,3 +166,14 @@ def chunk_rows(
         raise ValueError(f"{where}: the array is read-only")
     # The row length spelled out: -1 cannot be inferred for zero rows.
     return array.reshape(array.shape[0], row_items).view(np.uint8)
+
+
+def unwritable_file_problem(path: str | Path) -> str | None:
+    """Why no file can be written at ``path`` now, or ``None``: for files an
+    engine writes later (a trace, statistics), checked when it starts."""
+    target = Path(path).absolute()
+    if target.is_dir():
+        return f"{target} is a directory: name a file"
+    if not target.parent.is_dir() or not os.access(target.parent, os.W_OK | os.X_OK):
+        return f"cannot write in {target.parent}: not a directory this process can write"
+    return None

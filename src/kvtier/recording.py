@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import IO
 
 from kvtier.config.sections import TraceRecordingConfig
 from kvtier.errors import ConfigError
+from kvtier.inputs import unwritable_file_problem
 from kvtier.keys import ChunkKey
 
 logger = logging.getLogger(__name__)
@@ -92,14 +92,7 @@ class TraceRecorder:
         """The recorder ``config`` asks for, or ``None`` when recording is off."""
         if config.path is None:
             return None
-        path = Path(config.path).absolute()
-        problem = None
-        if path.is_dir():
-            problem = f"{path} is a directory: name the trace file"
-        elif not path.parent.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
-            problem = (
-                f"cannot write a trace in {path.parent}: not a directory this process can write"
-            )
+        problem = unwritable_file_problem(config.path)
         if problem is not None:  # else every request's record would fail, counted, unseen
             raise ConfigError([("trace_recording.path", problem)])
         return cls(

@@ -886,6 +886,22 @@ def test_connector_options_take_one_config_source() -> None:
     assert kvtier_config(connector_options({})).chunk_tokens == 256
 
 
+def test_a_stats_file_no_file_can_be_written_at_fails_at_start(tmp_path: Path) -> None:
+    from kvtier import ConfigError
+    from kvtier.integrations.vllm.engine_config import check_stats_file, connector_options
+
+    for path, problem in [
+        (tmp_path / "missing" / "stats.json", "not a directory this process can write"),
+        (tmp_path, "is a directory: name a file"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            check_stats_file(connector_options({"kvtier_stats_file": str(path)}))
+        ((where, message),) = error.value.problems
+        assert where == "kv_connector_extra_config.kvtier_stats_file" and problem in message
+    check_stats_file(connector_options({"kvtier_stats_file": str(tmp_path / "stats.json")}))
+    check_stats_file(connector_options({}))
+
+
 @pytest.mark.parametrize(
     ("typo", "meant"),
     [

@@ -274,7 +274,7 @@ def test_a_trace_path_no_file_can_be_written_at_fails_when_the_cache_starts(
     layout = small_layout(chunk_tokens=4, head_dim=4)
     for path, problem in [
         (tmp_path / "missing-dir" / "traffic.jsonl", "not a directory this process can write"),
-        (tmp_path, "is a directory: name the trace file"),
+        (tmp_path, "is a directory: name a file"),
     ]:
         with pytest.raises(ConfigError) as info:
             KVCache({"chunk_tokens": 4, "trace_recording": {"path": str(path)}}, layout)

@@ -24,7 +24,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.facade import KVCache
 
-from .engine_config import connector_options, geometry, kv_layout, kvtier_config, with_shared_memory
+from .engine_config import (
+    check_stats_file,
+    connector_options,
+    geometry,
+    kv_layout,
+    kvtier_config,
+    with_shared_memory,
+)
 from .events import tier_events
 from .logs import follow_vllm_logging
 from .metadata import KVTierConnectorMetadata, KVTierHandshake
@@ -57,6 +64,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._deltas = StatsDeltas()
         if role == KVConnectorRole.SCHEDULER:
+            check_stats_file(options)
             layout, shape = kv_layout(
                 vllm_config,
                 kv_cache_config,

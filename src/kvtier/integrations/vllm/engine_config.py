@@ -17,6 +17,7 @@ from pydantic import Field
 
 from kvtier.config import KVTierConfig, load_config, validate_options
 from kvtier.errors import ConfigError, LayoutMismatchError
+from kvtier.inputs import unwritable_file_problem
 from kvtier.layout import KVLayout
 from kvtier.options import Options
 
@@ -136,6 +137,15 @@ class VllmGeometry:
 def connector_options(extra_config: Mapping[str, Any] | None) -> ConnectorOptions:
     options = validate_options(ConnectorOptions, extra_config or {}, "kv_connector_extra_config")
     return cast(ConnectorOptions, options)
+
+
+def check_stats_file(options: ConnectorOptions) -> None:
+    """Fail at start on a stats file no file can be written at: it is written
+    at shutdown, too late to say so."""
+    path = options.kvtier_stats_file
+    problem = None if path is None else unwritable_file_problem(path)
+    if problem is not None:
+        raise ConfigError([("kv_connector_extra_config.kvtier_stats_file", problem)])
 
 
 def kvtier_config(options: ConnectorOptions) -> KVTierConfig:
