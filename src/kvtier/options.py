@@ -20,6 +20,9 @@ __all__ = ["Options"]
 
 
 class Options(BaseModel):
+    """Options of one kind (a section, a tier, a codec): subclass it, declare
+    fields with defaults and docstrings."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     @field_validator("*", mode="before")
