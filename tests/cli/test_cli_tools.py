@@ -200,6 +200,29 @@ def test_available_memory_is_the_lower_of_memavailable_and_the_cgroup_allowance(
     )
 
 
+def test_a_v1_cgroup_bounds_the_memory_at_its_root_or_in_the_process_own_group(
+    tmp_path: Path,
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:    8000000 kB\n")
+    cgroup, own = tmp_path / "cgroup", tmp_path / "self-cgroup"
+    group = cgroup / "memory" / "engines" / "a"
+    group.mkdir(parents=True)
+    own.write_text("4:memory:/engines/a\n1:cpu:/\n0::/\n")
+    (cgroup / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (cgroup / "memory" / "memory.usage_in_bytes").write_text(f"{5 << 30}\n")
+    assert available_memory(meminfo, cgroup, own)[1] == f"MemAvailable in {meminfo}"  # type: ignore[index]
+    (group / "memory.limit_in_bytes").write_text(f"{4 << 30}\n")
+    (group / "memory.usage_in_bytes").write_text(f"{3 << 30}\n")
+    limit = group / "memory.limit_in_bytes"
+    assert available_memory(meminfo, cgroup, own) == (1 << 30, f"the cgroup limit in {limit}")
+    # Taken whole, the limit: what the group uses holds page cache the kernel gives back.
+    assert available_memory(meminfo, cgroup, own, less_used=False) == (
+        4 << 30,
+        f"the cgroup limit in {limit}",
+    )
+
+
 def test_sizes_within_the_available_memory_pass_and_beyond_it_name_both_options() -> None:
     available = (10 << 20, "MemAvailable in /proc/meminfo")
     refuse_beyond_memory(10 << 20, 20, 512, "why", available)  # exactly fits: no error

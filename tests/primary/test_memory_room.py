@@ -19,6 +19,7 @@ import pytest
 from kvtier import ConfigError, KVCache
 from kvtier.primary import SlotBuffer
 from kvtier.primary import buffer as buffer_module
+from kvtier.specs import tiering
 from kvtier.testing import small_layout
 
 LAYOUT = small_layout()
@@ -74,12 +75,34 @@ def test_shared_slots_beyond_the_free_shared_memory_fail_at_start(
         cache.close()
 
 
-def test_slots_beyond_the_address_space_fail_at_start() -> None:
+def test_slots_beyond_the_memory_available_fail_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with pytest.raises(ConfigError) as info:
         start("4EiB")
     ((where, problem),) = info.value.problems
     assert where == "cpu_bytes_to_use"
-    assert problem == "cannot map 4194304.0 TiB of slots: Cannot allocate memory"
+    assert problem.startswith("4194304.0 TiB of slots exceed the ")
+
+    available = (16 << 20, "MemAvailable in /proc/meminfo")
+    monkeypatch.setattr(tiering, "available_memory", lambda **_: available)
+    with pytest.raises(ConfigError) as info:
+        start("32MiB")
+    assert info.value.problems == [
+        (
+            "cpu_bytes_to_use",
+            "32.0 MiB of slots exceed the 16.0 MiB available (MemAvailable in /proc/meminfo)",
+        )
+    ]
+    start("16MiB").close()
+
+    # Where the system does not say, the mapping itself is what refuses.
+    monkeypatch.setattr(tiering, "available_memory", lambda **_: None)
+    with pytest.raises(ConfigError) as info:
+        start("4EiB")
+    assert info.value.problems == [
+        ("cpu_bytes_to_use", "cannot map 4194304.0 TiB of slots: Cannot allocate memory")
+    ]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")

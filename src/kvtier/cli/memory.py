@@ -3,47 +3,10 @@ refuse sizes that would not fit before they allocate or start a tier."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import click
 
+from kvtier.machine import available_memory
 from kvtier.units import format_bytes
-
-MEMINFO = Path("/proc/meminfo")
-CGROUP = Path("/sys/fs/cgroup")
-
-
-def available_memory(meminfo: Path = MEMINFO, cgroup: Path = CGROUP) -> tuple[int, str] | None:
-    """Bytes this process may still allocate without swapping, and where that
-    was read; ``None`` when the system does not say.
-
-    The kernel's ``MemAvailable`` (what can be had without swapping), lowered
-    to what the process's cgroup (v2) still allows under a container's limit.
-    """
-    found: list[tuple[int, str]] = []
-    try:
-        for line in meminfo.read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name == "MemAvailable":
-                found.append((int(value.split()[0]) * 1024, f"MemAvailable in {meminfo}"))
-                break
-    except (OSError, ValueError, IndexError):
-        pass
-    if not found:
-        try:
-            pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            found.append((pages, "free physical pages (sysconf)"))
-        except (ValueError, OSError, AttributeError):
-            pass
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            used = int((cgroup / "memory.current").read_text())
-            found.append((max(0, int(limit) - used), f"the cgroup limit in {cgroup}/memory.max"))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
 
 
 def refuse_beyond_memory(

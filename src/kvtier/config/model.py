@@ -65,7 +65,9 @@ class KVTierConfig(Options):
     """Tokens per chunk: the unit of storage, lookup and transfer."""
 
     cpu_bytes_to_use: ByteSize = Field(default=ByteSize(1 << 30), gt=0)
-    """Size of the CPU primary tier (e.g. ``8GiB``); rounded down to whole chunks."""
+    """Size of the CPU primary tier (e.g. ``8GiB``); rounded down to whole chunks.
+    More than the machine (or its container) has available when the cache
+    starts, or than ``/dev/shm`` has free for ``shared_memory_name``, fails then."""
 
     eviction_policy: str = "leaf-lru"
     """Cache policy of the primary tier: ``leaf-lru``, ``lru``, ``arc``, ``s3fifo`` or an

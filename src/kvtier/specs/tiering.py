@@ -10,6 +10,7 @@ from kvtier.errors import ConfigError
 from kvtier.fleet.factory import build_index
 from kvtier.fleet.publisher import IndexPublisher
 from kvtier.fleet.routing import PeerFinder
+from kvtier.machine import available_memory
 from kvtier.manager import TieringManager
 from kvtier.primary import PrimaryTier, SlotBuffer
 from kvtier.specs.base import OffloadingSpec
@@ -93,6 +94,14 @@ class TieringSpec(OffloadingSpec):
 
     def _primary_buffer(self, num_slots: int, slot_bytes: int) -> SlotBuffer:
         name = self.config.shared_memory_name
+        size = format_bytes(num_slots * slot_bytes)
+        available = available_memory(less_used=False)
+        if available is not None and num_slots * slot_bytes > available[0]:
+            # Mapped lazily, it would start, and the engine be killed for memory
+            # once its slots were written (at once: they are mapped ahead).
+            free, source = available
+            problem = f"{size} of slots exceed the {format_bytes(free)} available ({source})"
+            raise ConfigError([("cpu_bytes_to_use", problem)])
         try:
             return SlotBuffer(num_slots, slot_bytes, shared_name=name)
         except FileExistsError as error:
@@ -105,7 +114,6 @@ class TieringSpec(OffloadingSpec):
             if error.errno not in (errno.ENOMEM, errno.ENOSPC):
                 raise
             where = " in shared memory" if name else ""
-            size = format_bytes(num_slots * slot_bytes)
             problem = f"cannot map {size} of slots{where}: {error.strerror}"
             raise ConfigError([("cpu_bytes_to_use", problem)]) from error
 
