@@ -58,8 +58,10 @@ def available_memory(
 def _cgroup_files(cgroup: Path, own: Path) -> list[tuple[Path, Path]]:
     """(limit, usage) file pairs that may bound this process: v2's and v1's,
     at the mount's root and in the process's own group, those that exist."""
-    roots = [(cgroup, "memory.max", "memory.current")]
-    roots.append((cgroup / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    roots = [
+        (cgroup, "memory.max", "memory.current"),  # v2
+        (cgroup / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),  # v1
+    ]
     groups: list[Path] = []
     try:
         for line in own.read_text().splitlines():

@@ -94,9 +94,10 @@ class TieringSpec(OffloadingSpec):
 
     def _primary_buffer(self, num_slots: int, slot_bytes: int) -> SlotBuffer:
         name = self.config.shared_memory_name
-        size = format_bytes(num_slots * slot_bytes)
+        size_bytes = num_slots * slot_bytes
+        size = format_bytes(size_bytes)
         available = available_memory(less_used=False)
-        if available is not None and num_slots * slot_bytes > available[0]:
+        if available is not None and size_bytes > available[0]:
             # Mapped lazily, it would start, and the engine be killed for memory
             # once its slots were written (at once: they are mapped ahead).
             free, source = available
@@ -106,7 +107,7 @@ class TieringSpec(OffloadingSpec):
             return SlotBuffer(num_slots, slot_bytes, shared_name=name)
         except FileExistsError as error:
             problem = (
-                f"/dev/shm/{name} exists: another engine's primary tier, or one a killed "
+                f"{error.filename} exists: another engine's primary tier, or one a killed "
                 "process left; name another, or remove it if no process uses it"
             )
             raise ConfigError([("shared_memory_name", problem)]) from error
