@@ -208,7 +208,8 @@ def test_vllm_serve_loads_prefixes_from_fs_over_http(
 def test_failing_tier_degrades_to_recompute(
     model: Path, stored: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Every promotion fails: each lookup hit becomes a miss and vLLM recomputes."""
+    """Every promotion fails: each lookup hit in the failing tier becomes a miss
+    and vLLM recomputes."""
     tiers = [
         {
             "type": "FaultyTier",
@@ -221,12 +222,16 @@ def test_failing_tier_degrades_to_recompute(
     result = _engine(tmp_path, "faulty", spec)
 
     assert result["tokens"] == stored["tokens"]
-    assert result["cached"] == [0, 0, 0]
     stats = result["stats"]
-    assert stats["connector"]["hit_tokens"] == 0
     (tier,) = stats["tiers"]
     assert tier["hits"] > 0  # the chunks were there...
     assert tier["load_failures"] > 0  # ...but could not be promoted
+    assert tier["chunks_loaded"] == 0
+    # The prompt scheduled first finds nothing but the failing tier, so it is
+    # recomputed whole. A prompt scheduled a step later may hit the shared chunks
+    # this engine stored in its own CPU tier meanwhile: those are all vLLM counted.
+    assert min(result["cached"]) == 0
+    assert stats["connector"]["hit_tokens"] == sum(result["cached"])
 
 
 def test_other_page_format_never_shares_chunks(
