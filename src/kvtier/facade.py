@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ClosedError
 from kvtier.inputs import TokenIds, chunk_rows, chunks_of, count, seconds
-from kvtier.keys import ChunkKey, KeyedTokens
+from kvtier.keys import ChunkKey, KeyedTokens, checked_keys
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
 from kvtier.manager import LookupResult, TieringManager
@@ -116,8 +116,10 @@ class KVCache:
         """Keys an engine made itself (say, from its own page hashes with
         :func:`~kvtier.keys.chain_key` and this cache's namespace), for
         :meth:`lookup`, :meth:`load` and :meth:`store` to take as a sequence
-        of ``len(keys)`` full chunks."""
-        return KeyedTokens(self.layout.namespace, tuple(keys), len(keys) * self.chunk_tokens)
+        of ``len(keys)`` full chunks. A key that is not ``KEY_BYTES`` bytes is a
+        ``TypeError``."""
+        keys = checked_keys(keys)
+        return KeyedTokens(self.layout.namespace, keys, len(keys) * self.chunk_tokens)
 
     def lookup(
         self,
@@ -344,7 +346,8 @@ class KVCache:
     # Such an engine (vLLM) plans copies on its scheduler and makes them in
     # other processes, through the slots in shared memory: it asks, pins and
     # reserves chunks by key here and ends each once the copies are done.
-    # These calls copy nothing, so they only check that the cache is open.
+    # These calls copy nothing, so they only check that the cache is open,
+    # but for reserve: keys enter the cache there, so it checks that they are keys.
 
     def probe(self, keys: Sequence[ChunkKey], *, request_id: str | None = None) -> LookupResult:
         """How many leading chunks of ``keys`` are ready now (``hit_chunks``),
@@ -417,7 +420,7 @@ class KVCache:
         """A slot to write for each chunk of ``keys`` not held yet (in order),
         or ``None`` when the primary tier has no room for them all."""
         self.lifecycle.check()
-        return self.manager.prepare_store(keys)
+        return self.manager.prepare_store(checked_keys(keys))
 
     def commit(self, keys: Sequence[ChunkKey], success: bool = True) -> None:
         """The writes into :meth:`reserve`'s slots ended: on success the chunks
@@ -493,4 +496,8 @@ def _positions(keys: Sequence[ChunkKey], reserved: Mapping[ChunkKey, int]) -> ra
     start = keys.index(next(iter(reserved)))
     if len(keys) - start == len(reserved):
         return range(start, len(keys))
-    return [index for index, key in enumerate(keys) if key in reserved]
+    # A key given twice (engine-made keys) is one chunk: its first row is stored.
+    first: dict[ChunkKey, int] = {}
+    for index, key in enumerate(keys):
+        first.setdefault(key, index)
+    return [first[key] for key in reserved]

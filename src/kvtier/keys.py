@@ -111,6 +111,28 @@ def _hash_chain(parent: bytes, view: memoryview, step: int, chunks: int) -> list
     return digests
 
 
+def checked_keys(keys: Any, where: str = "keys") -> tuple[ChunkKey, ...]:
+    """``keys`` as a tuple, each checked to be a chunk key (``KEY_BYTES``
+    bytes, as :func:`chain_key` makes): anything else would be taken into the
+    CPU tier and then fail every secondary tier's batch it rode in."""
+    if isinstance(keys, str | bytes | bytearray | memoryview) or not hasattr(keys, "__iter__"):
+        raise TypeError(
+            f"{where}: expected a sequence of chunk keys ({KEY_BYTES}-byte digests), "
+            f"got {type(keys).__name__}"
+        )
+    keys = tuple(keys)
+    if all(type(key) is bytes and len(key) == KEY_BYTES for key in keys):
+        return keys
+    for index, key in enumerate(keys):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            got = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
+            raise TypeError(
+                f"{where}[{index}]: expected a chunk key of {KEY_BYTES} bytes "
+                f"(a digest from chain_key), got {got}"
+            )
+    return keys
+
+
 @dataclass(frozen=True, slots=True)
 class KeyedTokens:
     """A token sequence keyed once: what one request's lookup, load and store share.

@@ -111,6 +111,48 @@ def test_a_store_puts_each_new_chunk_in_its_own_slot_around_resident_ones(
         np.testing.assert_array_equal(one[0], data[index])
 
 
+@pytest.mark.parametrize(
+    ("keys", "problem"),
+    [
+        ("abcd", r"keys: expected a sequence of chunk keys \(32-byte digests\), got str"),
+        (b"k" * 32, r"keys: expected a sequence .* got bytes"),
+        (5, r"keys: expected a sequence .* got int"),
+        ([b"k" * 32, b"short"], r"keys\[1\]: expected a chunk key of 32 bytes .* got 5 bytes"),
+        ([b"k" * 32, 7], r"keys\[1\]: .* got int"),
+        ([None], r"keys\[0\]: .* got NoneType"),
+        (["k" * 32], r"keys\[0\]: .* got str"),
+    ],
+    ids=["str", "one-key", "int", "short-key", "int-key", "none-key", "str-key"],
+)
+def test_engine_made_keys_that_are_not_keys_are_refused_before_they_enter(
+    cache: KVCache, data: np.ndarray, keys: Any, problem: str
+) -> None:
+    # Taken in, they would have failed every batch of the secondary tiers they rode in.
+    with pytest.raises(TypeError, match=problem):
+        cache.store(cache.chunks(keys), data[:2])
+    with pytest.raises(TypeError, match=problem):
+        cache.reserve(keys)
+    assert untouched(cache)
+
+
+@pytest.mark.parametrize("kind", ["array", "copier"])
+def test_a_key_given_twice_is_stored_once_from_its_first_row(
+    cache: KVCache, data: np.ndarray, kind: str
+) -> None:
+    keys = cache.keys(TOKENS)
+    twice = cache.chunks([keys[0], keys[1], keys[0]])
+
+    def copier(index: int, slot: np.ndarray) -> None:
+        slot[:] = data[index]
+
+    assert cache.store(twice, data[:3] if kind == "array" else copier) == 2
+    out = np.zeros((3, LAYOUT.slot_bytes), np.uint8)
+    assert cache.load(twice, 12, out) == 12
+    np.testing.assert_array_equal(out, data[[0, 1, 0]])
+    cache.drain()
+    assert cache.manager.tiers[0].stats.chunks_stored == 2
+
+
 def test_load_prefix_copies_later_chunks_into_their_own_rows(
     cache: KVCache, data: np.ndarray
 ) -> None:
