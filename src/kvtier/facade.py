@@ -346,8 +346,9 @@ class KVCache:
     # Such an engine (vLLM) plans copies on its scheduler and makes them in
     # other processes, through the slots in shared memory: it asks, pins and
     # reserves chunks by key here and ends each once the copies are done.
-    # These calls copy nothing, so they only check that the cache is open,
-    # but for reserve: keys enter the cache there, so it checks that they are keys.
+    # These calls copy nothing, so they only check that the cache is open, and
+    # that keys are keys where they enter it (reserve) or reach the secondary
+    # tiers (probe, past the ready prefix).
 
     def probe(self, keys: Sequence[ChunkKey], *, request_id: str | None = None) -> LookupResult:
         """How many leading chunks of ``keys`` are ready now (``hit_chunks``),

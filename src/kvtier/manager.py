@@ -17,7 +17,7 @@ from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
 from kvtier.backpressure import Backpressure
 from kvtier.config.sections import BackpressureConfig
 from kvtier.jobs import JobBook, JobListener, RequestMisses, count_lookup, count_lookups
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, check_keys
 from kvtier.primary import PrimaryTier
 from kvtier.progress import Progress
 from kvtier.residency import ResidencyFeed
@@ -200,6 +200,11 @@ class TieringManager:
         time (:meth:`_ask_run`): a request waiting on a long prefix asks
         about all of it at every look.
         """
+        if self.tiers and hits < len(keys):
+            # Past the ready prefix keys go to the secondary tiers: one that is
+            # not a key fails here, not in their checks, where it would open a
+            # remote tier's breaker for every request.
+            check_keys(keys, start=hits)
         primary = self.primary
         is_ready, is_writing = primary.is_ready, primary.is_writing
         pending = False

@@ -12,6 +12,7 @@ import pytest
 from kvtier import KVCache, KVTierError
 from kvtier.errors import ClosedError
 from kvtier.testing import small_layout
+from tests.support.servers import RedisServer
 
 LAYOUT = small_layout(chunk_tokens=4, head_dim=16)  # float16
 TOKENS = list(range(40, 56))  # four chunks
@@ -133,6 +134,43 @@ def test_engine_made_keys_that_are_not_keys_are_refused_before_they_enter(
     with pytest.raises(TypeError, match=problem):
         cache.reserve(keys)
     assert untouched(cache)
+
+
+def test_keys_past_the_ready_prefix_are_checked_before_the_tiers_are_asked(
+    cache: KVCache, data: np.ndarray
+) -> None:
+    keys = cache.keys(TOKENS)
+    cache.store(TOKENS[:8], data[:2])
+    bad = [*keys[:2], "k" * 32]
+    with pytest.raises(TypeError, match=r"keys\[2\]: .* got str"):
+        cache.probe(bad)
+    with pytest.raises(TypeError, match=r"keys\[2\]: .* got str"):
+        cache.wait_for_promotions(bad, timeout=1.0)
+    with pytest.raises(TypeError, match=r"keys\[0\]: .* got NoneType"):
+        cache.probe([None])
+    # Nothing was pinned or promoted by the calls refused.
+    assert cache.probe(keys).hit_chunks == 2
+    assert cache.load(TOKENS, 8, np.zeros((2, LAYOUT.slot_bytes), np.uint8)) == 8
+
+
+def test_a_callers_bad_keys_never_open_a_healthy_remote_tiers_breaker(
+    redis_server: RedisServer, data: np.ndarray
+) -> None:
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 8 * LAYOUT.slot_bytes,
+        "secondary_tiers": [{"type": "redis", "url": redis_server.url, "key_prefix": "badkeys:"}],
+    }
+    with KVCache(config, LAYOUT) as cache:
+        for _ in range(10):
+            with pytest.raises(TypeError):
+                cache.wait_for_promotions(["k" * 32], timeout=0.2)
+        (tier,) = cache.manager.tiers
+        assert tier.describe()["breaker"] == "closed"
+        assert cache.store(TOKENS, data) == 4
+        cache.drain()
+        cache.reset()
+        assert cache.cached_prefix(TOKENS, timeout=5.0) == 16  # promoted from redis
 
 
 @pytest.mark.parametrize("kind", ["array", "copier"])
