@@ -64,6 +64,13 @@ class KVCache:
     ) -> None:
         """``metrics_registry``: where the metrics go (default: per the ``metrics``
         section, a registry of this cache's own)."""
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout: expected a KVLayout, got {type(layout).__name__}")
+        if metrics_registry is not None and not isinstance(metrics_registry, CollectorRegistry):
+            raise TypeError(
+                "metrics_registry: expected a prometheus_client CollectorRegistry, "
+                f"got {type(metrics_registry).__name__}"
+            )
         self.config = load_config(config)
         self.layout = layout
         self.spec = OffloadingSpecFactory.create_spec(self.config, layout)

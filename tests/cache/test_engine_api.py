@@ -82,6 +82,22 @@ def test_pin_refuses_a_chunk_not_ready_and_pins_nothing(cache: KVCache) -> None:
     assert set(cache.status.slot_states().values()) == {0}
 
 
+def test_pin_and_unpin_name_a_key_that_is_not_a_key(cache: KVCache) -> None:
+    keys = list(cache.keyed(TOKENS).keys)
+    reserved = cache.reserve(keys[:2])
+    assert reserved is not None
+    cache.commit(keys[:2])
+    cache.drain()
+    with pytest.raises(TypeError, match=r"keys\[2\]: expected a chunk key of 32 bytes .* got str"):
+        cache.pin([*keys[:2], "k" * 32])
+    assert set(cache.status.slot_states().values()) == {0}  # nothing pinned
+    cache.pin(keys[:2])
+    with pytest.raises(TypeError, match=r"keys\[1\]: .* got NoneType"):
+        cache.unpin([keys[0], None])
+    cache.unpin(keys[:2])  # the refused unpin released nothing
+    assert set(cache.status.slot_states().values()) == {0}
+
+
 def test_a_failed_write_frees_its_slots_and_no_room_reserves_nothing(cache: KVCache) -> None:
     keys = list(cache.keyed(list(range(100, 120))).keys)  # five chunks, four slots
     assert cache.reserve(keys) is None

@@ -113,6 +113,23 @@ def test_a_store_puts_each_new_chunk_in_its_own_slot_around_resident_ones(
 
 
 @pytest.mark.parametrize(
+    ("layout", "registry", "problem"),
+    [
+        (None, None, r"layout: expected a KVLayout, got NoneType"),
+        ({"chunk_tokens": 4}, None, r"layout: expected a KVLayout, got dict"),
+        (LAYOUT, "registry", r"metrics_registry: expected a prometheus_client .* got str"),
+    ],
+    ids=["no-layout", "dict-layout", "str-registry"],
+)
+def test_the_cache_refuses_a_layout_or_registry_of_another_type(
+    layout: Any, registry: Any, problem: str
+) -> None:
+    config = {"chunk_tokens": 4, "cpu_bytes_to_use": 8 * LAYOUT.slot_bytes}
+    with pytest.raises(TypeError, match=problem):
+        KVCache(config, layout, metrics_registry=registry)
+
+
+@pytest.mark.parametrize(
     ("keys", "problem"),
     [
         ("abcd", r"keys: expected a sequence of chunk keys \(32-byte digests\), got str"),

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, check_keys
 from kvtier.policies.base import CachePolicy
 from kvtier.primary import loops
 from kvtier.primary.buffer import SlotBuffer
@@ -258,8 +258,8 @@ class PrimaryTier:
         with self._lock:
             found = loops.active.ready_count(self._ready, keys)
             if found < len(keys):
-                missing = keys[found]
-                raise KeyError(f"chunk {missing.hex()[:16]} is not ready in the primary tier")
+                check_keys(keys[: found + 1], start=found)  # not ready, or not a key at all
+                raise KeyError(f"chunk {keys[found].hex()[:16]} is not ready in the primary tier")
             self.policy.touch(keys)
             return loops.active.pin_prefix(self._ready, self._pins, keys)
 
@@ -314,6 +314,7 @@ class PrimaryTier:
         with self._lock:
             missing = loops.active.unpin(self._pins, keys)
         if missing >= 0:
+            check_keys(keys[: missing + 1], start=missing)  # not pinned, or not a key
             raise ValueError(f"chunk {keys[missing].hex()[:16]} is not pinned")
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
