@@ -8,7 +8,6 @@ machines, whatever ``PYTHONHASHSEED`` says.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import threading
 from collections import OrderedDict
@@ -133,9 +132,11 @@ def check_keys(keys: Sequence[Any], where: str = "keys", start: int = 0) -> None
     # One C pass, a microsecond for a long prompt's keys. It lets through only
     # wrong lengths that add up to right ones, which every tier still takes
     # as the opaque bytes they are.
-    with contextlib.suppress(TypeError):
+    try:
         if len(b"".join(tail)) == KEY_BYTES * len(tail):
             return
+    except TypeError:
+        pass  # named below
     for index, key in enumerate(tail, start):
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             got = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
