@@ -111,37 +111,37 @@ def _hash_chain(parent: bytes, view: memoryview, step: int, chunks: int) -> list
     return digests
 
 
-def checked_keys(keys: Any, where: str = "keys") -> tuple[ChunkKey, ...]:
+def checked_keys(keys: Any) -> tuple[ChunkKey, ...]:
     """``keys`` as a tuple, each checked by :func:`check_keys`."""
     if isinstance(keys, str | bytes | bytearray | memoryview) or not hasattr(keys, "__iter__"):
         raise TypeError(
-            f"{where}: expected a sequence of chunk keys ({KEY_BYTES}-byte digests), "
+            f"keys: expected a sequence of chunk keys ({KEY_BYTES}-byte digests), "
             f"got {type(keys).__name__}"
         )
     keys = tuple(keys)
-    check_keys(keys, where)
+    check_keys(keys)
     return keys
 
 
-def check_keys(keys: Sequence[Any], where: str = "keys", start: int = 0) -> None:
-    """Raise ``TypeError`` naming the first of ``keys[start:]`` that is not a
-    chunk key (``KEY_BYTES`` bytes, as :func:`chain_key` makes): a key of
+def check_keys(keys: Sequence[Any], start: int = 0, stop: int | None = None) -> None:
+    """Raise ``TypeError`` naming the first of ``keys[start:stop]`` that is not
+    a chunk key (``KEY_BYTES`` bytes, as :func:`chain_key` makes): a key of
     another type would fail every secondary tier's batch it rode in, and
     could open a remote tier's breaker for every request."""
-    tail = keys[start:] if start else keys
+    part = keys[start:stop] if start or stop is not None else keys
     # One C pass, a microsecond for a long prompt's keys. It lets through only
     # wrong lengths that add up to right ones, which every tier still takes
     # as the opaque bytes they are.
     try:
-        if len(b"".join(tail)) == KEY_BYTES * len(tail):
+        if len(b"".join(part)) == KEY_BYTES * len(part):
             return
     except TypeError:
         pass  # named below
-    for index, key in enumerate(tail, start):
+    for index, key in enumerate(part, start):
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             got = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
             raise TypeError(
-                f"{where}[{index}]: expected a chunk key of {KEY_BYTES} bytes "
+                f"keys[{index}]: expected a chunk key of {KEY_BYTES} bytes "
                 f"(a digest from chain_key), got {got}"
             )
 

@@ -204,7 +204,7 @@ class TieringManager:
             # Past the ready prefix keys go to the secondary tiers: one that is
             # not a key fails here, not in their checks, where it would open a
             # remote tier's breaker for every request.
-            check_keys(keys, start=hits)
+            check_keys(keys, hits)
         primary = self.primary
         is_ready, is_writing = primary.is_ready, primary.is_writing
         pending = False

@@ -258,7 +258,7 @@ class PrimaryTier:
         with self._lock:
             found = loops.active.ready_count(self._ready, keys)
             if found < len(keys):
-                check_keys(keys[: found + 1], start=found)  # not ready, or not a key at all
+                check_keys(keys, found, found + 1)  # not ready, or not a key at all
                 raise KeyError(f"chunk {keys[found].hex()[:16]} is not ready in the primary tier")
             self.policy.touch(keys)
             return loops.active.pin_prefix(self._ready, self._pins, keys)
@@ -314,7 +314,7 @@ class PrimaryTier:
         with self._lock:
             missing = loops.active.unpin(self._pins, keys)
         if missing >= 0:
-            check_keys(keys[: missing + 1], start=missing)  # not pinned, or not a key
+            check_keys(keys, missing, missing + 1)  # not pinned, or not a key
             raise ValueError(f"chunk {keys[missing].hex()[:16]} is not pinned")
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
