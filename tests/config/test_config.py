@@ -272,3 +272,75 @@ def test_an_invalid_entry_never_shows_its_secrets(entry: dict[str, object]) -> N
         load_config({"secondary_tiers": [entry]})
     assert "secondary_tiers[0]" in str(caught.value)
     assert "hunter2" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"type": "fs", "root_dir": "{tmp}/kv"}, {"type": "fs", "root_dir": "{tmp}/kv/"}),
+        ({"type": "fs", "root_dir": "{tmp}/kv"}, {"type": "fs", "root_dir": "{tmp}/x/../kv"}),
+        ({"type": "fs", "root_dir": "{tmp}/kv"}, {"type": "fs", "root_dir": "{tmp}/link"}),
+        (
+            {"type": "redis", "url": "redis://u:hunter2@127.0.0.1:6379/0"},
+            {"type": "redis", "url": "redis://127.0.0.1:6379/0", "ttl_s": 60},
+        ),
+        (
+            {"type": "redis", "startup_nodes": ["h1:1", "h2:1"]},
+            {"type": "redis", "startup_nodes": ["h2:1", "h1:1"]},
+        ),
+        (
+            {"type": "obj", "bucket": "kvb", "endpoint_url": "http://127.0.0.1:9"},
+            {"type": "obj", "bucket": "kvb", "endpoint_url": "http://127.0.0.1:9", "retries": 0},
+        ),
+        (
+            {"type": "mooncake", "master_server_address": "127.0.0.1:5"},
+            {"type": "mooncake", "master_server_address": "127.0.0.1:5", "io_threads": 2},
+        ),
+    ],
+)
+def test_two_tiers_over_one_store_are_refused_naming_both(
+    tmp_path: Path, first: dict[str, object], second: dict[str, object]
+) -> None:
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "x").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "kv")
+
+    def placed(entry: dict[str, object]) -> dict[str, object]:
+        return {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in entry.items()}
+
+    tiers = [{"type": "memory"}, placed(first), placed(second)]
+    with pytest.raises(ConfigError) as caught:
+        load_config({"secondary_tiers": tiers})
+    assert [path for path, _ in caught.value.problems] == ["secondary_tiers[2]"]
+    message = str(caught.value)
+    assert "where secondary_tiers[1] does" in message
+    assert "hunter2" not in message
+    # Built by hand, the configuration is refused when the cache starts.
+    config = load_config({"chunk_tokens": 16, "secondary_tiers": [placed(first)]})
+    twice = config.model_copy(update={"secondary_tiers": config.secondary_tiers * 2})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\]: keeps its chunks where"):
+        KVCache(twice, small_layout())
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        {"type": "fs", "root_dir": "{tmp}/kv/inner"},
+        {"type": "redis", "url": "redis://127.0.0.1:6379/0", "key_prefix": "other:"},
+        {"type": "redis", "url": "redis://127.0.0.1:6379/1"},
+        {"type": "obj", "bucket": "kvb", "endpoint_url": "http://127.0.0.1:9", "prefix": "b/"},
+        {"type": "memory"},
+    ],
+)
+def test_tiers_over_different_places_of_one_server_or_disk_are_kept(
+    tmp_path: Path, second: dict[str, object]
+) -> None:
+    first = {
+        "fs": {"type": "fs", "root_dir": str(tmp_path / "kv")},
+        "redis": {"type": "redis", "url": "redis://127.0.0.1:6379/0"},
+        "obj": {"type": "obj", "bucket": "kvb", "endpoint_url": "http://127.0.0.1:9"},
+        "memory": {"type": "memory"},
+    }[str(second["type"])]
+    entry = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in second.items()}
+    config = load_config({"secondary_tiers": [first, entry]})
+    assert len(config.secondary_tiers) == 2

@@ -93,7 +93,7 @@ def load_config(
             "spec_name",
             problems,
         )
-        problems.extend(config.warm_start_problems())
+        problems.extend(config.problems())
     if problems:
         raise ConfigError(problems, label)
     return config

@@ -122,9 +122,34 @@ class KVTierConfig(Options):
     trace_recording: TraceRecordingConfig = TraceRecordingConfig()
     """A trace of the requests' prefixes, off the request path (off by default)."""
 
-    def warm_start_problems(self) -> list[tuple[str, str]]:
-        """What keeps ``warm_start_bytes`` from working, as ``(field, problem)``:
-        it needs room to fill and a tier that knows what it held."""
+    def problems(self) -> list[tuple[str, str]]:
+        """What the configuration gets wrong across its fields, which no field's
+        own check sees, as ``(field, problem)``."""
+        return self._warm_start_problems() + self._shared_store_problems()
+
+    def _shared_store_problems(self) -> list[tuple[str, str]]:
+        """Two tiers over one store: see :meth:`TierOptions.store_location`."""
+        problems = []
+        first: dict[str, int] = {}
+        for index, tier in enumerate(self.secondary_tiers):
+            location = tier.options.store_location()
+            if location is None:
+                continue
+            earlier = first.setdefault(location, index)
+            if earlier != index:
+                problems.append(
+                    (
+                        f"secondary_tiers[{index}]",
+                        f"keeps its chunks where secondary_tiers[{earlier}] does ({location}): "
+                        "each chunk would be held, counted and evicted twice; give each "
+                        "tier a place of its own, or keep one of the two entries",
+                    )
+                )
+        return problems
+
+    def _warm_start_problems(self) -> list[tuple[str, str]]:
+        """What keeps ``warm_start_bytes`` from working: it needs room to fill
+        and a tier that knows what it held."""
         wanted = int(self.warm_start_bytes)
         if not wanted:
             return []

@@ -32,7 +32,7 @@ class TieringSpec(OffloadingSpec):
 
     def build_manager(self) -> TieringManager:
         # Checked by load_config too; again here for a configuration built by hand.
-        problems = self.config.warm_start_problems()
+        problems = self.config.problems()
         if problems:
             raise ConfigError(problems)
         slot_bytes = self.layout.slot_bytes

@@ -178,6 +178,15 @@ class TierOptions(Options):
     starts, and the configuration reference is generated from it.
     """
 
+    def store_location(self) -> str | None:
+        """Where the tier keeps its chunks, as text that two entries of one
+        configuration share exactly when they name the same place (a
+        directory; a server and key prefix). ``None``, the default: a store of
+        its own, as ``memory``'s. A configuration with two tiers over one
+        place is refused: each chunk would be held, counted and evicted twice.
+        Never holds a secret: it is shown in that refusal."""
+        return None
+
 
 #: The options type of a tier: ``class AcmeTier(ThreadedTier[AcmeTierOptions])``
 #: makes ``self.options`` an ``AcmeTierOptions`` to the type checker.

@@ -107,6 +107,9 @@ class MooncakeTierOptions(RemoteTierOptions):
     def _lower_protocol(cls, protocol: object) -> object:
         return protocol.lower() if isinstance(protocol, str) else protocol
 
+    def store_location(self) -> str | None:
+        return f"mooncake master {self.master_server_address}, key prefix {self.key_prefix!r}"
+
 
 class MooncakeBackend(Backend[MooncakeTierOptions]):
     """Chunks as values in a Mooncake Store, moved from registered buffers."""

@@ -135,6 +135,10 @@ class ObjectStoreTierOptions(RemoteTierOptions):
             raise ValueError("set either 'profile' or explicit keys, not both")
         return self
 
+    def store_location(self) -> str | None:
+        endpoint = self.endpoint_url or f"region {self.region or 'default'}"
+        return f"bucket {self.bucket!r} at {endpoint}, prefix {self.prefix!r}"
+
 
 class ObjectStoreBackend(Backend[ObjectStoreTierOptions]):
     """Chunks as objects, one request per chunk, requests in parallel."""

@@ -113,6 +113,16 @@ class RedisTierOptions(RemoteTierOptions, RedisServerOptions):
     io_threads: int = Field(default=4, ge=1, le=64)
     """Worker threads, each running one pipeline at a time."""
 
+    def store_location(self) -> str | None:
+        if self.url is not None:
+            # Without the user and password the URL may hold.
+            url = urllib.parse.urlsplit(self.url)
+            netloc = url.netloc.rpartition("@")[2]
+            server = f"{url.scheme}://{netloc}{url.path}"
+        else:
+            server = "cluster " + ",".join(sorted(self.startup_nodes))
+        return f"redis {server}, key prefix {self.key_prefix!r}"
+
     @model_validator(mode="after")
     def _check_connections(self) -> RedisTierOptions:
         if self.max_connections < self.io_threads:

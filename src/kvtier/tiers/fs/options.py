@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -64,3 +65,8 @@ class FilesystemTierOptions(ThreadedTierOptions):
             if "\0" in root_dir:
                 raise ValueError("a path holds no NUL byte")
         return root_dir
+
+    def store_location(self) -> str | None:
+        # Symlinks and spellings (``~``, ``a/../b``, a trailing slash) resolved:
+        # one directory however it is written.
+        return f"directory {os.path.realpath(self.root_dir.expanduser())}"
