@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ClosedError
-from kvtier.inputs import TokenIds, chunk_rows, chunks_of, count, seconds
+from kvtier.inputs import TokenIds, check_request_id, chunk_rows, chunks_of, count, seconds
 from kvtier.keys import ChunkKey, KeyedTokens, checked_keys
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
@@ -191,6 +191,8 @@ class KVCache:
         if recorder is not None and not self.lifecycle.closed:
             recorder.record(keys, num_tokens)
         owned = request_id is None
+        if not owned and type(request_id) is not str:
+            check_request_id(request_id)
         request = next(_anonymous_requests) if request_id is None else request_id
         deadline = time.monotonic() + timeout
         slots: list[int] = []
@@ -346,6 +348,7 @@ class KVCache:
     def end_request(self, request_id: str) -> None:
         """End the request a caller named in its lookups (``request_id``): the
         tiers forget what they kept for it, and its failed promotions may be tried again."""
+        check_request_id(request_id)
         with self._running:
             self.manager.on_request_finished(request_id)
 
@@ -363,6 +366,8 @@ class KVCache:
         (``pending``: ask again after the next :meth:`step`). A request asking
         again counts its hits once; end it with :meth:`end_request`."""
         self.lifecycle.check()
+        if request_id is not None and type(request_id) is not str:
+            check_request_id(request_id)
         return self.manager.lookup(keys, request_id)
 
     def wait_for_promotions(
@@ -385,6 +390,8 @@ class KVCache:
         meanwhile ends the wait with :class:`~kvtier.errors.ClosedError`.
         """
         self.lifecycle.check()
+        if request_id is not None:
+            check_request_id(request_id)
         timeout = seconds(timeout, "timeout")
         poll_s = seconds(poll_s, "poll_s")
         manager = self.manager
@@ -434,12 +441,16 @@ class KVCache:
         """The writes into :meth:`reserve`'s slots ended: on success the chunks
         become ready and cascade to the secondary tiers; otherwise the slots are freed."""
         self.lifecycle.check()
-        self.manager.complete_store(keys, success)
+        if not isinstance(success, bool | np.bool_):
+            raise TypeError(f"success: expected a bool, got {type(success).__name__}")
+        self.manager.complete_store(checked_keys(keys), bool(success))
 
     def record_request(self, keys: Sequence[ChunkKey], num_tokens: int) -> None:
         """Record a request's keys in the trace (``trace_recording``; nothing
         when off): once a request, for engines that use :meth:`probe`
         (:meth:`lookup` records its own)."""
+        keys = checked_keys(keys)
+        num_tokens = count(num_tokens, "num_tokens")
         recorder = self.trace_recorder
         if recorder is not None and not self.lifecycle.closed:
             recorder.record(keys, num_tokens)

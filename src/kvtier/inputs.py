@@ -75,6 +75,8 @@ def token_list_bytes(tokens: list[Any] | tuple[Any, ...], where: str = "tokens")
     ``array('q')`` or numpy: it takes exactly what Python's integer protocol
     takes (no float, no str), bools included, which are looked for after.
     """
+    if not tokens:  # chain_key of an engine's own page hash: no token ids
+        return b""
     try:
         data = _int64s(len(tokens)).pack(*tokens)
     except struct.error:
@@ -116,6 +118,13 @@ def count(value: Any, where: str) -> int:
     if value < 0:
         raise ValueError(f"{where} must be >= 0, got {value}")
     return int(value)
+
+
+def check_request_id(value: Any, where: str = "request_id") -> None:
+    """Refuse a request id that is not a string: ``5`` and ``"5"`` would be two
+    requests, and an unhashable one fails deep in the tiers' bookkeeping."""
+    if not isinstance(value, str):
+        raise TypeError(f"{where}: expected a str, got {type(value).__name__}")
 
 
 def chunks_of(num_tokens: Any, chunk_tokens: int, available: int, where: str) -> int:

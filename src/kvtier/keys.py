@@ -17,6 +17,7 @@ from typing import Any, NewType
 
 import numpy as np
 
+from kvtier.inputs import count, token_array, token_bytes
 from kvtier.layout import KEY_BYTES
 
 #: A chunk key: ``KEY_BYTES`` bytes of BLAKE2b digest.
@@ -30,8 +31,11 @@ _HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=b"kvtier-chunk")
 
 
 def chain_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> ChunkKey:
-    """The key of one chunk given the key of the chunk before it."""
-    return _chain_key(parent, np.asarray(tokens, dtype=_TOKEN_DTYPE).tobytes(), extra)
+    """The key of one chunk given the key of the chunk before it (or the
+    layout's namespace, for the first). Token ids must be integers."""
+    _check_bytes(parent, "parent")
+    _check_bytes(extra, "extra")
+    return _chain_key(parent, token_bytes(tokens), extra)
 
 
 def _chain_key(parent: bytes, token_bytes: bytes | memoryview, extra: bytes) -> ChunkKey:
@@ -56,15 +60,40 @@ def chunk_keys(
     ``extras[i]``, when given, mixes per-chunk data into the key (LoRA id,
     multimodal hashes, a tenant salt) without changing the token ids.
     """
-    data, chunks = _full_chunk_bytes(tokens, chunk_tokens)
+    _check_bytes(namespace, "namespace")
+    data, chunks = _full_chunk_bytes(token_array(tokens), _positive(chunk_tokens, "chunk_tokens"))
+    if extras is not None:
+        _check_extras(extras, chunks)
     return _keys_of_bytes(namespace, data, chunks, extras)
 
 
 def _full_chunk_bytes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int) -> tuple[bytes, int]:
-    """The little-endian bytes of the full chunks of ``tokens``, and how many there are."""
+    """The little-endian bytes of the full chunks of ``tokens``, checked
+    already (:func:`~kvtier.inputs.token_array`), and how many there are."""
     array = np.asarray(tokens, dtype=_TOKEN_DTYPE)
     chunks = len(array) // chunk_tokens
     return array[: chunks * chunk_tokens].tobytes(), chunks
+
+
+def _check_bytes(value: object, where: str) -> None:
+    if not isinstance(value, bytes):
+        raise TypeError(f"{where}: expected bytes, got {type(value).__name__}")
+
+
+def _positive(value: object, where: str) -> int:
+    if count(value, where) == 0:
+        raise ValueError(f"{where} must be > 0")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _check_extras(extras: Sequence[bytes], chunks: int) -> None:
+    """One bytes value per full chunk, at least."""
+    if isinstance(extras, str | bytes) or not hasattr(extras, "__len__"):
+        raise TypeError(f"extras: expected a sequence of bytes, got {type(extras).__name__}")
+    if len(extras) < chunks:
+        raise ValueError(f"extras: {len(extras)} given for {chunks} full chunks; give one each")
+    for index in range(chunks):
+        _check_bytes(extras[index], f"extras[{index}]")
 
 
 def _keys_of_bytes(
@@ -113,11 +142,7 @@ def _hash_chain(parent: bytes, view: memoryview, step: int, chunks: int) -> list
 
 def checked_keys(keys: Any) -> tuple[ChunkKey, ...]:
     """``keys`` as a tuple, each checked by :func:`check_keys`."""
-    if isinstance(keys, str | bytes | bytearray | memoryview) or not hasattr(keys, "__iter__"):
-        raise TypeError(
-            f"keys: expected a sequence of chunk keys ({KEY_BYTES}-byte digests), "
-            f"got {type(keys).__name__}"
-        )
+    _refuse_non_sequence(keys)
     keys = tuple(keys)
     check_keys(keys)
     return keys
@@ -125,25 +150,37 @@ def checked_keys(keys: Any) -> tuple[ChunkKey, ...]:
 
 def check_keys(keys: Sequence[Any], start: int = 0, stop: int | None = None) -> None:
     """Raise ``TypeError`` naming the first of ``keys[start:stop]`` that is not
-    a chunk key (``KEY_BYTES`` bytes, as :func:`chain_key` makes): a key of
-    another type would fail every secondary tier's batch it rode in, and
-    could open a remote tier's breaker for every request."""
-    part = keys[start:stop] if start or stop is not None else keys
+    a chunk key (``KEY_BYTES`` bytes, as :func:`chain_key` makes), or ``keys``
+    itself where it is no sequence of them: a key of another type would fail
+    every secondary tier's batch it rode in, and could open a remote tier's
+    breaker for every request."""
     # One C pass, a microsecond for a long prompt's keys. It lets through only
     # wrong lengths that add up to right ones, which every tier still takes
     # as the opaque bytes they are.
     try:
+        part = keys[start:stop] if start or stop is not None else keys
         if len(b"".join(part)) == KEY_BYTES * len(part):
             return
     except TypeError:
         pass  # named below
-    for index, key in enumerate(part, start):
+    _refuse_non_sequence(keys)
+    for index, key in enumerate(keys[start:stop], start):
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             got = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
             raise TypeError(
                 f"keys[{index}]: expected a chunk key of {KEY_BYTES} bytes "
                 f"(a digest from chain_key), got {got}"
             )
+
+
+def _refuse_non_sequence(keys: Any) -> None:
+    """A ``TypeError`` unless ``keys`` may be a sequence of keys: a string or
+    one key alone would be read as keys of a character or a byte each."""
+    if isinstance(keys, str | bytes | bytearray | memoryview) or not hasattr(keys, "__iter__"):
+        raise TypeError(
+            f"keys: expected a sequence of chunk keys ({KEY_BYTES}-byte digests), "
+            f"got {type(keys).__name__}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +222,8 @@ class KeyMemo:
         self._lock = threading.Lock()
 
     def keys(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> list[ChunkKey]:
-        """The keys of the full chunks of ``tokens`` (the first ``limit`` of them, if given)."""
+        """The keys of the full chunks of ``tokens``, checked already (the
+        first ``limit`` of them, if given)."""
         return self._keys(*_full_chunk_bytes(tokens, self.chunk_tokens), limit)
 
     def keys_of_bytes(self, data: bytes, limit: int | None = None) -> list[ChunkKey]:

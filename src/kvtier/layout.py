@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -44,18 +45,26 @@ class KVLayout:
     #: Order of the tensors inside a chunk; engines that store V before K, or
     #: K and V fused per head, must say so to never share bytes by accident.
     kv_order: str = "layer,kv,token,head,dim"
-    #: Free-form engine facts that change the bytes (e.g. a quantisation scheme).
+    #: Free-form engine facts that change the bytes (e.g. a quantisation scheme):
+    #: ``(name, value)`` pairs of strings, each name once (a mapping is taken too).
     extra: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
+        for name in ("model_id", "kv_order"):
+            value = getattr(self, name)
+            # An empty or absent model id would let every model of this shape share chunks.
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"KVLayout.{name} must be a non-empty str, got {value!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if self.dtype not in _DTYPE_BYTES:
+        if not isinstance(self.dtype, str) or self.dtype not in _DTYPE_BYTES:
             raise ValueError(
                 f"KVLayout.dtype {self.dtype!r} is not supported; use one of {sorted(_DTYPE_BYTES)}"
             )
+        # Frozen: the checked pairs replace what was given (a list, a mapping).
+        object.__setattr__(self, "extra", _extra_pairs(self.extra))
 
     @property
     def dtype_bytes(self) -> int:
@@ -98,3 +107,27 @@ class KVLayout:
         return hashlib.blake2b(
             canonical.encode(), digest_size=KEY_BYTES, person=b"kvtier-namespace"
         ).digest()
+
+
+def _extra_pairs(extra: object) -> tuple[tuple[str, str], ...]:
+    """``KVLayout.extra`` as a tuple of ``(name, value)`` string pairs, each
+    name once: a name given twice, or a value that is not a string (``8``
+    against ``"8"``), would key other bytes under one namespace, or the
+    same bytes under two."""
+    pairs = tuple(extra.items()) if isinstance(extra, Mapping) else extra
+    if isinstance(pairs, str | bytes) or not isinstance(pairs, Iterable):
+        raise ValueError(f"KVLayout.extra must be (name, value) pairs of str, got {extra!r}")
+    checked: list[tuple[str, str]] = []
+    for pair in pairs:
+        if (
+            not isinstance(pair, tuple | list)
+            or len(pair) != 2
+            or not all(isinstance(part, str) for part in pair)
+        ):
+            raise ValueError(f"KVLayout.extra: {pair!r} is not a (name, value) pair of str")
+        checked.append((pair[0], pair[1]))
+    names = [name for name, _ in checked]
+    if len(set(names)) != len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise ValueError(f"KVLayout.extra names {twice} more than once")
+    return tuple(checked)

@@ -39,6 +39,10 @@ def test_a_worker_writes_and_reads_the_slots_the_scheduler_named(cache: KVCache)
     name = cache.shared_memory_name
     assert name is not None
     primary = cache.status.primary
+    with pytest.raises(TypeError, match=r"num_slots must be an int, got '4' \(str\)"):
+        map_slots(name, str(primary.num_slots), primary.slot_bytes)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"holds \d+ bytes, expected \d+ slots"):
+        map_slots(name, primary.num_slots + 1, primary.slot_bytes)
     worker = map_slots(name, primary.num_slots, primary.slot_bytes)
     cache.unlink_shared_memory()  # the worker's mapping outlives the name
     assert not (Path("/dev/shm") / name).exists()
@@ -94,8 +98,12 @@ def test_pin_and_unpin_name_a_key_that_is_not_a_key(cache: KVCache) -> None:
     cache.pin(keys[:2])
     with pytest.raises(TypeError, match=r"keys\[1\]: .* got NoneType"):
         cache.unpin([keys[0], None])
-    cache.unpin(keys[:2])  # the refused unpin released nothing
+    with pytest.raises(TypeError, match=r"keys: expected a sequence of chunk keys .* got int"):
+        cache.unpin(5)  # type: ignore[arg-type]
+    cache.unpin(keys[:2])  # the refused unpins released nothing
     assert set(cache.status.slot_states().values()) == {0}
+    with pytest.raises(TypeError, match=r"keys: expected a sequence of chunk keys .* got str"):
+        cache.pin("k" * 32)  # type: ignore[arg-type]
 
 
 def test_a_failed_write_frees_its_slots_and_no_room_reserves_nothing(cache: KVCache) -> None:

@@ -150,7 +150,60 @@ def test_engine_made_keys_that_are_not_keys_are_refused_before_they_enter(
         cache.store(cache.chunks(keys), data[:2])
     with pytest.raises(TypeError, match=problem):
         cache.reserve(keys)
+    with pytest.raises(TypeError, match=problem):
+        cache.commit(keys)
+    with pytest.raises(TypeError, match=problem):
+        cache.record_request(keys, 8)
     assert untouched(cache)
+
+
+REQUEST_ID_CALLS: dict[str, Callable[[KVCache, Any], object]] = {
+    "lookup": lambda c, rid: c.lookup(TOKENS, request_id=rid, timeout=0),
+    "cached_prefix": lambda c, rid: c.cached_prefix(TOKENS, request_id=rid, timeout=0),
+    "load_prefix": lambda c, rid: c.load_prefix(
+        TOKENS, np.zeros((4, LAYOUT.slot_bytes), np.uint8), request_id=rid, timeout=0
+    ),
+    "probe": lambda c, rid: c.probe(c.keys(TOKENS), request_id=rid),
+    "wait_for_promotions": lambda c, rid: c.wait_for_promotions(
+        c.keys(TOKENS), request_id=rid, timeout=0
+    ),
+    "end_request": lambda c, rid: c.end_request(rid),
+}
+
+
+@pytest.mark.parametrize("call", list(REQUEST_ID_CALLS))
+@pytest.mark.parametrize(
+    ("request_id", "got"),
+    [(7, "int"), (["r"], "list"), (b"r", "bytes")],
+    ids=["int", "list", "bytes"],
+)
+def test_a_request_id_that_is_not_a_string_is_refused_naming_it(
+    cache: KVCache, data: np.ndarray, call: str, request_id: Any, got: str
+) -> None:
+    # 7 and "7" would be two requests; a list failed deep in the tiers' bookkeeping.
+    cache.store(TOKENS, data)
+    cache.drain()
+    with pytest.raises(TypeError, match=rf"request_id: expected a str, got {got}"):
+        REQUEST_ID_CALLS[call](cache, request_id)
+    assert set(cache.status.slot_states().values()) == {0}  # nothing left pinned
+    REQUEST_ID_CALLS[call](cache, "r-1")  # a string is taken
+    if call != "end_request":
+        with pytest.raises(TypeError, match="request_id: expected a str, got NoneType"):
+            cache.end_request(None)  # type: ignore[arg-type]
+
+
+def test_commit_and_record_request_refuse_a_bad_flag_or_count(cache: KVCache) -> None:
+    keys = cache.keys(TOKENS)
+    assert cache.reserve(keys[:2]) is not None
+    with pytest.raises(TypeError, match="success: expected a bool, got str"):
+        cache.commit(keys[:2], success="no")  # type: ignore[arg-type]
+    assert cache.status.primary.writing == 2  # the refused commit ended nothing
+    cache.commit(keys[:2], success=np.bool_(False))  # numpy's bool is a bool
+    assert cache.status.primary.writing == 0 and cache.status.primary.free == 8
+    with pytest.raises(TypeError, match="num_tokens must be an int, got '8'"):
+        cache.record_request(keys, "8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
+        cache.record_request(keys, -1)
 
 
 def test_keys_past_the_ready_prefix_are_checked_before_the_tiers_are_asked(

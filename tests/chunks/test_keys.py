@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -98,8 +99,25 @@ def test_layout_sizes() -> None:
     assert layout.chunk_shape == (4, 2, 256, 8, 128)
 
 
-@pytest.mark.parametrize("bad", [{"num_layers": 0}, {"head_dim": -1}, {"dtype": "float64x"}])
-def test_layout_rejects_nonsense(bad: dict) -> None:
+@pytest.mark.parametrize(
+    ("bad", "problem"),
+    [
+        ({"num_layers": 0}, "num_layers must be a positive int"),
+        ({"head_dim": -1}, "head_dim must be a positive int"),
+        ({"dtype": "float64x"}, "dtype 'float64x' is not supported"),
+        ({"dtype": ["float16"]}, r"dtype \['float16'\] is not supported"),
+        # Without a model id, every model of one shape would share chunks.
+        ({"model_id": None}, "model_id must be a non-empty str, got None"),
+        ({"model_id": " "}, "model_id must be a non-empty str"),
+        ({"kv_order": 5}, "kv_order must be a non-empty str, got 5"),
+        ({"extra": "quant=fp8"}, "extra must be .* pairs of str, got 'quant=fp8'"),
+        ({"extra": [1]}, r"extra: 1 is not a \(name, value\) pair"),
+        # 8 and "8" would be two namespaces for one engine.
+        ({"extra": (("bits", 8),)}, r"extra: \('bits', 8\) is not a \(name, value\) pair"),
+        ({"extra": (("q", "a"), ("q", "b"))}, r"extra names \['q'\] more than once"),
+    ],
+)
+def test_layout_rejects_nonsense(bad: dict, problem: str) -> None:
     fields = {
         "model_id": "m",
         "num_layers": 1,
@@ -108,8 +126,17 @@ def test_layout_rejects_nonsense(bad: dict) -> None:
         "dtype": "float16",
         "chunk_tokens": 4,
     }
-    with pytest.raises(ValueError, match="KVLayout"):
+    with pytest.raises(ValueError, match=f"KVLayout.{problem}"):
         KVLayout(**{**fields, **bad})
+
+
+def test_layout_extra_given_as_a_list_or_mapping_is_the_same_layout() -> None:
+    pairs = (("quant", "fp8"), ("engine", "x"))
+    layout = replace(small_layout(), extra=pairs)
+    for given in ([list(pair) for pair in pairs], dict(pairs)):
+        same = replace(small_layout(), extra=given)
+        assert same == layout and same.namespace == layout.namespace
+        assert hash(same) == hash(layout)  # frozen: stored as a tuple of tuples
 
 
 def test_keys_never_change_across_releases() -> None:
@@ -224,3 +251,35 @@ def test_tokens_keyed_by_another_layout_are_refused() -> None:
             cache.lookup(keyed)
         with pytest.raises(ValueError, match="another layout"):
             cache.store(keyed, np.zeros((2, layout.slot_bytes), np.uint8))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "problem"),
+    [
+        # A float was truncated: 1.5 shared the key of 1.
+        (lambda: chain_key(b"n" * 32, [1.5]), TypeError, r"tokens\[0\] = 1.5 \(float\)"),
+        (lambda: chunk_keys(b"n", [1, 2.5, 3, 4], 4), TypeError, r"tokens\[1\] = 2.5"),
+        (lambda: chunk_keys(b"n", np.ones(4), 4), TypeError, "must be integers, got dtype float64"),
+        (lambda: chunk_keys(b"n", "abcd", 4), TypeError, "tokens: expected a sequence of int"),
+        (lambda: chain_key("ns", [1]), TypeError, "parent: expected bytes, got str"),
+        (lambda: chain_key(b"n", [1], "lora"), TypeError, "extra: expected bytes, got str"),
+        (lambda: chunk_keys("ns", [1] * 4, 4), TypeError, "namespace: expected bytes, got str"),
+        (lambda: chunk_keys(b"n", [1] * 4, 0), ValueError, "chunk_tokens must be > 0"),
+        (lambda: chunk_keys(b"n", [1] * 4, 2.0), TypeError, "chunk_tokens must be an int"),
+        (lambda: chunk_keys(b"n", [1] * 8, 4, [b"a"]), ValueError, "extras: 1 given for 2 full"),
+        (lambda: chunk_keys(b"n", [1] * 8, 4, [b"a", "b"]), TypeError, r"extras\[1\]: expected"),
+        (lambda: chunk_keys(b"n", [1] * 8, 4, b"ab"), TypeError, "extras: expected a sequence"),
+    ],
+)
+def test_key_functions_refuse_what_would_key_the_wrong_bytes(
+    call: Callable[[], object], error: type[Exception], problem: str
+) -> None:
+    with pytest.raises(error, match=problem):
+        call()
+
+
+def test_extras_past_the_full_chunks_are_not_needed_nor_used() -> None:
+    tokens = list(range(9))  # two full chunks of 4 and a tail
+    assert chunk_keys(b"n", tokens, 4, [b"a", b"b", b"tail"]) == chunk_keys(
+        b"n", tokens, 4, [b"a", b"b"]
+    )

@@ -218,6 +218,17 @@ def test_a_node_is_routed_to_by_what_it_holds(redis_server: RedisServer) -> None
     fresh.close()
 
 
+def test_a_routers_bad_keys_are_its_own_error_not_the_indexs(redis_server: RedisServer) -> None:
+    reader = FleetIndex(redis_index(redis_server.url, key_prefix="t-badkeys:"), CHUNK_TOKENS)
+    with pytest.raises(TypeError, match=r"keys\[1\]: expected a chunk key of 32 bytes"):
+        reader.scores([bytes(32), "ab" * 16])
+    with pytest.raises(TypeError, match="keys: expected a sequence of chunk keys"):
+        reader.scores(bytes(32))
+    assert reader.index.counters.query_failures == 0  # never asked
+    assert reader.scores([bytes(32)]) == []
+    reader.close()
+
+
 def test_malformed_entries_are_ignored_and_counted(redis_server: RedisServer) -> None:
     import redis
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.fleet.base import PRIMARY_MEDIUM, ClusterIndex, Holders
-from kvtier.keys import ChunkKey, chunk_keys
+from kvtier.keys import ChunkKey, checked_keys, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.tiers.addresses import parse_host_port
 
@@ -104,8 +104,10 @@ class FleetIndex:
 
     def scores(self, keys: Sequence[ChunkKey]) -> list[NodeScore]:
         """Every live node holding a leading part of ``keys``, best first.
-        Raises when the index does not answer within its ``timeout_s``."""
-        return scores(self.index.holders(keys), self.chunk_tokens)
+        Raises when the index does not answer within its ``timeout_s``, and
+        ``TypeError`` for keys that are not chunk keys, before the index is
+        asked (they would count as its failures)."""
+        return scores(self.index.holders(checked_keys(keys)), self.chunk_tokens)
 
     def scores_for_tokens(self, tokens: Sequence[int] | np.ndarray) -> list[NodeScore]:
         return self.scores(self.keys_of(tokens))

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 
-from kvtier.keys import ChunkKey, check_keys
+from kvtier.keys import ChunkKey, check_keys, checked_keys
 from kvtier.policies.base import CachePolicy
 from kvtier.primary import loops
 from kvtier.primary.buffer import SlotBuffer
@@ -310,7 +310,7 @@ class PrimaryTier:
         Atomic: raises ``ValueError`` naming the first key that is not pinned
         (as often as it appears), unpinning nothing.
         """
-        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        keys = keys if isinstance(keys, (list, tuple)) else checked_keys(keys)
         with self._lock:
             missing = loops.active.unpin(self._pins, keys)
         if missing >= 0:
