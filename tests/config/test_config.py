@@ -344,3 +344,41 @@ def test_tiers_over_different_places_of_one_server_or_disk_are_kept(
     entry = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in second.items()}
     config = load_config({"secondary_tiers": [first, entry]})
     assert len(config.secondary_tiers) == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        ("top.yaml", "chunk_tokens: 16\ncpu_bytes_to_use: 1GiB\nchunk_tokens: 32\n", "line 1"),
+        (
+            "entry.yaml",
+            "secondary_tiers:\n  - type: memory\n    max_bytes: 1GiB\n    max_bytes: 2GiB\n",
+            "'max_bytes' given twice",
+        ),
+        ("top.json", '{"chunk_tokens": 16, "chunk_tokens": 32}', "'chunk_tokens' given twice"),
+        (
+            "entry.json",
+            '{"secondary_tiers": [{"type": "memory", "type": "fs"}]}',
+            "'type' given twice",
+        ),
+    ],
+)
+def test_a_key_given_twice_in_a_file_is_refused_not_settled_by_the_last(
+    tmp_path: Path, name: str, text: str, problem: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=problem) as caught:
+        load_config(path)
+    assert str(path) in str(caught.value)
+
+
+def test_a_yaml_merge_may_still_be_overridden(tmp_path: Path) -> None:
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "secondary_tiers:\n"
+        "  - &memory {type: memory, max_bytes: 1MiB}\n"
+        "  - {<<: *memory, max_bytes: 2MiB}\n"
+    )
+    first, second = load_config(path).secondary_tiers
+    assert first.as_dict()["max_bytes"] == 1 << 20 and second.as_dict()["max_bytes"] == 2 << 20

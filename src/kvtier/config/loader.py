@@ -106,12 +106,49 @@ def _read_document(path: Path) -> Any:
         raise ConfigError([("", f"cannot read config file: {exc}")], str(path)) from exc
     try:
         if path.suffix == ".json":
-            return json.loads(text)
-        return yaml.safe_load(text) or {}
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            return json.loads(text, object_pairs_hook=_json_object)
+        return yaml.load(text, _YAMLLoader) or {}  # a SafeLoader: no object tags
+    except (ValueError, yaml.YAMLError) as exc:  # JSONDecodeError is a ValueError
         raise ConfigError(
             [("", f"not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}")], str(path)
         ) from exc
+
+
+# A key given twice is a mistake (two ``max_bytes``, one edited), which both
+# parsers would settle silently by keeping the last value.
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise ValueError(f"key {key!r} given twice in one object")
+        document[key] = value
+    return document
+
+
+class _YAMLLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing a key given twice in one mapping
+    (merged keys, ``<<``, may still be overridden)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:
+                continue  # unhashable: the base class names it
+            if first is not key_node.start_mark:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"found key {key!r} given twice (first at line {first.line + 1})",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep)
 
 
 def validate_tier(raw: Any, path: str) -> TierConfig:
