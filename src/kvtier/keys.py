@@ -81,9 +81,10 @@ def _check_bytes(value: object, where: str) -> None:
 
 
 def _positive(value: object, where: str) -> int:
-    if count(value, where) == 0:
+    number = count(value, where)
+    if number == 0:
         raise ValueError(f"{where} must be > 0")
-    return int(value)  # type: ignore[call-overload]
+    return number
 
 
 def _check_extras(extras: Sequence[bytes], chunks: int) -> None:

@@ -285,6 +285,10 @@ def test_an_invalid_entry_never_shows_its_secrets(entry: dict[str, object]) -> N
             {"type": "redis", "url": "redis://127.0.0.1:6379/0", "ttl_s": 60},
         ),
         (
+            {"type": "redis", "url": "redis://127.0.0.1:6379?db=2&password=hunter2"},
+            {"type": "redis", "url": "redis://127.0.0.1:6379?db=2"},
+        ),
+        (
             {"type": "redis", "startup_nodes": ["h1:1", "h2:1"]},
             {"type": "redis", "startup_nodes": ["h2:1", "h1:1"]},
         ),
@@ -328,6 +332,7 @@ def test_two_tiers_over_one_store_are_refused_naming_both(
         {"type": "fs", "root_dir": "{tmp}/kv/inner"},
         {"type": "redis", "url": "redis://127.0.0.1:6379/0", "key_prefix": "other:"},
         {"type": "redis", "url": "redis://127.0.0.1:6379/1"},
+        {"type": "redis", "url": "redis://127.0.0.1:6379?db=1"},
         {"type": "obj", "bucket": "kvb", "endpoint_url": "http://127.0.0.1:9", "prefix": "b/"},
         {"type": "memory"},
     ],

@@ -118,7 +118,10 @@ class RedisTierOptions(RemoteTierOptions, RedisServerOptions):
             # Without the user and password the URL may hold.
             url = urllib.parse.urlsplit(self.url)
             netloc = url.netloc.rpartition("@")[2]
+            query = [(k, v) for k, v in urllib.parse.parse_qsl(url.query) if k != "password"]
             server = f"{url.scheme}://{netloc}{url.path}"
+            if query:  # ?db=1 names another database
+                server += "?" + urllib.parse.urlencode(sorted(query))
         else:
             server = "cluster " + ",".join(sorted(self.startup_nodes))
         return f"redis {server}, key prefix {self.key_prefix!r}"
