@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.errors import ClosedError
-from kvtier.inputs import TokenIds, check_request_id, chunk_rows, chunks_of, count, seconds
+from kvtier.inputs import TokenIds, check_str, chunk_rows, chunks_of, count, seconds
 from kvtier.keys import ChunkKey, KeyedTokens, checked_keys
 from kvtier.layout import KVLayout
 from kvtier.lifecycle import Lifecycle
@@ -192,7 +192,7 @@ class KVCache:
             recorder.record(keys, num_tokens)
         owned = request_id is None
         if not owned and type(request_id) is not str:
-            check_request_id(request_id)
+            check_str(request_id, "request_id")
         request = next(_anonymous_requests) if request_id is None else request_id
         deadline = time.monotonic() + timeout
         slots: list[int] = []
@@ -348,7 +348,7 @@ class KVCache:
     def end_request(self, request_id: str) -> None:
         """End the request a caller named in its lookups (``request_id``): the
         tiers forget what they kept for it, and its failed promotions may be tried again."""
-        check_request_id(request_id)
+        check_str(request_id, "request_id")
         with self._running:
             self.manager.on_request_finished(request_id)
 
@@ -367,7 +367,7 @@ class KVCache:
         again counts its hits once; end it with :meth:`end_request`."""
         self.lifecycle.check()
         if request_id is not None and type(request_id) is not str:
-            check_request_id(request_id)
+            check_str(request_id, "request_id")
         return self.manager.lookup(keys, request_id)
 
     def wait_for_promotions(
@@ -391,7 +391,7 @@ class KVCache:
         """
         self.lifecycle.check()
         if request_id is not None:
-            check_request_id(request_id)
+            check_str(request_id, "request_id")
         timeout = seconds(timeout, "timeout")
         poll_s = seconds(poll_s, "poll_s")
         manager = self.manager

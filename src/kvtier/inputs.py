@@ -111,18 +111,19 @@ def seconds(value: Any, where: str) -> float:
     return float(value)
 
 
-def count(value: Any, where: str) -> int:
-    """A non-negative int (``bool`` and ``float`` refused)."""
+def count(value: Any, where: str, minimum: int = 0) -> int:
+    """An int >= ``minimum`` (``bool`` and ``float`` refused)."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{where} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 0:
-        raise ValueError(f"{where} must be >= 0, got {value}")
+    if value < minimum:
+        raise ValueError(f"{where} must be >= {minimum}, got {value}")
     return int(value)
 
 
-def check_request_id(value: Any, where: str = "request_id") -> None:
-    """Refuse a request id that is not a string: ``5`` and ``"5"`` would be two
-    requests, and an unhashable one fails deep in the tiers' bookkeeping."""
+def check_str(value: Any, where: str) -> None:
+    """Refuse what is not a string, as a request id or a shared-memory name:
+    ``5`` and ``"5"`` would name two requests, and an unhashable id would fail
+    deep in the tiers' bookkeeping."""
     if not isinstance(value, str):
         raise TypeError(f"{where}: expected a str, got {type(value).__name__}")
 

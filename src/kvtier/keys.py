@@ -61,7 +61,8 @@ def chunk_keys(
     multimodal hashes, a tenant salt) without changing the token ids.
     """
     _check_bytes(namespace, "namespace")
-    data, chunks = _full_chunk_bytes(token_array(tokens), _positive(chunk_tokens, "chunk_tokens"))
+    step = count(chunk_tokens, "chunk_tokens", minimum=1)
+    data, chunks = _full_chunk_bytes(token_array(tokens), step)
     if extras is not None:
         _check_extras(extras, chunks)
     return _keys_of_bytes(namespace, data, chunks, extras)
@@ -78,13 +79,6 @@ def _full_chunk_bytes(tokens: Sequence[int] | np.ndarray, chunk_tokens: int) -> 
 def _check_bytes(value: object, where: str) -> None:
     if not isinstance(value, bytes):
         raise TypeError(f"{where}: expected bytes, got {type(value).__name__}")
-
-
-def _positive(value: object, where: str) -> int:
-    number = count(value, where)
-    if number == 0:
-        raise ValueError(f"{where} must be > 0")
-    return number
 
 
 def _check_extras(extras: Sequence[bytes], chunks: int) -> None:

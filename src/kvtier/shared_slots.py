@@ -7,7 +7,7 @@ the slots the scheduler's :meth:`KVCache.pin` and :meth:`KVCache.reserve` named.
 
 from __future__ import annotations
 
-from kvtier.inputs import count
+from kvtier.inputs import check_str, count
 from kvtier.primary import SlotBuffer
 
 __all__ = ["MappedSlots", "map_slots"]
@@ -23,6 +23,5 @@ def map_slots(name: str, num_slots: int, slot_bytes: int) -> MappedSlots:
     ``OSError`` if the name does not exist; ``ValueError`` if it holds other
     than ``num_slots`` slots of ``slot_bytes``.
     """
-    if not isinstance(name, str):
-        raise TypeError(f"name: expected a str, got {type(name).__name__}")
+    check_str(name, "name")
     return SlotBuffer.attach(name, count(num_slots, "num_slots"), count(slot_bytes, "slot_bytes"))

@@ -264,7 +264,7 @@ def test_tokens_keyed_by_another_layout_are_refused() -> None:
         (lambda: chain_key("ns", [1]), TypeError, "parent: expected bytes, got str"),
         (lambda: chain_key(b"n", [1], "lora"), TypeError, "extra: expected bytes, got str"),
         (lambda: chunk_keys("ns", [1] * 4, 4), TypeError, "namespace: expected bytes, got str"),
-        (lambda: chunk_keys(b"n", [1] * 4, 0), ValueError, "chunk_tokens must be > 0"),
+        (lambda: chunk_keys(b"n", [1] * 4, 0), ValueError, "chunk_tokens must be >= 1, got 0"),
         (lambda: chunk_keys(b"n", [1] * 4, 2.0), TypeError, "chunk_tokens must be an int"),
         (lambda: chunk_keys(b"n", [1] * 8, 4, [b"a"]), ValueError, "extras: 1 given for 2 full"),
         (lambda: chunk_keys(b"n", [1] * 8, 4, [b"a", "b"]), TypeError, r"extras\[1\]: expected"),
