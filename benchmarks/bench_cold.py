@@ -56,6 +56,11 @@ kernel's reads too), and for a remote tier ``server``, its server's
 processes' (from ``/proc``, in clock ticks of 10 ms). On a machine of few
 cores a remote tier's rate is bounded by the two together: a client that
 spends more CPU per byte than its raw client takes it from the server.
+``client threads`` splits the client's by thread: a pool's workers
+together (``kvtier-mooncake``), ``MainThread`` (the caller: ``load_prefix``
+and its copies into the engine's rows), ``native`` (threads a client
+library started itself), ``other`` (threads that ended, and rounding: a
+thread's count is in whole clock ticks).
 
     python benchmarks/bench_cold.py --root /var/tmp/kvtier-cold --runs 5
 
@@ -84,6 +89,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -194,32 +200,64 @@ def probe_lookup_path(probe: Probe, cache: Any, tier: Any) -> None:
 SERVER_PIDS = "KVTIER_BENCH_SERVER_PIDS"
 
 
-def cpu_seconds() -> tuple[float, float | None]:
-    """CPU seconds so far: this process's (all its threads, user and system)
-    and the serving processes' (:data:`SERVER_PIDS`, in clock ticks; ``None``
-    without a server)."""
+#: CPU seconds so far: this process's, its server's (``None`` without one),
+#: and each of its live threads' (:func:`thread_cpu_seconds`).
+CpuSnapshot = tuple[float, float | None, dict[int, tuple[str, float]]]
+
+
+def cpu_seconds() -> CpuSnapshot:
+    """CPU seconds so far: this process's (all its threads, user and system),
+    the serving processes' (:data:`SERVER_PIDS`, in clock ticks; ``None``
+    without a server) and each thread's of this process."""
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     pids = [int(pid) for pid in os.environ.get(SERVER_PIDS, "").split(",") if pid]
-    server = sum(map(_process_cpu_s, pids)) if pids else None
-    return usage.ru_utime + usage.ru_stime, server
+    server = sum(_stat_cpu_s(f"/proc/{pid}/stat") for pid in pids) if pids else None
+    return usage.ru_utime + usage.ru_stime, server, thread_cpu_seconds()
 
 
-def _process_cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` from ``/proc`` (threads that ended included)."""
-    with open(f"/proc/{pid}/stat") as stat:
+def thread_cpu_seconds() -> dict[int, tuple[str, float]]:
+    """This process's live threads by id: ``(group, CPU seconds so far)``. A
+    Python thread's group is its name less a trailing number (a pool's
+    workers together); a thread Python did not start is ``native`` (a
+    client library's own, Mooncake's transfer engine say)."""
+    groups = {t.native_id: re.sub(r"[-_]?\d+(?= \(|$)", "", t.name) for t in threading.enumerate()}
+    threads = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            threads[int(task.name)] = (
+                groups.get(int(task.name), "native"),
+                _stat_cpu_s(task / "stat"),
+            )
+        except OSError:  # it ended meanwhile
+            continue
+    return threads
+
+
+def _stat_cpu_s(path: str | Path) -> float:
+    """utime + stime from a ``/proc`` stat file (a process's counts the threads that ended)."""
+    with open(path) as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_spent(before: tuple[float, float | None]) -> dict[str, float]:
+def cpu_spent(before: CpuSnapshot) -> dict[str, Any]:
     """The CPU seconds since ``before`` (:func:`cpu_seconds`): the client's,
-    and the server's where there is one."""
-    client, server = cpu_seconds()
-    spent = {"client_cpu_s": client - before[0]}
+    the server's where there is one, and the client's by thread group
+    (``thread_cpu``; ``other``: what the live threads do not account for,
+    threads that ended meanwhile and the part of a clock tick each thread's
+    count leaves out)."""
+    client, server, threads = cpu_seconds()
+    spent: dict[str, Any] = {"client_cpu_s": client - before[0]}
     if server is not None and before[1] is not None:
         spent["server_cpu_s"] = server - before[1]
+    by_group: dict[str, float] = {}
+    for thread, (group, seconds) in threads.items():
+        earlier = before[2].get(thread, (group, 0.0))[1]
+        by_group[group] = by_group.get(group, 0.0) + seconds - earlier
+    by_group["other"] = max(0.0, spent["client_cpu_s"] - sum(by_group.values()))
+    spent["thread_cpu"] = by_group
     return spent
 
 
@@ -459,6 +497,12 @@ def measure_chunk(
             for side in ("client", "server")
             if f"{side}_cpu_s" in rounds[0]
         }
+        if all("thread_cpu" in r for r in rounds):
+            groups = sorted({group for r in rounds for group in r["thread_cpu"]})
+            row["thread_cpu_s"] = {
+                group: round(statistics.median(r["thread_cpu"].get(group, 0.0) for r in rounds), 4)
+                for group in groups
+            }
         if top is not None and name != top:
             ceiling = [r["gbps"] / f["gbps"] for r, f in zip(rounds, runs[top], strict=True)]
             row[f"vs_{top}"] = summary(ceiling)
@@ -665,6 +709,10 @@ def report(args: argparse.Namespace, results: list[dict[str, Any]], notes: dict[
                 line += f"  store {row['store_gbps']['p50']:.2f}"
             if row.get("cpu_s"):
                 line += "  cpu s " + " ".join(f"{k} {v:.3f}" for k, v in row["cpu_s"].items())
+            busy = {k: v for k, v in row.get("thread_cpu_s", {}).items() if v >= 0.01}
+            if busy:
+                line += " (client threads: " + ", ".join(f"{k} {v:.2f}" for k, v in busy.items())
+                line += ")"
             print(line)
             if "breakdown" in row:
                 parts = ", ".join(f"{k} {v}" for k, v in row["breakdown"].items())

@@ -208,6 +208,11 @@ def test_bench_cold_remote_tier_verifies_the_prefix_against_its_raw_client(
             cpu = result[name]["cpu_s"]
             assert set(cpu) == {"client", "server"}
             assert cpu["client"] > 0 and cpu["server"] >= 0
+            # The client's split by thread adds up to it (one run: no medians between).
+            threads = result[name]["thread_cpu_s"]
+            assert {"MainThread", "other"} <= set(threads)
+            assert sum(threads.values()) == pytest.approx(cpu["client"], abs=1e-3)
+        assert f"kvtier-{tier}" in row["thread_cpu_s"]  # the tier's workers, apart
 
 
 def test_bench_cold_remote_tier_runs_a_baseline_kvtier_alike() -> None:
