@@ -25,7 +25,8 @@ from kvtier.units import format_bytes
 
 class MemoryTierOptions(ThreadedTierOptions):
     max_bytes: ByteSize = Field(default=ByteSize(1 << 30), gt=0)
-    """Upper bound on chunk bytes held; least recently used chunks go first."""
+    """Upper bound on chunk bytes held, each with its frame; least recently
+    used chunks go first. Less than one chunk fails at start."""
 
     io_threads: int = Field(default=2, ge=1, le=64)
     """Worker threads copying chunks."""
@@ -40,6 +41,13 @@ class MemoryBackend(LocalBackend[MemoryTierOptions]):
     def __init__(self, options: MemoryTierOptions, runtime: LocalRuntime) -> None:
         super().__init__(options, runtime)
         self.max_bytes = int(options.max_bytes)
+        # Else every store fails at run time, each a failure counted, and nothing is held.
+        largest = integrity.HEADER_BYTES + runtime.codec_stage.stored_bytes
+        if self.max_bytes < largest:
+            raise ValueError(
+                f"{runtime.tier_type}: max_bytes={self.max_bytes} cannot hold one chunk "
+                f"of {largest} bytes (framed)"
+            )
         self._chunks: OrderedDict[ChunkKey, bytes] = OrderedDict()
         self._chunks_lock = threading.Lock()
         self.held_bytes = 0
