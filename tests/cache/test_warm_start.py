@@ -204,6 +204,7 @@ def test_closing_during_a_warm_start_stops_it(
         ({"warm_start_bytes": 2 * 4 * PREFIX * SLOT}, "exceed cpu_bytes_to_use"),
         ({"secondary_tiers": [{"type": "memory", "max_bytes": 1 << 20}]}, "nothing to warm from"),
         ({"secondary_tiers": []}, "nothing to warm from"),
+        ({"warm_start_bytes": SLOT - 1}, f"cannot hold one {SLOT}-byte chunk"),
     ],
 )
 def test_a_warm_start_that_cannot_work_fails_at_startup(

@@ -103,7 +103,8 @@ class KVTierConfig(Options):
     """At start, promote up to this many bytes of the chunks the secondary
     tiers used most recently (``fs`` knows them) into free slots of the CPU
     tier, in the background and evicting nothing, so that a restarted
-    engine's first requests find their prefixes in memory. ``0``: off."""
+    engine's first requests find their prefixes in memory. ``0``: off; less
+    than one chunk fails at start."""
 
     secondary_tiers: tuple[TierConfig, ...] = ()
     """Tiers behind the primary one, looked up in this order."""

@@ -37,16 +37,26 @@ class TieringSpec(OffloadingSpec):
             raise ConfigError(problems)
         slot_bytes = self.layout.slot_bytes
         num_slots = int(self.config.cpu_bytes_to_use) // slot_bytes
+        problems = []
         if num_slots < 1:
-            raise ConfigError(
-                [
-                    (
-                        "cpu_bytes_to_use",
-                        f"{int(self.config.cpu_bytes_to_use)} bytes cannot hold "
-                        f"one {slot_bytes}-byte chunk of this layout",
-                    )
-                ]
+            problems.append(
+                (
+                    "cpu_bytes_to_use",
+                    f"{int(self.config.cpu_bytes_to_use)} bytes cannot hold "
+                    f"one {slot_bytes}-byte chunk of this layout",
+                )
             )
+        warm_bytes = int(self.config.warm_start_bytes)
+        if 0 < warm_bytes < slot_bytes:
+            problems.append(
+                (
+                    "warm_start_bytes",
+                    f"{warm_bytes} bytes cannot hold one {slot_bytes}-byte chunk of this "
+                    "layout: the warm start would bring nothing back (0 turns it off)",
+                )
+            )
+        if problems:
+            raise ConfigError(problems)
         buffer = self._primary_buffer(num_slots, slot_bytes)
         if self.config.populate_primary:
             buffer.populate_in_background()
