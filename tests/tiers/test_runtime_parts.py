@@ -223,6 +223,28 @@ def test_guards_come_with_options_that_configure_them() -> None:
         remote.close()
 
 
+def test_names_a_backend_reports_dropped_reach_residency_as_keys_of_this_namespace() -> None:
+    entry = {"type": "FreezableTier", "module_path": "tests.tiers.remote.remote_doubles"}
+    harness = TierHarness(entry, small_layout(), tier_class=FreezableTier)
+    removed: list[ChunkKey] = []
+    harness.tier.removal_listeners.append(removed.extend)
+    try:
+        keys = harness.keys(4)
+        store = harness.tier.store  # what the backend holds as its runtime
+        ours = [harness.tier.store_name(key) for key in keys[:2]]
+        foreign = [
+            "t:" + "0" * 64 + ":" + keys[2].hex(),  # another namespace's
+            store.names_prefix + keys[3].hex()[:-2],  # cut short
+            store.names_prefix + "zz" * 16,  # not hex
+            store.names_prefix + " " + keys[3].hex()[1:],  # hex with a space in it
+            keys[3].hex(),  # no prefix at all
+        ]
+        store.report_removed([ours[0], *foreign, ours[1]])
+        assert removed == keys[:2]
+    finally:
+        harness.close()
+
+
 def test_a_job_answered_while_a_worker_touches_its_slots_reports_once_it_leaves() -> None:
     jobs = Jobs(chunk_bytes=8, on_progress=lambda: None)
     keys = KEYS[:2]

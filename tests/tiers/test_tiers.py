@@ -39,7 +39,10 @@ def test_memory_tier_that_cannot_hold_one_chunk_is_refused_at_start(codec: str) 
         integrity.HEADER_BYTES + CodecStage(codec_config(codec).build(layout), layout).stored_bytes
     )
     entry = {"type": "memory", "codec": codec}
-    with pytest.raises(ValueError, match=rf"memory: max_bytes={largest - 1} cannot hold one chunk"):
+    with pytest.raises(
+        ValueError,
+        match=rf"memory: max_bytes={largest - 1} cannot hold one framed chunk of {largest} bytes",
+    ):
         TierHarness({**entry, "max_bytes": largest - 1}, layout)
     # One framed chunk's worth holds one chunk: the next store evicts it.
     harness = TierHarness({**entry, "max_bytes": largest}, layout, num_slots=4)

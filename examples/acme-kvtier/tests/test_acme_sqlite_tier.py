@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, ClassVar
 
+import pytest
 from acme_kvtier import SQLiteTier
 
 from kvtier.testing import TierContractTests, TierHarness, small_layout
@@ -46,7 +47,9 @@ def test_max_bytes_evicts_least_recently_used_rows() -> None:
     # Room for three framed chunks, not four.
     max_bytes = 3 * layout.slot_bytes + 1000
     config = {"type": "acme_sqlite", "path": "chunks.sqlite3", "max_bytes": max_bytes}
-    harness = TierHarness(config, layout)
+    harness = TierHarness[SQLiteTier](config, layout)
+    removed: list[bytes] = []
+    harness.tier.removal_listeners.append(removed.extend)
     try:
         keys = harness.keys(4)
         harness.fill(range(4))
@@ -55,6 +58,7 @@ def test_max_bytes_evicts_least_recently_used_rows() -> None:
         assert harness.load([keys[0]], [8]).success  # keys[0] is now the most recent
         assert harness.store([keys[3]], [3]).success
         assert harness.tier.stats.evictions == 1
+        assert removed == [keys[1]]  # named, for the engine's KV events
         assert [harness.lookup(k) for k in keys] == [
             Lookup.HIT, Lookup.MISS, Lookup.HIT, Lookup.HIT
         ]  # fmt: skip
@@ -63,6 +67,19 @@ def test_max_bytes_evicts_least_recently_used_rows() -> None:
         assert 3 * layout.slot_bytes < held <= max_bytes
     finally:
         harness.close()
+
+
+def test_max_bytes_below_one_value_fails_at_start() -> None:
+    layout = small_layout()
+    one_value = TierHarness[SQLiteTier]({"type": "acme_sqlite", "path": "a.sqlite3"}, layout)
+    value_bytes = one_value.tier.value_bytes
+    one_value.close()
+    config = {"type": "acme_sqlite", "path": "b.sqlite3", "max_bytes": value_bytes - 1}
+    with pytest.raises(
+        ValueError,
+        match=f"acme_sqlite: max_bytes={value_bytes - 1} cannot hold one value of {value_bytes}",
+    ):
+        TierHarness(config, layout)
 
 
 def test_health_checks_pass_on_a_writable_directory() -> None:

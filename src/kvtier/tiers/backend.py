@@ -102,6 +102,15 @@ class BackendRuntime(Protocol):
     def count(self, **deltas: int) -> None:
         """Add to the tier's counters (``evictions=1``), from any thread."""
 
+    def report_removed(self, names: Sequence[str]) -> None:
+        """Names the backend dropped on its own (its eviction), from any thread:
+        residency announces them gone (KV events for routers). Names of
+        other namespaces are ignored."""
+
+    def require_room(self, max_bytes: int | None) -> None:
+        """Refuse, at start, a bound of the backend's below one value
+        (:attr:`value_bytes`)."""
+
 
 OptionsT = TypeVar("OptionsT", bound=RemoteTierOptions)
 

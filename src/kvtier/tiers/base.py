@@ -428,6 +428,15 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         """
         return ()
 
+    def require_room(self, max_bytes: int | None, largest: int, what: str = "chunk") -> None:
+        """Refuse, at start, a ``max_bytes`` below the ``largest`` chunk the
+        tier stores (``what`` names it in the message): under it every store
+        would fail, or be evicted at once, and the tier would hold nothing."""
+        if max_bytes is not None and max_bytes < largest:
+            raise ValueError(
+                f"{self.tier_type}: max_bytes={max_bytes} cannot hold one {what} of {largest} bytes"
+            )
+
     def report_removed(self, keys: Sequence[ChunkKey]) -> None:
         """Tell :attr:`removal_listeners` that the tier no longer holds ``keys``.
 

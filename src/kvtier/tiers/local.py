@@ -55,6 +55,10 @@ class LocalRuntime(Protocol):
     def report_removed(self, keys: Sequence[ChunkKey]) -> None:
         """Chunks the backend dropped on its own (evicted), for residency."""
 
+    def require_room(self, max_bytes: int | None, largest: int, what: str = "chunk") -> None:
+        """Refuse, at start, a ``max_bytes`` below the ``largest`` chunk the
+        backend stores (``what`` names it in the message)."""
+
 
 OptionsT = TypeVar("OptionsT", bound=ThreadedTierOptions)
 

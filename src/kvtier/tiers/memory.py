@@ -41,13 +41,8 @@ class MemoryBackend(LocalBackend[MemoryTierOptions]):
     def __init__(self, options: MemoryTierOptions, runtime: LocalRuntime) -> None:
         super().__init__(options, runtime)
         self.max_bytes = int(options.max_bytes)
-        # Else every store fails at run time, each a failure counted, and nothing is held.
         largest = integrity.HEADER_BYTES + runtime.codec_stage.stored_bytes
-        if self.max_bytes < largest:
-            raise ValueError(
-                f"{runtime.tier_type}: max_bytes={self.max_bytes} cannot hold one chunk "
-                f"of {largest} bytes (framed)"
-            )
+        runtime.require_room(self.max_bytes, largest, "framed chunk")
         self._chunks: OrderedDict[ChunkKey, bytes] = OrderedDict()
         self._chunks_lock = threading.Lock()
         self.held_bytes = 0

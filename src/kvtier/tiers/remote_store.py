@@ -20,6 +20,7 @@ from kvtier.errors import (
     describe_error,
 )
 from kvtier.keys import ChunkKey
+from kvtier.layout import KEY_BYTES
 from kvtier.tiers.backend import (
     Backend,
     BackendSkipped,
@@ -95,6 +96,13 @@ class RemoteStore:
     def count(self, **deltas: int) -> None:
         self.tier.count(**deltas)
 
+    def report_removed(self, names: Sequence[str]) -> None:
+        keys = [key for key in map(self.key_of, names) if key is not None]
+        self.tier.report_removed(keys)
+
+    def require_room(self, max_bytes: int | None) -> None:
+        self.tier.require_room(max_bytes, self.value_bytes, "value")
+
     def check_sending(self) -> None:
         """Raise :class:`BackendSkipped` once the backend is known down."""
         if not self.guards.sending:
@@ -144,6 +152,17 @@ class RemoteStore:
     def store_name(self, key: ChunkKey) -> str:
         """The name ``key`` has in the store."""
         return self.names_prefix + key.hex()
+
+    def key_of(self, name: str) -> ChunkKey | None:
+        """The key named ``name`` (:meth:`store_name`), or ``None`` for a
+        name of another namespace or none of kvtier's."""
+        if not name.startswith(self.names_prefix):
+            return None
+        try:
+            key = bytes.fromhex(name[len(self.names_prefix) :])
+        except ValueError:
+            return None
+        return ChunkKey(key) if len(key) == KEY_BYTES else None
 
     def holds(self, keys: Sequence[ChunkKey]) -> bool:
         """Whether existence checks hold the values of all ``keys`` (a load of them is a copy)."""

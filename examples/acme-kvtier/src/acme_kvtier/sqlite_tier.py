@@ -35,7 +35,8 @@ class SQLiteTierOptions(RemoteTierOptions):
     """SQLite database file holding the chunks; created (with its directory) if missing."""
 
     max_bytes: ByteSize | None = Field(default=None, gt=0)
-    """Bound on the bytes of stored values; least recently used ones go beyond it."""
+    """Bound on the bytes of stored values; least recently used ones go
+    beyond it. Less than one value fails at start."""
 
     io_threads: int = Field(default=2, ge=1, le=16)
     """Worker threads; SQLite serialises writers, so a few are plenty."""
@@ -50,6 +51,7 @@ class SQLiteBackend(Backend[SQLiteTierOptions]):
 
     def __init__(self, options: SQLiteTierOptions, runtime: BackendRuntime) -> None:
         super().__init__(options, runtime)
+        runtime.require_room(None if options.max_bytes is None else int(options.max_bytes))
         self.path = options.path.expanduser()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
@@ -77,26 +79,32 @@ class SQLiteBackend(Backend[SQLiteTierOptions]):
         return [None if row is None else row[0] for row in rows]
 
     def put_many(self, names: Sequence[str], values: Sequence[ValueBuffer]) -> PutErrors:
+        evicted: list[str] = []
         with self._db() as db:
             now = time.time_ns()
             rows = [(name, bytes(value), now) for name, value in zip(names, values, strict=True)]
             db.executemany("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?)", rows)
             if self.options.max_bytes is not None:
-                self._evict(db, int(self.options.max_bytes))
+                evicted = self._evict(db, int(self.options.max_bytes))
+        if evicted:  # once committed: routers then learn the chunks are gone
+            self.runtime.count(evictions=len(evicted))
+            self.runtime.report_removed(evicted)
         return [None] * len(names)
 
-    def _evict(self, db: sqlite3.Connection, max_bytes: int) -> None:
-        """Delete least recently used rows until the values fit in ``max_bytes``."""
+    def _evict(self, db: sqlite3.Connection, max_bytes: int) -> list[str]:
+        """Delete least recently used rows until the values fit in ``max_bytes``;
+        the names deleted."""
         (held,) = db.execute("SELECT COALESCE(SUM(LENGTH(value)), 0) FROM chunks").fetchone()
-        evicted = 0
+        evicted = []
         for name, size in db.execute(
             "SELECT name, LENGTH(value) FROM chunks ORDER BY used"
         ).fetchall():
             if held <= max_bytes:
                 break
             db.execute("DELETE FROM chunks WHERE name = ?", (name,))
-            held, evicted = held - size, evicted + 1
-        self.runtime.count(evictions=evicted)
+            held -= size
+            evicted.append(name)
+        return evicted
 
     def delete(self, name: str) -> None:
         with self._db() as db:

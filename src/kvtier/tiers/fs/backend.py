@@ -65,11 +65,7 @@ class FsBackend(LocalBackend[FilesystemTierOptions]):
         #: Size of every chunk file, or of the largest under a variable-size codec.
         self.file_bytes = self.sizes.file_bytes
         self.max_bytes = None if options.max_bytes is None else int(options.max_bytes)
-        if self.max_bytes is not None and self.max_bytes < self.file_bytes:
-            raise ValueError(
-                f"{runtime.tier_type}: max_bytes={self.max_bytes} cannot hold one chunk file "
-                f"of {self.file_bytes} bytes"
-            )
+        runtime.require_room(self.max_bytes, self.file_bytes, "chunk file")
         self.shared = options.shared
         self.fsync = options.fsync
         self.direct, self.io_mode_reason = self._choose_io_mode(options.direct_io)
