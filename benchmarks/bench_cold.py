@@ -211,10 +211,13 @@ def cpu_seconds() -> CpuSnapshot:
     without a server) and each thread's of this process."""
     import resource
 
+    # The threads first: a thread busy meanwhile then counts in the total too,
+    # and no thread reads more than the total it belongs to.
+    threads = thread_cpu_seconds()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     pids = [int(pid) for pid in os.environ.get(SERVER_PIDS, "").split(",") if pid]
     server = sum(_stat_cpu_s(f"/proc/{pid}/stat") for pid in pids) if pids else None
-    return usage.ru_utime + usage.ru_stime, server, thread_cpu_seconds()
+    return usage.ru_utime + usage.ru_stime, server, threads
 
 
 def thread_cpu_seconds() -> dict[int, tuple[str, float]]:
