@@ -239,7 +239,7 @@ def test_names_a_backend_reports_dropped_reach_residency_as_keys_of_this_namespa
             store.names_prefix + " " + keys[3].hex()[1:],  # hex with a space in it
             keys[3].hex(),  # no prefix at all
         ]
-        store.report_removed([ours[0], *foreign, ours[1]])
+        store.report_removed([ours[0], *foreign, ours[1].encode()])  # some stores list bytes
         assert removed == keys[:2]
     finally:
         harness.close()

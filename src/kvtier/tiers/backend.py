@@ -102,7 +102,7 @@ class BackendRuntime(Protocol):
     def count(self, **deltas: int) -> None:
         """Add to the tier's counters (``evictions=1``), from any thread."""
 
-    def report_removed(self, names: Sequence[str]) -> None:
+    def report_removed(self, names: Sequence[str | bytes]) -> None:
         """Names the backend dropped on its own (its eviction), from any thread:
         residency announces them gone (KV events for routers). Names of
         other namespaces are ignored."""

@@ -96,7 +96,7 @@ class RemoteStore:
     def count(self, **deltas: int) -> None:
         self.tier.count(**deltas)
 
-    def report_removed(self, names: Sequence[str]) -> None:
+    def report_removed(self, names: Sequence[str | bytes]) -> None:
         keys = [key for key in map(self.key_of, names) if key is not None]
         self.tier.report_removed(keys)
 
@@ -153,9 +153,12 @@ class RemoteStore:
         """The name ``key`` has in the store."""
         return self.names_prefix + key.hex()
 
-    def key_of(self, name: str) -> ChunkKey | None:
-        """The key named ``name`` (:meth:`store_name`), or ``None`` for a
-        name of another namespace or none of kvtier's."""
+    def key_of(self, name: str | bytes) -> ChunkKey | None:
+        """The key named ``name`` (:meth:`store_name`; as bytes too, as some
+        stores list names), or ``None`` for a name of another namespace or
+        none of kvtier's."""
+        if isinstance(name, bytes):
+            name = name.decode("ascii", "replace")
         if not name.startswith(self.names_prefix):
             return None
         try:
