@@ -6,9 +6,12 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 from acme_kvtier import SQLiteTier
 
+from kvtier import KVCache
+from kvtier.integrity import HEADER_BYTES
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.tiers import Lookup
 
@@ -80,6 +83,37 @@ def test_max_bytes_below_one_value_fails_at_start() -> None:
         match=f"acme_sqlite: max_bytes={value_bytes - 1} cannot hold one value of {value_bytes}",
     ):
         TierHarness(config, layout)
+
+
+def test_an_eviction_reaches_the_engines_kv_events() -> None:
+    """What routers learn: the chunk the backend evicted is announced gone."""
+    layout = small_layout(chunk_tokens=4)
+    value_bytes = HEADER_BYTES + layout.slot_bytes
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 8 * layout.slot_bytes,
+        "secondary_tiers": [
+            {"type": "acme_sqlite", "path": "chunks.sqlite3", "max_bytes": 2 * value_bytes}
+        ],
+    }
+    told: list[tuple[str, bytes, bool]] = []
+    with KVCache(config, layout) as cache:
+        cache.watch_residency(
+            lambda tier, keys, stored: told.extend((tier, key, stored) for key in keys)
+        )
+        rows = np.random.default_rng(0).integers(0, 256, (3, layout.slot_bytes), dtype=np.uint8)
+        for index, row in enumerate(rows):  # one prompt a chunk: the first is the oldest
+            cache.store(list(range(4 * index, 4 * index + 4)), row[None])
+            cache.drain()
+        keys = [cache.keys(list(range(4 * i, 4 * i + 4)))[0] for i in range(3)]
+        # The third store evicted the first chunk, told before the store's own result.
+        assert [(key, stored) for tier, key, stored in told if tier == "acme_sqlite"] == [
+            (keys[0], True),
+            (keys[1], True),
+            (keys[0], False),
+            (keys[2], True),
+        ]
+        assert cache.manager.tiers[0].stats.evictions == 1
 
 
 def test_health_checks_pass_on_a_writable_directory() -> None:
