@@ -59,8 +59,7 @@ spends more CPU per byte than its raw client takes it from the server.
 ``client threads`` splits the client's by thread: a pool's workers
 together (``kvtier-mooncake``), ``MainThread`` (the caller: ``load_prefix``
 and its copies into the engine's rows), ``native`` (threads a client
-library started itself), ``other`` (threads that ended, and rounding: a
-thread's count is in whole clock ticks).
+library started itself), ``other`` (threads that ended).
 
     python benchmarks/bench_cold.py --root /var/tmp/kvtier-cold --runs 5
 
@@ -208,33 +207,39 @@ CpuSnapshot = tuple[float, float | None, dict[int, tuple[str, float]]]
 def cpu_seconds() -> CpuSnapshot:
     """CPU seconds so far: this process's (all its threads, user and system),
     the serving processes' (:data:`SERVER_PIDS`, in clock ticks; ``None``
-    without a server) and each thread's of this process."""
+    without a server) and each thread's of this process. Taken before the
+    timed part: the totals first, then the threads, so that no thread counts
+    CPU there that the totals miss (:func:`cpu_spent` reads in the other order)."""
+    client, server = _total_cpu_seconds()
+    return client, server, thread_cpu_seconds()
+
+
+def _total_cpu_seconds() -> tuple[float, float | None]:
     import resource
 
-    # The threads first: a thread busy meanwhile then counts in the total too,
-    # and no thread reads more than the total it belongs to.
-    threads = thread_cpu_seconds()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     pids = [int(pid) for pid in os.environ.get(SERVER_PIDS, "").split(",") if pid]
     server = sum(_stat_cpu_s(f"/proc/{pid}/stat") for pid in pids) if pids else None
-    return usage.ru_utime + usage.ru_stime, server, threads
+    return usage.ru_utime + usage.ru_stime, server
 
 
 def thread_cpu_seconds() -> dict[int, tuple[str, float]]:
     """This process's live threads by id: ``(group, CPU seconds so far)``. A
     Python thread's group is its name less a trailing number (a pool's
     workers together); a thread Python did not start is ``native`` (a
-    client library's own, Mooncake's transfer engine say)."""
+    client library's own, Mooncake's transfer engine say). The seconds are
+    the scheduler's, in nanoseconds (``schedstat``): the clock the process's
+    total is kept on, where ``stat``'s whole clock ticks would round each
+    thread apart."""
     groups = {t.native_id: re.sub(r"[-_]?\d+(?= \(|$)", "", t.name) for t in threading.enumerate()}
     threads = {}
     for task in Path("/proc/self/task").iterdir():
         try:
-            threads[int(task.name)] = (
-                groups.get(int(task.name), "native"),
-                _stat_cpu_s(task / "stat"),
-            )
+            with open(task / "schedstat") as schedstat:
+                on_cpu_ns = int(schedstat.read().split()[0])
         except OSError:  # it ended meanwhile
             continue
+        threads[int(task.name)] = (groups.get(int(task.name), "native"), on_cpu_ns / 1e9)
     return threads
 
 
@@ -249,9 +254,11 @@ def cpu_spent(before: CpuSnapshot) -> dict[str, Any]:
     """The CPU seconds since ``before`` (:func:`cpu_seconds`): the client's,
     the server's where there is one, and the client's by thread group
     (``thread_cpu``; ``other``: what the live threads do not account for,
-    threads that ended meanwhile and the part of a clock tick each thread's
-    count leaves out)."""
-    client, server, threads = cpu_seconds()
+    threads that ended meanwhile)."""
+    # The threads first, then the totals: a thread busy in between counts in
+    # the total too, and the groups never add up to more than it.
+    threads = thread_cpu_seconds()
+    client, server = _total_cpu_seconds()
     spent: dict[str, Any] = {"client_cpu_s": client - before[0]}
     if server is not None and before[1] is not None:
         spent["server_cpu_s"] = server - before[1]
@@ -259,6 +266,7 @@ def cpu_spent(before: CpuSnapshot) -> dict[str, Any]:
     for thread, (group, seconds) in threads.items():
         earlier = before[2].get(thread, (group, 0.0))[1]
         by_group[group] = by_group.get(group, 0.0) + seconds - earlier
+    # Floored: the total is kept in microseconds, the threads in nanoseconds.
     by_group["other"] = max(0.0, spent["client_cpu_s"] - sum(by_group.values()))
     spent["thread_cpu"] = by_group
     return spent

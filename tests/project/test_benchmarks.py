@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,34 @@ def test_bench_cold_verifies_the_prefix_and_breaks_its_time_down(tmp_path: Path)
         else:
             assert goals == {}
     assert out["skipped"]["lmcache-disk-odirect"] == "--no-peer"
+
+
+def test_bench_cold_splits_the_cpu_by_thread_without_counting_past_the_total() -> None:
+    import threading
+
+    bench = from_benchmarks("bench_cold")
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    for _ in range(20):  # many short rounds: a read order that double counts shows
+        before = bench.cpu_seconds()
+        worker = threading.Thread(target=spin, args=(0.02,), name="spinner-1")
+        worker.start()
+        spin(0.01)
+        live = threading.Thread(target=spin, args=(0.01,), name="live-1")
+        live.start()
+        spent = bench.cpu_spent(before)  # while "live" may still run
+        live.join()
+        worker.join()
+        split = spent["thread_cpu"]
+        named = sum(seconds for group, seconds in split.items() if group != "other")
+        assert named <= spent["client_cpu_s"] + 1e-5  # microseconds: the total's clock
+        assert split["other"] >= 0
+        assert split["MainThread"] >= 0.009  # the caller's own spin, not rounded away
+        assert sum(split.values()) == pytest.approx(max(named, spent["client_cpu_s"]))
 
 
 def test_bench_cold_judges_each_goal_at_its_bound() -> None:
