@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -183,7 +183,10 @@ class RedisServer(_Process):
 
     name = "redis"
 
-    def __init__(self, *, cluster: bool = False, maxmemory: str | None = None) -> None:
+    def __init__(
+        self, *, cluster: bool = False, maxmemory: str | None = None, options: Sequence[str] = ()
+    ) -> None:
+        """``options``: more of ``redis-server``'s, as ``--name value`` arguments."""
         binary = redis_server_binary()
         if binary is None:
             raise ServerError(
@@ -193,6 +196,7 @@ class RedisServer(_Process):
         self.binary = binary
         self.cluster = cluster
         self.maxmemory = maxmemory
+        self.options = list(options)
         self._pick_ports()
 
     def _pick_ports(self) -> None:
@@ -227,6 +231,7 @@ class RedisServer(_Process):
         ]  # fmt: skip
         if self.maxmemory:
             command += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        command += self.options
         if self.cluster:
             command += [
                 "--cluster-enabled", "yes",

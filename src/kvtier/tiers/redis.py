@@ -30,6 +30,7 @@ from kvtier.tiers.backend import (
     RemoteTierOptions,
     ValueBuffer,
 )
+from kvtier.tiers.redis_events import DropWatcher
 from kvtier.tiers.redis_wire import exists, get_into, set_many
 from kvtier.tiers.remote import RemoteTier
 
@@ -113,6 +114,16 @@ class RedisTierOptions(RemoteTierOptions, RedisServerOptions):
     io_threads: int = Field(default=4, ge=1, le=64)
     """Worker threads, each running one pipeline at a time."""
 
+    watch_evictions: bool = False
+    """Hear the chunks the server drops by itself (its ``maxmemory``
+    evictions, ``ttl_s`` expiries) as they go, through its keyspace
+    notifications: residency (KV events for routers) announces them removed
+    at once, not when a load finds them gone, and ``evictions`` counts the
+    evicted ones. One more connection and thread per server (per node of a
+    cluster). The server must raise ``Exe`` in ``notify-keyspace-events``:
+    kvtier adds them at start, and the start fails, saying so, where the
+    server refuses ``CONFIG SET``."""
+
     def store_location(self) -> str | None:
         if self.url is not None:
             # Without the user and password the URL may hold.
@@ -167,6 +178,40 @@ class RedisBackend(Backend[RedisTierOptions]):
             if tls
             else "",
         )
+        self._drops: DropWatcher | None = None
+        if options.watch_evictions:
+            try:
+                self._drops = self.start_client(
+                    self._watch_drops, lambda watcher: watcher.close(), self._target
+                )
+            except BaseException:
+                self.close()
+                raise
+
+    def _watch_drops(self) -> DropWatcher:
+        """Subscribers to every server's evictions and expiries of this tier's chunks."""
+        if self._cluster:
+            servers = [
+                (f"cluster node {node.name}", node.redis_connection.connection_pool)
+                for node in self.client.get_nodes()
+            ]
+            db = 0
+        else:
+            pool = self.client.connection_pool
+            servers = [(self._target, pool)]
+            db = int(pool.connection_kwargs.get("db") or 0)
+        return DropWatcher(
+            [(where, _single_client(pool)) for where, pool in servers],
+            db,
+            self.runtime.names_prefix,
+            self._dropped,
+            thread_name=f"kvtier-{self.runtime.tier_type}-drops",
+        )
+
+    def _dropped(self, event: str, names: list[bytes]) -> None:
+        if event == "evicted":
+            self.runtime.count(evictions=len(names))
+        self.runtime.report_removed(names)
 
     @classmethod
     def name_prefix(cls, options: RedisTierOptions) -> str:
@@ -289,6 +334,8 @@ class RedisBackend(Backend[RedisTierOptions]):
             raise ConnectionError(f"PING answered {reply!r}")
 
     def close(self) -> None:
+        if self._drops is not None:
+            self._drops.close()
         self.client.close()
         if not self.options.is_cluster:
             # A client given its pool leaves the pool open on close(): its
@@ -302,6 +349,7 @@ class RedisBackend(Backend[RedisTierOptions]):
             "cluster": options.is_cluster,
             "key_prefix": options.key_prefix,
             "ttl_s": options.ttl_s,
+            "watch_evictions": options.watch_evictions,
         }
 
 
@@ -327,6 +375,18 @@ def _connected(options: RedisTierOptions) -> Any:
         client.close()
         raise
     return client
+
+
+def _single_client(pool: Any) -> Callable[[], Any]:
+    """A maker of clients of ``pool``'s server, each with a pool of its own."""
+
+    def connect() -> Any:
+        import redis
+
+        own = redis.ConnectionPool(connection_class=pool.connection_class, **pool.connection_kwargs)
+        return redis.Redis.from_pool(own)
+
+    return connect
 
 
 def redis_url_problem(url: str) -> str | None:

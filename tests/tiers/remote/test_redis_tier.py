@@ -59,6 +59,12 @@ class TestRedisTierContractOverUnixSocket(TestRedisTierContract):
         self.prefix = key_prefix
 
 
+class TestRedisTierContractHearingDrops(TestRedisTierContract):
+    # A subscriber per server beside the workers changes nothing they promise.
+    def make_config(self) -> dict[str, Any]:
+        return {**super().make_config(), "watch_evictions": True}
+
+
 class _TlsRedisServer(RedisServer):
     """``redis-server`` also listening for TLS, with a certificate of ``pki``'s CA."""
 
@@ -110,6 +116,19 @@ class TestRedisClusterTierContract(TierContractTests[RedisTier]):
 
     def make_config(self) -> dict[str, Any]:
         return {"type": "redis", "startup_nodes": self.nodes, "key_prefix": self.prefix}
+
+
+def test_drops_are_heard_over_tls(tls_redis_server: _TlsRedisServer, key_prefix: str) -> None:
+    entry = {"type": "redis", "url": tls_redis_server.tls_url, "key_prefix": key_prefix}
+    harness = TierHarness({**entry, "watch_evictions": True}, small_layout())
+    removed: list[bytes] = []
+    harness.tier.removal_listeners.append(removed.extend)
+    try:
+        [key] = harness.keys(1)
+        raw_client(tls_redis_server.url).set(harness.tier.store_name(key), b"v", px=10)
+        wait_until(lambda: removed == [key], what="the expiry reported")
+    finally:
+        harness.close()
 
 
 def test_cluster_spreads_chunks_over_every_node(

@@ -1,0 +1,212 @@
+"""Chunks a Redis server drops by itself (``maxmemory`` evictions, ``ttl_s``
+expiries), heard as they go through its keyspace notifications.
+
+Without this, residency (KV events for routers) learns of such a chunk only
+when a load finds it gone. Each server of the tier (every node of a
+cluster known at start: notifications stay on the node that raised them, and
+a replica raises them once it is promoted) gets one subscriber thread, on a
+connection of its own, which reconnects after an outage. What a server drops while its
+subscriber is away goes unheard, as before: a load finds it gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: The keyspace-notification classes the subscribers need: ``E`` (keyevent
+#: channels), ``e`` (evicted) and ``x`` (expired).
+NEEDED_FLAGS = "Exe"
+#: The events heard, each on its ``__keyevent@<db>__:<event>`` channel.
+EVENTS = ("evicted", "expired")
+#: Most names a subscriber gathers before it reports them.
+REPORT_BATCH = 256
+#: Seconds a subscriber waits for a message before it looks whether it should stop.
+POLL_S = 0.5
+#: Seconds between a subscriber's attempts to reconnect, at first and at most.
+RETRY_S, MAX_RETRY_S = 0.2, 5.0
+
+
+class NotificationsRefused(RuntimeError):
+    """A server lacks the notifications and refused to turn them on."""
+
+
+def missing_flags(flags: str) -> str:
+    """The classes of :data:`NEEDED_FLAGS` that ``flags`` (a server's
+    ``notify-keyspace-events``) leaves out."""
+    held = set(flags) | (set("ex") if "A" in flags else set())  # A: e, x and most others
+    return "".join(flag for flag in NEEDED_FLAGS if flag not in held)
+
+
+def turn_on_notifications(client: Any, where: str) -> None:
+    """Make sure the server behind ``client`` raises the notifications: add
+    what ``notify-keyspace-events`` lacks, keeping what it has (other users of
+    the server may rely on it). :class:`NotificationsRefused` if it reads
+    the setting but refuses to change it.
+
+    A server that will not say (managed services disable ``CONFIG`` and take
+    the setting in their own console) is trusted, with a warning: if it
+    raises nothing, drops go unheard, as without a subscriber.
+    """
+    from redis.exceptions import ResponseError
+
+    try:
+        [flags] = client.config_get("notify-keyspace-events").values()
+    except (ResponseError, ValueError) as exc:
+        logger.warning(
+            "%s did not say which keyspace notifications it raises (%s): make sure its "
+            "notify-keyspace-events includes %s, or no drop there is heard",
+            where,
+            exc,
+            NEEDED_FLAGS,
+        )
+        return
+    flags = flags.decode() if isinstance(flags, bytes) else str(flags)
+    missing = missing_flags(flags)
+    if not missing:
+        return
+    try:
+        client.config_set("notify-keyspace-events", flags + missing)
+    except ResponseError as exc:
+        raise NotificationsRefused(
+            f"{where} raises keyspace notifications {flags!r}, which lack {missing!r}, and "
+            f"refused to add them ({exc}); set notify-keyspace-events to include "
+            f"{NEEDED_FLAGS} there, or turn watch_evictions off"
+        ) from exc
+
+
+class _Subscription:
+    """One server's client, and its subscription to the drop notifications."""
+
+    def __init__(self, where: str, client: Any, channels: Sequence[str]) -> None:
+        self.where, self.client = where, client
+        turn_on_notifications(client, where)
+        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self.pubsub.subscribe(*channels)
+        # redis-py reconnects a lost subscription by itself, and subscribes it
+        # again: a server back from a restart may have lost the setting.
+        self.pubsub.connection.register_connect_callback(self._reconnected)
+
+    def _reconnected(self, _connection: Any) -> None:
+        turn_on_notifications(self.client, self.where)
+
+    def close(self) -> None:
+        try:
+            self.pubsub.close()
+            self.client.close()
+        except Exception as exc:
+            logger.debug("closing the subscription to %s: %s", self.where, exc)
+
+
+class DropWatcher:
+    """Subscribers to the evictions and expiries of a tier's servers.
+
+    ``servers`` are ``(where, connect)`` pairs: ``connect()`` gives a new
+    client of one server, used by that server's subscriber alone. Names
+    starting with ``prefix`` go to ``report(event, names)``, a batch at a time.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[tuple[str, Callable[[], Any]]],
+        db: int,
+        prefix: str,
+        report: Callable[[str, list[bytes]], None],
+        thread_name: str,
+    ) -> None:
+        self._channels = [f"__keyevent@{db}__:{event}" for event in EVENTS]
+        self._prefix = prefix.encode()
+        self._report = report
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # Subscribed before the tier stores anything, and all or none: a
+        # server that refuses fails the start.
+        subscriptions: list[_Subscription] = []
+        try:
+            for where, connect in servers:
+                subscriptions.append(self._subscribe(where, connect))
+        except BaseException:
+            for subscription in subscriptions:
+                subscription.close()
+            raise
+        for (where, connect), subscription in zip(servers, subscriptions, strict=True):
+            thread = threading.Thread(
+                target=self._listen,
+                args=(where, connect, subscription),
+                name=thread_name,
+                daemon=True,
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def _subscribe(self, where: str, connect: Callable[[], Any]) -> _Subscription:
+        """A new client's server raising the notifications, subscribed to them."""
+        client = connect()
+        try:
+            return _Subscription(where, client, self._channels)
+        except BaseException:
+            client.close()
+            raise
+
+    def _listen(
+        self, where: str, connect: Callable[[], Any], subscription: _Subscription | None
+    ) -> None:
+        pause, warned = RETRY_S, False
+        while not self._stop.is_set():
+            if subscription is None:
+                try:
+                    subscription = self._subscribe(where, connect)
+                    pause, warned = RETRY_S, False
+                except NotificationsRefused as exc:
+                    # A server restarted without the setting: said once, not raised.
+                    if not warned:
+                        logger.warning("%s; its drops go unheard until it allows them", exc)
+                        warned = True
+                except Exception as exc:
+                    logger.debug("subscribing to %s: %s", where, exc)
+                if subscription is None:
+                    self._stop.wait(pause)
+                    pause = min(pause * 2, MAX_RETRY_S)
+                    continue
+            try:
+                self._relay(subscription.pubsub)
+            except Exception as exc:
+                logger.info("lost the drop notifications of %s (%s); reconnecting", where, exc)
+                subscription.close()
+                subscription = None
+        if subscription is not None:
+            subscription.close()
+
+    def _relay(self, pubsub: Any) -> None:
+        """Wait for the next notification, then report it with those queued behind it."""
+        dropped: dict[str, list[bytes]] = {event: [] for event in EVENTS}
+        gathered = 0
+        message = pubsub.get_message(timeout=POLL_S)
+        while message is not None:
+            name, event = message.get("data"), _event(message.get("channel"))
+            if isinstance(name, bytes) and name.startswith(self._prefix) and event in dropped:
+                dropped[event].append(name)
+                gathered += 1
+                if gathered == REPORT_BATCH:
+                    break
+            message = pubsub.get_message(timeout=0)
+        for event, names in dropped.items():
+            if names:
+                self._report(event, names)
+
+    def close(self) -> None:
+        """Stop every subscriber and close its connection."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=POLL_S * 4)
+
+
+def _event(channel: Any) -> str:
+    """The event a ``__keyevent@<db>__:<event>`` channel carries."""
+    if isinstance(channel, bytes):
+        channel = channel.decode("ascii", "replace")
+    return str(channel).rpartition(":")[2]

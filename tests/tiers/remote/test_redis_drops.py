@@ -1,0 +1,225 @@
+"""``watch_evictions``: chunks a Redis server drops by itself (``maxmemory``,
+``ttl_s``) reach residency as they go, against real redis-server processes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier import KVCache
+from kvtier.errors import BackendUnavailableError
+from kvtier.keys import ChunkKey
+from kvtier.testing import TierHarness, small_layout
+from kvtier.testing.outages import wait_until
+from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_events import missing_flags
+from tests.support.needs import need_redis_server
+from tests.support.servers import RedisClusterServers, RedisServer
+from tests.tiers.remote.test_redis_tier import raw_client
+
+THREAD = "kvtier-redis-drops"
+
+
+def watched(url: str, key_prefix: str, **options: Any) -> tuple[TierHarness, list[ChunkKey]]:
+    """A tier hearing its server's drops, and the keys residency was told are gone."""
+    entry = {"type": "redis", "url": url, "key_prefix": key_prefix, "watch_evictions": True}
+    harness = TierHarness({**entry, **options}, small_layout(), tier_class=RedisTier)
+    removed: list[ChunkKey] = []
+    harness.tier.removal_listeners.append(removed.extend)
+    return harness, removed
+
+
+@pytest.fixture
+def server_of(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Start servers of this test's own, with ``redis-server`` options; all stopped after."""
+    need_redis_server()
+    servers: list[RedisServer] = []
+
+    def start(*options: str, maxmemory: str | None = None) -> RedisServer:
+        server = RedisServer(maxmemory=maxmemory, options=options)
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_flags_that_already_hold_the_needed_classes_need_nothing() -> None:
+    assert missing_flags("") == "Exe"
+    assert missing_flags("KEA") == ""  # A holds e and x
+    assert missing_flags("Ex") == "e"
+    assert missing_flags("AK") == "E"
+    assert missing_flags("xeE") == ""
+
+
+def test_expiries_reach_residency_as_they_happen_and_only_this_namespaces(
+    server_of: Any, key_prefix: str
+) -> None:
+    server = server_of()
+    harness, removed = watched(server.url, key_prefix, ttl_s=0.3)
+    client = raw_client(server.url)
+    try:
+        assert server.command("CONFIG", "GET", "notify-keyspace-events").count(b"E")
+        # Names of no chunk of this tier's, expiring first: never reported.
+        other = harness.keys(1)[0].hex()
+        client.set(f"{key_prefix}x", b"v", px=20)
+        client.set(f"other:{harness.tier.store_name(harness.keys(1)[0])}", b"v", px=20)
+        client.set(f"{key_prefix}{'0' * 64}:{other}", b"v", px=20)  # another namespace's
+        keys = harness.keys(4)
+        harness.fill(range(4))
+        assert harness.store(keys, list(range(4))).success
+        wait_until(lambda: len(removed) >= 4, what="4 expiries reported")
+        assert sorted(removed) == sorted(keys)
+        assert client.exists(*[harness.tier.store_name(key) for key in keys]) == 0
+        assert harness.tier.stats.evictions == 0  # an expiry is no eviction
+    finally:
+        harness.close()
+
+
+def test_maxmemory_evictions_reach_residency_and_are_counted(
+    server_of: Any, key_prefix: str
+) -> None:
+    server = server_of(maxmemory="2mb")
+    harness, removed = watched(server.url, key_prefix)
+    client = raw_client(server.url)
+    try:
+        keys = harness.keys(256)  # 4 MiB of 16 KiB chunks: twice what the server keeps
+        for start in range(0, len(keys), 8):
+            batch = keys[start : start + 8]
+            harness.fill(range(len(batch)))
+            harness.store(batch, list(range(len(batch))))
+        names = [harness.tier.store_name(key) for key in keys]
+        gone = {key for key, name in zip(keys, names, strict=True) if not client.exists(name)}
+        assert len(gone) > len(keys) // 4
+        wait_until(lambda: set(removed) == gone, what="every eviction reported")
+        assert len(removed) == len(gone)  # each once
+        assert harness.tier.stats.evictions == len(gone)
+    finally:
+        harness.close()
+
+
+def test_an_eviction_reaches_the_engines_residency_watch(server_of: Any, key_prefix: str) -> None:
+    """What routers learn (KV events): the chunk Redis dropped is announced gone."""
+    server = server_of()
+    layout = small_layout(chunk_tokens=4)
+    config = {
+        "chunk_tokens": 4,
+        "cpu_bytes_to_use": 8 * layout.slot_bytes,
+        "secondary_tiers": [
+            {"type": "redis", "url": server.url, "key_prefix": key_prefix, "watch_evictions": True}
+        ],
+    }
+    told: list[tuple[str, bytes, bool]] = []
+    with KVCache(config, layout) as cache:
+        cache.watch_residency(
+            lambda tier, keys, stored: told.extend((tier, key, stored) for key in keys)
+        )
+        row = np.random.default_rng(0).integers(0, 256, (1, layout.slot_bytes), dtype=np.uint8)
+        cache.store([0, 1, 2, 3], row)
+        cache.drain()
+        [key] = cache.keys([0, 1, 2, 3])
+        name = cache.manager.tiers[0].store_name(key)
+        assert raw_client(server.url).pexpire(name, 10)
+        wait_until(lambda: ("redis", key, False) in told, what="the expiry announced")
+        assert [entry for entry in told if entry[0] == "redis"] == [
+            ("redis", key, True),
+            ("redis", key, False),
+        ]
+
+
+def test_a_restarted_server_is_watched_again_once_it_answers(
+    server_of: Any, key_prefix: str
+) -> None:
+    server = server_of()
+    harness, removed = watched(server.url, key_prefix)
+    try:
+        [first, second] = harness.keys(2)
+        client = raw_client(server.url)
+        client.set(harness.tier.store_name(first), b"v", px=10)
+        wait_until(lambda: removed == [first], what="the first expiry reported")
+        server.stop()
+        server.start()  # the same port, and none of the settings made at run time
+        wait_until(
+            lambda: b"E" in server.command("CONFIG", "GET", "notify-keyspace-events"),
+            what="the notifications turned on again",
+        )
+        wait_until(lambda: b"flags=P" in server.command("CLIENT", "LIST"), what="subscribed again")
+        raw_client(server.url).set(harness.tier.store_name(second), b"v", px=10)
+        wait_until(lambda: removed == [first, second], what="the second expiry reported")
+    finally:
+        harness.close()
+
+
+def test_a_server_that_refuses_to_raise_the_notifications_fails_the_start(
+    server_of: Any, key_prefix: str
+) -> None:
+    server = server_of()
+    server.command("ACL", "SETUSER", "reader", "on", ">secret", "~*", "&*", "+@all", "-config|set")
+    url = server.url.replace("redis://", "redis://reader:secret@")
+    with pytest.raises(BackendUnavailableError) as caught:
+        watched(url, key_prefix)
+    message = str(caught.value)
+    assert "notify-keyspace-events" in message and "watch_evictions" in message
+    assert "'Exe'" in message and "secret" not in message
+    # Nothing left behind: neither a subscriber nor a connection.
+    assert not [thread for thread in threading.enumerate() if thread.name == THREAD]
+    wait_until(
+        lambda: server.command("CLIENT", "LIST").count(b"id=") == 1, what="connections closed"
+    )
+
+
+def test_a_server_that_will_not_say_but_raises_them_is_heard(
+    server_of: Any, key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As a managed service: CONFIG disabled, the setting made in its own console.
+    server = server_of("--rename-command", "CONFIG", "", "--notify-keyspace-events", "Ex")
+    harness, removed = watched(server.url, key_prefix)
+    try:
+        assert "make sure its notify-keyspace-events includes Exe" in caplog.text
+        [key] = harness.keys(1)
+        raw_client(server.url).set(harness.tier.store_name(key), b"v", px=10)
+        wait_until(lambda: removed == [key], what="the expiry reported")
+    finally:
+        harness.close()
+
+
+def test_every_node_of_a_cluster_is_heard(
+    redis_cluster: RedisClusterServers, key_prefix: str
+) -> None:
+    entry = {"type": "redis", "startup_nodes": redis_cluster.startup_nodes}
+    harness = TierHarness(
+        {**entry, "key_prefix": key_prefix, "watch_evictions": True, "ttl_s": 0.3},
+        small_layout(),
+        tier_class=RedisTier,
+    )
+    removed: list[ChunkKey] = []
+    harness.tier.removal_listeners.append(removed.extend)
+    try:
+        keys = harness.keys(24)
+        harness.fill(range(24))
+        assert harness.store(keys, list(range(24))).success
+        wait_until(lambda: len(removed) >= 24, what="24 expiries reported")
+        assert sorted(removed) == sorted(keys)
+    finally:
+        harness.close()
+
+
+def test_shutdown_stops_the_subscribers_and_closes_their_connections(
+    server_of: Any, key_prefix: str
+) -> None:
+    server = server_of()
+
+    def clients() -> int:
+        return server.command("CLIENT", "LIST").count(b"id=")  # this command's own included
+
+    harness, _ = watched(server.url, key_prefix)
+    assert [thread for thread in threading.enumerate() if thread.name == THREAD]
+    assert clients() > 1
+    harness.close()
+    assert not [thread for thread in threading.enumerate() if thread.name == THREAD]
+    wait_until(lambda: clients() == 1, what="the tier's connections closed")
