@@ -27,6 +27,8 @@ EVENTS = ("evicted", "expired")
 REPORT_BATCH = 256
 #: Seconds a subscriber waits for a message before it looks whether it should stop.
 POLL_S = 0.5
+#: Seconds a subscriber waits for the server to confirm its subscriptions.
+CONFIRM_S = 10.0
 #: Seconds between a subscriber's attempts to reconnect, at first and at most.
 RETRY_S, MAX_RETRY_S = 0.2, 5.0
 
@@ -85,8 +87,15 @@ class _Subscription:
     def __init__(self, where: str, client: Any, channels: Sequence[str]) -> None:
         self.where, self.client = where, client
         turn_on_notifications(client, where)
-        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self.pubsub = client.pubsub()
         self.pubsub.subscribe(*channels)
+        # Confirmed before the start goes on: a user the server does not
+        # let subscribe (an ACL without these channels) fails the start.
+        for channel in channels:
+            reply = self.pubsub.get_message(timeout=CONFIRM_S)
+            if reply is None or reply["type"] != "subscribe":
+                raise ConnectionError(f"{where} did not confirm a subscription to {channel}")
+        self.pubsub.ignore_subscribe_messages = True
         # redis-py reconnects a lost subscription by itself, and subscribes it
         # again: a server back from a restart may have lost the setting.
         self.pubsub.connection.register_connect_callback(self._reconnected)
@@ -155,16 +164,19 @@ class DropWatcher:
     def _listen(
         self, where: str, connect: Callable[[], Any], subscription: _Subscription | None
     ) -> None:
+        from redis.exceptions import ResponseError
+
         pause, warned = RETRY_S, False
         while not self._stop.is_set():
             if subscription is None:
                 try:
                     subscription = self._subscribe(where, connect)
                     pause, warned = RETRY_S, False
-                except NotificationsRefused as exc:
-                    # A server restarted without the setting: said once, not raised.
+                except (NotificationsRefused, ResponseError) as exc:
+                    # The server answers, but no (restarted without the
+                    # setting, an ACL changed): said once, not raised.
                     if not warned:
-                        logger.warning("%s; its drops go unheard until it allows them", exc)
+                        logger.warning("cannot hear the drops of %s: %s; trying again", where, exc)
                         warned = True
                 except Exception as exc:
                     logger.debug("subscribing to %s: %s", where, exc)

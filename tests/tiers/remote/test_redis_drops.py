@@ -155,17 +155,27 @@ def test_a_restarted_server_is_watched_again_once_it_answers(
         harness.close()
 
 
-def test_a_server_that_refuses_to_raise_the_notifications_fails_the_start(
-    server_of: Any, key_prefix: str
+@pytest.mark.parametrize(
+    ("denied", "message"),
+    [
+        # May read the setting, not change it: the message says what to set.
+        (["-config|set"], "lack 'Exe'"),
+        # May not subscribe to the notifications' channels.
+        (["resetchannels"], "no permissions to access one of the channels"),
+    ],
+)
+def test_a_server_that_will_not_let_the_tier_hear_fails_the_start(
+    server_of: Any, key_prefix: str, denied: list[str], message: str
 ) -> None:
     server = server_of()
-    server.command("ACL", "SETUSER", "reader", "on", ">secret", "~*", "&*", "+@all", "-config|set")
+    server.command("ACL", "SETUSER", "reader", "on", ">secret", "~*", "&*", "+@all", *denied)
     url = server.url.replace("redis://", "redis://reader:secret@")
     with pytest.raises(BackendUnavailableError) as caught:
         watched(url, key_prefix)
-    message = str(caught.value)
-    assert "notify-keyspace-events" in message and "watch_evictions" in message
-    assert "'Exe'" in message and "secret" not in message
+    said = str(caught.value)
+    assert message in said and "secret" not in said
+    if "lack" in message:
+        assert "set notify-keyspace-events to include Exe" in said and "watch_evictions" in said
     # Nothing left behind: neither a subscriber nor a connection.
     assert not [thread for thread in threading.enumerate() if thread.name == THREAD]
     wait_until(
