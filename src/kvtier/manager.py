@@ -114,7 +114,8 @@ class TieringManager:
         self.backpressure = [Backpressure(config) for _ in self.tiers]
         # Re-entrant: drain and reset step, a listener may read the manager.
         self._lock = threading.RLock()
-        # (tier index, request id) -> [(key, slot)], submitted at step end.
+        # (tier index, request id) -> [(key, slot)], submitted at step end
+        # (whole jobs of the first tier's: at once, by the lookup).
         self._promotions: dict[tuple[int, str | None], list[tuple[ChunkKey, int]]] = defaultdict(
             list
         )
@@ -305,12 +306,15 @@ class TieringManager:
         reserved = self._reserve([keys[i] for i in indices], protect=look.chain)
         if reserved is None:
             return False
-        promotions = self._promotions[(0, look.request_id)]
+        where = (0, look.request_id)
+        promotions = self._promotions[where]
         for index in indices:
             ahead.pop(index, None)
             slot = reserved.pop(keys[index], None)  # a key given twice: promoted once
             if slot is not None:
                 promotions.append((keys[index], slot))
+        if len(promotions) >= self._promotion_job_chunks:
+            self._submit_whole_jobs(where)
         return True
 
     def _lookup_secondary(
@@ -452,11 +456,33 @@ class TieringManager:
         # A prefix's promotion in jobs of a few MiB: the first ones' chunks are
         # ready (and copied out by a streaming load) while the rest still move.
         size = self._promotion_job_chunks
+        self._submit_promotions(
+            [
+                (where, piece)
+                for where, batch in promotions.items()
+                for piece in in_batches(batch, size)
+            ]
+        )
+        for tier in self.tiers:
+            self._call(tier, "on_step_end")
+
+    def _submit_whole_jobs(self, where: tuple[int, str | None]) -> None:
+        """Under the lock, during the lookup that queued them: submit the
+        promotions queued for ``where`` that fill whole jobs, so that a long
+        cold prefix's first reads run while the rest of it is looked up.
+        What is left of a job waits for the step."""
+        queued = self._promotions[where]
+        whole = len(queued) - len(queued) % self._promotion_job_chunks
         batches = [
-            (where, piece)
-            for where, batch in promotions.items()
-            for piece in in_batches(batch, size)
+            (where, piece) for piece in in_batches(queued[:whole], self._promotion_job_chunks)
         ]
+        del queued[:whole]
+        self._submit_promotions(batches)
+
+    def _submit_promotions(
+        self, batches: list[tuple[tuple[int, str | None], list[tuple[ChunkKey, int]]]]
+    ) -> None:
+        """Submit each ``(where, batch)`` of promotions as one job."""
         for done, ((index, request_id), batch) in enumerate(batches, 1):
             keys = tuple(key for key, _ in batch)
             job = TransferJob(keys, tuple(slot for _, slot in batch), request_id=request_id)
@@ -468,8 +494,6 @@ class TieringManager:
                 for where, rest in batches[done:]:
                     self._promotions[where].extend(rest)
                 raise
-        for tier in self.tiers:
-            self._call(tier, "on_step_end")
 
     @_serialised
     def collect(self) -> None:

@@ -385,6 +385,31 @@ def test_a_cold_prefix_is_promoted_in_jobs_of_promotion_job_bytes(
     assert sizes == [2, 2, 2]
 
 
+@pytest.mark.parametrize(
+    ("job_chunks", "at_lookup", "at_step"), [(2, [2, 2, 2], []), (4, [4], [2])]
+)
+def test_a_lookup_submits_the_whole_jobs_it_found_and_the_step_the_rest(
+    root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    job_chunks: int,
+    at_lookup: list[int],
+    at_step: list[int],
+) -> None:
+    """No step cadence before a cold prefix's first reads: the lookup that
+    finds a job's worth of chunks submits it; what is short of a job waits
+    for the step, which batches it with what other lookups found."""
+    monkeypatch.setattr(manager_module, "PROMOTION_JOB_BYTES", job_chunks * LAYOUT.slot_bytes)
+    with KVCache(config(root), LAYOUT) as cache:
+        assert fs_tier(cache).wait_index(60)
+        sizes = submitted_jobs(cache, monkeypatch)
+        result = cache.manager.lookup(cache.keys(TOKENS), "r1")
+        assert result.hit_chunks == 0 and result.pending
+        assert sizes == at_lookup
+        cache.manager.step()
+        assert sizes == at_lookup + at_step
+        assert cache.cached_prefix(TOKENS, request_id="r1", poll_s=POLL_S) == len(TOKENS)
+
+
 def test_load_prefix_copies_a_jobs_chunks_while_later_jobs_still_read(
     root: Path, data: np.ndarray, small_jobs: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
