@@ -12,25 +12,15 @@ import pytest
 
 from kvtier import KVCache
 from kvtier.errors import BackendUnavailableError
-from kvtier.keys import ChunkKey
-from kvtier.testing import TierHarness, small_layout
+from kvtier.testing import small_layout
 from kvtier.testing.outages import wait_until
-from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis_events import missing_flags
 from tests.support.needs import need_redis_server
 from tests.support.servers import RedisClusterServers, RedisServer
+from tests.tiers.remote.drops import an_expiry_is_heard, watched
 from tests.tiers.remote.test_redis_tier import raw_client
 
 THREAD = "kvtier-redis-drops"
-
-
-def watched(url: str, key_prefix: str, **options: Any) -> tuple[TierHarness, list[ChunkKey]]:
-    """A tier hearing its server's drops, and the keys residency was told are gone."""
-    entry = {"type": "redis", "url": url, "key_prefix": key_prefix, "watch_evictions": True}
-    harness = TierHarness({**entry, **options}, small_layout(), tier_class=RedisTier)
-    removed: list[ChunkKey] = []
-    harness.tier.removal_listeners.append(removed.extend)
-    return harness, removed
 
 
 @pytest.fixture
@@ -61,7 +51,7 @@ def test_expiries_reach_residency_as_they_happen_and_only_this_namespaces(
     server_of: Any, key_prefix: str
 ) -> None:
     server = server_of()
-    harness, removed = watched(server.url, key_prefix, ttl_s=0.3)
+    harness, removed = watched({"url": server.url}, key_prefix, ttl_s=0.3)
     client = raw_client(server.url)
     try:
         assert server.command("CONFIG", "GET", "notify-keyspace-events").count(b"E")
@@ -85,7 +75,7 @@ def test_maxmemory_evictions_reach_residency_and_are_counted(
     server_of: Any, key_prefix: str
 ) -> None:
     server = server_of(maxmemory="2mb")
-    harness, removed = watched(server.url, key_prefix)
+    harness, removed = watched({"url": server.url}, key_prefix)
     client = raw_client(server.url)
     try:
         keys = harness.keys(256)  # 4 MiB of 16 KiB chunks: twice what the server keeps
@@ -136,7 +126,7 @@ def test_a_restarted_server_is_watched_again_once_it_answers(
     server_of: Any, key_prefix: str
 ) -> None:
     server = server_of()
-    harness, removed = watched(server.url, key_prefix)
+    harness, removed = watched({"url": server.url}, key_prefix)
     try:
         [first, second] = harness.keys(2)
         client = raw_client(server.url)
@@ -171,7 +161,7 @@ def test_a_server_that_will_not_let_the_tier_hear_fails_the_start(
     server.command("ACL", "SETUSER", "reader", "on", ">secret", "~*", "&*", "+@all", *denied)
     url = server.url.replace("redis://", "redis://reader:secret@")
     with pytest.raises(BackendUnavailableError) as caught:
-        watched(url, key_prefix)
+        watched({"url": url}, key_prefix)
     said = str(caught.value)
     assert message in said and "secret" not in said
     if "lack" in message:
@@ -188,12 +178,10 @@ def test_a_server_that_will_not_say_but_raises_them_is_heard(
 ) -> None:
     # As a managed service: CONFIG disabled, the setting made in its own console.
     server = server_of("--rename-command", "CONFIG", "", "--notify-keyspace-events", "Ex")
-    harness, removed = watched(server.url, key_prefix)
+    harness, removed = watched({"url": server.url}, key_prefix)
     try:
         assert "make sure its notify-keyspace-events includes Exe" in caplog.text
-        [key] = harness.keys(1)
-        raw_client(server.url).set(harness.tier.store_name(key), b"v", px=10)
-        wait_until(lambda: removed == [key], what="the expiry reported")
+        assert removed == [an_expiry_is_heard(harness, removed, server.url)]
     finally:
         harness.close()
 
@@ -201,14 +189,8 @@ def test_a_server_that_will_not_say_but_raises_them_is_heard(
 def test_every_node_of_a_cluster_is_heard(
     redis_cluster: RedisClusterServers, key_prefix: str
 ) -> None:
-    entry = {"type": "redis", "startup_nodes": redis_cluster.startup_nodes}
-    harness = TierHarness(
-        {**entry, "key_prefix": key_prefix, "watch_evictions": True, "ttl_s": 0.3},
-        small_layout(),
-        tier_class=RedisTier,
-    )
-    removed: list[ChunkKey] = []
-    harness.tier.removal_listeners.append(removed.extend)
+    nodes = {"startup_nodes": redis_cluster.startup_nodes}
+    harness, removed = watched(nodes, key_prefix, ttl_s=0.3)
     try:
         keys = harness.keys(24)
         harness.fill(range(24))
@@ -227,7 +209,7 @@ def test_shutdown_stops_the_subscribers_and_closes_their_connections(
     def clients() -> int:
         return server.command("CLIENT", "LIST").count(b"id=")  # this command's own included
 
-    harness, _ = watched(server.url, key_prefix)
+    harness, _ = watched({"url": server.url}, key_prefix)
     assert [thread for thread in threading.enumerate() if thread.name == THREAD]
     assert clients() > 1
     harness.close()

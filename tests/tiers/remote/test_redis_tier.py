@@ -29,6 +29,7 @@ from tests.tiers.remote.damaged_values import (
     assert_no_damaged_value_served,
     flipped,
 )
+from tests.tiers.remote.drops import an_expiry_is_heard, watched
 from tests.tiers.remote.outage import on_fake_clock, outage_harness
 
 
@@ -119,14 +120,9 @@ class TestRedisClusterTierContract(TierContractTests[RedisTier]):
 
 
 def test_drops_are_heard_over_tls(tls_redis_server: _TlsRedisServer, key_prefix: str) -> None:
-    entry = {"type": "redis", "url": tls_redis_server.tls_url, "key_prefix": key_prefix}
-    harness = TierHarness({**entry, "watch_evictions": True}, small_layout())
-    removed: list[bytes] = []
-    harness.tier.removal_listeners.append(removed.extend)
+    harness, removed = watched({"url": tls_redis_server.tls_url}, key_prefix)
     try:
-        [key] = harness.keys(1)
-        raw_client(tls_redis_server.url).set(harness.tier.store_name(key), b"v", px=10)
-        wait_until(lambda: removed == [key], what="the expiry reported")
+        assert removed == [an_expiry_is_heard(harness, removed, tls_redis_server.url)]
     finally:
         harness.close()
 
