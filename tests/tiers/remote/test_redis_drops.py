@@ -57,9 +57,16 @@ def test_expiries_reach_residency_as_they_happen_and_only_this_namespaces(
         assert server.command("CONFIG", "GET", "notify-keyspace-events").count(b"E")
         # Names of no chunk of this tier's, expiring first: never reported.
         other = harness.keys(1)[0].hex()
-        client.set(f"{key_prefix}x", b"v", px=20)
-        client.set(f"other:{harness.tier.store_name(harness.keys(1)[0])}", b"v", px=20)
-        client.set(f"{key_prefix}{'0' * 64}:{other}", b"v", px=20)  # another namespace's
+        foreign = [
+            f"{key_prefix}x",
+            f"other:{harness.tier.store_name(harness.keys(1)[0])}",
+            f"{key_prefix}{'0' * 64}:{other}",  # another namespace's
+        ]
+        for name in foreign:
+            client.set(name, b"v", px=20)
+        # Expired (a read expires a key at once): their notifications go out
+        # before any of the chunks' below.
+        wait_until(lambda: client.exists(*foreign) == 0, what="the foreign names expired")
         keys = harness.keys(4)
         harness.fill(range(4))
         assert harness.store(keys, list(range(4))).success
@@ -89,6 +96,24 @@ def test_maxmemory_evictions_reach_residency_and_are_counted(
         wait_until(lambda: set(removed) == gone, what="every eviction reported")
         assert len(removed) == len(gone)  # each once
         assert harness.tier.stats.evictions == len(gone)
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize("where", ["database 3", "unix socket"])
+def test_drops_are_heard_in_the_tiers_own_database_only(
+    server_of: Any, key_prefix: str, where: str
+) -> None:
+    server = server_of()
+    url = server.url[: -len("/0")] + "/3" if where == "database 3" else server.unix_url
+    harness, removed = watched({"url": url}, key_prefix)
+    try:
+        # The same name expiring in another database: not this tier's chunk.
+        other = raw_client(server.url[: -len("/0")] + "/5")
+        name = harness.tier.store_name(harness.keys(1)[0])
+        other.set(name, b"v", px=10)
+        wait_until(lambda: not other.exists(name), what="the other database's name expired")
+        assert removed == [an_expiry_is_heard(harness, removed, url)]
     finally:
         harness.close()
 
