@@ -102,10 +102,11 @@ class BackendRuntime(Protocol):
     def count(self, **deltas: int) -> None:
         """Add to the tier's counters (``evictions=1``), from any thread."""
 
-    def report_removed(self, names: Sequence[str | bytes]) -> None:
+    def report_removed(self, names: Sequence[str | bytes]) -> int:
         """Names the backend dropped on its own (its eviction), from any thread:
         residency announces them gone (KV events for routers). Names of
-        other namespaces are ignored."""
+        other namespaces, or of nothing kvtier stores, are ignored; returns
+        how many were this tier's chunks."""
 
     def require_room(self, max_bytes: int | None) -> None:
         """Refuse, at start, a bound of the backend's below one value

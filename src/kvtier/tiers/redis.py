@@ -203,15 +203,14 @@ class RedisBackend(Backend[RedisTierOptions]):
         return DropWatcher(
             [(where, _single_client(pool)) for where, pool in servers],
             db,
-            self.runtime.names_prefix,
             self._dropped,
             thread_name=f"kvtier-{self.runtime.tier_type}-drops",
         )
 
     def _dropped(self, event: str, names: list[bytes]) -> None:
-        if event == "evicted":
-            self.runtime.count(evictions=len(names))
-        self.runtime.report_removed(names)
+        ours = self.runtime.report_removed(names)  # other namespaces' and applications' left out
+        if event == "evicted" and ours:
+            self.runtime.count(evictions=ours)
 
     @classmethod
     def name_prefix(cls, options: RedisTierOptions) -> str:

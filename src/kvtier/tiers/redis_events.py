@@ -115,20 +115,19 @@ class DropWatcher:
     """Subscribers to the evictions and expiries of a tier's servers.
 
     ``servers`` are ``(where, connect)`` pairs: ``connect()`` gives a new
-    client of one server, used by that server's subscriber alone. Names
-    starting with ``prefix`` go to ``report(event, names)``, a batch at a time.
+    client of one server, used by that server's subscriber alone. The names
+    dropped go to ``report(event, names)``, a batch at a time; it picks out
+    the tier's own.
     """
 
     def __init__(
         self,
         servers: Sequence[tuple[str, Callable[[], Any]]],
         db: int,
-        prefix: str,
         report: Callable[[str, list[bytes]], None],
         thread_name: str,
     ) -> None:
         self._channels = [f"__keyevent@{db}__:{event}" for event in EVENTS]
-        self._prefix = prefix.encode()
         self._report = report
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -200,7 +199,7 @@ class DropWatcher:
         message = pubsub.get_message(timeout=POLL_S)
         while message is not None:
             name, event = message.get("data"), _event(message.get("channel"))
-            if isinstance(name, bytes) and name.startswith(self._prefix) and event in dropped:
+            if isinstance(name, bytes) and event in dropped:
                 dropped[event].append(name)
                 gathered += 1
                 if gathered == REPORT_BATCH:

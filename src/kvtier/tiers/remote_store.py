@@ -96,9 +96,10 @@ class RemoteStore:
     def count(self, **deltas: int) -> None:
         self.tier.count(**deltas)
 
-    def report_removed(self, names: Sequence[str | bytes]) -> None:
+    def report_removed(self, names: Sequence[str | bytes]) -> int:
         keys = [key for key in map(self.key_of, names) if key is not None]
         self.tier.report_removed(keys)
+        return len(keys)
 
     def require_room(self, max_bytes: int | None) -> None:
         self.tier.require_room(max_bytes, self.value_bytes, "value")
