@@ -58,8 +58,9 @@ class BackendSkipped(ConnectionError):
 
 
 class ReadCut(BackendSkipped):
-    """A read into slots given up at its job's deadline. The job was answered
-    without it, and its missed deadline already told the breaker."""
+    """A read into slots given up at its job's deadline, or once its job was
+    answered. The tier answers the job then, if its deadline's timer has not
+    yet, and counts the miss once either way."""
 
 
 class BackendRuntime(Protocol):

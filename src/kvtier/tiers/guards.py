@@ -118,11 +118,15 @@ class Guards:
         left, since = self.budgets.take(state.job.request_id) if state.loading else (None, None)
         seconds = self.deadline_s if left is None else left
         state.deadline = time.monotonic() + seconds  # the clock of Deadlines
-        self._deadlines.after(seconds, functools.partial(self._job_deadline, state, since))
+        state.waiting_since = since
+        self._deadlines.after(seconds, functools.partial(self.deadline_passed, state))
 
-    def _job_deadline(self, state: JobState, waiting_since: float | None) -> None:
-        if not state.reported:  # else it ended in time
-            self.answer_late(state.job.job_id, waiting_since)
+    def deadline_passed(self, state: JobState) -> None:
+        """``state``'s deadline passed: answer it now, unless it ended in time.
+        Its timer calls this, and so does a read that its own clock cut first
+        (:class:`ReadCut`): whichever comes first answers and counts the miss."""
+        if not state.reported:
+            self.answer_late(state.job.job_id, state.waiting_since)
 
     def answer_late(self, job_id: int, waiting_since: float | None = None) -> None:
         """Answer a job still running with what it has, and count its

@@ -27,6 +27,9 @@ class JobState:
     #: When the job is answered however far it got, on ``time.monotonic``
     #: (``Guards.bound_job``): a worker reading into its slots gives up then.
     deadline: float = math.inf
+    #: When the job's request began to wait on this tier (``perf_counter``;
+    #: ``None``: when the job started): what a missed deadline is measured from.
+    waiting_since: float | None = None
     #: Set once the job's result is out (all batches ended, or answered at its
     #: deadline): its slots are no longer the tier's to touch.
     reported: bool = False

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from kvtier.errors import ChunkVanishedError, CorruptChunkError
 from kvtier.keys import ChunkKey
+from kvtier.tiers.backend import ReadCut
 from kvtier.tiers.base import (
     HealthCheck,
     JobResult,
@@ -406,6 +407,9 @@ class TierRuntime(SecondaryTier[OptionsT]):
                     ok = self.move(state, keys, [self.slot(slot) for slot in slots])
                 else:
                     ok = self.coded.move(state, keys, slots)
+            except ReadCut:
+                if self.guards is not None:  # the read's clock may run ahead of the timer's
+                    self.guards.deadline_passed(state)
             except BaseException as exc:  # else its job would keep its slots for ever
                 self._call_failed("batch", len(keys), exc)
         self.jobs.batch_done(state, keys, ok)

@@ -243,6 +243,50 @@ def test_a_read_into_slots_stalled_mid_value_gives_up_at_its_deadline(
             harness.close()
 
 
+@pytest.mark.parametrize("timer_first", [False, True], ids=["read-cut-first", "timer-first"])
+def test_a_read_cut_by_its_own_clock_is_the_jobs_missed_deadline(
+    redis_server: RedisServer, key_prefix: str, timer_first: bool
+) -> None:
+    """The read and the deadline's timer keep one deadline on two clocks:
+    whichever reaches it first, the job is answered and its miss counted once."""
+    harness = TierHarness(
+        {"type": "redis", "url": redis_server.url, "key_prefix": key_prefix, "deadline_s": 30},
+        small_layout(),
+        tier_class=RedisTier,
+        call_timeout_s=10,  # far below deadline_s: only the cut read can answer the job
+    )
+    try:
+        tier = harness.tier
+        [key] = harness.keys(1)
+        harness.fill([0])
+        assert harness.store([key], [0]).success
+        read = tier.backend.get_into
+        deadline_passed = tier.guards.deadline_passed
+        states: list[Any] = []
+
+        def cut(names: Any, headers: Any, payloads: Any, deadline: float, touch: Any) -> Any:
+            if timer_first:  # the timer answers while the read holds the slots
+                deadline_passed(states[0])
+            return read(names, headers, payloads, time.monotonic(), touch)  # its clock: past
+
+        tier.backend.get_into = cut  # type: ignore[method-assign]
+        bound_job = tier.guards.bound_job
+
+        def bound(state: Any) -> None:
+            states.append(state)
+            bound_job(state)
+
+        tier.guards.bound_job = bound  # type: ignore[method-assign]
+        harness.buffer.array[1] = 7
+        result = harness.load([key], [1])
+        assert not result.success and not result.succeeded
+        assert (harness.buffer.array[1] == 7).all()
+        assert tier.stats.deadline_misses == 1
+        assert tier.stats.backend_errors == 0  # not a failed call: the deadline ended it
+    finally:
+        harness.close()
+
+
 def test_every_read_into_slots_is_bounded_by_its_jobs_deadline(
     redis_server: RedisServer, key_prefix: str
 ) -> None:
