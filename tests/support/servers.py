@@ -265,19 +265,61 @@ class RedisClusterServers:
     def start(self) -> RedisClusterServers:
         for node in self.nodes:
             node.start()
-        create = ["--cluster", "create", *self.startup_nodes, "--cluster-replicas", "0"]
+        self._cluster("create", *self.startup_nodes, "--cluster-replicas", "0")
+        self._wait_ok()
+        return self
+
+    def add_node(self, slots: int) -> RedisServer:
+        """Start one more master, join it to the cluster and move ``slots``
+        hash slots (their keys with them) to it from the first node."""
+        node = RedisServer(cluster=True)
+        self.nodes.append(node)
+        node.start()
+        self._cluster("add-node", f"{LOOPBACK}:{node.port}", self.startup_nodes[0])
+        self._wait_ok()
+        source, target = (self._id(n) for n in (self.nodes[0], node))
+        self._cluster(
+            "reshard",
+            self.startup_nodes[0],
+            *("--cluster-from", source, "--cluster-to", target),
+            *("--cluster-slots", str(slots)),
+        )
+        self._wait_ok()
+        return node
+
+    def remove_node(self, node: RedisServer) -> None:
+        """Move every hash slot of ``node`` to the others, and take it out of
+        the cluster (which shuts it down)."""
+        self._cluster("rebalance", self.startup_nodes[0], "--cluster-weight", f"{self._id(node)}=0")
+        self.nodes.remove(node)
+        self._cluster("del-node", self.startup_nodes[0], self._id(node))
+        node.close()
+        self._wait_ok()
+
+    def _id(self, node: RedisServer) -> str:
+        return node.command("CLUSTER", "MYID").split(b"\r\n")[1].decode()  # $40, the id
+
+    def _cluster(self, *args: str) -> None:
         subprocess.run(
-            [self.cli, *create, "--cluster-yes"],
+            [self.cli, "--cluster", *args, "--cluster-yes"],
             check=True,
             capture_output=True,
             timeout=60,
         )
+
+    def _wait_ok(self) -> None:
+        """Until every node says the cluster is ok and agrees on its members."""
+
+        def agreed() -> bool:
+            infos = [n.command("CLUSTER", "INFO") for n in self.nodes]
+            known = f"cluster_known_nodes:{len(self.nodes)}".encode()
+            return all(b"cluster_state:ok" in i and known in i for i in infos)
+
         deadline = time.monotonic() + 30
-        while not all(b"cluster_state:ok" in n.command("CLUSTER", "INFO") for n in self.nodes):
+        while not agreed():
             if time.monotonic() > deadline:
                 raise ServerError("redis cluster not ok after 30 s")
             time.sleep(0.1)
-        return self
 
     def close(self) -> None:
         for node in self.nodes:

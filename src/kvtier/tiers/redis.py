@@ -30,7 +30,7 @@ from kvtier.tiers.backend import (
     RemoteTierOptions,
     ValueBuffer,
 )
-from kvtier.tiers.redis_events import DropWatcher
+from kvtier.tiers.redis_events import DropWatcher, Server
 from kvtier.tiers.redis_wire import exists, get_into, set_many
 from kvtier.tiers.remote import RemoteTier
 
@@ -120,7 +120,8 @@ class RedisTierOptions(RemoteTierOptions, RedisServerOptions):
     notifications: residency (KV events for routers) announces them removed
     at once, not when a load finds them gone, and ``evictions`` counts the
     evicted ones. One more connection and thread per server (per node of a
-    cluster). The server must raise ``Exe`` in ``notify-keyspace-events``:
+    cluster, whose nodes are listed again every 10 s: one that joins is heard
+    too). The server must raise ``Exe`` in ``notify-keyspace-events``:
     kvtier adds them at start, and the start fails, saying so, where the
     server refuses ``CONFIG SET``."""
 
@@ -178,10 +179,11 @@ class RedisBackend(Backend[RedisTierOptions]):
             if tls
             else "",
         )
-        self._drops: DropWatcher | None = None
+        #: The subscribers to the servers' drops, with ``watch_evictions``.
+        self.drops: DropWatcher | None = None
         if options.watch_evictions:
             try:
-                self._drops = self.start_client(
+                self.drops = self.start_client(
                     self._watch_drops, lambda watcher: watcher.close(), self._target
                 )
             except BaseException:
@@ -190,22 +192,28 @@ class RedisBackend(Backend[RedisTierOptions]):
 
     def _watch_drops(self) -> DropWatcher:
         """Subscribers to every server's evictions and expiries of this tier's chunks."""
+        thread_name = f"kvtier-{self.runtime.tier_type}-drops"
         if self._cluster:
-            servers = [
-                (f"cluster node {node.name}", node.redis_connection.connection_pool)
-                for node in self.client.get_nodes()
-            ]
-            db = 0
-        else:
-            pool = self.client.connection_pool
-            servers = [(self._target, pool)]
-            db = int(pool.connection_kwargs.get("db") or 0)
-        return DropWatcher(
-            [(where, _single_client(pool)) for where, pool in servers],
-            db,
-            self._dropped,
-            thread_name=f"kvtier-{self.runtime.tier_type}-drops",
-        )
+            return DropWatcher(
+                self._cluster_nodes(), 0, self._dropped, thread_name, relist=self._relisted_nodes
+            )
+        pool = self.client.connection_pool
+        db = int(pool.connection_kwargs.get("db") or 0)
+        return DropWatcher([(self._target, _single_client(pool))], db, self._dropped, thread_name)
+
+    def _cluster_nodes(self) -> list[Server]:
+        """Every node the cluster client knows, primaries and replicas."""
+        return [
+            (f"cluster node {node.name}", _single_client(node.redis_connection.connection_pool))
+            for node in self.client.get_nodes()
+        ]
+
+    def _relisted_nodes(self) -> list[Server]:
+        # The client learns of a node only once a reply redirects it there:
+        # asking the cluster finds one that joined and holds chunks other
+        # engines wrote, as redis-py asks itself after a redirect.
+        self.client.nodes_manager.initialize()
+        return self._cluster_nodes()
 
     def _dropped(self, event: str, names: list[bytes]) -> None:
         ours = self.runtime.report_removed(names)  # other namespaces' and applications' left out
@@ -333,8 +341,8 @@ class RedisBackend(Backend[RedisTierOptions]):
             raise ConnectionError(f"PING answered {reply!r}")
 
     def close(self) -> None:
-        if self._drops is not None:
-            self._drops.close()
+        if self.drops is not None:
+            self.drops.close()
         self.client.close()
         if not self.options.is_cluster:
             # A client given its pool leaves the pool open on close(): its

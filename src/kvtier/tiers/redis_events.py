@@ -3,9 +3,11 @@ expiries), heard as they go through its keyspace notifications.
 
 Without this, residency (KV events for routers) learns of such a chunk only
 when a load finds it gone. Each server of the tier (every node of a
-cluster known at start: notifications stay on the node that raised them, and
-a replica raises them once it is promoted) gets one subscriber thread, on a
-connection of its own, which reconnects after an outage. What a server drops while its
+cluster: notifications stay on the node that raised them, and a replica
+raises them once it is promoted) gets one subscriber thread, on a connection
+of its own, which reconnects after an outage. A cluster's nodes are listed
+again every :data:`RELIST_S`: a node that joined (a reshard, a scale-out)
+gets a subscriber, one that left loses its own. What a server drops while its
 subscriber is away goes unheard, as before: a load finds it gone.
 """
 
@@ -31,6 +33,12 @@ POLL_S = 0.5
 CONFIRM_S = 10.0
 #: Seconds between a subscriber's attempts to reconnect, at first and at most.
 RETRY_S, MAX_RETRY_S = 0.2, 5.0
+#: Seconds between listings of a cluster's nodes.
+RELIST_S = 10.0
+
+#: One server to hear: ``(where, connect)``, ``where`` naming it in messages
+#: (and telling servers apart), ``connect()`` giving a new client of it.
+Server = tuple[str, Callable[[], Any]]
 
 
 class NotificationsRefused(RuntimeError):
@@ -114,23 +122,29 @@ class _Subscription:
 class DropWatcher:
     """Subscribers to the evictions and expiries of a tier's servers.
 
-    ``servers`` are ``(where, connect)`` pairs: ``connect()`` gives a new
-    client of one server, used by that server's subscriber alone. The names
-    dropped go to ``report(event, names)``, a batch at a time; it picks out
-    the tier's own.
+    Each of ``servers`` gets a subscriber, used by it alone. The names dropped
+    go to ``report(event, names)``, a batch at a time; it picks out the tier's
+    own. With ``relist``, the servers are listed again every
+    :data:`RELIST_S` (a cluster's nodes): those new get a subscriber, those
+    gone lose theirs.
     """
 
     def __init__(
         self,
-        servers: Sequence[tuple[str, Callable[[], Any]]],
+        servers: Sequence[Server],
         db: int,
         report: Callable[[str, list[bytes]], None],
         thread_name: str,
+        relist: Callable[[], Sequence[Server]] | None = None,
     ) -> None:
         self._channels = [f"__keyevent@{db}__:{event}" for event in EVENTS]
         self._report = report
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._thread_name = thread_name
+        self._lock = threading.Lock()  # the subscribers, between relisting and close
+        self._closed = threading.Event()
+        #: Each server's subscriber, by ``where``: its thread and what stops it.
+        self._subscribers: dict[str, tuple[threading.Thread, threading.Event]] = {}
+        self._retired: list[threading.Thread] = []
         # Subscribed before the tier stores anything, and all or none: a
         # server that refuses fails the start.
         subscriptions: list[_Subscription] = []
@@ -142,14 +156,51 @@ class DropWatcher:
                 subscription.close()
             raise
         for (where, connect), subscription in zip(servers, subscriptions, strict=True):
-            thread = threading.Thread(
-                target=self._listen,
-                args=(where, connect, subscription),
-                name=thread_name,
-                daemon=True,
+            self._start(where, connect, subscription)
+        self._relister: threading.Thread | None = None
+        if relist is not None:
+            self._relister = threading.Thread(
+                target=self._relist, args=(relist,), name=thread_name, daemon=True
             )
-            thread.start()
-            self._threads.append(thread)
+            self._relister.start()
+
+    def _start(self, where: str, connect: Callable[[], Any], subscription: Any) -> None:
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._listen,
+            args=(where, connect, subscription, stop),
+            name=self._thread_name,
+            daemon=True,
+        )
+        self._subscribers[where] = (thread, stop)
+        thread.start()
+
+    def _relist(self, relist: Callable[[], Sequence[Server]]) -> None:
+        while not self._closed.wait(RELIST_S):
+            try:
+                listed = dict(relist())
+            except Exception as exc:  # the next listing may answer
+                logger.debug("listing the servers to hear the drops of: %s", exc)
+                continue
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                self._retired = [thread for thread in self._retired if thread.is_alive()]
+                for where, connect in listed.items():
+                    if where not in self._subscribers:
+                        logger.info("hearing the drops of %s as well", where)
+                        self._start(where, connect, None)  # it subscribes, retrying
+                for where in self._subscribers.keys() - listed.keys():
+                    logger.info("no longer hearing the drops of %s: it left", where)
+                    thread, stop = self._subscribers.pop(where)
+                    stop.set()
+                    self._retired.append(thread)
+
+    @property
+    def servers(self) -> list[str]:
+        """The servers heard now, by ``where``."""
+        with self._lock:
+            return sorted(self._subscribers)
 
     def _subscribe(self, where: str, connect: Callable[[], Any]) -> _Subscription:
         """A new client's server raising the notifications, subscribed to them."""
@@ -161,12 +212,16 @@ class DropWatcher:
             raise
 
     def _listen(
-        self, where: str, connect: Callable[[], Any], subscription: _Subscription | None
+        self,
+        where: str,
+        connect: Callable[[], Any],
+        subscription: _Subscription | None,
+        stop: threading.Event,
     ) -> None:
         from redis.exceptions import ResponseError
 
         pause, warned = RETRY_S, False
-        while not self._stop.is_set():
+        while not stop.is_set():
             if subscription is None:
                 try:
                     subscription = self._subscribe(where, connect)
@@ -180,7 +235,7 @@ class DropWatcher:
                 except Exception as exc:
                     logger.debug("subscribing to %s: %s", where, exc)
                 if subscription is None:
-                    self._stop.wait(pause)
+                    stop.wait(pause)
                     pause = min(pause * 2, MAX_RETRY_S)
                     continue
             try:
@@ -211,8 +266,14 @@ class DropWatcher:
 
     def close(self) -> None:
         """Stop every subscriber and close its connection."""
-        self._stop.set()
-        for thread in self._threads:
+        with self._lock:
+            self._closed.set()
+            threads = self._retired + [thread for thread, _ in self._subscribers.values()]
+            for _, stop in self._subscribers.values():
+                stop.set()
+        if self._relister is not None:
+            threads.append(self._relister)
+        for thread in threads:
             thread.join(timeout=POLL_S * 4)
 
 

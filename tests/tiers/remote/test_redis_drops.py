@@ -14,9 +14,10 @@ from kvtier import KVCache
 from kvtier.errors import BackendUnavailableError
 from kvtier.testing import small_layout
 from kvtier.testing.outages import wait_until
+from kvtier.tiers import redis_events
 from kvtier.tiers.redis_events import missing_flags
 from tests.support.needs import need_redis_server
-from tests.support.servers import RedisClusterServers, RedisServer
+from tests.support.servers import LOOPBACK, RedisClusterServers, RedisServer
 from tests.tiers.remote.drops import an_expiry_is_heard, watched
 from tests.tiers.remote.test_redis_tier import raw_client
 
@@ -224,6 +225,102 @@ def test_every_node_of_a_cluster_is_heard(
         assert sorted(removed) == sorted(keys)
     finally:
         harness.close()
+
+
+def raw_cluster(cluster: RedisClusterServers) -> Any:
+    import redis
+    from redis.cluster import ClusterNode
+
+    return redis.RedisCluster(startup_nodes=[ClusterNode(LOOPBACK, n.port) for n in cluster.nodes])
+
+
+def _subscribers(node: RedisServer) -> int:
+    """How many clients ``node`` sends its expiries to."""
+    reply = node.command("PUBSUB", "NUMSUB", "__keyevent@0__:expired")
+    return int(reply.rstrip(b"\r\n").rpartition(b":")[2])
+
+
+def test_a_node_that_joins_the_cluster_is_heard(
+    key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reshard moves chunks to a node that was not there at start: its drops
+    are heard once the cluster is listed again."""
+    need_redis_server()
+    monkeypatch.setattr(redis_events, "RELIST_S", 0.2)
+    with RedisClusterServers() as cluster:
+        harness, removed = watched({"startup_nodes": cluster.startup_nodes}, key_prefix, ttl_s=2)
+        try:
+            joined = cluster.add_node(slots=8192)
+            wait_until(lambda: _subscribers(joined) == 1, what="the joined node subscribed to")
+            keys = harness.keys(24)
+            names = [harness.tier.store_name(key) for key in keys]
+            harness.fill(range(24))
+            assert harness.store(keys, list(range(24))).success
+            router = raw_cluster(cluster)
+            on_joined = [n for n in names if router.get_node_from_key(n).port == joined.port]
+            assert on_joined  # half the slots moved: some of 24 chunks, surely
+            wait_until(lambda: len(removed) >= 24, what="24 expiries reported")
+            assert sorted(removed) == sorted(keys)
+            assert harness.tier.stats.backend_errors == 0
+        finally:
+            harness.close()
+
+
+def test_a_node_that_leaves_the_cluster_loses_its_subscriber(
+    key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    need_redis_server()
+    monkeypatch.setattr(redis_events, "RELIST_S", 0.2)
+    with RedisClusterServers(nodes=4) as cluster:
+        harness, removed = watched({"startup_nodes": cluster.startup_nodes}, key_prefix, ttl_s=2)
+        try:
+            leaving = cluster.nodes[-1]
+            assert _subscribers(leaving) == 1
+            watcher = harness.tier.backend.drops
+            assert watcher is not None and len(watcher.servers) == 4
+            threads = len([t for t in threading.enumerate() if t.name == THREAD])
+            cluster.remove_node(leaving)
+            gone = f"cluster node {LOOPBACK}:{leaving.port}"
+            wait_until(lambda: gone not in watcher.servers, what="the node left the listing")
+            assert len(watcher.servers) == 3
+            wait_until(
+                lambda: len([t for t in threading.enumerate() if t.name == THREAD]) == threads - 1,
+                what="its subscriber's thread ended",
+            )
+            keys = harness.keys(24)  # the rest are heard still
+            harness.fill(range(24))
+            assert harness.store(keys, list(range(24))).success
+            wait_until(lambda: len(removed) >= 24, what="24 expiries reported")
+            assert sorted(removed) == sorted(keys)
+        finally:
+            harness.close()
+
+
+def test_a_listing_that_fails_leaves_the_subscribers_as_they_are(
+    server_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    monkeypatch.setattr(redis_events, "RELIST_S", 0.05)
+    server = server_of()
+    listings: list[int] = []
+
+    def relist() -> list[redis_events.Server]:
+        listings.append(1)
+        raise ConnectionError("injected: the cluster did not answer")
+
+    pool = redis.Redis.from_url(server.url).connection_pool
+    connect = lambda: redis.Redis.from_pool(redis.ConnectionPool(**pool.connection_kwargs))  # noqa: E731
+    watcher = redis_events.DropWatcher(
+        [("the server", connect)], 0, lambda *_: None, THREAD, relist=relist
+    )
+    try:
+        wait_until(lambda: len(listings) >= 3, what="three listings tried")
+        assert watcher.servers == ["the server"]
+        assert _subscribers(server) == 1
+    finally:
+        watcher.close()
+    wait_until(lambda: _subscribers(server) == 0, what="unsubscribed at close")
 
 
 def test_shutdown_stops_the_subscribers_and_closes_their_connections(
