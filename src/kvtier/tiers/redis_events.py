@@ -164,7 +164,9 @@ class DropWatcher:
             )
             self._relister.start()
 
-    def _start(self, where: str, connect: Callable[[], Any], subscription: Any) -> None:
+    def _start(
+        self, where: str, connect: Callable[[], Any], subscription: _Subscription | None
+    ) -> None:
         stop = threading.Event()
         thread = threading.Thread(
             target=self._listen,
