@@ -31,3 +31,16 @@ def an_expiry_is_heard(harness: TierHarness, removed: list[ChunkKey], url: str) 
     redis.Redis.from_url(url).set(harness.tier.store_name(key), b"v", px=10)
     wait_until(lambda: key in removed, what="the expiry reported")
     return key
+
+
+def every_expiry_is_heard(
+    harness: TierHarness, removed: list[ChunkKey], count: int = 24
+) -> list[ChunkKey]:
+    """Store ``count`` chunks, which the tier's ``ttl_s`` expires, and wait
+    until residency is told of each, and of nothing else; their keys."""
+    keys = harness.keys(count)
+    harness.fill(range(count))
+    assert harness.store(keys, list(range(count))).success
+    wait_until(lambda: len(removed) >= count, what=f"{count} expiries reported")
+    assert sorted(removed) == sorted(keys)
+    return keys
