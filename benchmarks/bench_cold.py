@@ -42,6 +42,8 @@ machine is shared), then the median (p50) over runs, with the spread
 * ``io``: seconds inside the chunk-file reads on the I/O threads (the read
   and, in the compiled code, the checksum in the same pass), summed, and
   from the first read's start to the last read's end (``io_span``);
+  ``first_read``: from ``cached_prefix`` until the first read began (after
+  ``first_submit``, a worker must get the interpreter's lock to start it);
 * ``tail``: from the last read's end until ``cached_prefix`` returned (the
   results reaching the caller); ``waits``: the caller's thread neither in a
   lookup nor a step;
@@ -325,6 +327,7 @@ def breakdown(
         "jobs": counts.get("submit", 0),
         "io_s": sums.get("io", 0.0),
         "io_span_s": io_end - probe.first.get("io", begin),
+        "first_read_s": probe.first.get("io", begin) - begin,
         "decode_s": sums.get("decode", 0.0),
         "tail_s": begin + prefix_s - io_end,
         "waits_s": prefix_s - sums.get("lookup", 0.0) - sums.get("step", 0.0),
