@@ -119,20 +119,20 @@ class Guards:
         seconds = self.deadline_s if left is None else left
         state.deadline = time.monotonic() + seconds  # the clock of Deadlines
         state.waiting_since = since
-        self._deadlines.after(seconds, functools.partial(self.deadline_passed, state))
+        self._deadlines.after(seconds, functools.partial(self._job_deadline, state))
 
-    def deadline_passed(self, state: JobState) -> None:
-        """``state``'s deadline passed: answer it now, unless it ended in time.
-        Its timer calls this, and so does a read that its own clock cut first
-        (:class:`ReadCut`): whichever comes first answers and counts the miss."""
-        if not state.reported:
-            self.answer_late(state.job.job_id, state.waiting_since)
+    def _job_deadline(self, state: JobState) -> None:
+        if not state.reported:  # else it ended in time: not even the jobs' lock
+            self.answer_late(state.job.job_id)
 
-    def answer_late(self, job_id: int, waiting_since: float | None = None) -> None:
-        """Answer a job still running with what it has, and count its
-        missed deadline; ``waiting_since``: when its request began to wait."""
+    def answer_late(self, job_id: int) -> None:
+        """Answer a job still running with what it has, and count its missed
+        deadline; nothing if it ended. Its deadline's timer calls this, and so
+        does a read that its own clock cut first (:class:`ReadCut`), and a
+        shutdown: whichever comes first answers and counts the miss."""
         state = self._jobs.answer_early(job_id)
         if state is not None:
+            waiting_since = state.waiting_since
             since = state.started if waiting_since is None else min(waiting_since, state.started)
             what = f"{'load' if state.loading else 'store'} job {job_id}"
             self.missed_deadline(what, since)

@@ -409,7 +409,7 @@ class TierRuntime(SecondaryTier[OptionsT]):
                     ok = self.coded.move(state, keys, slots)
             except ReadCut:
                 if self.guards is not None:  # the read's clock may run ahead of the timer's
-                    self.guards.deadline_passed(state)
+                    self.guards.answer_late(state.job.job_id)
             except BaseException as exc:  # else its job would keep its slots for ever
                 self._call_failed("batch", len(keys), exc)
         self.jobs.batch_done(state, keys, ok)

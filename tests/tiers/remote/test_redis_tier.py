@@ -261,12 +261,12 @@ def test_a_read_cut_by_its_own_clock_is_the_jobs_missed_deadline(
         harness.fill([0])
         assert harness.store([key], [0]).success
         read = tier.backend.get_into
-        deadline_passed = tier.guards.deadline_passed
+        answer_late = tier.guards.answer_late
         states: list[Any] = []
 
         def cut(names: Any, headers: Any, payloads: Any, deadline: float, touch: Any) -> Any:
             if timer_first:  # the timer answers while the read holds the slots
-                deadline_passed(states[0])
+                answer_late(states[0].job.job_id)
             return read(names, headers, payloads, time.monotonic(), touch)  # its clock: past
 
         tier.backend.get_into = cut  # type: ignore[method-assign]
