@@ -109,9 +109,9 @@ class BackendRuntime(Protocol):
         other namespaces, or of nothing kvtier stores, are ignored; returns
         how many were this tier's chunks."""
 
-    def require_room(self, max_bytes: int | None) -> None:
+    def require_room(self, max_bytes: int | None, option: str = "max_bytes") -> None:
         """Refuse, at start, a bound of the backend's below one value
-        (:attr:`value_bytes`)."""
+        (:attr:`value_bytes`); ``option`` names the bound in the message."""
 
 
 OptionsT = TypeVar("OptionsT", bound=RemoteTierOptions)

@@ -428,13 +428,16 @@ class SecondaryTier(ABC, Generic[OptionsT]):
         """
         return ()
 
-    def require_room(self, max_bytes: int | None, largest: int, what: str = "chunk") -> None:
-        """Refuse, at start, a ``max_bytes`` below the ``largest`` chunk the
-        tier stores (``what`` names it in the message): under it every store
-        would fail, or be evicted at once, and the tier would hold nothing."""
+    def require_room(
+        self, max_bytes: int | None, largest: int, what: str = "chunk", option: str = "max_bytes"
+    ) -> None:
+        """Refuse, at start, a bound (the tier's ``option``, ``max_bytes`` by
+        default) below the ``largest`` chunk the tier stores (``what`` names it
+        in the message): under it every store would fail, or be evicted at
+        once, and the tier would hold nothing."""
         if max_bytes is not None and max_bytes < largest:
             raise ValueError(
-                f"{self.tier_type}: max_bytes={max_bytes} cannot hold one {what} of {largest} bytes"
+                f"{self.tier_type}: {option}={max_bytes} cannot hold one {what} of {largest} bytes"
             )
 
     def report_removed(self, keys: Sequence[ChunkKey]) -> None:

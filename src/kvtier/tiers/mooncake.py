@@ -75,7 +75,8 @@ class MooncakeTierOptions(RemoteTierOptions):
     global_segment_size: ByteSize = Field(default=ByteSize(3355443200), ge=0)
     """Memory this process lends the pool (Mooncake's default: 3.125 GiB). Its
     chunks vanish from the pool when the process exits; 0 lends nothing and
-    relies on other clients (standalone ``mooncake_client`` processes)."""
+    relies on other clients (standalone ``mooncake_client`` processes). Any
+    other size must hold one stored value, or the tier fails at start."""
 
     local_buffer_size: ByteSize = Field(default=ByteSize(16 << 20), ge=0)
     """Mooncake's staging buffer for calls that copy; kvtier moves chunks from
@@ -134,6 +135,8 @@ class MooncakeBackend(Backend[MooncakeTierOptions]):
                 options.local_hostname,
                 master_host,
             )
+        if options.global_segment_size:  # 0 lends nothing: values go to others' segments
+            runtime.require_room(int(options.global_segment_size), "global_segment_size")
         #: Registered memory: (mapping, address), unregistered at close.
         self.registered: list[tuple[mmap.mmap, int]] = []
         self._registered_lock = threading.Lock()

@@ -101,8 +101,8 @@ class RemoteStore:
         self.tier.report_removed(keys)
         return len(keys)
 
-    def require_room(self, max_bytes: int | None) -> None:
-        self.tier.require_room(max_bytes, self.value_bytes, "value")
+    def require_room(self, max_bytes: int | None, option: str = "max_bytes") -> None:
+        self.tier.require_room(max_bytes, self.value_bytes, "value", option)
 
     def check_sending(self) -> None:
         """Raise :class:`BackendSkipped` once the backend is known down."""

@@ -289,6 +289,22 @@ def test_unreachable_master_fails_at_start_naming_it() -> None:
     assert "does not listen" in str(caught.value)
 
 
+@pytest.mark.parametrize("segment", ["one byte", "one slot"])
+def test_a_segment_below_one_value_fails_at_start_naming_it(segment: str) -> None:
+    """Memory lent to the pool that cannot hold one value (a chunk and its
+    header) would fail every store placed there: refused before connecting."""
+    layout = small_layout()
+    options = {
+        "type": "mooncake",
+        "master_server_address": f"127.0.0.1:{free_port()}",  # never reached
+        "global_segment_size": 1 if segment == "one byte" else layout.slot_bytes,
+    }
+    with pytest.raises(
+        ValueError, match=r"mooncake: global_segment_size=\d+ cannot hold one value"
+    ):
+        KVCache({"chunk_tokens": layout.chunk_tokens, "secondary_tiers": [options]}, layout)
+
+
 def test_a_frozen_master_at_start_fails_it_without_holding_the_interpreter() -> None:
     """Mooncake's setup holds the interpreter lock for minutes against a master
     that accepts but never answers: the tier must find out before calling it."""
