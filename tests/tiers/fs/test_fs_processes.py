@@ -122,7 +122,7 @@ def test_a_new_process_hits_chunks_a_killed_process_stored(root: Path) -> None:
         harness.close()
 
 
-def test_lookups_check_the_filesystem_until_the_index_is_ready(
+def test_lookups_check_the_filesystem_until_the_names_are_listed(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first = open_tier(root)
@@ -130,13 +130,13 @@ def test_lookups_check_the_filesystem_until_the_index_is_ready(
     assert store(first, keys[:2])
     first.close()
     release = threading.Event()
-    real_survey = NamespaceDir.survey
+    real_listing = NamespaceDir.listed_chunks
 
-    def slow_survey(self: NamespaceDir) -> Iterator[object]:
+    def slow_listing(self: NamespaceDir) -> Iterator[bytes]:
         release.wait(30)
-        yield from real_survey(self)
+        yield from real_listing(self)
 
-    monkeypatch.setattr(NamespaceDir, "survey", slow_survey)
+    monkeypatch.setattr(NamespaceDir, "listed_chunks", slow_listing)
     harness = TierHarness({"type": "fs", "root_dir": str(root), "shared": False}, LAYOUT, 4)
     try:
         tier = harness.tier
@@ -159,25 +159,114 @@ def test_lookups_check_the_filesystem_until_the_index_is_ready(
 
 
 @contextlib.contextmanager
-def half_indexed(
+def listed_not_surveyed(
     root: Path, monkeypatch: pytest.MonkeyPatch, keys: list[bytes]
 ) -> Iterator[tuple[TierHarness, FilesystemTier, threading.Event]]:
-    """A tier on ``root``, where another stored ``keys``, whose re-index is
-    held after its first entry until the event yielded is set."""
+    """A tier on ``root``, where another stored ``keys``, whose re-index has
+    listed the names and is held before it examines the files until the
+    event yielded is set."""
+    first = open_tier(root)
+    assert store(first, keys)
+    first.close()
+    release, surveying = threading.Event(), threading.Event()
+    real_survey = NamespaceDir.survey
+
+    def held_survey(self: NamespaceDir) -> Iterator[object]:
+        surveying.set()
+        release.wait(30)
+        yield from real_survey(self)
+
+    monkeypatch.setattr(NamespaceDir, "survey", held_survey)
+    harness = TierHarness({"type": "fs", "root_dir": str(root), "shared": False}, LAYOUT, 4)
+    try:
+        tier = harness.tier
+        assert isinstance(tier, FilesystemTier)
+        assert surveying.wait(30)
+        yield harness, tier, release
+    finally:
+        release.set()
+        harness.close()
+
+
+def test_listed_names_answer_lookups_before_the_files_are_examined(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cold root's stat calls are most of a re-index: a restarted engine's
+    # lookups are answered from the names, in the prefix's order, before them.
+    keys = keys_for(14, 4)
+    with listed_not_surveyed(root, monkeypatch, keys[:3]) as (harness, tier, release):
+        assert not tier.index_ready
+        ctx = LookupContext()
+        assert tier.lookup_run(keys[:3], ctx) == [Lookup.HIT] * 3
+        assert tier.lookup(keys[3], ctx) is Lookup.MISS  # a private root: no file, no chunk
+        assert harness.load(keys[:3], [0, 1, 2]).success
+        for slot, key in enumerate(keys[:3]):
+            np.testing.assert_array_equal(harness.buffer.array[slot], payload_for(key))
+        release.set()
+        assert tier.wait_index(30)
+        assert tier.stats.corrupt_chunks == 0
+
+
+def test_a_listed_chunk_damaged_before_the_survey_is_a_miss_counted_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its name answers the lookup; its load finds it short, counts it and
+    # removes it, and the survey that follows finds nothing left to count.
+    keys = keys_for(15, 2)
+    with listed_not_surveyed(root, monkeypatch, keys) as (harness, tier, release):
+        damaged = tier_path(harness, keys[0])
+        os.truncate(damaged, FILE_BYTES // 2)
+        assert tier.lookup(keys[0], LookupContext()) is Lookup.HIT  # by its name
+        harness.buffer.array[0] = 7
+        result = harness.load([keys[0]], [0])
+        assert not result.success and result.succeeded == frozenset()
+        assert (harness.buffer.array[0] == 7).all()  # nothing of it served
+        assert not os.path.exists(damaged)
+        assert tier.stats.corrupt_chunks == 1
+        assert tier.lookup(keys[0], LookupContext()) is Lookup.MISS
+        release.set()
+        assert tier.wait_index(30)
+        assert tier.stats.corrupt_chunks == 1
+        assert keys[0] not in tier.backend.index.keys
+        assert harness.load([keys[1]], [1]).success
+
+
+def test_a_chunk_damaged_in_place_is_dropped_from_the_listing_by_the_survey(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = keys_for(16, 2)
+    with listed_not_surveyed(root, monkeypatch, keys) as (harness, tier, release):
+        assert tier.backend.index.keys >= set(keys)
+        os.truncate(tier_path(harness, keys[1]), FILE_BYTES - 1)
+        release.set()
+        assert tier.wait_index(30)
+        assert keys[1] not in tier.backend.index.keys
+        assert not os.path.exists(tier_path(harness, keys[1]))
+        assert tier.stats.corrupt_chunks == 1
+        assert tier.lookup(keys[1], LookupContext()) is Lookup.MISS
+        assert tier.lookup(keys[0], LookupContext()) is Lookup.HIT
+
+
+@contextlib.contextmanager
+def half_listed(
+    root: Path, monkeypatch: pytest.MonkeyPatch, keys: list[bytes]
+) -> Iterator[tuple[TierHarness, FilesystemTier, threading.Event]]:
+    """A tier on ``root``, where another stored ``keys``, whose listing of
+    the names is held after the first until the event yielded is set."""
     first = open_tier(root)
     assert store(first, keys)
     first.close()
     release, walked = threading.Event(), threading.Event()
-    real_survey = NamespaceDir.survey
+    real_listing = NamespaceDir.listed_chunks
 
-    def half_survey(self: NamespaceDir) -> Iterator[object]:
-        entries = real_survey(self)
-        yield next(entries)
-        walked.set()  # the first entry is in the index by now
+    def half_listing(self: NamespaceDir) -> Iterator[bytes]:
+        names = real_listing(self)
+        yield next(names)
+        walked.set()  # the first name is in the index by now
         release.wait(30)
-        yield from entries
+        yield from names
 
-    monkeypatch.setattr(NamespaceDir, "survey", half_survey)
+    monkeypatch.setattr(NamespaceDir, "listed_chunks", half_listing)
     harness = TierHarness({"type": "fs", "root_dir": str(root), "shared": False}, LAYOUT, 4)
     try:
         tier = harness.tier
@@ -189,14 +278,14 @@ def half_indexed(
         harness.close()
 
 
-def test_a_half_built_index_answers_no_lookup_so_that_a_prefix_comes_back_in_order(
+def test_a_half_listed_index_answers_no_lookup_so_that_a_prefix_comes_back_in_order(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The index walks the root in its own order: had it answered the keys it
     # had walked, those would be promoted first and the rest a check later,
     # and a reader of the prefix would wait for its earliest chunk.
     keys = keys_for(9, 3)
-    with half_indexed(root, monkeypatch, keys) as (harness, tier, release):
+    with half_listed(root, monkeypatch, keys) as (harness, tier, release):
         assert len(tier.backend.index.keys & set(keys)) == 1 and not tier.index_ready
         ctx = LookupContext()
         assert [tier.lookup(key, ctx) for key in keys] == [Lookup.PENDING] * 3
@@ -207,13 +296,13 @@ def test_a_half_built_index_answers_no_lookup_so_that_a_prefix_comes_back_in_ord
         assert [tier.lookup(key, ctx) for key in keys] == [Lookup.HIT] * 3  # from the index
 
 
-def test_a_store_while_the_index_is_half_built_writes_no_chunk_already_on_disk(
+def test_a_store_while_the_index_is_half_listed_writes_no_chunk_already_on_disk(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A half-built index answers no lookup (above), so the runtime skips no
+    # A half-listed index answers no lookup (above), so the runtime skips no
     # store by it: the store itself finds the chunks on disk, walked or not.
     keys = keys_for(13, 3)
-    with half_indexed(root, monkeypatch, keys) as (harness, tier, _):
+    with half_listed(root, monkeypatch, keys) as (harness, tier, _):
         assert not tier.index_ready
         assert len(tier.backend.index.keys & set(keys)) == 1
         files = {key: os.stat(tier_path(harness, key)) for key in keys}

@@ -144,12 +144,12 @@ class FsBackend(LocalBackend[FilesystemTierOptions]):
     # Lookups ----------------------------------------------------------------
 
     def known(self, key: ChunkKey) -> bool | None:
-        if not self.index.ready.is_set():
-            # Being built, the index knows the chunks it has walked so far, in
+        if not self.index.listed.is_set():
+            # Being listed, the index knows the chunks it has walked so far, in
             # the root's order, not a prefix's: answering those at once and
             # checking the rest would promote a prefix out of order, and its
-            # reader waits for its earliest chunk. So until the index is
-            # whole, every key is checked (one it knows costs no system call).
+            # reader waits for its earliest chunk. So until every name is
+            # listed, every key is checked (one it knows costs no system call).
             return None
         if key in self.index.keys:
             return True

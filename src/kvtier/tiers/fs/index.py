@@ -77,6 +77,10 @@ class ChunkIndex:
         self.sizes = sizes
         self.runtime = runtime
         self.keys: set[bytes] = set()
+        #: Set once every chunk file's name is in :attr:`keys`: lookups are
+        #: answered from them from then on, while :attr:`ready` waits for
+        #: the files' sizes to be checked and the bound reconciled.
+        self.listed = threading.Event()
         self.ready = threading.Event()
         self.scan_skipped = 0
         self._abandoned_temp_s = options.abandoned_temp_s
@@ -209,28 +213,36 @@ class ChunkIndex:
     def _reindex(self) -> None:
         tier_type = self.runtime.tier_type
         try:
+            # The names first: a final name is only ever a complete file
+            # (rename), so a restarted engine's lookups are answered from the
+            # names once all are listed. A file damaged since is a miss its
+            # load finds (and removes), as it would be after the survey.
+            for key in self.dir.listed_chunks():
+                if self._stopping.is_set():
+                    return
+                self.keys.add(key)
+            self.listed.set()
             found: list[ChunkFile] = []
             broken: list[str] = []
             strays: list[OddEntry] = []
-            for entry in self.dir.survey():
+            for entry in self.dir.survey():  # the directories are cached by now
                 if self._stopping.is_set():
                     return
                 if isinstance(entry, ChunkFile):
-                    # A final name is only ever a complete file (rename), and the
-                    # namespace fixes its size (or bounds it): any other is damage.
+                    # The namespace fixes a chunk file's size (or bounds it):
+                    # any other is damage.
                     if self.sizes.fits(entry.size):
                         found.append(entry)
-                        # Known from now on: a restarted engine's lookups stop
-                        # checking the disk for it before the whole scan ends.
-                        self.keys.add(entry.key)
+                        self.keys.add(entry.key)  # stored since the listing
                     else:
+                        self.keys.discard(entry.key)
                         broken.append(entry.path)
                 elif entry.key is not None:
+                    self.keys.discard(entry.key)
                     broken.append(entry.path)  # a directory, FIFO... named like a chunk
                 else:
                     strays.append(entry)
-            # After the survey, whose walk of the directories (cold after a
-            # reboot) makes the keys known: this second walk finds them cached.
+            # After the listing and the survey: this walk finds the directories cached.
             self.dir.remove_abandoned_temps(self._abandoned_temp_s)
             self.drop_broken(broken)
             if strays:
@@ -254,6 +266,7 @@ class ChunkIndex:
         except Exception:
             logger.exception("tier %s: re-index of %s failed", tier_type, self.dir.path)
         finally:
+            self.listed.set()
             self.ready.set()
 
     def _complete_chunk_files(self) -> Iterator[ChunkFile]:

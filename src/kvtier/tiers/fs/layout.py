@@ -193,6 +193,21 @@ class NamespaceDir:
             if isinstance(found, ChunkFile):
                 yield found
 
+    def listed_chunks(self) -> Iterator[bytes]:
+        """The keys of the regular files named like chunks, from the buckets'
+        listings alone: no file is examined where the filesystem lists entry
+        types (a cold root's ``stat`` calls are most of :meth:`survey`'s
+        time). Their sizes are for :meth:`survey` to check."""
+        for entry in self._entries():
+            if isinstance(entry, OddEntry) or _CHUNK_NAME.match(entry.name) is None:
+                continue
+            try:
+                listed = entry.is_file(follow_symlinks=False)
+            except OSError:
+                continue  # the survey says what it is
+            if listed:
+                yield bytes.fromhex(entry.name[: -len(CHUNK_SUFFIX)])
+
     def survey(self) -> Iterator[ChunkFile | OddEntry]:
         """Every chunk file, and everything else that is not a temp file.
 
