@@ -32,7 +32,8 @@ machine is shared), then the median (p50) over runs, with the spread
   or at once with ``--immediate``);
   ``reindex``: from construction until the fs tier's background re-index of
   the root finished (it may overlap the lookup: ``index_ready`` says whether
-  it had finished when the lookup began);
+  it had finished when the lookup began, ``index_listed`` whether its first
+  walk had, after which the chunk files' names answer lookups);
 * ``lookup``, ``step``: the caller's thread inside the manager's lookups
   (tier lookups, reservations) and steps (collecting results, submitting
   promotions), with their counts;
@@ -396,6 +397,10 @@ def measure_cold(
         )
         watcher.start()
         index_ready = tier.index_ready
+        # Whether its names were listed (kvtier since the two-walk re-index):
+        # lookups are answered from them, with no existence check.
+        listed = getattr(getattr(getattr(tier, "backend", None), "index", None), "listed", None)
+        index_listed = index_ready if listed is None else listed.is_set()
         probe_lookup_path(probe, cache, tier)
         begin, prefix_s, load_s, cpu = bring_back(cache, tokens, expected, out)
         watcher.join()
@@ -410,6 +415,7 @@ def measure_cold(
         "populate_s": populate_s,
         "reindex_s": reindexed[0] - started if reindexed and reindexed[0] else None,
         "index_ready": index_ready,
+        "index_listed": index_listed,
         "io_threads": threads,
         **codec_figures,
     }
@@ -530,8 +536,8 @@ def measure_chunk(
                 for k in keys
                 if all(isinstance(r[k], int | float) for r in rounds)
             }
-            row["breakdown"]["checked_keys"] = rounds[0]["checked_keys"]
-            row["breakdown"]["index_ready"] = [r["index_ready"] for r in rounds]
+            for key in ("checked_keys", "index_listed", "index_ready"):
+                row["breakdown"][key] = [r.get(key) for r in rounds]
             # Without load's copy into the engine's rows: what a peer whose
             # load hands back its own buffers (LMCache's) is measured doing.
             promotion = [r["gbps"] * r["total_s"] / r["prefix_s"] for r in rounds]
