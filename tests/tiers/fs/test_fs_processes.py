@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.keys import ChunkKey
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.fs import FilesystemTier
@@ -122,25 +123,50 @@ def test_a_new_process_hits_chunks_a_killed_process_stored(root: Path) -> None:
         harness.close()
 
 
-def test_lookups_check_the_filesystem_until_the_names_are_listed(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@contextlib.contextmanager
+def reindex_held(
+    root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    keys: list[ChunkKey],
+    walk: str,
+    *,
+    after_first: bool = False,
+) -> Iterator[tuple[TierHarness, FilesystemTier, threading.Event]]:
+    """A tier on ``root``, where another stored ``keys``, whose re-index is
+    held in its ``walk`` (``listed_chunks``, the names; ``survey``, the
+    files) before it begins, or ``after_first`` entry, until the event
+    yielded is set."""
     first = open_tier(root)
-    keys = keys_for(9, 3)
-    assert store(first, keys[:2])
+    assert store(first, keys)
     first.close()
-    release = threading.Event()
-    real_listing = NamespaceDir.listed_chunks
+    release, reached = threading.Event(), threading.Event()
+    real_walk = getattr(NamespaceDir, walk)
 
-    def slow_listing(self: NamespaceDir) -> Iterator[bytes]:
+    def held_walk(self: NamespaceDir) -> Iterator[object]:
+        entries = real_walk(self)
+        if after_first:
+            yield next(entries)  # in the index once the walk is asked for the next
+        reached.set()
         release.wait(30)
-        yield from real_listing(self)
+        yield from entries
 
-    monkeypatch.setattr(NamespaceDir, "listed_chunks", slow_listing)
+    monkeypatch.setattr(NamespaceDir, walk, held_walk)
     harness = TierHarness({"type": "fs", "root_dir": str(root), "shared": False}, LAYOUT, 4)
     try:
         tier = harness.tier
         assert isinstance(tier, FilesystemTier)
+        assert reached.wait(30)
+        yield harness, tier, release
+    finally:
+        release.set()
+        harness.close()
+
+
+def test_lookups_check_the_filesystem_until_the_names_are_listed(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = keys_for(9, 3)
+    with reindex_held(root, monkeypatch, keys[:2], "listed_chunks") as (harness, tier, release):
         assert not tier.index_ready
         assert tier.lookup(keys[0], LookupContext()) is Lookup.PENDING
         assert harness.lookup(keys[0]) is Lookup.HIT
@@ -153,39 +179,6 @@ def test_lookups_check_the_filesystem_until_the_names_are_listed(
         # Index ready and the root private: a miss is answered at once.
         assert tier.lookup(keys[2], LookupContext()) is Lookup.MISS
         assert tier.lookup(keys[1], LookupContext()) is Lookup.HIT
-    finally:
-        release.set()
-        harness.close()
-
-
-@contextlib.contextmanager
-def listed_not_surveyed(
-    root: Path, monkeypatch: pytest.MonkeyPatch, keys: list[bytes]
-) -> Iterator[tuple[TierHarness, FilesystemTier, threading.Event]]:
-    """A tier on ``root``, where another stored ``keys``, whose re-index has
-    listed the names and is held before it examines the files until the
-    event yielded is set."""
-    first = open_tier(root)
-    assert store(first, keys)
-    first.close()
-    release, surveying = threading.Event(), threading.Event()
-    real_survey = NamespaceDir.survey
-
-    def held_survey(self: NamespaceDir) -> Iterator[object]:
-        surveying.set()
-        release.wait(30)
-        yield from real_survey(self)
-
-    monkeypatch.setattr(NamespaceDir, "survey", held_survey)
-    harness = TierHarness({"type": "fs", "root_dir": str(root), "shared": False}, LAYOUT, 4)
-    try:
-        tier = harness.tier
-        assert isinstance(tier, FilesystemTier)
-        assert surveying.wait(30)
-        yield harness, tier, release
-    finally:
-        release.set()
-        harness.close()
 
 
 def test_listed_names_answer_lookups_before_the_files_are_examined(
@@ -194,7 +187,7 @@ def test_listed_names_answer_lookups_before_the_files_are_examined(
     # A cold root's stat calls are most of a re-index: a restarted engine's
     # lookups are answered from the names, in the prefix's order, before them.
     keys = keys_for(14, 4)
-    with listed_not_surveyed(root, monkeypatch, keys[:3]) as (harness, tier, release):
+    with reindex_held(root, monkeypatch, keys[:3], "survey") as (harness, tier, release):
         assert not tier.index_ready
         ctx = LookupContext()
         assert tier.lookup_run(keys[:3], ctx) == [Lookup.HIT] * 3
@@ -213,7 +206,7 @@ def test_a_listed_chunk_damaged_before_the_survey_is_a_miss_counted_once(
     # Its name answers the lookup; its load finds it short, counts it and
     # removes it, and the survey that follows finds nothing left to count.
     keys = keys_for(15, 2)
-    with listed_not_surveyed(root, monkeypatch, keys) as (harness, tier, release):
+    with reindex_held(root, monkeypatch, keys, "survey") as (harness, tier, release):
         damaged = tier_path(harness, keys[0])
         os.truncate(damaged, FILE_BYTES // 2)
         assert tier.lookup(keys[0], LookupContext()) is Lookup.HIT  # by its name
@@ -235,7 +228,7 @@ def test_a_chunk_damaged_in_place_is_dropped_from_the_listing_by_the_survey(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     keys = keys_for(16, 2)
-    with listed_not_surveyed(root, monkeypatch, keys) as (harness, tier, release):
+    with reindex_held(root, monkeypatch, keys, "survey") as (harness, tier, release):
         assert tier.backend.index.keys >= set(keys)
         os.truncate(tier_path(harness, keys[1]), FILE_BYTES - 1)
         release.set()
@@ -247,37 +240,6 @@ def test_a_chunk_damaged_in_place_is_dropped_from_the_listing_by_the_survey(
         assert tier.lookup(keys[0], LookupContext()) is Lookup.HIT
 
 
-@contextlib.contextmanager
-def half_listed(
-    root: Path, monkeypatch: pytest.MonkeyPatch, keys: list[bytes]
-) -> Iterator[tuple[TierHarness, FilesystemTier, threading.Event]]:
-    """A tier on ``root``, where another stored ``keys``, whose listing of
-    the names is held after the first until the event yielded is set."""
-    first = open_tier(root)
-    assert store(first, keys)
-    first.close()
-    release, walked = threading.Event(), threading.Event()
-    real_listing = NamespaceDir.listed_chunks
-
-    def half_listing(self: NamespaceDir) -> Iterator[bytes]:
-        names = real_listing(self)
-        yield next(names)
-        walked.set()  # the first name is in the index by now
-        release.wait(30)
-        yield from names
-
-    monkeypatch.setattr(NamespaceDir, "listed_chunks", half_listing)
-    harness = TierHarness({"type": "fs", "root_dir": str(root), "shared": False}, LAYOUT, 4)
-    try:
-        tier = harness.tier
-        assert isinstance(tier, FilesystemTier)
-        assert walked.wait(30)
-        yield harness, tier, release
-    finally:
-        release.set()
-        harness.close()
-
-
 def test_a_half_listed_index_answers_no_lookup_so_that_a_prefix_comes_back_in_order(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -285,7 +247,8 @@ def test_a_half_listed_index_answers_no_lookup_so_that_a_prefix_comes_back_in_or
     # had walked, those would be promoted first and the rest a check later,
     # and a reader of the prefix would wait for its earliest chunk.
     keys = keys_for(9, 3)
-    with half_listed(root, monkeypatch, keys) as (harness, tier, release):
+    with reindex_held(root, monkeypatch, keys, "listed_chunks", after_first=True) as held:
+        harness, tier, release = held
         assert len(tier.backend.index.keys & set(keys)) == 1 and not tier.index_ready
         ctx = LookupContext()
         assert [tier.lookup(key, ctx) for key in keys] == [Lookup.PENDING] * 3
@@ -302,7 +265,8 @@ def test_a_store_while_the_index_is_half_listed_writes_no_chunk_already_on_disk(
     # A half-listed index answers no lookup (above), so the runtime skips no
     # store by it: the store itself finds the chunks on disk, walked or not.
     keys = keys_for(13, 3)
-    with half_listed(root, monkeypatch, keys) as (harness, tier, _):
+    with reindex_held(root, monkeypatch, keys, "listed_chunks", after_first=True) as held:
+        harness, tier, _ = held
         assert not tier.index_ready
         assert len(tier.backend.index.keys & set(keys)) == 1
         files = {key: os.stat(tier_path(harness, key)) for key in keys}
