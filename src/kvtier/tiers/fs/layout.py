@@ -37,6 +37,13 @@ RECORD_LIMIT = 1 << 20
 HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64]
 
 
+def _chunk_key(name: str) -> bytes | None:
+    """The key a chunk file's name holds; ``None`` for any other name."""
+    if _CHUNK_NAME.match(name) is None:
+        return None
+    return bytes.fromhex(name[: -len(CHUNK_SUFFIX)])
+
+
 @dataclass(frozen=True)
 class ChunkFile:
     """A chunk file found on disk."""
@@ -199,14 +206,17 @@ class NamespaceDir:
         types (a cold root's ``stat`` calls are most of :meth:`survey`'s
         time). Their sizes are for :meth:`survey` to check."""
         for entry in self._entries():
-            if isinstance(entry, OddEntry) or _CHUNK_NAME.match(entry.name) is None:
+            if isinstance(entry, OddEntry):
+                continue  # an unreadable bucket: the survey says so
+            key = _chunk_key(entry.name)
+            if key is None:
                 continue
             try:
                 listed = entry.is_file(follow_symlinks=False)
             except OSError:
                 continue  # the survey says what it is
             if listed:
-                yield bytes.fromhex(entry.name[: -len(CHUNK_SUFFIX)])
+                yield key
 
     def survey(self) -> Iterator[ChunkFile | OddEntry]:
         """Every chunk file, and everything else that is not a temp file.
@@ -219,10 +229,8 @@ class NamespaceDir:
             if isinstance(entry, OddEntry):
                 yield entry
                 continue
-            name = entry.name
-            is_chunk = _CHUNK_NAME.match(name) is not None
-            key = bytes.fromhex(name[: -len(CHUNK_SUFFIX)]) if is_chunk else None
-            if not is_chunk and _TMP_NAME.match(name):
+            key = _chunk_key(entry.name)
+            if key is None and _TMP_NAME.match(entry.name):
                 continue
             try:
                 info = entry.stat(follow_symlinks=False)
