@@ -296,6 +296,12 @@ class RedisClusterServers:
         node.close()
         self._wait_ok()
 
+    def restart_node(self, node: RedisServer) -> None:
+        """Start a stopped ``node`` again, on its port and with its cluster
+        configuration, and wait until the cluster agrees it is back."""
+        node.start()
+        self._wait_ok()
+
     def _id(self, node: RedisServer) -> str:
         return node.command("CLUSTER", "MYID").split(b"\r\n")[1].decode()  # $40, the id
 

@@ -7,8 +7,11 @@ cluster: notifications stay on the node that raised them, and a replica
 raises them once it is promoted) gets one subscriber thread, on a connection
 of its own, which reconnects after an outage. A cluster's nodes are listed
 again every :data:`RELIST_S`: a node that joined (a reshard, a scale-out)
-gets a subscriber, one that left loses its own. What a server drops while its
-subscriber is away goes unheard, as before: a load finds it gone.
+gets a subscriber, one that left loses its own. A server that cannot be
+reached at start (a cluster node down) is subscribed to once it answers,
+rather than failing the start: the tier serves without it. What a server
+drops while its subscriber is away goes unheard, as before: a load finds it
+gone.
 """
 
 from __future__ import annotations
@@ -145,15 +148,16 @@ class DropWatcher:
         #: Each server's subscriber, by ``where``: its thread and what stops it.
         self._subscribers: dict[str, tuple[threading.Thread, threading.Event]] = {}
         self._retired: list[threading.Thread] = []
-        # Subscribed before the tier stores anything, and all or none: a
-        # server that refuses fails the start.
-        subscriptions: list[_Subscription] = []
+        # Subscribed before the tier stores anything: a server that refuses
+        # fails the start, and leaves no subscription behind.
+        subscriptions: list[_Subscription | None] = []
         try:
             for where, connect in servers:
-                subscriptions.append(self._subscribe(where, connect))
+                subscriptions.append(self._first_subscription(where, connect))
         except BaseException:
             for subscription in subscriptions:
-                subscription.close()
+                if subscription is not None:
+                    subscription.close()
             raise
         for (where, connect), subscription in zip(servers, subscriptions, strict=True):
             self._start(where, connect, subscription)
@@ -203,6 +207,25 @@ class DropWatcher:
         """The servers heard now, by ``where``."""
         with self._lock:
             return sorted(self._subscribers)
+
+    def _first_subscription(self, where: str, connect: Callable[[], Any]) -> _Subscription | None:
+        """The start's subscription to ``where``, or ``None`` where the server
+        cannot be reached (a cluster node down): its subscriber then keeps
+        trying, as after an outage, since the tier serves without that node
+        too. A server that answers but refuses fails the start."""
+        from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
+
+        try:
+            return self._subscribe(where, connect)
+        except (NotificationsRefused, ResponseError, AuthenticationError, AuthorizationError):
+            raise
+        except Exception as exc:
+            logger.warning(
+                "cannot reach %s to hear its drops (%s); its drops are heard once it answers",
+                where,
+                exc,
+            )
+            return None
 
     def _subscribe(self, where: str, connect: Callable[[], Any]) -> _Subscription:
         """A new client's server raising the notifications, subscribed to them."""

@@ -284,6 +284,31 @@ def test_a_node_that_leaves_the_cluster_loses_its_subscriber(
             harness.close()
 
 
+def test_a_cluster_node_down_at_start_is_heard_once_it_answers(
+    key_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tier serves without a node that is down, so hearing drops does not
+    make the node a condition of the start: its subscriber keeps trying."""
+    need_redis_server()
+    with RedisClusterServers() as cluster:
+        *up, down = cluster.nodes
+        down.stop()
+        harness, removed = watched({"startup_nodes": cluster.startup_nodes}, key_prefix, ttl_s=2)
+        try:
+            assert f"cannot reach cluster node {LOOPBACK}:{down.port} to hear its drops" in (
+                caplog.text
+            )
+            assert [_subscribers(node) for node in up] == [1, 1]
+            cluster.restart_node(down)
+            wait_until(lambda: _subscribers(down) == 1, what="the node subscribed to once back")
+            keys = every_expiry_is_heard(harness, removed)
+            router = raw_cluster(cluster)
+            names = [harness.tier.store_name(key) for key in keys]
+            assert any(router.get_node_from_key(n).port == down.port for n in names)
+        finally:
+            harness.close()
+
+
 def test_a_listing_that_fails_leaves_the_subscribers_as_they_are(
     server_of: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
