@@ -115,7 +115,7 @@ def test_memory_that_runs_short_while_mapped_ahead_is_a_warning(
     def short(*args: Any) -> None:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(buffer_module, "_populate_pieces", short)
+    monkeypatch.setattr(SlotBuffer, "_map_ahead", short)
     buffer = SlotBuffer(4, 4096)
     try:
         with caplog.at_level(logging.INFO, logger=buffer_module.__name__):

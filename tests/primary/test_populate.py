@@ -11,6 +11,10 @@ import pytest
 from kvtier.primary import SlotBuffer
 from kvtier.primary import buffer as buffer_module
 from kvtier.primary.buffer import populate_now
+from tests.primary.test_primary import resident_bytes
+
+#: Whether kvtier's compiled parts were built (they touch private buffers' pages).
+COMPILED = buffer_module._touch_pages is not None
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"),
@@ -59,24 +63,70 @@ def test_populating_a_region_now_lets_go_of_the_interpreter_lock(
         region.close()  # no export of it outlives the call
 
 
-def test_populating_runs_at_the_lowest_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "named"])
+def test_populating_runs_at_the_lowest_priority_and_keeps_what_the_pages_hold(
+    monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
     priorities: list[int] = []
-    populate = buffer_module._populate_range
+    map_ahead = SlotBuffer._map_ahead
 
-    def recorded(address: int, length: int, advice: int) -> None:
+    def recorded(buffer: SlotBuffer) -> None:
         priorities.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        populate(address, length, advice)
+        map_ahead(buffer)
 
-    monkeypatch.setattr(buffer_module, "_populate_range", recorded)
+    monkeypatch.setattr(SlotBuffer, "_map_ahead", recorded)
     own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    buffer = SlotBuffer(4, 2 << 20)
+    buffer = SlotBuffer(4, 2 << 20, shared_name=f"kvtier-test-{os.getpid()}" if shared else None)
     try:
         buffer.array[1] = 7
+        buffer.array[3, 4095:4097] = 9  # across a page boundary
         buffer.populate_in_background()
         assert buffer.wait_populated(60)
-        assert len(priorities) == 4 and set(priorities) == {19}
-        assert (buffer.array[1] == 7).all() and not buffer.array[[0, 2, 3]].any()
+        assert priorities == [19]
+        assert (buffer.array[1] == 7).all() and (buffer.array[3, 4095:4097] == 9).all()
+        assert not buffer.array[[0, 2]].any() and buffer.array[3].sum() == 18
+        assert resident_bytes(buffer._mmap) >= 8 << 20
     finally:
         buffer.close()
     # The caller's thread keeps its own.
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+
+
+@pytest.mark.skipif(not COMPILED, reason="kvtier was built without a C compiler")
+def test_a_private_buffer_is_mapped_by_touching_its_pages_not_by_madvise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``madvise`` would hold the process's memory-map lock, which every other
+    thread's ``mmap`` waits for; a private buffer has no need of it."""
+    advised: list[int] = []
+    monkeypatch.setattr(buffer_module, "_populate_range", lambda *args: advised.append(1))
+    buffer = SlotBuffer(3, 2 << 20)
+    try:
+        buffer.populate_in_background()
+        assert buffer.wait_populated(60)
+        assert advised == [] and resident_bytes(buffer._mmap) >= 6 << 20
+    finally:
+        buffer.close()
+
+
+@pytest.mark.skipif(not COMPILED, reason="kvtier was built without a C compiler")
+def test_touching_maps_every_page_a_view_overlaps_and_keeps_their_bytes() -> None:
+    from kvtier.primary._native._slots import touch_pages
+
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 8 * page)
+    view = memoryview(region)
+    try:
+        region[page + 5] = 42  # page 1 mapped by this write, pages 2 and 3 not yet
+        touch_pages(view[page + 100 : 4 * page - 1])  # from inside page 1 into page 3
+        touch_pages(view[5 * page : 5 * page])  # empty: nothing
+        touch_pages(view[4 * page :], bytearray(b"\x01"))  # told to stop: nothing more
+        assert resident_bytes(region) == 3 * page
+        assert region[page + 5] == 42 and bytes(region).count(0) == 8 * page - 1
+        with pytest.raises(BufferError):
+            touch_pages(bytes(page))  # read-only
+        with pytest.raises(ValueError, match="one-byte"):
+            touch_pages(view, bytearray(2))
+    finally:
+        view.release()
+        region.close()

@@ -48,6 +48,19 @@ def _libc_madvise() -> Callable[..., int]:
 _madvise = _libc_madvise() if _POPULATE_WRITE is not None else None
 
 
+def _compiled_touch() -> Callable[..., None] | None:
+    """The compiled :func:`touch_pages` (``_native/_slots.c``), or ``None``
+    where kvtier was built without a C compiler."""
+    try:
+        from kvtier.primary._native._slots import touch_pages
+    except ImportError:
+        return None
+    return touch_pages
+
+
+_touch_pages = _compiled_touch()
+
+
 def populate_now(region: mmap.mmap) -> bool:
     """Map every page of ``region`` writable now, contents kept, outside the
     interpreter lock (as the primary buffer's populating thread does);
@@ -60,7 +73,7 @@ def populate_now(region: mmap.mmap) -> bool:
     except (TypeError, ValueError):  # read-only or closed
         return False
     try:
-        _populate_pieces(ctypes.addressof(anchor), len(region), _POPULATE_WRITE)
+        _populate_pieces(ctypes.addressof(anchor), len(region))
     except OSError:
         return False
     finally:
@@ -68,15 +81,14 @@ def populate_now(region: mmap.mmap) -> bool:
     return True
 
 
-def _populate_pieces(
-    address: int, size: int, advice: int, stop: threading.Event | None = None
-) -> None:
-    """``madvise`` ``size`` bytes at ``address`` a piece at a time (see
-    :data:`_POPULATE_PIECE`), until done or ``stop`` is set."""
+def _populate_pieces(address: int, size: int, stop: bytearray | None = None) -> None:
+    """``MADV_POPULATE_WRITE`` on ``size`` bytes at ``address``, a piece at a
+    time (see :data:`_POPULATE_PIECE`), until done or ``stop[0]`` is set."""
+    assert _POPULATE_WRITE is not None
     for start in range(0, size, _POPULATE_PIECE):
-        if stop is not None and stop.is_set():
+        if stop is not None and stop[0]:
             return
-        _populate_range(address + start, min(_POPULATE_PIECE, size - start), advice)
+        _populate_range(address + start, min(_POPULATE_PIECE, size - start), _POPULATE_WRITE)
 
 
 def _populate_range(address: int, length: int, advice: int) -> None:
@@ -186,7 +198,8 @@ class SlotBuffer:
         #: The contract handed to secondary tiers: shape ``(num_slots, slot_bytes)``.
         self.view = memoryview(self._mmap).cast("B", (num_slots, slot_bytes))
         self._populated = threading.Event()
-        self._stop_populating = threading.Event()
+        #: Set to 1 by :meth:`close`: the populating thread stops within a piece.
+        self._stop_populating = bytearray(1)
         self._populator: threading.Thread | None = None
 
     def populate_in_background(self) -> None:
@@ -195,25 +208,24 @@ class SlotBuffer:
 
         Otherwise a promotion's direct reads fault the pages in, many threads
         at once and slowly (docs/tuning.md). The thread runs at the lowest
-        priority, outside the interpreter lock while the kernel maps. Before
-        Linux 5.14, pages are mapped on first use instead.
+        priority, outside the interpreter lock while pages are mapped. Where
+        it cannot map them (a named buffer before Linux 5.14, a private one
+        built without a C compiler as well), they are mapped on first use.
         """
-        if self._populator is not None or _POPULATE_WRITE is None:
+        touches = self.shared_name is None and _touch_pages is not None
+        if self._populator is not None or not (touches or _POPULATE_WRITE is not None):
             self._populated.set()
             return
         self._populator = threading.Thread(
-            target=self._populate,
-            args=(_POPULATE_WRITE,),
-            name="kvtier-primary-populate",
-            daemon=True,
+            target=self._populate, name="kvtier-primary-populate", daemon=True
         )
         self._populator.start()
 
-    def _populate(self, advice: int) -> None:
+    def _populate(self) -> None:
         size = len(self._mmap)
         try:
             _lower_this_threads_priority()
-            _populate_pieces(self.array.ctypes.data, size, advice, self._stop_populating)
+            self._map_ahead()
         except OSError as exc:
             if exc.errno in (errno.EFAULT, errno.ENOMEM):  # /dev/shm or memory ran out
                 logger.warning(
@@ -227,6 +239,23 @@ class SlotBuffer:
                 logger.info("primary buffer not populated ahead: %s", exc)
         finally:
             self._populated.set()
+
+    def _map_ahead(self) -> None:
+        """Map every page, until done or :meth:`close` says stop.
+
+        A private buffer's pages are touched (compiled: a write each that
+        keeps the page's contents), each fault holding a lock of this mapping
+        only. ``MADV_POPULATE_WRITE`` holds the process's memory-map lock
+        instead, and at the lowest priority it is preempted holding it: every
+        other thread's ``mmap`` (a new thread's stack, an allocator's arena)
+        then waits for it (docs/tuning.md, 'A seventh day'). A named buffer
+        keeps ``madvise``: where ``/dev/shm`` runs short it fails with an
+        error to log, where a write would kill the process with ``SIGBUS``.
+        """
+        if self.shared_name is None and _touch_pages is not None:
+            _touch_pages(self.array.reshape(-1), self._stop_populating)
+        else:
+            _populate_pieces(self.array.ctypes.data, len(self._mmap), self._stop_populating)
 
     def wait_populated(self, timeout: float | None = None) -> bool:
         """Block until :meth:`populate_in_background` is done (for tools and benchmarks)."""
@@ -255,7 +284,7 @@ class SlotBuffer:
 
     def close(self) -> None:
         """Unmap; the creator of a named buffer also removes its name."""
-        self._stop_populating.set()
+        self._stop_populating[0] = 1
         if self._populator is not None:
             self._populator.join()  # at most one piece: never populate an unmapped range
         self.view.release()

@@ -11,11 +11,13 @@
  * code, so every borrowed reference is held across such calls and sequences
  * are re-measured at each step.
  *
- * copy_rows moves whole chunk rows between the slots and a caller's rows. */
+ * copy_rows moves whole chunk rows between the slots and a caller's rows;
+ * touch_pages maps the slots' pages ahead of their first use. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -438,6 +440,59 @@ done:
     return result;
 }
 
+/* Bytes touched between two looks at touch_pages's stop flag. */
+#define TOUCH_PIECE ((uintptr_t)2 << 20)
+
+/* touch_pages(buffer, stop=None): fault every page of a writable buffer in,
+ * writable, with the GIL released throughout. Each page takes an atomic add
+ * of zero: a write that keeps what the page holds, even while another thread
+ * or process writes it. A fault maps one page under a lock of that mapping
+ * alone, where madvise(MADV_POPULATE_WRITE) holds the whole process's
+ * memory-map lock, which every other thread's mmap (a new thread's stack)
+ * then waits for, the longer when the caller runs at a low priority. One
+ * call for the whole buffer: a low-priority caller taking the GIL back
+ * between pieces would keep the threads waiting for it as long as the
+ * scheduler keeps the caller waiting. stop, a one-byte writable buffer, ends
+ * the call within a piece of being set nonzero. */
+static PyObject *touch_pages(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *object, *stop_object = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O", &object, &stop_object)) return NULL;
+    Py_buffer view = {0}, stop = {0};
+    if (PyObject_GetBuffer(object, &view, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) return NULL;
+    if (stop_object != Py_None) {
+        if (PyObject_GetBuffer(stop_object, &stop, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        if (stop.len != 1) {
+            PyBuffer_Release(&stop);
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "stop must be a one-byte writable buffer");
+            return NULL;
+        }
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t step = page > 0 ? (uintptr_t)page : 4096;
+    volatile uint8_t *stopped = stop.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (view.len > 0) {
+        /* The first byte of every page the buffer overlaps, its last one included. */
+        uintptr_t first = (uintptr_t)view.buf, last = first + (uintptr_t)view.len - 1;
+        uintptr_t look = first;
+        for (uintptr_t at = first; at <= last; at = (at | (step - 1)) + 1) {
+            if (at >= look) {
+                if (stopped != NULL && __atomic_load_n(stopped, __ATOMIC_RELAXED)) break;
+                look = at + TOUCH_PIECE;
+            }
+            __atomic_fetch_add((volatile uint8_t *)at, 0, __ATOMIC_RELAXED);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (stop.buf != NULL) PyBuffer_Release(&stop);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"ready_count", ready_count, METH_VARARGS, "ready_count(ready, keys) -> leading keys ready"},
     {"pin_prefix", pin_prefix, METH_VARARGS, "pin_prefix(ready, pins, keys) -> [slot]"},
@@ -449,11 +504,13 @@ static PyMethodDef methods[] = {
     {"finish_writes", finish_writes, METH_VARARGS, "finish_writes(writing, keys) -> {key: slot}"},
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(target, target_rows, source, source_rows): whole rows, GIL released once"},
+    {"touch_pages", touch_pages, METH_VARARGS,
+     "touch_pages(buffer, stop=None): every page mapped writable, contents kept, GIL released"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_slots", "The primary tier's per-chunk loops and row copies, compiled.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_slots", "The primary tier's per-chunk loops, row copies and page mapping, compiled.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__slots(void) { return PyModule_Create(&module); }

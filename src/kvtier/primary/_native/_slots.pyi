@@ -27,3 +27,6 @@ def finish_writes(
 def copy_rows(
     target: np.ndarray, target_rows: Sequence[int], source: np.ndarray, source_rows: Sequence[int]
 ) -> None: ...
+def touch_pages(
+    buffer: memoryview | np.ndarray, stop: bytearray | np.ndarray | None = None
+) -> None: ...
