@@ -526,3 +526,18 @@ def test_bench_busy_copies_reports_every_figure_for_kvtier_and_its_baseline() ->
     ratios = out["baseline_over_kvtier"]
     assert set(ratios) == {f"{move}_s" for move in moves}
     assert all(len(r) == 1 and r[0] > 0 for r in ratios.values())
+
+
+def test_bench_map_ahead_reports_the_mapping_and_the_stalls_beside_their_floor() -> None:
+    out = run_quick("bench_map_ahead.py", "--baseline-src", str(ROOT / "src"))
+    assert (out["size"], out["busy"], out["pairs"]) == (64 << 20, 0, 1)
+    for figures in out["medians"].values():
+        assert figures["map_s"] > 0
+        for suffix in ("", "_alone"):
+            assert 0 < figures[f"p50_ms{suffix}"] <= figures[f"p99_ms{suffix}"]
+            assert figures[f"p99_ms{suffix}"] <= figures[f"max_ms{suffix}"]
+            assert figures[f"stalled_s{suffix}"] >= 0
+    assert set(out["medians"]) == {"kvtier", "baseline"}
+    ratios = out["baseline_over_kvtier"]
+    assert set(ratios) == {"map_s", "p50_ms", "max_ms"}
+    assert all(len(r) == 1 and r[0] > 0 for r in ratios.values())
