@@ -296,10 +296,14 @@ class RedisClusterServers:
         node.close()
         self._wait_ok()
 
-    def restart_node(self, node: RedisServer) -> None:
-        """Start a stopped ``node`` again, on its port and with its cluster
-        configuration, and wait until the cluster agrees it is back."""
-        node.start()
+    def bring_back(self, node: RedisServer) -> None:
+        """Start a stopped ``node`` again (on its port, with its cluster
+        configuration) or let a paused one go on, and wait until the cluster
+        agrees it is back."""
+        if node.process is None:
+            node.start()
+        else:
+            node.resume()
         self._wait_ok()
 
     def _id(self, node: RedisServer) -> str:

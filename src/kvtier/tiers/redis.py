@@ -183,23 +183,29 @@ class RedisBackend(Backend[RedisTierOptions]):
         self.drops: DropWatcher | None = None
         if options.watch_evictions:
             try:
-                self.drops = self.start_client(
-                    self._watch_drops, lambda watcher: watcher.close(), self._target
-                )
+                with self.starting(self._target):  # it bounds its own wait
+                    self.drops = self._watch_drops(options.startup_timeout_s)
             except BaseException:
                 self.close()
                 raise
 
-    def _watch_drops(self) -> DropWatcher:
-        """Subscribers to every server's evictions and expiries of this tier's chunks."""
+    def _watch_drops(self, start_wait_s: float) -> DropWatcher:
+        """Subscribers to every server's evictions and expiries of this tier's
+        chunks, the start waiting at most ``start_wait_s`` for their answers."""
         thread_name = f"kvtier-{self.runtime.tier_type}-drops"
         if self._cluster:
             return DropWatcher(
-                self._cluster_nodes(), 0, self._dropped, thread_name, relist=self._relisted_nodes
+                self._cluster_nodes(),
+                0,
+                self._dropped,
+                thread_name,
+                relist=self._relisted_nodes,
+                start_wait_s=start_wait_s,
             )
         pool = self.client.connection_pool
         db = int(pool.connection_kwargs.get("db") or 0)
-        return DropWatcher([(self._target, _single_client(pool))], db, self._dropped, thread_name)
+        server = (self._target, _single_client(pool))
+        return DropWatcher([server], db, self._dropped, thread_name, start_wait_s=start_wait_s)
 
     def _cluster_nodes(self) -> list[Server]:
         """Every node the cluster client knows, primaries and replicas."""

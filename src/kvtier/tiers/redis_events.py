@@ -8,10 +8,10 @@ raises them once it is promoted) gets one subscriber thread, on a connection
 of its own, which reconnects after an outage. A cluster's nodes are listed
 again every :data:`RELIST_S`: a node that joined (a reshard, a scale-out)
 gets a subscriber, one that left loses its own. A server that cannot be
-reached at start (a cluster node down) is subscribed to once it answers,
-rather than failing the start: the tier serves without it. What a server
-drops while its subscriber is away goes unheard, as before: a load finds it
-gone.
+reached at start (a cluster node down or frozen) is subscribed to once it
+answers, rather than failing the start: the tier serves without it. What a
+server drops while its subscriber is away goes unheard, as before: a load
+finds it gone.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -139,6 +141,7 @@ class DropWatcher:
         report: Callable[[str, list[bytes]], None],
         thread_name: str,
         relist: Callable[[], Sequence[Server]] | None = None,
+        start_wait_s: float = CONFIRM_S,
     ) -> None:
         self._channels = [f"__keyevent@{db}__:{event}" for event in EVENTS]
         self._report = report
@@ -148,20 +151,30 @@ class DropWatcher:
         #: Each server's subscriber, by ``where``: its thread and what stops it.
         self._subscribers: dict[str, tuple[threading.Thread, threading.Event]] = {}
         self._retired: list[threading.Thread] = []
-        # Subscribed before the tier stores anything: a server that refuses
-        # fails the start, and leaves no subscription behind.
-        subscriptions: list[_Subscription | None] = []
-        try:
-            for where, connect in servers:
-                subscriptions.append(self._first_subscription(where, connect))
-        except BaseException:
-            for subscription in subscriptions:
-                if subscription is not None:
-                    subscription.close()
-            raise
-        for (where, connect), subscription in zip(servers, subscriptions, strict=True):
-            self._start(where, connect, subscription)
         self._relister: threading.Thread | None = None
+        # Every server is asked at once, and the start waits for their first
+        # answers (at most start_wait_s): a server that refuses fails it. One
+        # that cannot be reached (a cluster node down or frozen) does not: the
+        # tier serves without it, and its subscriber keeps trying.
+        firsts: dict[str, Future[None]] = {}
+        with self._lock:
+            for where, connect in servers:
+                firsts[where] = Future()
+                self._start(where, connect, firsts[where])
+        futures.wait(firsts.values(), timeout=start_wait_s)
+        with self._lock:
+            for first in firsts.values():
+                first.cancel()  # no answer yet: no later one reaches the start
+        for where, first in firsts.items():
+            if first.cancelled():
+                logger.warning(
+                    "%s did not answer within %ss: its drops are heard once it answers",
+                    where,
+                    start_wait_s,
+                )
+            elif (refused := first.exception()) is not None:
+                self.close()
+                raise refused
         if relist is not None:
             self._relister = threading.Thread(
                 target=self._relist, args=(relist,), name=thread_name, daemon=True
@@ -169,17 +182,29 @@ class DropWatcher:
             self._relister.start()
 
     def _start(
-        self, where: str, connect: Callable[[], Any], subscription: _Subscription | None
+        self, where: str, connect: Callable[[], Any], first: Future[None] | None = None
     ) -> None:
         stop = threading.Event()
         thread = threading.Thread(
             target=self._listen,
-            args=(where, connect, subscription, stop),
+            args=(where, connect, stop, first),
             name=self._thread_name,
             daemon=True,
         )
         self._subscribers[where] = (thread, stop)
         thread.start()
+
+    def _tell_start(self, first: Future[None] | None, refused: BaseException | None) -> bool:
+        """Tell the start how a server's first attempt went (``refused``: it
+        fails the start), if it is still waiting; whether it was told."""
+        with self._lock:
+            if first is None or first.done():  # none waits, or it stopped waiting
+                return False
+            if refused is None:
+                first.set_result(None)
+            else:
+                first.set_exception(refused)
+            return True
 
     def _relist(self, relist: Callable[[], Sequence[Server]]) -> None:
         while not self._closed.wait(RELIST_S):
@@ -195,7 +220,7 @@ class DropWatcher:
                 for where, connect in listed.items():
                     if where not in self._subscribers:
                         logger.info("hearing the drops of %s as well", where)
-                        self._start(where, connect, None)  # it subscribes, retrying
+                        self._start(where, connect)  # it subscribes, retrying
                 for where in self._subscribers.keys() - listed.keys():
                     logger.info("no longer hearing the drops of %s: it left", where)
                     thread, stop = self._subscribers.pop(where)
@@ -207,25 +232,6 @@ class DropWatcher:
         """The servers heard now, by ``where``."""
         with self._lock:
             return sorted(self._subscribers)
-
-    def _first_subscription(self, where: str, connect: Callable[[], Any]) -> _Subscription | None:
-        """The start's subscription to ``where``, or ``None`` where the server
-        cannot be reached (a cluster node down): its subscriber then keeps
-        trying, as after an outage, since the tier serves without that node
-        too. A server that answers but refuses fails the start."""
-        from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
-
-        try:
-            return self._subscribe(where, connect)
-        except (NotificationsRefused, ResponseError, AuthenticationError, AuthorizationError):
-            raise
-        except Exception as exc:
-            logger.warning(
-                "cannot reach %s to hear its drops (%s); its drops are heard once it answers",
-                where,
-                exc,
-            )
-            return None
 
     def _subscribe(self, where: str, connect: Callable[[], Any]) -> _Subscription:
         """A new client's server raising the notifications, subscribed to them."""
@@ -240,25 +246,37 @@ class DropWatcher:
         self,
         where: str,
         connect: Callable[[], Any],
-        subscription: _Subscription | None,
         stop: threading.Event,
+        first: Future[None] | None,
     ) -> None:
-        from redis.exceptions import ResponseError
-
+        refusals = _refusals()
+        subscription: _Subscription | None = None
         pause, warned = RETRY_S, False
         while not stop.is_set():
             if subscription is None:
                 try:
                     subscription = self._subscribe(where, connect)
                     pause, warned = RETRY_S, False
-                except (NotificationsRefused, ResponseError) as exc:
+                    self._tell_start(first, None)
+                except refusals as exc:
+                    if self._tell_start(first, exc):
+                        return  # the start fails, and stops the others
                     # The server answers, but no (restarted without the
                     # setting, an ACL changed): said once, not raised.
                     if not warned:
                         logger.warning("cannot hear the drops of %s: %s; trying again", where, exc)
                         warned = True
                 except Exception as exc:
-                    logger.debug("subscribing to %s: %s", where, exc)
+                    if self._tell_start(first, None):  # the start goes on without it
+                        logger.warning(
+                            "cannot reach %s to hear its drops (%s); they are heard once "
+                            "it answers",
+                            where,
+                            exc,
+                        )
+                    else:
+                        logger.debug("subscribing to %s: %s", where, exc)
+                first = None  # later attempts are this thread's own
                 if subscription is None:
                     stop.wait(pause)
                     pause = min(pause * 2, MAX_RETRY_S)
@@ -300,6 +318,14 @@ class DropWatcher:
             threads.append(self._relister)
         for thread in threads:
             thread.join(timeout=POLL_S * 4)
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """What a server that answers but will not let the tier hear raises:
+    the notifications refused, a command or channel denied, bad credentials."""
+    from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
+
+    return (NotificationsRefused, ResponseError, AuthenticationError, AuthorizationError)
 
 
 def _event(channel: Any) -> str:
