@@ -1,6 +1,7 @@
 """What mapping the primary buffer ahead costs the rest of the process.
 
-A fresh private :class:`~kvtier.primary.SlotBuffer` of ``--size`` is mapped
+A fresh private :class:`~kvtier.primary.SlotBuffer` of ``--size`` (``--named``:
+one in ``/dev/shm``, as vLLM's engine has) is mapped
 ahead on its own thread (``populate_in_background``, as ``KVCache`` does)
 while the main thread maps, writes and unmaps 1 MiB in a loop: as a new
 thread's stack or an allocator's arena would. Per kvtier (``--baseline-src``
@@ -18,7 +19,7 @@ Reports medians over pairs, and with a baseline, baseline ÷ kvtier per
 pair (above 1: this one stalls less or maps faster).
 
 Run: ``python benchmarks/bench_map_ahead.py [--size 2GiB] [--busy 0]
-[--window 20] [--pairs 3] [--baseline-src DIR] [--json]``; ``--quick``:
+[--named] [--window 20] [--pairs 3] [--baseline-src DIR] [--json]``; ``--quick``:
 64 MiB, a 2 s window, one pair.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import mmap
+import os
 import statistics
 import subprocess
 import sys
@@ -74,7 +76,8 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     try:
         time.sleep(0.2 if spinners else 0)
         slot = 2 << 20
-        buffer = SlotBuffer(max(1, parse_size(args.size) // slot), slot)
+        name = f"kvtier-bench-map-{os.getpid()}" if args.named else None
+        buffer = SlotBuffer(max(1, parse_size(args.size) // slot), slot, shared_name=name)
         try:
             buffer.populate_in_background()
             rounds, took = mapping_loop(lambda: buffer.wait_populated(0), args.window)
@@ -91,11 +94,12 @@ def child(args: argparse.Namespace) -> dict[str, float]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         args.size, args.window, args.pairs = "64MiB", 2.0, 1
-    options = {"size": args.size, "busy": args.busy, "window": args.window}
+    options = {"size": args.size, "busy": args.busy, "window": args.window, "named": args.named}
     runs = take_turns(__file__, args.baseline_src, args.pairs, options)
     return {
         "size": parse_size(args.size),
         "busy": args.busy,
+        "named": args.named,
         "pairs": args.pairs,
         "medians": medians(runs, FIGURES),
         "baseline_over_kvtier": baseline_over_kvtier(runs, ("map_s", "p50_ms", "max_ms")),
@@ -103,8 +107,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(report: dict[str, Any]) -> None:
+    kind = "named" if report["named"] else "private"
     print(
-        f"a {report['size'] >> 20} MiB buffer mapped ahead beside {report['busy']} busy "
+        f"a {report['size'] >> 20} MiB {kind} buffer mapped ahead beside {report['busy']} busy "
         f"processes, medians of {report['pairs']} pairs"
     )
     print(f"{'':10}" + "".join(f"{figure:>16}" for figure in FIGURES[:5]))
@@ -119,6 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="2GiB")
     parser.add_argument("--busy", type=int, default=0, help="processes keeping the cores busy")
+    parser.add_argument("--named", action="store_true", help="in /dev/shm, as vLLM's")
     parser.add_argument("--window", type=float, default=20.0, help="most seconds to map for")
     parser.add_argument("--quick", action="store_true")
     add_options(parser)

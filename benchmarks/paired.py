@@ -22,10 +22,12 @@ Runs = dict[str, list[dict[str, float]]]
 
 def run_child(script: str, src: Path, options: dict[str, Any]) -> dict[str, float]:
     """The figures ``script --child`` prints as JSON, run with the kvtier under
-    ``src`` and ``--name value`` for each of ``options``."""
+    ``src`` and ``--name value`` for each of ``options`` (a flag: ``--name``
+    alone where its value is ``True``, nothing where ``False``)."""
     command = [sys.executable, str(Path(script).resolve()), "--child"]
     for name, value in options.items():
-        command += [f"--{name}", str(value)]
+        if value is not False:
+            command += [f"--{name}"] if value is True else [f"--{name}", str(value)]
     env = {**os.environ, "PYTHONPATH": str(src)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:

@@ -107,7 +107,12 @@ def test_slots_beyond_the_memory_available_fail_at_start(
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 @pytest.mark.parametrize(
-    ("code", "level"), [(errno.EFAULT, logging.WARNING), (errno.EINVAL, logging.INFO)]
+    ("code", "level"),
+    [
+        (errno.EFAULT, logging.WARNING),
+        (errno.ENOSPC, logging.WARNING),
+        (errno.EINVAL, logging.INFO),
+    ],
 )
 def test_memory_that_runs_short_while_mapped_ahead_is_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int, level: int

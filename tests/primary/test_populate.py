@@ -1,10 +1,12 @@
 """Mapping the primary buffer ahead, on a thread that stays out of the engine's way."""
 
+import errno
 import mmap
 import os
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -93,18 +95,22 @@ def test_populating_runs_at_the_lowest_priority_and_keeps_what_the_pages_hold(
 
 
 @pytest.mark.skipif(not COMPILED, reason="kvtier was built without a C compiler")
-def test_a_private_buffer_is_mapped_by_touching_its_pages_not_by_madvise(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "named"])
+def test_a_buffer_is_mapped_by_touching_its_pages_not_by_madvise(
+    monkeypatch: pytest.MonkeyPatch, shared: bool
 ) -> None:
     """``madvise`` would hold the process's memory-map lock, which every other
-    thread's ``mmap`` waits for; a private buffer has no need of it."""
+    thread's ``mmap`` waits for."""
     advised: list[int] = []
     monkeypatch.setattr(buffer_module, "_populate_range", lambda *args: advised.append(1))
-    buffer = SlotBuffer(3, 2 << 20)
+    name = f"kvtier-test-{os.getpid()}" if shared else None
+    buffer = SlotBuffer(3, 2 << 20, shared_name=name)
     try:
         buffer.populate_in_background()
         assert buffer.wait_populated(60)
         assert advised == [] and resident_bytes(buffer._mmap) >= 6 << 20
+        if name is not None:  # the file's pages allocated, not only mapped
+            assert os.stat(f"/dev/shm/{name}").st_blocks * 512 >= 6 << 20
     finally:
         buffer.close()
 
@@ -130,3 +136,26 @@ def test_touching_maps_every_page_a_view_overlaps_and_keeps_their_bytes() -> Non
     finally:
         view.release()
         region.close()
+
+
+@pytest.mark.skipif(not COMPILED, reason="kvtier was built without a C compiler")
+def test_touching_a_files_mapping_allocates_each_piece_first(tmp_path: Path) -> None:
+    """Where the file system has no room for a page, touching it would kill
+    the process (``SIGBUS``): an allocation that fails is an ``OSError``."""
+    from kvtier.primary._native._slots import touch_pages
+
+    page = mmap.PAGESIZE
+    path = tmp_path / "slots"
+    with open(path, "w+b") as file:
+        file.truncate(8 * page)
+        region = mmap.mmap(file.fileno(), 8 * page)
+        region[3] = 42
+        assert os.stat(path).st_blocks * 512 < 8 * page  # a hole, but for the page written
+        touch_pages(memoryview(region), bytearray(1), file.fileno())
+        assert os.stat(path).st_blocks * 512 >= 8 * page
+        assert region[3] == 42 and bytes(region).count(0) == 8 * page - 1
+        region.close()
+    with open(path, "rb") as read_only, mmap.mmap(-1, page) as other:
+        with pytest.raises(OSError) as failed:  # cannot allocate through this descriptor
+            touch_pages(memoryview(other), None, read_only.fileno())
+        assert failed.value.errno == errno.EBADF

@@ -530,7 +530,7 @@ def test_bench_busy_copies_reports_every_figure_for_kvtier_and_its_baseline() ->
 
 def test_bench_map_ahead_reports_the_mapping_and_the_stalls_beside_their_floor() -> None:
     out = run_quick("bench_map_ahead.py", "--baseline-src", str(ROOT / "src"))
-    assert (out["size"], out["busy"], out["pairs"]) == (64 << 20, 0, 1)
+    assert (out["size"], out["busy"], out["named"], out["pairs"]) == (64 << 20, 0, False, 1)
     for figures in out["medians"].values():
         assert figures["map_s"] > 0
         for suffix in ("", "_alone"):

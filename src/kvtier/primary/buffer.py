@@ -172,6 +172,7 @@ class SlotBuffer:
         self.slot_bytes = slot_bytes
         self.shared_name = shared_name
         self._owner = shared_name is not None and not _attach
+        self._file: int | None = None  # a named buffer's file, open
         size = num_slots * slot_bytes
         if shared_name is None:
             self._mmap = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -191,6 +192,8 @@ class SlotBuffer:
                 else:
                     os.ftruncate(fd, size)
                 self._mmap = mmap.mmap(fd, size)
+                # Kept for mapping ahead, which allocates the file's pages first.
+                self._file = os.dup(fd)
             finally:
                 os.close(fd)
         _advise_huge_pages(self._mmap)
@@ -209,11 +212,10 @@ class SlotBuffer:
         Otherwise a promotion's direct reads fault the pages in, many threads
         at once and slowly (docs/tuning.md). The thread runs at the lowest
         priority, outside the interpreter lock while pages are mapped. Where
-        it cannot map them (a named buffer before Linux 5.14, a private one
-        built without a C compiler as well), they are mapped on first use.
+        it cannot map them (built without a C compiler, before Linux 5.14 as
+        well), they are mapped on first use.
         """
-        touches = self.shared_name is None and _touch_pages is not None
-        if self._populator is not None or not (touches or _POPULATE_WRITE is not None):
+        if self._populator is not None or (_touch_pages is None and _POPULATE_WRITE is None):
             self._populated.set()
             return
         self._populator = threading.Thread(
@@ -227,7 +229,8 @@ class SlotBuffer:
             _lower_this_threads_priority()
             self._map_ahead()
         except OSError as exc:
-            if exc.errno in (errno.EFAULT, errno.ENOMEM):  # /dev/shm or memory ran out
+            # /dev/shm or memory ran out
+            if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
                 logger.warning(
                     "primary buffer: only part of its %s could be mapped ahead (%s): "
                     "the memory left to the machine or in %s is short",
@@ -243,17 +246,18 @@ class SlotBuffer:
     def _map_ahead(self) -> None:
         """Map every page, until done or :meth:`close` says stop.
 
-        A private buffer's pages are touched (compiled: a write each that
-        keeps the page's contents), each fault holding a lock of this mapping
-        only. ``MADV_POPULATE_WRITE`` holds the process's memory-map lock
-        instead, and at the lowest priority it is preempted holding it: every
-        other thread's ``mmap`` (a new thread's stack, an allocator's arena)
-        then waits for it (docs/tuning.md, 'A seventh day'). A named buffer
-        keeps ``madvise``: where ``/dev/shm`` runs short it fails with an
-        error to log, where a write would kill the process with ``SIGBUS``.
+        The pages are touched (compiled: a write each that keeps the page's
+        contents), each fault holding a lock of this mapping only, and a
+        named buffer's file is allocated a piece ahead, so that a full
+        ``/dev/shm`` is an error to log, not ``SIGBUS``. ``MADV_POPULATE_WRITE``,
+        the fallback, holds the process's memory-map lock instead, and at the
+        lowest priority it is preempted holding it: every other thread's
+        ``mmap`` (a new thread's stack, an allocator's arena) then waits for
+        it (docs/tuning.md, 'A seventh day').
         """
-        if self.shared_name is None and _touch_pages is not None:
-            _touch_pages(self.array.reshape(-1), self._stop_populating)
+        if _touch_pages is not None:
+            file = -1 if self._file is None else self._file
+            _touch_pages(self.array.reshape(-1), self._stop_populating, file)
         else:
             _populate_pieces(self.array.ctypes.data, len(self._mmap), self._stop_populating)
 
@@ -287,6 +291,9 @@ class SlotBuffer:
         self._stop_populating[0] = 1
         if self._populator is not None:
             self._populator.join()  # at most one piece: never populate an unmapped range
+        if self._file is not None:
+            os.close(self._file)
+            self._file = None
         self.view.release()
         del self.array
         # A caller may still hold a view into the slots; the mapping then

@@ -16,6 +16,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <string.h>
 #include <unistd.h>
 #if defined(__SSE2__)
@@ -443,20 +445,24 @@ done:
 /* Bytes touched between two looks at touch_pages's stop flag. */
 #define TOUCH_PIECE ((uintptr_t)2 << 20)
 
-/* touch_pages(buffer, stop=None): fault every page of a writable buffer in,
- * writable, with the GIL released throughout. Each page takes an atomic add
- * of zero: a write that keeps what the page holds, even while another thread
- * or process writes it. A fault maps one page under a lock of that mapping
- * alone, where madvise(MADV_POPULATE_WRITE) holds the whole process's
- * memory-map lock, which every other thread's mmap (a new thread's stack)
- * then waits for, the longer when the caller runs at a low priority. One
- * call for the whole buffer: a low-priority caller taking the GIL back
+/* touch_pages(buffer, stop=None, fd=-1): fault every page of a writable
+ * buffer in, writable, with the GIL released throughout. Each page takes an
+ * atomic add of zero: a write that keeps what the page holds, even while
+ * another thread or process writes it. A fault maps one page under a lock of
+ * that mapping alone, where madvise(MADV_POPULATE_WRITE) holds the whole
+ * process's memory-map lock, which every other thread's mmap (a new thread's
+ * stack) then waits for, the longer when the caller runs at a low priority.
+ * One call for the whole buffer: a low-priority caller taking the GIL back
  * between pieces would keep the threads waiting for it as long as the
  * scheduler keeps the caller waiting. stop, a one-byte writable buffer, ends
- * the call within a piece of being set nonzero. */
+ * the call within a piece of being set nonzero. fd, the file the buffer maps
+ * from its start (a /dev/shm file), has each piece allocated before it is
+ * touched: where the file system runs out of room that is an OSError (ENOSPC),
+ * where a write into the mapping would kill the process with SIGBUS. */
 static PyObject *touch_pages(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *object, *stop_object = Py_None;
-    if (!PyArg_ParseTuple(args, "O|O", &object, &stop_object)) return NULL;
+    int fd = -1;
+    if (!PyArg_ParseTuple(args, "O|Oi", &object, &stop_object, &fd)) return NULL;
     Py_buffer view = {0}, stop = {0};
     if (PyObject_GetBuffer(object, &view, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) return NULL;
     if (stop_object != Py_None) {
@@ -474,6 +480,7 @@ static PyObject *touch_pages(PyObject *Py_UNUSED(module), PyObject *args) {
     long page = sysconf(_SC_PAGESIZE);
     uintptr_t step = page > 0 ? (uintptr_t)page : 4096;
     volatile uint8_t *stopped = stop.buf;
+    int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     if (view.len > 0) {
         /* The first byte of every page the buffer overlaps, its last one included. */
@@ -482,6 +489,9 @@ static PyObject *touch_pages(PyObject *Py_UNUSED(module), PyObject *args) {
         for (uintptr_t at = first; at <= last; at = (at | (step - 1)) + 1) {
             if (at >= look) {
                 if (stopped != NULL && __atomic_load_n(stopped, __ATOMIC_RELAXED)) break;
+                uintptr_t piece = last + 1 - at < TOUCH_PIECE ? last + 1 - at : TOUCH_PIECE;
+                if (fd >= 0 && (failed = posix_fallocate(fd, (off_t)(at - first), (off_t)piece)))
+                    break;
                 look = at + TOUCH_PIECE;
             }
             __atomic_fetch_add((volatile uint8_t *)at, 0, __ATOMIC_RELAXED);
@@ -490,6 +500,10 @@ static PyObject *touch_pages(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_END_ALLOW_THREADS
     if (stop.buf != NULL) PyBuffer_Release(&stop);
     PyBuffer_Release(&view);
+    if (failed) {
+        errno = failed;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     Py_RETURN_NONE;
 }
 
@@ -505,7 +519,7 @@ static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(target, target_rows, source, source_rows): whole rows, GIL released once"},
     {"touch_pages", touch_pages, METH_VARARGS,
-     "touch_pages(buffer, stop=None): every page mapped writable, contents kept, GIL released"},
+     "touch_pages(buffer, stop=None, fd=-1): every page mapped writable, contents kept"},
     {NULL, NULL, 0, NULL},
 };
 
