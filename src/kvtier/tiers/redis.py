@@ -6,6 +6,8 @@ See docs/shared-tiers.md for batching, outages and eviction.
 
 from __future__ import annotations
 
+import queue
+import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -330,21 +332,13 @@ class RedisBackend(Backend[RedisTierOptions]):
         return isinstance(error, (OutOfMemoryError, ReadOnlyError, NoPermissionError))
 
     def ping(self) -> None:
-        if self.options.is_cluster:
-            self.client.ping()
-            return
-        # A connection of the probe's own, made as the pool makes them: a probe
-        # never waits for a pooled connection that stuck workers hold, and it
-        # tries what recovery needs, a fresh connect.
-        pool = self.client.connection_pool
-        connection = pool.connection_class(**pool.connection_kwargs)
-        try:
-            connection.send_command("PING")
-            reply = connection.read_response()
-        finally:
-            connection.disconnect()
-        if reply not in (b"PONG", "PONG", True):
-            raise ConnectionError(f"PING answered {reply!r}")
+        if self._cluster:
+            _any_node_answers(self.client)
+        else:
+            # A connection of the probe's own, made as the pool makes them: a
+            # probe never waits for a pooled connection that stuck workers
+            # hold, and it tries what recovery needs, a fresh connect.
+            _ping(_pooled_connection(self.client.connection_pool))
 
     def close(self) -> None:
         if self.drops is not None:
@@ -380,14 +374,84 @@ def _wrong_type_is_corrupt(reply: Any) -> Fetched:
 
 
 def _connected(options: RedisTierOptions) -> Any:
-    """A client for ``options`` that answered one ``PING``."""
+    """A client for ``options`` that answered ``PING`` (a cluster: any node).
+    A cluster's topology is read from seeds that answer: redis-py tries its
+    seeds one by one, in a random order, and would wait ``socket_timeout_s``
+    on a frozen one first."""
+    if len(options.startup_nodes) > 1:
+        settings = _connection_settings(options)
+        seeds = _first_answers(
+            [parse_host_port(node) for node in options.startup_nodes],
+            lambda seed: _ping(_connection(*seed, **settings)),
+        )
+        options = options.model_copy(update={"startup_nodes": tuple(f"{h}:{p}" for h, p in seeds)})
     client = redis_client(options)
     try:
-        client.ping()
+        if options.is_cluster:
+            _any_node_answers(client)
+        else:
+            client.ping()  # on a pooled connection, the first request's
     except BaseException:
         client.close()
         raise
     return client
+
+
+def _any_node_answers(client: Any) -> None:
+    """Raise unless some node of the cluster answers ``PING``, all asked at
+    once, each on a connection of its own: the nodes that answer serve their
+    chunks while one is down or frozen, whichever it is."""
+    nodes = [node for node in client.get_nodes() if node.redis_connection is not None]
+    pools = [node.redis_connection.connection_pool for node in nodes]
+    _first_answers(pools, lambda pool: _ping(_pooled_connection(pool)))
+
+
+def _first_answers(targets: Sequence[_T], ping: Callable[[_T], None]) -> list[_T]:
+    """The ``targets`` that answered by the time the first did, all pinged at
+    once on threads of their own (left to end on their own timeouts); the
+    last error when none answers."""
+    if not targets:
+        raise ConnectionError("no server to ask")
+    outcomes: queue.SimpleQueue[tuple[_T, BaseException | None]] = queue.SimpleQueue()
+
+    def ask(target: _T) -> None:
+        try:
+            ping(target)
+        except BaseException as exc:  # handed to the caller
+            outcomes.put((target, exc))
+        else:
+            outcomes.put((target, None))
+
+    for target in targets:
+        threading.Thread(target=ask, args=(target,), name="kvtier-redis-ping", daemon=True).start()
+    error: BaseException | None = None
+    for _ in targets:
+        target, error = outcomes.get()
+        if error is None:
+            answered = [target]
+            while not outcomes.empty():
+                other, failed = outcomes.get()
+                if failed is None:
+                    answered.append(other)
+            return answered
+    assert error is not None
+    raise error
+
+
+def _ping(connection: Any) -> None:
+    """One ``PING`` on ``connection``, closed after."""
+    try:
+        connection.send_command("PING")
+        reply = connection.read_response()
+    finally:
+        connection.disconnect()
+    if reply not in (b"PONG", "PONG", True):
+        raise ConnectionError(f"PING answered {reply!r}")
+
+
+def _pooled_connection(pool: Any) -> Any:
+    """A new connection made as ``pool`` makes them, not in the pool."""
+    return pool.connection_class(**pool.connection_kwargs)
 
 
 def _single_client(pool: Any) -> Callable[[], Any]:
@@ -474,14 +538,9 @@ def redis_client(options: RedisTarget) -> Any:
         raise MissingDependencyError("redis", "redis") from exc
 
     common: dict[str, Any] = {
-        "socket_timeout": options.socket_timeout_s,
-        "socket_connect_timeout": options.connect_timeout_s,
+        **_connection_settings(options),
         "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), options.retries),
     }
-    if options.username is not None:
-        common["username"] = options.username
-    if options.password is not None:
-        common["password"] = options.password.get_secret_value()
     if options.is_cluster:
         common["max_connections"] = options.max_connections
         if options.url is not None:
@@ -495,6 +554,26 @@ def redis_client(options: RedisTarget) -> Any:
         **common,
     )
     return redis.Redis(connection_pool=pool)
+
+
+def _connection_settings(options: RedisTarget) -> dict[str, Any]:
+    """The timeouts and login of every connection to ``options``' servers."""
+    settings: dict[str, Any] = {
+        "socket_timeout": options.socket_timeout_s,
+        "socket_connect_timeout": options.connect_timeout_s,
+    }
+    if options.username is not None:
+        settings["username"] = options.username
+    if options.password is not None:
+        settings["password"] = options.password.get_secret_value()
+    return settings
+
+
+def _connection(host: str, port: int, **settings: Any) -> Any:
+    """A connection to one server, opened on its first command."""
+    import redis
+
+    return redis.Connection(host=host, port=port, **settings)
 
 
 def _target(options: RedisTierOptions) -> str:

@@ -883,6 +883,55 @@ def test_one_failing_cluster_node_costs_its_chunks_only(
         harness.close()
 
 
+def test_a_frozen_seed_never_holds_up_a_cluster_start(key_prefix: str) -> None:
+    """redis-py tries its seeds one by one, in a random order, and waits
+    socket_timeout_s (5 s here) on a frozen one: kvtier asks them all at once
+    and seeds it with those that answer, so no start waits for the frozen one."""
+    need_redis_server()
+    with RedisClusterServers() as cluster:
+        # Not the first primary: redis-py asks it for its command table
+        # whatever the seeds (docs/shared-tiers.md).
+        frozen = cluster.nodes[-1]
+        entry = {"type": "redis", "startup_nodes": cluster.startup_nodes}
+        entry |= {"key_prefix": key_prefix, "startup_timeout_s": 1}
+        frozen.pause()
+        try:
+            for _ in range(5):  # each start in an order of its own
+                TierHarness(entry, small_layout()).close()
+        finally:
+            frozen.resume()
+
+
+def test_a_cluster_probe_answers_while_a_node_is_frozen(
+    redis_cluster: RedisClusterServers, key_prefix: str
+) -> None:
+    """The breaker's probe asks every node at once: the cluster serves while
+    one is frozen, even the client's default node (the first primary), and
+    fails only when none answers."""
+    import redis
+
+    entry = {"type": "redis", "startup_nodes": redis_cluster.startup_nodes}
+    entry |= {"key_prefix": key_prefix, "socket_timeout_s": 0.5}
+    harness = TierHarness(entry, small_layout())
+    tier = harness.tier
+    assert isinstance(tier, RedisTier)
+    assert tier.backend.client.get_default_node().port == redis_cluster.nodes[0].port
+    frozen: list[RedisServer] = []
+    try:
+        for node in redis_cluster.nodes[:-1]:
+            node.pause()
+            frozen.append(node)
+            tier.backend.ping()  # before: asked the default node, and timed out
+        redis_cluster.nodes[-1].pause()
+        frozen.append(redis_cluster.nodes[-1])
+        with pytest.raises(redis.exceptions.TimeoutError):
+            tier.backend.ping()
+    finally:
+        for node in frozen:
+            node.resume()
+        harness.close()
+
+
 @pytest.mark.parametrize("protocol", [2, 3])
 def test_an_oversized_value_is_corrupt_and_its_neighbours_load_byte_exact(
     redis_server: RedisServer, key_prefix: str, protocol: int
