@@ -124,15 +124,17 @@ def test_touching_maps_every_page_a_view_overlaps_and_keeps_their_bytes() -> Non
     view = memoryview(region)
     try:
         region[page + 5] = 42  # page 1 mapped by this write, pages 2 and 3 not yet
-        touch_pages(view[page + 100 : 4 * page - 1])  # from inside page 1 into page 3
-        touch_pages(view[5 * page : 5 * page])  # empty: nothing
-        touch_pages(view[4 * page :], bytearray(b"\x01"))  # told to stop: nothing more
+        touch_pages(view[page + 100 : 4 * page - 1], page)  # from inside page 1 into page 3
+        touch_pages(view[5 * page : 5 * page], page)  # empty: nothing
+        touch_pages(view[4 * page :], page, bytearray(b"\x01"))  # told to stop: nothing more
         assert resident_bytes(region) == 3 * page
         assert region[page + 5] == 42 and bytes(region).count(0) == 8 * page - 1
         with pytest.raises(BufferError):
-            touch_pages(bytes(page))  # read-only
+            touch_pages(bytes(page), page)  # read-only
         with pytest.raises(ValueError, match="one-byte"):
-            touch_pages(view, bytearray(2))
+            touch_pages(view, page, bytearray(2))
+        with pytest.raises(ValueError, match="piece"):
+            touch_pages(view, 0)
     finally:
         view.release()
         region.close()
@@ -151,11 +153,11 @@ def test_touching_a_files_mapping_allocates_each_piece_first(tmp_path: Path) -> 
         region = mmap.mmap(file.fileno(), 8 * page)
         region[3] = 42
         assert os.stat(path).st_blocks * 512 < 8 * page  # a hole, but for the page written
-        touch_pages(memoryview(region), bytearray(1), file.fileno())
+        touch_pages(memoryview(region), 2 * page, bytearray(1), file.fileno())
         assert os.stat(path).st_blocks * 512 >= 8 * page
         assert region[3] == 42 and bytes(region).count(0) == 8 * page - 1
         region.close()
     with open(path, "rb") as read_only, mmap.mmap(-1, page) as other:
         with pytest.raises(OSError) as failed:  # cannot allocate through this descriptor
-            touch_pages(memoryview(other), None, read_only.fileno())
+            touch_pages(memoryview(other), page, None, read_only.fileno())
         assert failed.value.errno == errno.EBADF

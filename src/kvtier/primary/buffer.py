@@ -25,8 +25,9 @@ _SHM_DIR = "/dev/shm"
 _POPULATE_WRITE: int | None = getattr(
     mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None
 )
-#: Bytes populated per call: one huge page, so that the process's memory map
-#: lock is never held long by the populating thread.
+#: Bytes mapped ahead between two looks at the stop flag, so that ``close()``
+#: waits for one piece at most; advised, bytes per call, so that the process's
+#: memory-map lock is never held long. One huge page.
 _POPULATE_PIECE = 2 << 20
 #: The populating thread's nice value: the lowest priority, so that it takes
 #: only CPU time nothing else wants (in an engine, the model's).
@@ -257,7 +258,7 @@ class SlotBuffer:
         """
         if _touch_pages is not None:
             file = -1 if self._file is None else self._file
-            _touch_pages(self.array.reshape(-1), self._stop_populating, file)
+            _touch_pages(self.array.reshape(-1), _POPULATE_PIECE, self._stop_populating, file)
         else:
             _populate_pieces(self.array.ctypes.data, len(self._mmap), self._stop_populating)
 

@@ -442,10 +442,7 @@ done:
     return result;
 }
 
-/* Bytes touched between two looks at touch_pages's stop flag. */
-#define TOUCH_PIECE ((uintptr_t)2 << 20)
-
-/* touch_pages(buffer, stop=None, fd=-1): fault every page of a writable
+/* touch_pages(buffer, piece, stop=None, fd=-1): fault every page of a writable
  * buffer in, writable, with the GIL released throughout. Each page takes an
  * atomic add of zero: a write that keeps what the page holds, even while
  * another thread or process writes it. A fault maps one page under a lock of
@@ -455,14 +452,20 @@ done:
  * One call for the whole buffer: a low-priority caller taking the GIL back
  * between pieces would keep the threads waiting for it as long as the
  * scheduler keeps the caller waiting. stop, a one-byte writable buffer, ends
- * the call within a piece of being set nonzero. fd, the file the buffer maps
- * from its start (a /dev/shm file), has each piece allocated before it is
+ * the call within piece bytes of being set nonzero. fd, the file the buffer
+ * maps from its start (a /dev/shm file), has each piece allocated before it is
  * touched: where the file system runs out of room that is an OSError (ENOSPC),
  * where a write into the mapping would kill the process with SIGBUS. */
 static PyObject *touch_pages(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *object, *stop_object = Py_None;
+    Py_ssize_t piece_bytes;
     int fd = -1;
-    if (!PyArg_ParseTuple(args, "O|Oi", &object, &stop_object, &fd)) return NULL;
+    if (!PyArg_ParseTuple(args, "On|Oi", &object, &piece_bytes, &stop_object, &fd)) return NULL;
+    if (piece_bytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "piece must be a positive number of bytes");
+        return NULL;
+    }
+    uintptr_t piece_size = (uintptr_t)piece_bytes;
     Py_buffer view = {0}, stop = {0};
     if (PyObject_GetBuffer(object, &view, PyBUF_SIMPLE | PyBUF_WRITABLE) < 0) return NULL;
     if (stop_object != Py_None) {
@@ -489,10 +492,10 @@ static PyObject *touch_pages(PyObject *Py_UNUSED(module), PyObject *args) {
         for (uintptr_t at = first; at <= last; at = (at | (step - 1)) + 1) {
             if (at >= look) {
                 if (stopped != NULL && __atomic_load_n(stopped, __ATOMIC_RELAXED)) break;
-                uintptr_t piece = last + 1 - at < TOUCH_PIECE ? last + 1 - at : TOUCH_PIECE;
+                uintptr_t piece = last + 1 - at < piece_size ? last + 1 - at : piece_size;
                 if (fd >= 0 && (failed = posix_fallocate(fd, (off_t)(at - first), (off_t)piece)))
                     break;
-                look = at + TOUCH_PIECE;
+                look = at + piece_size;
             }
             __atomic_fetch_add((volatile uint8_t *)at, 0, __ATOMIC_RELAXED);
         }
@@ -519,7 +522,7 @@ static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(target, target_rows, source, source_rows): whole rows, GIL released once"},
     {"touch_pages", touch_pages, METH_VARARGS,
-     "touch_pages(buffer, stop=None, fd=-1): every page mapped writable, contents kept"},
+     "touch_pages(buffer, piece, stop=None, fd=-1): every page mapped writable, contents kept"},
     {NULL, NULL, 0, NULL},
 };
 
