@@ -94,7 +94,6 @@ class KVCache:
         #: Admits calls until :meth:`close`, which waits for the copies in progress.
         self.lifecycle = Lifecycle("KVCache")
         self._request_keys = RequestKeys(layout.namespace, layout.chunk_tokens)
-        self._num_slots = self.manager.primary.num_slots  # read by every store
         # The guard every call enters (the same object each time): fetched once.
         self._running = self.lifecycle.running()
         self._close_lock = threading.Lock()
@@ -307,7 +306,7 @@ class KVCache:
             if wanted > full:
                 raise ValueError(f"num_chunks={wanted} exceeds the {full} full chunks of tokens")
             # No more than the primary tier holds: a prefix is only worth its first chunks.
-            wanted = min(wanted, self._num_slots)
+            wanted = min(wanted, self.manager.primary.usable_slots)
             rows = None
             if not callable(src):
                 rows = chunk_rows(src, wanted, self.layout, "src", writable=False)

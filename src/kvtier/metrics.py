@@ -152,7 +152,7 @@ class _ManagerCollector(Collector):
         primary = self.manager.primary
         slots = GaugeMetricFamily(
             f"{PREFIX}_primary_slots",
-            "Primary tier slots by state: free, idle (evictable), pinned, writing.",
+            "Primary tier slots by state: free, idle (evictable), pinned, writing, retired.",
             labels=["state"],
         )
         for state, count in primary.busy_counts().items():

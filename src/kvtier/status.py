@@ -34,6 +34,8 @@ class PrimaryStatus:
     pinned: int
     #: Slots being written.
     writing: int
+    #: Slots out of use: the memory for them ran out (a full ``/dev/shm``).
+    retired: int
     #: Chunks lookups found here.
     hits: int
     evictions: int

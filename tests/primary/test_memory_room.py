@@ -132,3 +132,67 @@ def test_memory_that_runs_short_while_mapped_ahead_is_a_warning(
     assert record.levelno == level
     if level == logging.WARNING:
         assert "only part of its 16.0 KiB could be mapped ahead" in record.getMessage()
+
+
+def running_short_after(backed: list[int]) -> Any:
+    """A ``_map_ahead`` that writes the pages of the ``backed`` slots (as
+    touching does, or a promotion before it), then fails as a full
+    ``/dev/shm`` does: the other slots keep no memory."""
+
+    def map_ahead(buffer: SlotBuffer) -> None:
+        buffer.array[backed] = 0
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    return map_ahead
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this platform")
+@pytest.mark.parametrize("tier_first", [True, False], ids=["tier-first", "buffer-first"])
+def test_slots_left_without_memory_are_never_handed_out(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tier_first: bool
+) -> None:
+    """A first write into a slot its file has no room for ends the process
+    with ``SIGBUS``: where ``/dev/shm`` runs out while the buffer is mapped
+    ahead, the slots without memory are taken out of use, whether the tier
+    was built before or after. A slot written already has its memory and stays."""
+    from kvtier.policies.lru import LRUCachePolicy
+    from kvtier.primary import PrimaryTier
+
+    monkeypatch.setattr(SlotBuffer, "_map_ahead", running_short_after([0, 1, 2, 6]))
+    buffer = SlotBuffer(8, 64 << 10, shared_name=f"kvtier-unbacked-{os.getpid()}")
+    buffer.unlink()
+    try:
+        primary = PrimaryTier(buffer, LRUCachePolicy(8)) if tier_first else None
+        with caplog.at_level(logging.WARNING, logger=buffer_module.__name__):
+            buffer.populate_in_background()
+            assert buffer.wait_populated(60)
+        assert "4 of its 8 slots lack memory and are taken out of use" in caplog.text
+        primary = primary or PrimaryTier(buffer, LRUCachePolicy(8))
+        assert sorted(primary.free_slots()) == [0, 1, 2, 6]
+        assert (primary.usable_slots, primary.free_count) == (4, 4)
+        assert primary.busy_counts()["retired"] == 4
+        keys = [bytes([i]) * 32 for i in range(5)]
+        assert primary.prepare_store(keys) is None  # room for four only
+        reserved = primary.prepare_store(keys[:4])
+        assert reserved is not None and sorted(reserved.values()) == [0, 1, 2, 6]
+        primary.complete_store(keys[:4])
+        primary.clear()
+        assert sorted(primary.free_slots()) == [0, 1, 2, 6]  # still out of use
+    finally:
+        buffer.close()
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this platform")
+def test_a_store_takes_only_the_slots_with_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SlotBuffer, "_map_ahead", running_short_after([0, 1, 2]))
+    cache = start(str(8 * LAYOUT.slot_bytes), f"kvtier-unbacked-{os.getpid()}")
+    try:
+        cache.unlink_shared_memory()
+        assert cache.manager.primary.buffer.wait_populated(60)
+        tokens = list(range(8 * LAYOUT.chunk_tokens))
+        rows = np.random.default_rng(0).integers(0, 256, (8, LAYOUT.slot_bytes), dtype=np.uint8)
+        assert cache.store(tokens, rows) == 3  # the first three chunks, as many as fit
+        assert cache.status.primary.retired == 5
+        assert sorted(cache.manager.primary.slots().values()) == [0, 1, 2]
+    finally:
+        cache.close()

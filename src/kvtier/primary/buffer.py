@@ -205,6 +205,10 @@ class SlotBuffer:
         #: Set to 1 by :meth:`close`: the populating thread stops within a piece.
         self._stop_populating = bytearray(1)
         self._populator: threading.Thread | None = None
+        # The slots found unbacked (see when_unbacked), and who retires them.
+        self._unbacked_lock = threading.Lock()
+        self._unbacked: list[int] = []
+        self._retire: Callable[[list[int]], None] | None = None
 
     def populate_in_background(self) -> None:
         """Map every page of the buffer now, on a thread of its own, keeping
@@ -232,17 +236,66 @@ class SlotBuffer:
         except OSError as exc:
             # /dev/shm or memory ran out
             if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
+                unbacked = self._unbacked_slots()
                 logger.warning(
                     "primary buffer: only part of its %s could be mapped ahead (%s): "
-                    "the memory left to the machine or in %s is short",
+                    "the memory left to the machine or in %s is short%s",
                     format_bytes(size),
                     exc,
                     _SHM_DIR,
+                    f"; {len(unbacked)} of its {self.num_slots} slots lack memory "
+                    "and are taken out of use"
+                    if unbacked
+                    else "",
                 )
+                self._report_unbacked(unbacked)
             else:  # an older kernel: first use maps them
                 logger.info("primary buffer not populated ahead: %s", exc)
         finally:
             self._populated.set()
+
+    def _unbacked_slots(self) -> list[int]:
+        """The slots of a named buffer that its file does not wholly back, in
+        order: where ``/dev/shm`` ran out while mapping ahead, a first write
+        there would kill the process with ``SIGBUS``. The file's holes, which
+        hold every page not yet written, allocated but untouched ones too."""
+        if self._file is None:
+            return []
+        size, slot_bytes = len(self._mmap), self.slot_bytes
+        slots: list[int] = []
+        offset = 0
+        while offset < size:
+            hole = os.lseek(self._file, offset, os.SEEK_HOLE)
+            if hole >= size:
+                break
+            try:
+                data = min(size, os.lseek(self._file, hole, os.SEEK_DATA))
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:  # ENXIO: no data after the hole
+                    raise
+                data = size
+            first = max(hole // slot_bytes, slots[-1] + 1 if slots else 0)
+            slots.extend(range(first, (data - 1) // slot_bytes + 1))
+            offset = data
+        return slots
+
+    def _report_unbacked(self, slots: list[int]) -> None:
+        with self._unbacked_lock:
+            self._unbacked = slots
+            retire = self._retire
+        if retire is not None and slots:
+            retire(slots)
+
+    def when_unbacked(self, retire: Callable[[list[int]], None]) -> None:
+        """Have ``retire(slots)`` called, from the mapping thread, with the
+        slots a named buffer's file could not be given memory for (a full
+        ``/dev/shm``), which must never be written: at once for those found
+        already. Mapping ahead finds them; nothing else does."""
+        with self._unbacked_lock:
+            self._retire = retire
+            found = self._unbacked
+        if found:
+            retire(found)
 
     def _map_ahead(self) -> None:
         """Map every page, until done or :meth:`close` says stop.

@@ -43,6 +43,10 @@ class PrimaryTier:
         self._pins: dict[ChunkKey, int] = {}
         # Pop from the end: low slot numbers are handed out first.
         self._free: list[int] = list(range(buffer.num_slots - 1, -1, -1))
+        #: Slots never handed out again: the buffer has no memory for them.
+        self._retired: set[int] = set()
+        #: The most chunks the tier can hold: its slots but the retired ones.
+        self.usable_slots = buffer.num_slots
         self.evictions = 0
         #: Chunks that readers found ready here (see :meth:`touch`).
         self.hits = 0
@@ -50,6 +54,7 @@ class PrimaryTier:
         #: leave (evicted, removed, cleared), under this tier's lock: a watcher
         #: records and returns, and never calls back into the tier.
         self.watchers: list[Callable[[Sequence[ChunkKey], Sequence[ChunkKey]], None]] = []
+        buffer.when_unbacked(self.retire)
 
     @property
     def num_slots(self) -> int:
@@ -119,8 +124,8 @@ class PrimaryTier:
 
     @property
     def free_count(self) -> int:
-        """How many slots hold nothing now."""
-        return self.num_slots - len(self)
+        """How many slots hold nothing now, and may."""
+        return self.usable_slots - len(self)
 
     def free_slots(self) -> list[int]:
         """Slots holding nothing (a snapshot)."""
@@ -342,6 +347,18 @@ class PrimaryTier:
                 self._notify((), removed)
         return len(removed)
 
+    def retire(self, slots: Iterable[int]) -> None:
+        """Never hand the free ones of ``slots`` out again: the buffer could
+        not give them memory, and a first write there would kill the process
+        (see :meth:`SlotBuffer.when_unbacked`). Those in use stay: written,
+        they have their memory."""
+        with self._lock:
+            gone = set(slots).intersection(self._free)
+            if gone:
+                self._free[:] = [slot for slot in self._free if slot not in gone]
+                self._retired |= gone
+                self.usable_slots = self.num_slots - len(self._retired)
+
     def clear(self) -> None:
         """Forget every chunk. Call only when nothing is pinned or writing."""
         with self._lock:
@@ -351,7 +368,8 @@ class PrimaryTier:
             if self.watchers:
                 self._notify((), list(self._ready))
             self._ready.clear()
-            self._free = list(range(self.num_slots - 1, -1, -1))
+            retired = self._retired
+            self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in retired]
             self.policy.clear()
 
     def busy_counts(self) -> Mapping[str, int]:
@@ -362,6 +380,7 @@ class PrimaryTier:
                 "idle": len(self._ready) - len(self._pins),
                 "pinned": len(self._pins),
                 "writing": len(self._writing),
+                "retired": len(self._retired),
             }
 
 
