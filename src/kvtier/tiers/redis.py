@@ -381,10 +381,10 @@ def _connected(options: RedisTierOptions) -> Any:
     if len(options.startup_nodes) > 1:
         settings = _connection_settings(options)
         seeds = _first_answers(
-            [parse_host_port(node) for node in options.startup_nodes],
-            lambda seed: _ping(_connection(*seed, **settings)),
+            options.startup_nodes,
+            lambda seed: _ping(_connection(*parse_host_port(seed), **settings)),
         )
-        options = options.model_copy(update={"startup_nodes": tuple(f"{h}:{p}" for h, p in seeds)})
+        options = options.model_copy(update={"startup_nodes": tuple(seeds)})
     client = redis_client(options)
     try:
         if options.is_cluster:

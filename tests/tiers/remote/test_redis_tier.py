@@ -902,6 +902,27 @@ def test_a_frozen_seed_never_holds_up_a_cluster_start(key_prefix: str) -> None:
             frozen.resume()
 
 
+def test_cluster_seeds_that_answer_are_passed_on_as_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An IPv6 seed stays in brackets: rebuilt from its parts, it would not parse."""
+    from kvtier.tiers import redis as redis_module
+
+    def ping(connection: Any) -> None:
+        if connection.host != "::1":
+            raise ConnectionError(f"refused: {connection.host}")
+
+    passed: list[tuple[str, ...]] = []
+    monkeypatch.setattr(redis_module, "_ping", ping)
+    monkeypatch.setattr(redis_module, "_any_node_answers", lambda client: None)
+    monkeypatch.setattr(
+        redis_module, "redis_client", lambda options: passed.append(options.startup_nodes)
+    )
+    seeds = ["10.0.0.5:7000", "[::1]:7001", "10.0.0.6:7002"]
+    redis_module._connected(redis_module.RedisTierOptions(startup_nodes=seeds))
+    assert passed == [("[::1]:7001",)]
+
+
 def test_a_cluster_probe_answers_while_a_node_is_frozen(
     redis_cluster: RedisClusterServers, key_prefix: str
 ) -> None:
