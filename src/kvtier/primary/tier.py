@@ -45,8 +45,6 @@ class PrimaryTier:
         self._free: list[int] = list(range(buffer.num_slots - 1, -1, -1))
         #: Slots never handed out again: the buffer has no memory for them.
         self._retired: set[int] = set()
-        #: The most chunks the tier can hold: its slots but the retired ones.
-        self.usable_slots = buffer.num_slots
         self.evictions = 0
         #: Chunks that readers found ready here (see :meth:`touch`).
         self.hits = 0
@@ -121,6 +119,11 @@ class PrimaryTier:
         """The slot of every resident key, ready or being written (a snapshot)."""
         with self._lock:
             return {**self._writing, **self._ready}
+
+    @property
+    def usable_slots(self) -> int:
+        """The most chunks the tier can hold: its slots but the retired ones."""
+        return self.buffer.num_slots - len(self._retired)
 
     @property
     def free_count(self) -> int:
@@ -357,7 +360,6 @@ class PrimaryTier:
             if gone:
                 self._free[:] = [slot for slot in self._free if slot not in gone]
                 self._retired |= gone
-                self.usable_slots = self.num_slots - len(self._retired)
 
     def clear(self) -> None:
         """Forget every chunk. Call only when nothing is pinned or writing."""

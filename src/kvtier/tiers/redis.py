@@ -374,10 +374,11 @@ def _wrong_type_is_corrupt(reply: Any) -> Fetched:
 
 
 def _connected(options: RedisTierOptions) -> Any:
-    """A client for ``options`` that answered ``PING`` (a cluster: any node).
-    A cluster's topology is read from seeds that answer: redis-py tries its
-    seeds one by one, in a random order, and would wait ``socket_timeout_s``
-    on a frozen one first."""
+    """A client for ``options`` that answered: a server's ``PING``, or the
+    topology a cluster's client is built from (it reads it from a seed, so
+    no further check is needed). The seeds are those that answer: redis-py
+    tries its seeds one by one, in a random order, and would wait
+    ``socket_timeout_s`` on a frozen one first."""
     if len(options.startup_nodes) > 1:
         settings = _connection_settings(options)
         seeds = _first_answers(
@@ -386,11 +387,10 @@ def _connected(options: RedisTierOptions) -> Any:
         )
         options = options.model_copy(update={"startup_nodes": tuple(seeds)})
     client = redis_client(options)
+    if options.is_cluster:
+        return client
     try:
-        if options.is_cluster:
-            _any_node_answers(client)
-        else:
-            client.ping()  # on a pooled connection, the first request's
+        client.ping()  # on a pooled connection, the first request's
     except BaseException:
         client.close()
         raise

@@ -914,7 +914,6 @@ def test_cluster_seeds_that_answer_are_passed_on_as_written(
 
     passed: list[tuple[str, ...]] = []
     monkeypatch.setattr(redis_module, "_ping", ping)
-    monkeypatch.setattr(redis_module, "_any_node_answers", lambda client: None)
     monkeypatch.setattr(
         redis_module, "redis_client", lambda options: passed.append(options.startup_nodes)
     )

@@ -28,5 +28,8 @@ def copy_rows(
     target: np.ndarray, target_rows: Sequence[int], source: np.ndarray, source_rows: Sequence[int]
 ) -> None: ...
 def touch_pages(
-    buffer: memoryview | np.ndarray, stop: bytearray | np.ndarray | None = None, fd: int = -1
+    buffer: memoryview | np.ndarray,
+    piece: int,
+    stop: bytearray | np.ndarray | None = None,
+    fd: int = -1,
 ) -> None: ...
