@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
 from typing import Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
@@ -478,6 +479,11 @@ class TieringManager:
         ]
         del queued[:whole]
         self._submit_promotions(batches)
+        if batches:
+            # The walk goes on holding the interpreter's lock, which a woken
+            # worker would get only after the switch interval (5 ms): the
+            # first reads would wait for the walk's end. Let one start now.
+            time.sleep(0)
 
     def _submit_promotions(
         self, batches: list[tuple[tuple[int, str | None], list[tuple[ChunkKey, int]]]]

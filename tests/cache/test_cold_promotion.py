@@ -10,6 +10,7 @@ read is a miss, and a stalled tier costs one bounded wait.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -408,6 +409,42 @@ def test_a_lookup_submits_the_whole_jobs_it_found_and_the_step_the_rest(
         cache.manager.step()
         assert sizes == at_lookup + at_step
         assert cache.cached_prefix(TOKENS, request_id="r1", poll_s=POLL_S) == len(TOKENS)
+
+
+def test_a_lookups_first_reads_start_while_it_still_walks_the_prefix(
+    root: Path, small_jobs: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk holds the interpreter's lock: a worker woken by a job it
+    submitted gets the lock from the walk itself, not once it is over.
+    With a switch interval of minutes, only the walk handing the lock over
+    lets a read begin before the lookup returns (it may miss a chance on a
+    busy machine: five tries, one is enough; without the hand-over none can)."""
+    walking, read_while_walking = [False], []
+    read = chunk_io._load_files
+
+    def noted(*args: Any) -> Any:
+        read_while_walking.append(walking[0])
+        return read(*args)
+
+    monkeypatch.setattr(chunk_io, "_load_files", noted)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(300.0)
+    try:
+        for _ in range(5):
+            read_while_walking.clear()
+            with KVCache(config(root), LAYOUT) as cache:
+                assert fs_tier(cache).wait_index(60)
+                keys = cache.keys(TOKENS)
+                walking[0] = True
+                result = cache.manager.lookup(keys, "r1")
+                walking[0] = False
+                assert result.pending
+                assert cache.cached_prefix(TOKENS, request_id="r1", poll_s=POLL_S) == len(TOKENS)
+            if any(read_while_walking):
+                break
+    finally:
+        sys.setswitchinterval(interval)
+    assert any(read_while_walking)
 
 
 def test_load_prefix_copies_a_jobs_chunks_while_later_jobs_still_read(
