@@ -376,16 +376,7 @@ def _wrong_type_is_corrupt(reply: Any) -> Fetched:
 def _connected(options: RedisTierOptions) -> Any:
     """A client for ``options`` that answered: a server's ``PING``, or the
     topology a cluster's client is built from (it reads it from a seed, so
-    no further check is needed). The seeds are those that answer: redis-py
-    tries its seeds one by one, in a random order, and would wait
-    ``socket_timeout_s`` on a frozen one first."""
-    if len(options.startup_nodes) > 1:
-        settings = _connection_settings(options)
-        seeds = _first_answers(
-            options.startup_nodes,
-            lambda seed: _ping(_connection(*parse_host_port(seed), **settings)),
-        )
-        options = options.model_copy(update={"startup_nodes": tuple(seeds)})
+    no further check is needed)."""
     client = redis_client(options)
     if options.is_cluster:
         return client
@@ -545,7 +536,7 @@ def redis_client(options: RedisTarget) -> Any:
         common["max_connections"] = options.max_connections
         if options.url is not None:
             return RedisCluster.from_url(options.url, **common)
-        nodes = [ClusterNode(*parse_host_port(node)) for node in options.startup_nodes]
+        nodes = [ClusterNode(host, port) for host, port in _answering_seeds(options)]
         return RedisCluster(startup_nodes=nodes, **common)
     pool = redis.BlockingConnectionPool.from_url(
         str(options.url),
@@ -554,6 +545,17 @@ def redis_client(options: RedisTarget) -> Any:
         **common,
     )
     return redis.Redis(connection_pool=pool)
+
+
+def _answering_seeds(options: RedisTarget) -> list[tuple[str, int]]:
+    """The cluster's seeds that answer, as hosts and ports: redis-py tries
+    its seeds one by one, in a random order, and would wait
+    ``socket_timeout_s`` on a frozen one first. All are asked at once."""
+    seeds = [parse_host_port(seed) for seed in options.startup_nodes]
+    if len(seeds) == 1:  # the client's own attempt says all there is to say
+        return seeds
+    settings = _connection_settings(options)
+    return _first_answers(seeds, lambda seed: _ping(_connection(*seed, **settings)))
 
 
 def _connection_settings(options: RedisTarget) -> dict[str, Any]:

@@ -902,24 +902,31 @@ def test_a_frozen_seed_never_holds_up_a_cluster_start(key_prefix: str) -> None:
             frozen.resume()
 
 
-def test_cluster_seeds_that_answer_are_passed_on_as_written(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("user", ["tier", "index"])
+def test_a_cluster_client_is_seeded_with_the_seeds_that_answer(
+    monkeypatch: pytest.MonkeyPatch, user: str
 ) -> None:
-    """An IPv6 seed stays in brackets: rebuilt from its parts, it would not parse."""
+    """The tier and the cluster index alike; an IPv6 seed keeps its address."""
+    import redis.cluster
+
+    from kvtier.fleet.redis import RedisIndexOptions
     from kvtier.tiers import redis as redis_module
 
     def ping(connection: Any) -> None:
         if connection.host != "::1":
             raise ConnectionError(f"refused: {connection.host}")
 
-    passed: list[tuple[str, ...]] = []
+    seeded: list[list[tuple[str, int]]] = []
+
+    def cluster(startup_nodes: list[Any], **settings: Any) -> None:
+        seeded.append([(node.host, node.port) for node in startup_nodes])
+
     monkeypatch.setattr(redis_module, "_ping", ping)
-    monkeypatch.setattr(
-        redis_module, "redis_client", lambda options: passed.append(options.startup_nodes)
-    )
+    monkeypatch.setattr(redis.cluster, "RedisCluster", cluster)
     seeds = ["10.0.0.5:7000", "[::1]:7001", "10.0.0.6:7002"]
-    redis_module._connected(redis_module.RedisTierOptions(startup_nodes=seeds))
-    assert passed == [("[::1]:7001",)]
+    options_class = redis_module.RedisTierOptions if user == "tier" else RedisIndexOptions
+    redis_module.redis_client(options_class(startup_nodes=seeds))
+    assert seeded == [[("::1", 7001)]]
 
 
 def test_a_cluster_probe_answers_while_a_node_is_frozen(
