@@ -181,6 +181,28 @@ def test_named_shared_memory_is_visible_to_another_process() -> None:
         SlotBuffer.attach(name, 2, 4096)
 
 
+def test_a_buffer_keeps_its_file_open_only_to_map_it_ahead() -> None:
+    """The creator maps a named buffer ahead (its file's pages allocated
+    first) and keeps its file open for that; a process that attaches never
+    maps it ahead, and keeps one descriptor fewer (Python's mmap holds one
+    of its own in both)."""
+    name = f"kvtier-test-{uuid.uuid4().hex}"
+
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_files()
+    buffer = SlotBuffer(2, 4096, shared_name=name)
+    try:
+        created = open_files() - before
+        attached = SlotBuffer.attach(name, 2, 4096)
+        assert open_files() - before - created == created - 1
+        attached.close()
+    finally:
+        buffer.close()
+    assert open_files() == before
+
+
 @pytest.mark.parametrize("name", ["../etc/passwd", "", "a/b", ".hidden"])
 def test_shared_memory_names_cannot_be_paths(name: str) -> None:
     with pytest.raises(ValueError, match="shared memory name"):

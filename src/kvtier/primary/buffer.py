@@ -193,10 +193,13 @@ class SlotBuffer:
                 else:
                     os.ftruncate(fd, size)
                 self._mmap = mmap.mmap(fd, size)
-                # Kept for mapping ahead, which allocates the file's pages first.
-                self._file = os.dup(fd)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            if _attach:  # never mapped ahead: its creator does that
+                os.close(fd)
+            else:  # kept for mapping ahead, which allocates the file's pages first
+                self._file = fd
         _advise_huge_pages(self._mmap)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_slots, slot_bytes)
         #: The contract handed to secondary tiers: shape ``(num_slots, slot_bytes)``.
