@@ -481,8 +481,8 @@ class TieringManager:
         self._submit_promotions(batches)
         if batches:
             # The walk goes on holding the interpreter's lock, which a woken
-            # worker would get only after the switch interval (5 ms): the
-            # first reads would wait for the walk's end. Let one start now.
+            # worker would get only after the switch interval (5 ms), past the
+            # walk's end: a zero sleep gives it up long enough for one to start.
             time.sleep(0)
 
     def _submit_promotions(

@@ -519,7 +519,8 @@ class RedisTarget(Protocol):
 
 
 def redis_client(options: RedisTarget) -> Any:
-    """A redis-py client for ``options``: a blocking pool, or a cluster client."""
+    """A redis-py client for ``options``: a blocking pool, or a cluster client
+    seeded with the seeds that answer."""
     try:
         import redis
         from redis.backoff import ExponentialBackoff
