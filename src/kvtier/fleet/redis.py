@@ -59,7 +59,9 @@ class RedisIndex(ClusterIndex):
         super().__init__(options)
         self._options = options
         self._prefix = options.key_prefix.encode()
-        # Connects lazily: a store that is down at startup only delays publishing.
+        # A single server is connected to lazily: one down at startup only
+        # delays publishing. A cluster's client reads the topology from a seed
+        # that answers now, and fails the start when none does.
         self._client: Any = redis_client(options)
         # Leases read recently: a routing call asks for each node once a second
         # at most, not once per chunk entry.
