@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.keys import ChunkKey
 from kvtier.layout import KEY_BYTES, KVLayout
 
 logger = logging.getLogger(__name__)
@@ -37,18 +38,18 @@ RECORD_LIMIT = 1 << 20
 HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64]
 
 
-def _chunk_key(name: str) -> bytes | None:
+def _chunk_key(name: str) -> ChunkKey | None:
     """The key a chunk file's name holds; ``None`` for any other name."""
     if _CHUNK_NAME.match(name) is None:
         return None
-    return bytes.fromhex(name[: -len(CHUNK_SUFFIX)])
+    return ChunkKey(bytes.fromhex(name[: -len(CHUNK_SUFFIX)]))
 
 
 @dataclass(frozen=True)
 class ChunkFile:
     """A chunk file found on disk."""
 
-    key: bytes
+    key: ChunkKey
     path: str
     size: int
     mtime_ns: int
@@ -62,7 +63,7 @@ class OddEntry:
 
     path: str
     kind: str
-    key: bytes | None
+    key: ChunkKey | None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.errors import PeerAuthError, PeerProtocolError
@@ -102,7 +103,7 @@ HELLO_BYTES = _HELLO.size
 AUTH_BYTES = _AUTH.size
 
 
-def encode_keys(keys: list[bytes]) -> bytes:
+def encode_keys(keys: Sequence[bytes]) -> bytes:
     """A QUERY body."""
     for key in keys:
         if len(key) != KEY_BYTES:
