@@ -43,6 +43,12 @@ mypy
 lint-imports
 mypy examples/acme-kvtier/src examples/acme-kvtier/tests
 mypy benchmarks/*.py benchmarks/policy_lab
+# The tests too, in three runs: tests/project's imports from benchmarks/ need
+# it on the path; tests/integrations' modules import each other by bare name
+# (no __init__.py, as pytest runs them); the test plugin is a package of its own.
+MYPYPATH=benchmarks mypy --explicit-package-bases --exclude 'tests/(plugins|integrations)/' tests
+MYPYPATH=tests/integrations mypy --explicit-package-bases tests/integrations/*.py
+mypy --explicit-package-bases tests/plugins
 # The peers' environments, for benchmarks/bench_peers.py's drivers, which the
 # fast suite runs in their quick mode (tests/project/test_benchmarks.py): here none of
 # them may be missing.

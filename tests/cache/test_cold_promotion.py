@@ -259,7 +259,7 @@ def test_a_wait_for_promotions_refuses_a_bad_duration(
     keys = cold.keys(TOKENS)
     durations = {"timeout": 1.0, option: value}
     with pytest.raises(ValueError, match=f"{option} must be a number of seconds"):
-        cold.wait_for_promotions(keys, **durations)
+        cold.wait_for_promotions(keys, **durations)  # type: ignore[arg-type]  # timeout, poll_s
     cold.drain()
     assert cold.status.holds(keys) == [False] * CHUNKS  # refused before it promoted anything
 

@@ -93,11 +93,11 @@ def test_pin_and_unpin_name_a_key_that_is_not_a_key(cache: KVCache) -> None:
     cache.commit(keys[:2])
     cache.drain()
     with pytest.raises(TypeError, match=r"keys\[2\]: expected a chunk key of 32 bytes .* got str"):
-        cache.pin([*keys[:2], "k" * 32])
+        cache.pin([*keys[:2], "k" * 32])  # type: ignore[list-item]
     assert set(cache.status.slot_states().values()) == {0}  # nothing pinned
     cache.pin(keys[:2])
     with pytest.raises(TypeError, match=r"keys\[1\]: .* got NoneType"):
-        cache.unpin([keys[0], None])
+        cache.unpin([keys[0], None])  # type: ignore[list-item]
     with pytest.raises(TypeError, match=r"keys: expected a sequence of chunk keys .* got int"):
         cache.unpin(5)  # type: ignore[arg-type]
     cache.unpin(keys[:2])  # the refused unpins released nothing

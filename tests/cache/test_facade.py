@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier import KVCache, KVTierError
+from kvtier import ChunkKey, KVCache, KVTierError
 from kvtier.errors import ClosedError
 from kvtier.testing import small_layout
 from tests.support.servers import RedisServer
@@ -68,7 +68,7 @@ def test_store_refuses_a_src_that_is_not_contiguous(cache: KVCache) -> None:
     with pytest.raises(ValueError, match="not C-contiguous"):
         cache.store(TOKENS, strided)
     with pytest.raises(TypeError, match="numpy array or a chunk copier"):
-        cache.store(TOKENS, "bytes")
+        cache.store(TOKENS, "bytes")  # type: ignore[arg-type]
     assert untouched(cache)
 
 
@@ -198,7 +198,7 @@ def test_commit_and_record_request_refuse_a_bad_flag_or_count(cache: KVCache) ->
     with pytest.raises(TypeError, match="success: expected a bool, got str"):
         cache.commit(keys[:2], success="no")  # type: ignore[arg-type]
     assert cache.status.primary.writing == 2  # the refused commit ended nothing
-    cache.commit(keys[:2], success=np.bool_(False))  # numpy's bool is a bool
+    cache.commit(keys[:2], success=np.bool_(False))  # type: ignore[arg-type]  # numpy's bool is a bool
     assert cache.status.primary.writing == 0 and cache.status.primary.free == 8
     with pytest.raises(TypeError, match="num_tokens must be an int, got '8'"):
         cache.record_request(keys, "8")  # type: ignore[arg-type]
@@ -211,13 +211,13 @@ def test_keys_past_the_ready_prefix_are_checked_before_the_tiers_are_asked(
 ) -> None:
     keys = cache.keys(TOKENS)
     cache.store(TOKENS[:8], data[:2])
-    bad = [*keys[:2], "k" * 32]
+    bad: list[ChunkKey] = [*keys[:2], "k" * 32]  # type: ignore[list-item]
     with pytest.raises(TypeError, match=r"keys\[2\]: .* got str"):
         cache.probe(bad)
     with pytest.raises(TypeError, match=r"keys\[2\]: .* got str"):
         cache.wait_for_promotions(bad, timeout=1.0)
     with pytest.raises(TypeError, match=r"keys\[0\]: .* got NoneType"):
-        cache.probe([None])
+        cache.probe([None])  # type: ignore[list-item]
     # Nothing was pinned or promoted by the calls refused.
     assert cache.probe(keys).hit_chunks == 2
     assert cache.load(TOKENS, 8, np.zeros((2, LAYOUT.slot_bytes), np.uint8)) == 8
@@ -234,7 +234,7 @@ def test_a_callers_bad_keys_never_open_a_healthy_remote_tiers_breaker(
     with KVCache(config, LAYOUT) as cache:
         for _ in range(10):
             with pytest.raises(TypeError):
-                cache.wait_for_promotions(["k" * 32], timeout=0.2)
+                cache.wait_for_promotions(["k" * 32], timeout=0.2)  # type: ignore[list-item]
         (tier,) = cache.manager.tiers
         assert tier.describe()["breaker"] == "closed"
         assert cache.store(TOKENS, data) == 4
@@ -314,12 +314,13 @@ def test_load_refuses_an_out_it_could_not_fill(cache: KVCache, data: np.ndarray)
     cache.store(TOKENS, data)
     read_only = np.zeros_like(data)
     read_only.flags.writeable = False
-    for out, message in [
+    refused: list[tuple[np.ndarray, str]] = [
         (np.zeros((3, LAYOUT.slot_bytes), np.uint8), "expected"),
         (np.zeros((4, LAYOUT.slot_bytes // 2), np.float32), "expected"),
         (np.zeros((4, 2 * LAYOUT.slot_bytes), np.uint8)[:, ::2], "not C-contiguous"),
         (read_only, "read-only"),
-    ]:
+    ]
+    for out, message in refused:
         with pytest.raises(ValueError, match=message):
             cache.load(TOKENS, 16, out)
     cache.drain()
@@ -425,7 +426,7 @@ def test_integer_arrays_of_any_width_give_the_keys_of_the_same_list(cache: KVCac
         torch.tensor(TOKENS),
         torch.tensor(TOKENS, dtype=torch.int32),
     ):
-        assert cache.keys(tokens) == expected
+        assert cache.keys(tokens) == expected  # type: ignore[arg-type]  # numpy ints too
     assert cache.keys([1] * 16) != cache.keys([2] * 16)
 
 
@@ -498,12 +499,12 @@ def test_loading_or_storing_zero_chunks_takes_arrays_of_zero_rows(
 # close: checked before the arguments -----------------------------------------
 
 BAD_CALLS: dict[str, Callable[[KVCache], object]] = {
-    "store-bad-src": lambda c: c.store(TOKENS, "not an array"),
+    "store-bad-src": lambda c: c.store(TOKENS, "not an array"),  # type: ignore[arg-type]
     "store-bad-num_chunks": lambda c: c.store(TOKENS, np.zeros((4, 1)), num_chunks=-1),
     "load-bad-num_tokens": lambda c: c.load(TOKENS, 3, np.zeros((4, 1))),
-    "load-bad-out": lambda c: c.load(TOKENS, 16, "not an array"),
+    "load-bad-out": lambda c: c.load(TOKENS, 16, "not an array"),  # type: ignore[arg-type]
     "lookup-bad-timeout": lambda c: c.lookup(TOKENS, timeout=-1),
-    "cached_prefix-float-tokens": lambda c: c.cached_prefix([1.5] * 16),
+    "cached_prefix-float-tokens": lambda c: c.cached_prefix([1.5] * 16),  # type: ignore[list-item]
     "keys-bool-tokens": lambda c: c.keys([True] * 16),
 }
 
@@ -619,7 +620,7 @@ def test_the_status_view_reports_slots_and_tiers_without_the_internals(tmp_path:
         ((tier_type, checks),) = cache.status.health()
         assert tier_type == "fs" and checks and all(check.ok for check in checks)
         keys = cache.keys(tokens)
-        assert cache.status.holds([*keys, b"\0" * len(keys[0])]) == [True] * 3 + [False]
+        assert cache.status.holds([*keys, ChunkKey(b"\0" * len(keys[0]))]) == [True] * 3 + [False]
         cache.reset()  # the primary tier forgets, the fs tier keeps
         assert cache.status.primary.chunks == 0 and cache.status.tiers[0].chunk_count == 3
         assert cache.cached_prefix(cache.chunks(keys)) == 12  # promoted back, by keys alone

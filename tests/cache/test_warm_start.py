@@ -82,6 +82,7 @@ def test_a_restart_finds_the_most_recent_prefix_in_memory(
         assert warm.chunks == PREFIX
         registry = cache.metrics.registry
         assert registry.get_sample_value("kvtier_warm_start_chunks_total") == PREFIX
+        assert warm.seconds is not None  # set once done
         assert registry.get_sample_value("kvtier_warm_start_seconds") == warm.seconds > 0
         primary = cache.manager.primary
         # In memory before any request asked: the newer prefix, not the older one.

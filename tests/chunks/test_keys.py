@@ -134,7 +134,7 @@ def test_layout_extra_given_as_a_list_or_mapping_is_the_same_layout() -> None:
     pairs = (("quant", "fp8"), ("engine", "x"))
     layout = replace(small_layout(), extra=pairs)
     for given in ([list(pair) for pair in pairs], dict(pairs)):
-        same = replace(small_layout(), extra=given)
+        same = replace(small_layout(), extra=given)  # type: ignore[arg-type]  # kvtier makes it pairs
         assert same == layout and same.namespace == layout.namespace
         assert hash(same) == hash(layout)  # frozen: stored as a tuple of tuples
 
@@ -257,18 +257,18 @@ def test_tokens_keyed_by_another_layout_are_refused() -> None:
     ("call", "error", "problem"),
     [
         # A float was truncated: 1.5 shared the key of 1.
-        (lambda: chain_key(b"n" * 32, [1.5]), TypeError, r"tokens\[0\] = 1.5 \(float\)"),
-        (lambda: chunk_keys(b"n", [1, 2.5, 3, 4], 4), TypeError, r"tokens\[1\] = 2.5"),
+        (lambda: chain_key(b"n" * 32, [1.5]), TypeError, r"tokens\[0\] = 1.5 \(float\)"),  # type: ignore[list-item]
+        (lambda: chunk_keys(b"n", [1, 2.5, 3, 4], 4), TypeError, r"tokens\[1\] = 2.5"),  # type: ignore[list-item]
         (lambda: chunk_keys(b"n", np.ones(4), 4), TypeError, "must be integers, got dtype float64"),
-        (lambda: chunk_keys(b"n", "abcd", 4), TypeError, "tokens: expected a sequence of int"),
-        (lambda: chain_key("ns", [1]), TypeError, "parent: expected bytes, got str"),
-        (lambda: chain_key(b"n", [1], "lora"), TypeError, "extra: expected bytes, got str"),
-        (lambda: chunk_keys("ns", [1] * 4, 4), TypeError, "namespace: expected bytes, got str"),
+        (lambda: chunk_keys(b"n", "abcd", 4), TypeError, "tokens: expected a sequence of int"),  # type: ignore[arg-type]
+        (lambda: chain_key("ns", [1]), TypeError, "parent: expected bytes, got str"),  # type: ignore[arg-type]
+        (lambda: chain_key(b"n", [1], "lora"), TypeError, "extra: expected bytes, got str"),  # type: ignore[arg-type]
+        (lambda: chunk_keys("ns", [1] * 4, 4), TypeError, "namespace: expected bytes, got str"),  # type: ignore[arg-type]
         (lambda: chunk_keys(b"n", [1] * 4, 0), ValueError, "chunk_tokens must be >= 1, got 0"),
-        (lambda: chunk_keys(b"n", [1] * 4, 2.0), TypeError, "chunk_tokens must be an int"),
+        (lambda: chunk_keys(b"n", [1] * 4, 2.0), TypeError, "chunk_tokens must be an int"),  # type: ignore[arg-type]
         (lambda: chunk_keys(b"n", [1] * 8, 4, [b"a"]), ValueError, "extras: 1 given for 2 full"),
-        (lambda: chunk_keys(b"n", [1] * 8, 4, [b"a", "b"]), TypeError, r"extras\[1\]: expected"),
-        (lambda: chunk_keys(b"n", [1] * 8, 4, b"ab"), TypeError, "extras: expected a sequence"),
+        (lambda: chunk_keys(b"n", [1] * 8, 4, [b"a", "b"]), TypeError, r"extras\[1\]: expected"),  # type: ignore[list-item]
+        (lambda: chunk_keys(b"n", [1] * 8, 4, b"ab"), TypeError, "extras: expected a sequence"),  # type: ignore[arg-type]
     ],
 )
 def test_key_functions_refuse_what_would_key_the_wrong_bytes(

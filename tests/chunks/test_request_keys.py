@@ -51,7 +51,7 @@ def test_a_list_changed_in_place_is_keyed_afresh(checked: list[int]) -> None:
     tokens.extend(range(4))
     assert keys.keys(tokens) == (tuple(chunk_keys(NS, tokens, 4)), 16)
     assert checked == [12, 12, 16]
-    tokens[0] = 2.5
+    tokens[0] = 2.5  # type: ignore[call-overload]  # a float on purpose
     with pytest.raises(TypeError, match=r"tokens\[0\] = 2.5"):
         keys.keys(tokens)
     tokens[0] = True

@@ -119,7 +119,7 @@ def test_demo_runs_a_local_model_directory(tmp_path: Path) -> None:
 
 def test_a_tokenizer_that_encodes_nothing_is_an_error() -> None:
     class Silent:
-        eos_token_id = None
+        eos_token_id: int | None = None
 
         def encode(self, text: str) -> list[int]:
             return []

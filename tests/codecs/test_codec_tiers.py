@@ -17,6 +17,7 @@ import pytest
 from kvtier import KVCache, integrity
 from kvtier.codecs import CodecStage, codec_config
 from kvtier.codecs.quantized import Int8Codec
+from kvtier.keys import ChunkKey
 from kvtier.layout import KVLayout
 from kvtier.testing import TierContractTests, TierHarness, restore_registries
 from kvtier.testing.codec_suite import kv_like
@@ -59,7 +60,7 @@ def _kv(chunks: int) -> np.ndarray:
 def _round_trip(codec: Any, chunk: np.ndarray) -> bytes:
     stage = CodecStage(codec_config(codec).build(LAYOUT), LAYOUT)
     buffer = stage.scratch(1)[0]
-    length = stage.encode(memoryview(chunk), buffer)
+    length = stage.encode(chunk.data, buffer)
     out = bytearray(LAYOUT.slot_bytes)
     stage.decode(buffer[:length], memoryview(out))
     return bytes(out)
@@ -121,12 +122,12 @@ def harness() -> Iterator[TierHarness]:
     harness.close()
 
 
-def _plant(harness: TierHarness, key: bytes, payload: bytes | bytearray | memoryview) -> None:
+def _plant(harness: TierHarness, key: ChunkKey, payload: bytes | bytearray | memoryview) -> None:
     """Put a framed value under ``key`` as another writer of the store would."""
     tier = harness.tier
     assert isinstance(tier, MemoryTier)
     with tier.backend._chunks_lock:
-        tier.backend._chunks[key] = integrity.frame(tier.namespace, key, payload)
+        tier.backend._chunks[key] = integrity.frame(tier.namespace, key, memoryview(payload))
 
 
 #: LAYOUT's chunks as an engine's own pages: the lossy codecs group
@@ -178,7 +179,8 @@ def test_a_damaged_codec_header_or_wrong_size_is_a_counted_miss(harness: TierHar
     wrong_size[24:32] = (LAYOUT.slot_bytes // 2).to_bytes(8, "little")  # decoded bytes field
     no_magic = bytearray(buffer[:length])
     no_magic[:4] = b"XXXX"
-    for key, payload in zip(keys, (truncated, wrong_size, no_magic), strict=True):
+    payloads: tuple[bytes | bytearray, ...] = (truncated, wrong_size, no_magic)
+    for key, payload in zip(keys, payloads, strict=True):
         _plant(harness, key, payload)
     result = harness.load(keys, [0, 1, 2])
     assert not result.succeeded and harness.tier.stats.corrupt_chunks == 3

@@ -7,6 +7,7 @@ import pytest
 
 from kvtier import ConfigError, KVCache, load_config
 from kvtier.testing import small_layout
+from kvtier.tiers.fs import FilesystemTierOptions
 from kvtier.tiers.memory import MemoryTierOptions
 
 OOT = "kvtier_testplugin.tiers"
@@ -133,8 +134,10 @@ def test_yaml_yes_is_refused_where_a_number_goes_and_kept_where_a_switch_does(
     )
     config = load_config(document)
     assert config.populate_primary is False and config.metrics.global_registry is True
-    assert config.secondary_tiers[0].options.fsync is True  # type: ignore[attr-defined]
-    assert config.secondary_tiers[0].options.io_threads == 3
+    options = config.secondary_tiers[0].options
+    assert isinstance(options, FilesystemTierOptions)
+    assert options.fsync is True
+    assert options.io_threads == 3
 
 
 def test_tier_entries_need_a_type_and_a_known_name() -> None:

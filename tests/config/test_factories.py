@@ -524,7 +524,7 @@ def test_a_new_kind_of_plugin_is_a_factory_over_a_registry_of_its_own() -> None:
 def test_built_ins_given_to_a_registry_are_registered_lazily_and_uniquely() -> None:
     from kvtier.plugins import PluginRegistry
 
-    registry = PluginRegistry(
+    registry: PluginRegistry[SecondaryTier] = PluginRegistry(
         kind="secondary tier",
         base=SecondaryTier,
         entry_point_group="kvtier.tiers",

@@ -11,9 +11,12 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 torch = pytest.importorskip("torch")
 
@@ -55,7 +58,7 @@ def mirrored(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_runs([row ^ 1 for row in rows], blocks)
 
     monkeypatch.setattr(page_copies, "contiguous_runs", runs)
-    real_rows = CopyIndex.rows.fget
+    real_rows = cast(property, CopyIndex.rows).fget  # mypy types it as its getter
     assert real_rows is not None
     monkeypatch.setattr(CopyIndex, "rows", property(lambda index: _swapped_rows(real_rows(index))))
 

@@ -7,7 +7,12 @@ and in one only.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 torch = pytest.importorskip("torch")
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+if TYPE_CHECKING:
+    import torch
+
 torch = pytest.importorskip("torch", reason="needs the 'transformers' extra")
 transformers = pytest.importorskip("transformers", reason="needs the 'transformers' extra")
+
+from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 
 from kvtier.errors import LayoutMismatchError  # noqa: E402
 from kvtier.integrations.transformers import (  # noqa: E402
@@ -22,6 +27,7 @@ from kvtier.integrations.transformers import (  # noqa: E402
     prefill,
     prefix_cache,
 )
+from kvtier.testing.faults import FaultyTier  # noqa: E402
 
 CHUNK = 16
 VOCAB = 300
@@ -53,6 +59,13 @@ def tiny_model(family: str, seed: int = 0, **overrides: Any) -> Any:
 def prompt(length: int, seed: int = 1) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+
+
+def kv_of(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of a cache layer: an attention layer's, in these models."""
+    assert isinstance(layer, CacheLayerMixin)
+    assert layer.keys is not None and layer.values is not None
+    return layer.keys, layer.values
 
 
 def kv_config(chunk_tokens: int = CHUNK, tier: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -267,9 +280,11 @@ def test_bfloat16_kv_round_trips_bit_exact() -> None:
         reader(index, slots[index])
     rebuilt = reader.to_cache(model.config)
     for original, copy in zip(cache.layers, rebuilt.layers, strict=True):
-        assert copy.keys.dtype == torch.bfloat16
-        assert torch.equal(copy.keys, original.keys[:, :, : 2 * CHUNK - 1])
-        assert torch.equal(copy.values, original.values[:, :, : 2 * CHUNK - 1])
+        keys, values = kv_of(original)
+        copy_keys, copy_values = kv_of(copy)
+        assert copy_keys.dtype == torch.bfloat16
+        assert torch.equal(copy_keys, keys[:, :, : 2 * CHUNK - 1])
+        assert torch.equal(copy_values, values[:, :, : 2 * CHUNK - 1])
 
 
 def test_a_cache_of_another_shape_is_refused() -> None:
@@ -341,9 +356,10 @@ def test_a_broken_tier_costs_the_reuse_never_the_answer() -> None:
     with PrefixCache(model, kv_config(tier=faulty)) as kv:
         kv.generate(tokens, 6)
         kv.kv.reset()
-        kv.kv.manager.tiers[0].broken = True  # fault injection: the tier itself
+        tier = cast(FaultyTier, kv.kv.manager.tiers[0])
+        tier.broken = True  # fault injection: the tier itself
         result = kv.generate(tokens, 6)
-        kv.kv.manager.tiers[0].broken = False
+        tier.broken = False
     assert result.reused_tokens == 0
     assert result.tokens == expected
 

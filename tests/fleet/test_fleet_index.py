@@ -20,7 +20,7 @@ from kvtier.fleet import ANY_TIER, FleetIndex, build_index, leading_runs
 from kvtier.fleet.base import NodeLease
 from kvtier.fleet.publisher import IndexPublisher
 from kvtier.fleet.redis import RedisIndex
-from kvtier.keys import chunk_keys
+from kvtier.keys import ChunkKey, chunk_keys
 from tests.fleet import fleet_doubles
 from tests.support.servers import RedisClusterServers, RedisServer, free_port
 
@@ -57,7 +57,7 @@ def node(slots: int, index: dict[str, Any], **config: Any) -> KVCache:
     )
 
 
-def keys_of(tokens: np.ndarray) -> list[bytes]:
+def keys_of(tokens: np.ndarray) -> list[ChunkKey]:
     return list(chunk_keys(LAYOUT.namespace, tokens, CHUNK_TOKENS))
 
 
@@ -221,11 +221,11 @@ def test_a_node_is_routed_to_by_what_it_holds(redis_server: RedisServer) -> None
 def test_a_routers_bad_keys_are_its_own_error_not_the_indexs(redis_server: RedisServer) -> None:
     reader = FleetIndex(redis_index(redis_server.url, key_prefix="t-badkeys:"), CHUNK_TOKENS)
     with pytest.raises(TypeError, match=r"keys\[1\]: expected a chunk key of 32 bytes"):
-        reader.scores([bytes(32), "ab" * 16])
+        reader.scores([ChunkKey(bytes(32)), "ab" * 16])  # type: ignore[list-item]  # a str key
     with pytest.raises(TypeError, match="keys: expected a sequence of chunk keys"):
-        reader.scores(bytes(32))
+        reader.scores(bytes(32))  # type: ignore[arg-type]  # one key, not a sequence
     assert reader.index.counters.query_failures == 0  # never asked
-    assert reader.scores([bytes(32)]) == []
+    assert reader.scores([ChunkKey(bytes(32))]) == []
     reader.close()
 
 

@@ -351,9 +351,9 @@ def test_identify_weights_locates_identifies_and_logs_the_cost(
     hub_cache(cache, model_dir)
     with caplog.at_level("INFO", logger="kvtier.identity"):
         found = identify_weights("org/tiny", cache_dirs=(cache,))
-    assert found is not None and found == weights_identity(
-        locate_model("org/tiny", cache_dirs=(cache,))
-    )
+    located = locate_model("org/tiny", cache_dirs=(cache,))
+    assert located is not None
+    assert found is not None and found == weights_identity(located)
     assert found.revision == COMMIT
     assert "weights of org/tiny identified from 3 files" in caplog.text
     assert f"revision {COMMIT}" in caplog.text

@@ -37,6 +37,7 @@ from sglang_pages import (
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.sglang import KVTierHiCacheStorage
+from kvtier.tiers.base import TransferJob
 
 pytestmark = pytest.mark.slow
 
@@ -217,9 +218,12 @@ def test_pages_promoted_in_several_jobs_each_reach_their_place_in_the_host_pool(
         assert tier.wait_index(60)  # every page known at once: jobs in order
         sizes: list[int] = []
         submit = tier.submit_load
-        monkeypatch.setattr(
-            tier, "submit_load", lambda job: (sizes.append(len(job.keys)), submit(job))
-        )
+
+        def submit_load(job: TransferJob) -> None:
+            sizes.append(len(job.keys))
+            submit(job)
+
+        monkeypatch.setattr(tier, "submit_load", submit_load)
         assert backend.batch_get_v1(keys, indices(3, len(keys))) == [True] * len(keys)
         assert [page_digest(fresh, (3 + page) * PAGE) for page in range(len(keys))] == written
     finally:
@@ -431,7 +435,7 @@ def test_launch_arguments_that_change_the_kv_share_nothing(
 
     scales = tmp_path / "kv_scales.json"
     scales.write_text('{"k": 1.0}')
-    base = {name: None for name in engine_config.KV_SERVER_ARGS} | {"dtype": "auto"}
+    base: dict[str, Any] = {name: None for name in engine_config.KV_SERVER_ARGS} | {"dtype": "auto"}
     launches = {
         "plain": base,
         "fp8 weights": base | {"quantization": "fp8"},
@@ -491,7 +495,7 @@ def test_the_launch_revision_and_download_dir_pick_the_snapshot_identified(
         write_weights(files, values)
         hub_snapshot(cache, "org/tiny", files, commit)  # main: the last one, b
     branch = cache / "models--org--tiny" / "refs" / "v2"
-    launch = {name: None for name in engine_config.KV_SERVER_ARGS}
+    launch: dict[str, Any] = {name: None for name in engine_config.KV_SERVER_ARGS}
     launch |= {"revision": "v2", "download_dir": str(cache)}
     monkeypatch.setattr(engine_config, "launch_server_args", lambda: SimpleNamespace(**launch))
     storage = SimpleNamespace(model_name="org/tiny")

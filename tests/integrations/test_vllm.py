@@ -468,7 +468,8 @@ def test_a_lora_adapter_changed_under_its_name_never_gets_the_old_adapters_chunk
 # Pieces of the connector, without an engine ------------------------------------
 
 
-def _request(tokens: list[int], **fields: Any) -> Any:
+def _request(tokens: list[int] | None, **fields: Any) -> Any:
+    """A stand-in for vLLM's ``Request``: ``tokens`` is ``None`` for a prompt of embeddings."""
     from types import SimpleNamespace
 
     return SimpleNamespace(

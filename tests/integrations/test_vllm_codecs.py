@@ -86,7 +86,7 @@ def _payloads(server: RedisServer, prefix: str) -> dict[bytes, bytes]:
                 bytes.fromhex(part) for part in name.decode()[len(prefix) :].split(":")
             )
             value = client.get(name)
-            assert value is not None
+            assert isinstance(value, bytes)
             header = unpack_header(
                 value, namespace=namespace, key=key, payload_bytes=len(value), exact_size=False
             )

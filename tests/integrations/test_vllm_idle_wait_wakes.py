@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
 
-from tests.integrations.vllm_requests import request
+from vllm_requests import request
 
 from kvtier import KVCache
 from kvtier.integrations.vllm.engine_config import VllmGeometry

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
 
-from tests.integrations.vllm_requests import request
 from tests.support.cache_tiers import tier_at
+from vllm_requests import request
 
 from kvtier import KVCache
 from kvtier.integrations.vllm.engine_config import VllmGeometry

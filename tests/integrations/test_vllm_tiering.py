@@ -10,7 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -19,15 +19,6 @@ pytest.importorskip("vllm", reason="needs vLLM: run scripts/test-vllm.sh")
 
 pytestmark = pytest.mark.slow
 
-from tests.integrations.vllm_tiering import (  # noqa: E402
-    ROW_BYTES,
-    Engine,
-    bf16_values,
-    float_payload,
-    offload_keys,
-    payload,
-    tiering_config,
-)
 from tests.support.servers import MooncakeMaster, RedisServer, S3Server  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     Locality,
@@ -36,10 +27,20 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     OffloadKey,
     ReqContext,
 )
+from vllm_tiering import (  # noqa: E402
+    ROW_BYTES,
+    Engine,
+    bf16_values,
+    float_payload,
+    offload_keys,
+    payload,
+    tiering_config,
+)
 
 from kvtier.errors import BackendUnavailableError, ConfigError  # noqa: E402
 from kvtier.integrations.vllm.tiering import tiering_layout  # noqa: E402
 from kvtier.testing import stored  # noqa: E402
+from kvtier.tiers.remote import RemoteTier  # noqa: E402
 
 TierFactory = Callable[[], dict[str, Any]]
 
@@ -270,11 +271,11 @@ def test_a_miss_stays_a_miss_for_the_rest_of_the_request(
     engine.manager.on_request_finished(ctx)
     # Another request asks the tier again: the tier's recent MISS answers it,
     # and once that is older than the tier keeps one, a new check (RETRY).
-    for request, answer in (("r2", LookupResult.MISS), ("r3", LookupResult.RETRY)):
-        again = ReqContext(req_id=request)
+    for req_id, answer in (("r2", LookupResult.MISS), ("r3", LookupResult.RETRY)):
+        again = ReqContext(req_id=req_id)
         engine.manager.on_new_request(again)
         assert engine.adapter.lookup(missing, again) is answer
-        engine.adapter.tier.checks.miss_answer_s = 0.0
+        cast(RemoteTier, engine.adapter.tier).checks.miss_answer_s = 0.0
     assert engine.adapter.tier.stats.lookups == checks + 2
 
 
@@ -290,7 +291,8 @@ def test_a_malformed_job_result_fails_its_job_never_the_engine(
     monkeypatch.setattr(
         tier,
         "get_finished_jobs",
-        lambda: [dataclasses.replace(result, nbytes="many") for result in reported()],
+        # Malformed on purpose: a byte count that is no int.
+        lambda: [dataclasses.replace(result, nbytes="many") for result in reported()],  # type: ignore[arg-type]
     )
     failures = tier.stats.load_failures
     assert engine.load(keys) == {}  # a miss, recomputed

@@ -14,6 +14,7 @@ from kvtier.errors import PluginLoadError
 from kvtier.keys import ChunkKey
 from kvtier.policies import CachePolicy, CachePolicyFactory
 from kvtier.policies.arc import ARCCachePolicy
+from kvtier.policies.s3fifo import S3FIFOCachePolicy
 from kvtier.primary import PrimaryTier, SlotBuffer
 from kvtier.sim.replay import PrimaryReplay
 from kvtier.sim.synthetic import ChatShape, chat_trace
@@ -116,6 +117,7 @@ def test_arc_adapts_its_target_on_ghost_hits() -> None:
 
 def test_arc_ghost_lists_stay_bounded() -> None:
     policy = make("arc", 8)
+    assert isinstance(policy, ARCCachePolicy)
     for i in range(1000):
         admit(policy, key(i))
         if i % 2:
@@ -160,6 +162,7 @@ def test_s3fifo_main_queue_spends_frequency_before_evicting() -> None:
 
 def test_s3fifo_evicts_keys_its_small_queue_promotes_into_an_emptied_main() -> None:
     policy = make("s3fifo", 20)  # small queue's share: 2
+    assert isinstance(policy, S3FIFOCachePolicy)
     for i in range(4):
         policy.insert(key(i))
     # Key 0 stays in small, accessed; keys 1-3 go to main by way of the ghost.

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier import ConfigError, KVCache
+from kvtier import ChunkKey, ConfigError, KVCache
 from kvtier.primary import SlotBuffer
 from kvtier.primary import buffer as buffer_module
 from kvtier.specs import tiering
@@ -171,7 +171,7 @@ def test_slots_left_without_memory_are_never_handed_out(
         assert sorted(primary.free_slots()) == [0, 1, 2, 6]
         assert (primary.usable_slots, primary.free_count) == (4, 4)
         assert primary.busy_counts()["retired"] == 4
-        keys = [bytes([i]) * 32 for i in range(5)]
+        keys = [ChunkKey(bytes([i]) * 32) for i in range(5)]
         assert primary.prepare_store(keys) is None  # room for four only
         reserved = primary.prepare_store(keys[:4])
         assert reserved is not None and sorted(reserved.values()) == [0, 1, 2, 6]

@@ -130,7 +130,7 @@ def test_touching_maps_every_page_a_view_overlaps_and_keeps_their_bytes() -> Non
         assert resident_bytes(region) == 3 * page
         assert region[page + 5] == 42 and bytes(region).count(0) == 8 * page - 1
         with pytest.raises(BufferError):
-            touch_pages(bytes(page), page)  # read-only
+            touch_pages(bytes(page), page)  # type: ignore[arg-type]  # read-only
         with pytest.raises(ValueError, match="one-byte"):
             touch_pages(view, page, bytearray(2))
         with pytest.raises(ValueError, match="piece"):

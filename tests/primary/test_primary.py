@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kvtier import ConfigError, KVCache, load_config
+from kvtier import ChunkKey, ConfigError, KVCache, load_config
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.primary import WRITING, PrimaryTier, SlotBuffer, loops
 from kvtier.primary.buffer import populate_now
@@ -31,7 +31,7 @@ def primary() -> PrimaryTier:
     return PrimaryTier(SlotBuffer(4, 4096), LRUCachePolicy(4))
 
 
-def stored(primary: PrimaryTier, *ids: int) -> list[bytes]:
+def stored(primary: PrimaryTier, *ids: int) -> list[ChunkKey]:
     keys = [key(i) for i in ids]
     assert primary.prepare_store(keys) is not None
     primary.complete_store(keys, True)
@@ -355,10 +355,10 @@ def test_pin_prefix_pins_the_leading_ready_chunks_and_never_raises(primary: Prim
 def test_a_policy_that_raises_on_insert_loses_the_chunk_never_the_slot(
     primary: PrimaryTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken_insert(chunk: bytes) -> None:
+    def broken_insert(chunk: ChunkKey) -> None:
         raise RuntimeError("policy bug")
 
-    def broken_insert_all(chunks: list[bytes]) -> None:
+    def broken_insert_all(chunks: list[ChunkKey]) -> None:
         raise RuntimeError("policy bug")
 
     monkeypatch.setattr(primary.policy, "insert", broken_insert)
@@ -375,13 +375,17 @@ def test_a_policy_that_refuses_one_key_of_a_batch_loses_only_that_chunk(
     policy = primary.policy
     real_insert = policy.insert
 
-    def picky_insert(chunk: bytes) -> None:
+    def picky_insert(chunk: ChunkKey) -> None:
         if chunk == key(2):
             raise RuntimeError("policy bug")
         real_insert(chunk)
 
+    def picky_insert_all(chunks: list[ChunkKey]) -> None:
+        for chunk in chunks:
+            picky_insert(chunk)
+
     monkeypatch.setattr(policy, "insert", picky_insert)
-    monkeypatch.setattr(policy, "insert_all", lambda chunks: [picky_insert(c) for c in chunks])
+    monkeypatch.setattr(policy, "insert_all", picky_insert_all)
     keys = [key(1), key(2), key(3)]
     reserved = primary.prepare_store(keys)
     assert reserved is not None
@@ -403,9 +407,12 @@ def test_evictions_sparing_a_long_chain_never_build_its_union(
 
     unions = []
     build = tier_module._Protected._union
-    monkeypatch.setattr(
-        tier_module._Protected, "_union", lambda view: unions.append(1) or build(view)
-    )
+
+    def counted_union(view: tier_module._Protected) -> set[ChunkKey]:
+        unions.append(1)
+        return build(view)
+
+    monkeypatch.setattr(tier_module._Protected, "_union", counted_union)
     slots = 80
     primary = PrimaryTier(
         SlotBuffer(slots, 64), CachePolicyFactory.create_cache_policy(name, slots)

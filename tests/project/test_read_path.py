@@ -75,7 +75,7 @@ class _Tracer:
             yield tracer
         finally:
             sys.settrace(None)
-            threading.settrace(None)  # type: ignore[arg-type]
+            threading.settrace(None)
 
 
 @pytest.fixture

@@ -12,8 +12,9 @@ from kvtier.tiers.deadlines import BoundedCalls, CallTimeout, call_within
 
 def test_a_call_that_returns_in_time_gives_its_result_or_its_error() -> None:
     assert call_within(lambda: 42, 5.0, name="kvtier-test-call") == 42
+    empty: dict[str, int] = {}
     with pytest.raises(KeyError, match="gone"):
-        call_within(lambda: {}["gone"], 5.0, name="kvtier-test-call")
+        call_within(lambda: empty["gone"], 5.0, name="kvtier-test-call")
 
 
 def test_a_late_result_goes_to_dispose_and_a_late_error_nowhere() -> None:

@@ -134,7 +134,7 @@ def test_a_tier_answers_a_run_of_the_keys_its_index_knows_or_of_those_it_does_no
         tier = harness.tier
         # An index that knows KEYS[0] is there, KEYS[1] is not, and nothing else.
         index = {KEYS[0]: True, KEYS[1]: False}
-        tier.store.known = index.get  # type: ignore[method-assign]
+        tier.store.known = lambda key: index.get(key)  # type: ignore[method-assign]
         ctx = LookupContext()
         assert tier.lookup_run(KEYS, ctx) == [Lookup.HIT, Lookup.MISS]
         assert tier.lookup_run([KEYS[0], KEYS[0]], ctx) == [Lookup.HIT, Lookup.HIT]

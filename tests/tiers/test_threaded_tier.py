@@ -14,6 +14,7 @@ from kvtier.tiers.base import Lookup, LookupContext
 from kvtier.tiers.remote import RemoteTier
 from kvtier.tiers.runtime import TierRuntime
 from kvtier.tiers.threaded import ThreadedTier
+from tests.support.cache_tiers import tiers_of
 from tests.tiers.threaded_doubles import (
     WORKERS_SEEN_IN_INIT,
     ObviousNamesTier,
@@ -89,7 +90,7 @@ def test_workers_start_when_the_manager_attaches_the_tier() -> None:
     try:
         # Started before the first request needs them, so that starting
         # threads does not sit on that request's time.
-        (tier,) = cache.manager.tiers
+        (tier,) = tiers_of(cache, ObviousNamesTier)
         assert len(tier_threads(tier.tier_type)) == tier.io_threads == 3
     finally:
         cache.close()

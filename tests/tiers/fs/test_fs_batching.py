@@ -44,7 +44,7 @@ def test_a_job_larger_than_the_workers_is_grouped_in_order(harness: TierHarness)
 
 def test_a_backed_up_queue_groups_up_to_io_batch_chunks(harness: TierHarness) -> None:
     tier = fs_tier(harness)
-    assert tier.store.group_chunks == tier.io_batch  # small chunks
+    assert tier.backend.group_chunks == tier.io_batch  # small chunks
     groups = _split(tier, 20, backlog=tier.io_threads)
     assert sorted(slot for group in groups for slot in group) == list(range(20))
     assert max(map(len, groups)) <= tier.io_batch

@@ -13,12 +13,13 @@ import pytest
 from click.testing import CliRunner
 
 from kvtier.cli import cli
+from kvtier.keys import ChunkKey
 from kvtier.testing import TierHarness, small_layout
 from kvtier.tiers.fs.io import TRAILER_BLOCK
 from kvtier.tiers.fs.layout import NamespaceDir
 
 
-def _populate(root: Path, model_id: str, count: int) -> list[bytes]:
+def _populate(root: Path, model_id: str, count: int) -> list[ChunkKey]:
     harness = TierHarness({"type": "fs", "root_dir": str(root)}, small_layout(model_id=model_id))
     try:
         keys = harness.keys(count)

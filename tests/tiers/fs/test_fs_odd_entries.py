@@ -12,9 +12,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from kvtier.errors import CorruptChunkError
 from kvtier.keys import ChunkKey
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup, LookupContext
+from kvtier.tiers.local import ItemErrors
 from tests.tiers.fs.fs_support import FILE_BYTES, LAYOUT, fs_tier, open_tier
 
 pytestmark = pytest.mark.usefixtures("chunk_io")
@@ -331,7 +331,9 @@ def test_a_damaged_file_the_re_index_removes_during_its_load_counts_once(
         handle.truncate(path.stat().st_size - 1)  # torn: the wrong size for a chunk
     real_load = tier.backend.load_many
 
-    def load_raced_by_the_re_index(keys: list[ChunkKey], outs: list[memoryview]) -> Any:
+    def load_raced_by_the_re_index(
+        keys: Sequence[ChunkKey], outs: Sequence[memoryview]
+    ) -> ItemErrors:
         errors = real_load(keys, outs)
         if any(isinstance(error, CorruptChunkError) for error in errors):
             tier.backend.index.drop_broken([str(path)])  # the re-index removes it first

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.keys import ChunkKey
 from kvtier.testing import TierHarness
 from kvtier.tiers.base import Lookup
 from kvtier.tiers.fs import index as index_module
@@ -61,7 +62,7 @@ def pair(root: Path) -> Iterator[tuple[TierHarness, TierHarness]]:
     second.close()
 
 
-def store_new(harness: TierHarness, count: int) -> list[bytes]:
+def store_new(harness: TierHarness, count: int) -> list[ChunkKey]:
     keys = harness.keys(count)
     harness.fill(range(count))
     assert harness.store(keys, list(range(count))).success
@@ -72,7 +73,7 @@ def test_two_tiers_on_one_root_hold_one_bound_at_every_step(
     pair: tuple[TierHarness, TierHarness], root: Path
 ) -> None:
     first, second = pair
-    stored: list[bytes] = []
+    stored: list[ChunkKey] = []
     for _ in range(10):
         for harness in pair:
             stored += store_new(harness, 3)
@@ -315,6 +316,7 @@ def test_a_store_is_one_transaction_and_its_done_mark_waits_for_the_next(root: P
     try:
         index, other_index = fs_tier(first).backend.index.bound, fs_tier(second).backend.index.bound
         assert index is not None and other_index is not None
+        assert index._db is not None
         statements: list[str] = []
         index._db.set_trace_callback(statements.append)
         key = store_new(first, 1)[0]

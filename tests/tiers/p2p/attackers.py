@@ -10,6 +10,7 @@ from __future__ import annotations
 import selectors
 import socket
 import threading
+from typing import Self
 
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.protocol import MessageType
@@ -42,7 +43,7 @@ class Attacker:
         self.opened = 0
         self.closed_by_node = 0
 
-    def __enter__(self) -> Attacker:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

@@ -22,7 +22,7 @@ import numpy as np
 from kvtier import KVCache
 from kvtier.cli.peer import synthetic_chunks
 from kvtier.cli.probe import probe_layout
-from kvtier.keys import chunk_keys
+from kvtier.keys import ChunkKey, chunk_keys
 from kvtier.layout import KVLayout
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.primary import PrimaryTier, SlotBuffer
@@ -108,7 +108,7 @@ class PeerProcess:
         raise RuntimeError(f"peer {self.name} did not start:\n{self.log()}")
 
     @property
-    def keys(self) -> list[bytes]:
+    def keys(self) -> list[ChunkKey]:
         return list(chunk_keys(self.layout.namespace, self.tokens, CHUNK_TOKENS))
 
     def alive(self) -> bool:

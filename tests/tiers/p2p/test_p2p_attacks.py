@@ -48,7 +48,7 @@ def honest_fetch(peer: PeerProcess, index: int) -> bool:
     )
     out = np.zeros(peer.layout.slot_bytes, dtype=np.uint8)
     try:
-        fetched = client.fetch_into(peer.keys[chunk], memoryview(out))
+        fetched = client.fetch_into(peer.keys[chunk], out.data)
     except (OSError, KVTierError):
         return False
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -48,7 +49,7 @@ def indexed_fleet(
         peers = spawn_nodes(spawn, redis_server, prefix, 4)
         fleet = reader(redis_server, prefix)
         for peer in peers:
-            wait_until(lambda peer=peer: visible(fleet, peer), f"{peer.name} in the index")
+            wait_until(functools.partial(visible, fleet, peer), f"{peer.name} in the index")
         fleet.close()
         yield prefix, peers
     finally:
@@ -109,7 +110,7 @@ def test_a_killed_node_leaves_the_answers_within_its_lease(
     [doomed, survivor] = spawn_nodes(spawn_peer, redis_server, prefix, 2, lease_s=1.0)
     fleet = reader(redis_server, prefix)
     for peer in (doomed, survivor):
-        wait_until(lambda peer=peer: visible(fleet, peer), f"{peer.name} in the index")
+        wait_until(functools.partial(visible, fleet, peer), f"{peer.name} in the index")
     client = redis.Redis.from_url(redis_server.url)
     leases = client.keys(prefix + "n:*")
     assert len(leases) == 2

@@ -12,7 +12,7 @@ from kvtier.tiers.redis import RedisTier
 
 def watched(
     server: dict[str, Any], key_prefix: str, **options: Any
-) -> tuple[TierHarness, list[ChunkKey]]:
+) -> tuple[TierHarness[RedisTier], list[ChunkKey]]:
     """A tier on ``server`` (``url`` or ``startup_nodes``) hearing its drops,
     and the keys residency was told are gone."""
     entry = {"type": "redis", **server, "key_prefix": key_prefix, "watch_evictions": True}
@@ -22,7 +22,9 @@ def watched(
     return harness, removed
 
 
-def an_expiry_is_heard(harness: TierHarness, removed: list[ChunkKey], url: str) -> ChunkKey:
+def an_expiry_is_heard(
+    harness: TierHarness[RedisTier], removed: list[ChunkKey], url: str
+) -> ChunkKey:
     """Expire a chunk of the tier's behind its back (``url``: a raw client's
     way in) and wait until residency is told; the chunk's key."""
     import redis
@@ -34,7 +36,7 @@ def an_expiry_is_heard(harness: TierHarness, removed: list[ChunkKey], url: str) 
 
 
 def every_expiry_is_heard(
-    harness: TierHarness, removed: list[ChunkKey], count: int = 24
+    harness: TierHarness[RedisTier], removed: list[ChunkKey], count: int = 24
 ) -> list[ChunkKey]:
     """Store ``count`` chunks, which the tier's ``ttl_s`` expires, and wait
     until residency is told of each, and of nothing else; their keys."""

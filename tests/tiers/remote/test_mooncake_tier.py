@@ -25,7 +25,8 @@ from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import recover, wait_until
 from kvtier.tiers import mooncake as mooncake_module
 from kvtier.tiers.base import Lookup
-from kvtier.tiers.mooncake import MooncakeTier, MooncakeTierOptions
+from kvtier.tiers.mooncake import MooncakeBackend, MooncakeTier, MooncakeTierOptions
+from tests.support.cache_tiers import backend_of
 from tests.support.needs import need_mooncake
 from tests.support.round_trip import assert_served_after_primary_reset
 from tests.support.servers import MooncakeMaster, free_port
@@ -85,7 +86,7 @@ def test_workers_reuse_one_registered_buffer_each(
             assert harness.load(keys, list(range(16, 32))).success
             np.testing.assert_array_equal(harness.buffer.array[16:32], data, err_msg=str(round_))
         # Registered once per worker, however many jobs: no registration per call.
-        assert 1 <= len(tier.backend.registered) <= 2
+        assert 1 <= len(backend_of(tier, MooncakeBackend).registered) <= 2
     finally:
         harness.close()
 
@@ -107,10 +108,11 @@ def test_workers_map_their_buffers_before_registering_them(
         keys = harness.keys(8)
         harness.fill(range(8))
         assert harness.store(keys, list(range(8))).success
-        assert tier.backend.registered
+        backend = backend_of(tier, MooncakeBackend)
+        assert backend.registered
         # Each registered mapping was populated first: a fresh worker's first
         # reads then write pages already mapped (see populate_now).
-        assert {id(m) for m, _ in tier.backend.registered} <= {id(r) for r in populated}
+        assert {id(m) for m, _ in backend.registered} <= {id(r) for r in populated}
     finally:
         harness.close()
 

@@ -21,9 +21,11 @@ from kvtier import KVCache
 from kvtier.integrity import HEADER_BYTES
 from kvtier.testing import small_layout
 from kvtier.testing.outages import FaultProxy, wait_until
-from kvtier.tiers.obj import ObjectStoreTier
+from kvtier.tiers.backend import Exists
+from kvtier.tiers.obj import ObjectStoreBackend, ObjectStoreTier
 from kvtier.tiers.prefetch import UNCLAIMED_S, Prefetched
 from kvtier.tiers.workers import Priority
+from tests.support.cache_tiers import backend_of
 from tests.support.servers import S3Server
 
 LAYOUT = small_layout(chunk_tokens=4)
@@ -46,7 +48,7 @@ class Requests:
         self.whole = 0
         self.ranged = 0
         self._lock = threading.Lock()
-        client = tier.backend.client
+        client = backend_of(tier, ObjectStoreBackend).client
         real = client.get_object
 
         def counted(**kwargs: Any) -> Any:
@@ -165,9 +167,9 @@ def test_a_chunk_the_tier_deletes_between_check_and_load_is_a_miss(
         key = cache.keys(TOKENS)[1]
         real = tier.store._read_checked
 
-        def then_deleted(held: Any, checked: list[str]) -> Any:
-            found = real(held, checked)
-            if tier.store_name(key) in checked:  # before the check answers
+        def then_deleted(held: Prefetched, names: list[str]) -> list[Exists]:
+            found = real(held, names)
+            if tier.store_name(key) in names:  # before the check answers
                 tier.discard([key])  # its held value goes with the object
             return found
 

@@ -18,8 +18,9 @@ from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import recover
 from kvtier.tiers.base import Lookup
-from kvtier.tiers.obj import ObjectStoreTier
+from kvtier.tiers.obj import ObjectStoreBackend, ObjectStoreTier
 from kvtier.tiers.remote import RemoteTier
+from tests.support.cache_tiers import backend_of
 from tests.support.servers import S3Server, free_port
 from tests.tiers.remote.damaged_values import (
     FIELDS,
@@ -71,7 +72,8 @@ def test_the_tier_parses_no_date_and_leaves_other_clients_parsing_them(
         harness.fill([0])
         assert harness.store(keys, [0]).success
         name = harness.tier.store_name(keys[0])
-        ours = harness.tier.backend.client.head_object(Bucket=s3_bucket, Key=name)
+        client = backend_of(harness.tier, ObjectStoreBackend).client
+        ours = client.head_object(Bucket=s3_bucket, Key=name)
         # A client made after the tier's, as the engine's own code might make.
         theirs = s3_server.client().head_object(Bucket=s3_bucket, Key=name)
         assert isinstance(ours["LastModified"], str)

@@ -15,7 +15,9 @@ from kvtier.errors import BackendUnavailableError
 from kvtier.testing import small_layout
 from kvtier.testing.outages import wait_until
 from kvtier.tiers import redis_events
+from kvtier.tiers.redis import RedisBackend, RedisTier
 from kvtier.tiers.redis_events import missing_flags
+from tests.support.cache_tiers import backend_of, tier_at
 from tests.support.needs import need_redis_server
 from tests.support.servers import LOOPBACK, RedisClusterServers, RedisServer
 from tests.tiers.remote.drops import an_expiry_is_heard, every_expiry_is_heard, watched
@@ -139,7 +141,7 @@ def test_an_eviction_reaches_the_engines_residency_watch(server_of: Any, key_pre
         cache.store([0, 1, 2, 3], row)
         cache.drain()
         [key] = cache.keys([0, 1, 2, 3])
-        name = cache.manager.tiers[0].store_name(key)
+        name = tier_at(cache, 0, RedisTier).store_name(key)
         assert raw_client(server.url).pexpire(name, 10)
         wait_until(lambda: ("redis", key, False) in told, what="the expiry announced")
         assert [entry for entry in told if entry[0] == "redis"] == [
@@ -268,7 +270,7 @@ def test_a_node_that_leaves_the_cluster_loses_its_subscriber(
         try:
             leaving = cluster.nodes[-1]
             assert _subscribers(leaving) == 1
-            watcher = harness.tier.backend.drops
+            watcher = backend_of(harness.tier, RedisBackend).drops
             assert watcher is not None and len(watcher.servers) == 4
             threads = len([t for t in threading.enumerate() if t.name == THREAD])
             cluster.remove_node(leaving)

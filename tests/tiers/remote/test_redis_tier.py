@@ -17,9 +17,10 @@ from kvtier.errors import BackendUnavailableError, ConfigError, MissingDependenc
 from kvtier.integrity import HEADER_BYTES, frame
 from kvtier.testing import TierContractTests, TierHarness, small_layout
 from kvtier.testing.outages import FaultProxy, recover, wait_until
-from kvtier.tiers.base import Lookup, LookupContext
-from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.base import Lookup, LookupContext, TransferJob
+from kvtier.tiers.redis import RedisBackend, RedisTier
 from kvtier.tiers.remote import RemoteTier
+from tests.support.cache_tiers import backend_of
 from tests.support.needs import need_redis_server
 from tests.support.servers import LOOPBACK, RedisClusterServers, RedisServer, ServerError, free_port
 from tests.tiers.p2p.certs import PKI, make_pki
@@ -102,7 +103,7 @@ class TestRedisTierContractOverTls(TestRedisTierContract):
     # Loads read replies off the connection's socket themselves: through TLS
     # that is the SSL socket, which must decrypt what they receive.
     @pytest.fixture(autouse=True)
-    def _server(self, tls_redis_server: _TlsRedisServer, key_prefix: str) -> None:  # type: ignore[override]
+    def _server(self, tls_redis_server: _TlsRedisServer, key_prefix: str) -> None:
         self.url = tls_redis_server.tls_url
         self.prefix = key_prefix
 
@@ -224,7 +225,8 @@ def test_a_read_into_slots_stalled_mid_value_gives_up_at_its_deadline(
             [key] = harness.keys(1)
             stored = harness.fill([0])
             assert harness.store([key], [0]).success
-            harness.tier.backend.client.connection_pool.disconnect()  # next: a held connection
+            client = backend_of(harness.tier, RedisBackend).client
+            client.connection_pool.disconnect()  # next: a held connection
             proxy.cut_after = 1000  # the reply's start, then nothing until released
             proxy.set_mode("hold")
             result = harness.load([key], [1])
@@ -307,7 +309,7 @@ def test_every_read_into_slots_is_bounded_by_its_jobs_deadline(
             reads.append((time.monotonic(), args[3]))
             return read(*args)
 
-        tier.backend.get_into = recording  # type: ignore[method-assign]
+        tier.backend.get_into = recording  # type: ignore[method-assign, assignment]  # called positionally
         bound_job = tier.guards.bound_job
 
         def slow_bound_job(state: Any) -> None:  # as on a loaded machine
@@ -456,9 +458,12 @@ def test_a_cold_prefix_in_several_jobs_comes_back_byte_exact_through_load_prefix
         tier = cache.manager.tiers[0]
         sizes: list[int] = []
         submit = tier.submit_load
-        monkeypatch.setattr(
-            tier, "submit_load", lambda job: (sizes.append(len(job.keys)), submit(job))
-        )
+
+        def counted(job: TransferJob) -> None:
+            sizes.append(len(job.keys))
+            submit(job)
+
+        monkeypatch.setattr(tier, "submit_load", counted)
         out = np.zeros((17, LAYOUT_4.slot_bytes), np.uint8)
         assert cache.load_prefix(tokens, out) == 64
         assert cache.manager.primary.busy_counts()["pinned"] == 0
@@ -627,24 +632,24 @@ def test_missing_client_library_raises_missing_dependency(
         TierHarness({"type": "redis", "url": "redis://127.0.0.1:1/0"}, small_layout())
 
 
-def _fill_up(server: RedisServer) -> Callable[[], None]:
+def _fill_up(server: RedisServer) -> Callable[[], object]:
     """Every write now answers OOM (Redis's default policy, noeviction, when full)."""
     server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
     server.command("CONFIG", "SET", "maxmemory", "1")
-    return lambda: server.command("CONFIG", "SET", "maxmemory", "0") and None
+    return lambda: server.command("CONFIG", "SET", "maxmemory", "0")
 
 
-def _read_only_user(server: RedisServer) -> Callable[[], None]:
+def _read_only_user(server: RedisServer) -> Callable[[], object]:
     """Every write now answers NOPERM: the tier's ACL user may only read."""
     server.command("ACL", "SETUSER", "kvtier", "-@write")
-    return lambda: server.command("ACL", "SETUSER", "kvtier", "+@write") and None
+    return lambda: server.command("ACL", "SETUSER", "kvtier", "+@write")
 
 
 @pytest.mark.parametrize("refuse", [_fill_up, _read_only_user], ids=["full", "read-only-user"])
 def test_a_server_refusing_writes_is_no_outage_and_serves_what_it_holds(
     own_redis_server: RedisServer,
     key_prefix: str,
-    refuse: Callable[[RedisServer], Callable[[], None]],
+    refuse: Callable[[RedisServer], Callable[[], object]],
 ) -> None:
     server = own_redis_server
     server.command("ACL", "SETUSER", "kvtier", "on", ">kvtier-secret", "~*", "&*", "+@all")
@@ -892,7 +897,7 @@ def test_a_frozen_seed_never_holds_up_a_cluster_start(key_prefix: str) -> None:
         # Not the first primary: redis-py asks it for its command table
         # whatever the seeds (docs/shared-tiers.md).
         frozen = cluster.nodes[-1]
-        entry = {"type": "redis", "startup_nodes": cluster.startup_nodes}
+        entry: dict[str, Any] = {"type": "redis", "startup_nodes": cluster.startup_nodes}
         entry |= {"key_prefix": key_prefix, "startup_timeout_s": 1}
         frozen.pause()
         try:
@@ -937,12 +942,13 @@ def test_a_cluster_probe_answers_while_a_node_is_frozen(
     fails only when none answers."""
     import redis
 
-    entry = {"type": "redis", "startup_nodes": redis_cluster.startup_nodes}
+    entry: dict[str, Any] = {"type": "redis", "startup_nodes": redis_cluster.startup_nodes}
     entry |= {"key_prefix": key_prefix, "socket_timeout_s": 0.5}
     harness = TierHarness(entry, small_layout())
     tier = harness.tier
     assert isinstance(tier, RedisTier)
-    assert tier.backend.client.get_default_node().port == redis_cluster.nodes[0].port
+    client = backend_of(tier, RedisBackend).client
+    assert client.get_default_node().port == redis_cluster.nodes[0].port
     frozen: list[RedisServer] = []
     try:
         for node in redis_cluster.nodes[:-1]:
@@ -1003,8 +1009,6 @@ def test_an_oversized_value_is_corrupt_and_its_neighbours_load_byte_exact(
 def test_pipelines_carry_a_few_mib_of_large_chunks_and_io_batch_of_small_ones(
     slot_bytes: int, chunks: int
 ) -> None:
-    from kvtier.tiers.redis import RedisBackend
-
     assert RedisBackend.batch_chunks(slot_bytes) == chunks
 
 
@@ -1013,13 +1017,13 @@ def test_a_probe_never_waits_for_a_pooled_connection(
 ) -> None:
     """Workers stuck on a frozen server can hold every pooled connection; the
     probe that decides recovery opens its own, so it answers at once."""
-    options = {"url": redis_server.url, "key_prefix": key_prefix}
+    options: dict[str, Any] = {"url": redis_server.url, "key_prefix": key_prefix}
     options |= {"max_connections": 2, "io_threads": 2, "socket_timeout_s": 0.5}
     harness = TierHarness({"type": "redis", **options}, small_layout(chunk_tokens=4), 4)
     try:
         tier = harness.tier
         assert isinstance(tier, RedisTier)
-        pool = tier.backend.client.connection_pool
+        pool = backend_of(tier, RedisBackend).client.connection_pool
         held = [pool.get_connection() for _ in range(2)]
         try:
             tier.backend.ping()  # before: waited socket_timeout_s, then "No connection available"

@@ -23,9 +23,10 @@ from kvtier.testing import TierHarness, small_layout
 from kvtier.testing.outages import FaultProxy, recover, wait_until
 from kvtier.tiers.base import Lookup, LookupContext, TransferJob
 from kvtier.tiers.circuit import BreakerState
-from kvtier.tiers.obj import ObjectStoreTier
+from kvtier.tiers.obj import ObjectStoreBackend, ObjectStoreTier
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.remote import RemoteTier
+from tests.support.cache_tiers import backend_of
 from tests.support.needs import need_redis_server, need_s3_server
 from tests.support.servers import RedisServer, S3Server, free_port
 from tests.tiers.remote.outage import outage_harness
@@ -68,7 +69,7 @@ def backend_calls(tier: RemoteTier) -> Calls:
     """Every request the tier sends: one per object for obj, one per pipeline for redis."""
     calls = Calls()
     if isinstance(tier, ObjectStoreTier):
-        client = tier.backend.client
+        client = backend_of(tier, ObjectStoreBackend).client
         return calls.wrap(client, "get_object", "put_object", "head_bucket", "delete_object")
     names = ("get_many", "get_into", "put_many", "exists_many", "ping", "delete")
     return calls.wrap(tier.backend, *names)
@@ -379,7 +380,7 @@ def test_cut_replies_fail_the_chunks_and_never_reach_a_slot(
             harness.buffer.array[2:4] = 9
             proxy.delay_s = 0.01
             proxy.set_mode("delay")  # late, yet well within the deadline: served
-            harness.tier.backend.client.close()  # new connections
+            backend_of(harness.tier, ObjectStoreBackend).client.close()  # new connections
             assert harness.load(keys, [2, 3]).success
             assert proxy.connections > connections
             np.testing.assert_array_equal(harness.buffer.array[2:4], data)
@@ -632,7 +633,12 @@ def test_a_requests_checks_and_loads_share_one_deadline(
         job = TransferJob((key,), (slot,), request_id=name)
         tier.submit_load(job)
         results: list[Any] = []
-        wait_until(lambda: results.extend(tier.get_finished_jobs()) or bool(results), what="load")
+
+        def finished() -> bool:
+            results.extend(tier.get_finished_jobs())
+            return bool(results)
+
+        wait_until(finished, what="load")
         return results[0]
 
     try:

@@ -66,7 +66,7 @@ def test_a_thawed_backend_serves_at_the_next_probe_though_earlier_probes_hang(
         assert tier.lookup(keys[0], LookupContext()) is not Lookup.HIT
         assert tier.stats.breaker_probes == stuck
         wait_until(lambda: tier.breaker.state is BreakerState.OPEN, what="probe given up")
-        wait_until(lambda n=stuck: tier.backend.stuck == n, what=f"{stuck} calls stuck")
+        wait_until(lambda n=stuck: tier.backend.stuck == n, what=f"{stuck} calls stuck")  # type: ignore[misc]
         assert len(tier.probes.threads) == stuck  # each still in its call
     tier.backend.thaw()
     clock.advance(tier.breaker.max_backoff_s)

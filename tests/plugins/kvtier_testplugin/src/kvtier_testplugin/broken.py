@@ -1,3 +1,3 @@
 """A module whose import fails, as a plugin with a missing dependency would."""
 
-import kvtier_testplugin_missing_dependency  # noqa: F401
+import kvtier_testplugin_missing_dependency  # type: ignore[import-not-found]  # noqa: F401
