@@ -436,7 +436,7 @@ class KVCache:
         self.lifecycle.check()
         return self.manager.prepare_store(checked_keys(keys))
 
-    def commit(self, keys: Sequence[ChunkKey], success: bool = True) -> None:
+    def commit(self, keys: Sequence[ChunkKey], success: bool | np.bool_ = True) -> None:
         """The writes into :meth:`reserve`'s slots ended: on success the chunks
         become ready and cascade to the secondary tiers; otherwise the slots are freed."""
         self.lifecycle.check()

@@ -126,7 +126,7 @@ def frame_into(
 
 
 def unframe_into(
-    value: bytes | memoryview,
+    value: bytes | bytearray | memoryview,
     out: memoryview,
     *,
     namespace: bytes,
@@ -155,7 +155,7 @@ def verify_in_place(
     unpack_header(header, namespace=namespace, key=key, payload_bytes=len(payload)).verify(payload)
 
 
-def copy_bytes(out: memoryview, data: bytes | memoryview) -> None:
+def copy_bytes(out: memoryview, data: bytes | bytearray | memoryview) -> None:
     """``out[:] = data`` for byte buffers of equal length, without the interpreter lock.
 
     A memoryview assignment holds the lock for the whole copy, so the other

@@ -198,7 +198,7 @@ def test_commit_and_record_request_refuse_a_bad_flag_or_count(cache: KVCache) ->
     with pytest.raises(TypeError, match="success: expected a bool, got str"):
         cache.commit(keys[:2], success="no")  # type: ignore[arg-type]
     assert cache.status.primary.writing == 2  # the refused commit ended nothing
-    cache.commit(keys[:2], success=np.bool_(False))  # type: ignore[arg-type]  # numpy's bool is a bool
+    cache.commit(keys[:2], success=np.bool_(False))  # numpy's bool is a bool
     assert cache.status.primary.writing == 0 and cache.status.primary.free == 8
     with pytest.raises(TypeError, match="num_tokens must be an int, got '8'"):
         cache.record_request(keys, "8")  # type: ignore[arg-type]
