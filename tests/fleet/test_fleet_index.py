@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from importlib.metadata import EntryPoint
@@ -15,13 +17,14 @@ from kvtier import KVCache, plugins
 from kvtier.cli.peer import synthetic_chunks
 from kvtier.cli.probe import probe_layout
 from kvtier.config import load_config
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, MissingDependencyError
 from kvtier.fleet import ANY_TIER, FleetIndex, build_index, leading_runs
 from kvtier.fleet.base import NodeLease
 from kvtier.fleet.publisher import IndexPublisher
 from kvtier.fleet.redis import RedisIndex
 from kvtier.keys import ChunkKey, chunk_keys
 from tests.fleet import fleet_doubles
+from tests.support.needs import need_redis_server
 from tests.support.servers import RedisClusterServers, RedisServer, free_port
 
 CHUNK_TOKENS = 16
@@ -263,6 +266,80 @@ def test_an_index_that_is_down_fails_only_itself() -> None:
     with pytest.raises(Exception, match=r"(?i)connect|refused"):
         reader.scores_for_tokens(tokens)
     assert reader.index.counters.query_failures == 1
+
+
+def test_a_cluster_index_down_at_start_publishes_once_it_answers() -> None:
+    """The index is advice: a Redis Cluster not up yet when the engine starts
+    (its client reads the topology from a seed) delays publishing, as a
+    single server down does, and fails no start."""
+    need_redis_server()
+    cluster = RedisClusterServers()  # its ports chosen, nothing listening yet
+    index = {"type": "redis", "startup_nodes": cluster.startup_nodes, "max_backoff_s": 0.05}
+    try:
+        with node(8, index) as cache:
+            tokens, data = synthetic_chunks(LAYOUT, 2, 7)
+            assert cache.store(tokens, data) == 2
+            publisher: Any = cache.manager.attachments[0]
+            wait_until(lambda: publisher.failures >= 2, "failed publishes")
+            cluster.start()
+            reader = FleetIndex(
+                build_index(RedisIndex, publisher.index.options), CHUNK_TOKENS, LAYOUT
+            )
+            try:
+                wait_until(lambda: bool(reader.scores_for_tokens(tokens)), "the chunks published")
+                [score] = reader.scores_for_tokens(tokens)
+                assert (score.node, score.tokens["cpu"]) == (publisher.lease.node, len(tokens))
+            finally:
+                reader.close()
+    finally:
+        cluster.close()
+
+
+def test_a_call_while_the_client_is_built_fails_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No caller queues behind a build (a cluster's seeds slow to answer): each
+    call waits one bounded attempt at most, and a failed build is tried anew."""
+    import kvtier.fleet.redis as fleet_redis
+
+    building, release = threading.Event(), threading.Event()
+    builds: list[Any] = []
+
+    def slow_client(options: Any) -> Any:
+        builds.append(options)
+        building.set()
+        assert release.wait(30), "never released"
+        raise ConnectionError("no seed answered")
+
+    monkeypatch.setattr(fleet_redis, "redis_client", slow_client)
+    index = redis_index("redis://127.0.0.1:1/0")
+    [key] = keys_of(np.arange(CHUNK_TOKENS))
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            index.holders([key])
+        except ConnectionError as exc:
+            errors.append(exc)
+
+    first = threading.Thread(target=ask)
+    first.start()
+    assert building.wait(30)
+    with pytest.raises(ConnectionError, match="being built"):
+        index.holders([key])  # while the first call builds: no second build
+    release.set()
+    first.join()
+    assert [str(error) for error in errors] == ["no seed answered"]
+    with pytest.raises(ConnectionError, match="no seed answered"):
+        index.holders([key])  # built anew
+    assert len(builds) == 2 and index.counters.query_failures == 3
+    index.close()
+
+
+def test_an_index_without_its_client_library_fails_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if not installed
+    with pytest.raises(MissingDependencyError, match=r"kvtier\[redis\]"):
+        redis_index("redis://127.0.0.1:1/0")
 
 
 def test_a_redis_cluster_holds_the_index(redis_cluster: RedisClusterServers) -> None:

@@ -25,7 +25,7 @@ from kvtier.fleet.base import (
 )
 from kvtier.keys import ChunkKey
 from kvtier.tiers.addresses import parse_host_port
-from kvtier.tiers.redis import RedisServerOptions, redis_client
+from kvtier.tiers.redis import RedisServerOptions, redis_client, require_redis
 
 _MAX_LEASE_BYTES = 4096
 
@@ -59,15 +59,34 @@ class RedisIndex(ClusterIndex):
         super().__init__(options)
         self._options = options
         self._prefix = options.key_prefix.encode()
-        # A single server is connected to lazily: one down at startup only
-        # delays publishing. A cluster's client reads the topology from a seed
-        # that answers now, and fails the start when none does.
-        self._client: Any = redis_client(options)
+        require_redis()  # a missing library fails the start, not the first use
+        # Built on first use, and again on each use until built: a cluster's
+        # client reads the topology from a seed at construction, and an index
+        # down at start must only delay publishing (it is advice), as a single
+        # server's, whose pool connects on first use, does anyway.
+        self._built: Any = None
+        self._building = threading.Lock()
         # Leases read recently: a routing call asks for each node once a second
         # at most, not once per chunk entry.
         self._leases: dict[str, tuple[float, NodeLease | None]] = {}
         self._leases_lock = threading.Lock()
         self._lease_cache_s = min(1.0, options.lease_s / 4)
+
+    @property
+    def _client(self) -> Any:
+        client = self._built
+        if client is not None:
+            return client
+        # One build at a time, and no caller queues behind it: each waits
+        # one bounded attempt at most, as a call to a server down would.
+        if not self._building.acquire(blocking=False):
+            raise ConnectionError("the index's client is being built: its servers are slow")
+        try:
+            if self._built is None:
+                self._built = redis_client(self._options)
+            return self._built
+        finally:
+            self._building.release()
 
     def _chunk_name(self, key: ChunkKey) -> bytes:
         return self._prefix + b"c:" + key
@@ -194,4 +213,6 @@ class RedisIndex(ClusterIndex):
         return NodeLease(node, p2p)
 
     def close(self) -> None:
-        self._client.close()
+        with self._building:  # after a build in flight: its client is closed too
+            if self._built is not None:
+                self._built.close()

@@ -518,16 +518,22 @@ class RedisTarget(Protocol):
     def is_cluster(self) -> bool: ...
 
 
+def require_redis() -> None:
+    """Raise :class:`MissingDependencyError` unless redis-py is installed."""
+    try:
+        import redis  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError("redis", "redis") from exc
+
+
 def redis_client(options: RedisTarget) -> Any:
     """A redis-py client for ``options``: a blocking pool, or a cluster client
     seeded with the seeds that answer."""
-    try:
-        import redis
-        from redis.backoff import ExponentialBackoff
-        from redis.cluster import ClusterNode, RedisCluster
-        from redis.retry import Retry
-    except ImportError as exc:
-        raise MissingDependencyError("redis", "redis") from exc
+    require_redis()
+    import redis
+    from redis.backoff import ExponentialBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
 
     common: dict[str, Any] = {
         **_connection_settings(options),
