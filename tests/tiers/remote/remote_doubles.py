@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import cast
 
 from kvtier.tiers.backend import (
     Backend,
@@ -101,10 +100,6 @@ class FreezableBackend(Backend[RemoteTierOptions]):
 class FreezableTier(RemoteTier[RemoteTierOptions]):
     backend_class = FreezableBackend
 
-    @property
-    def backend(self) -> FreezableBackend:
-        return cast(FreezableBackend, super().backend)
-
 
 class LateSendingBackend(FreezableBackend):
     """Sends framed values in place (:attr:`sends_framed`), reading the slot
@@ -126,7 +121,3 @@ class LateSendingBackend(FreezableBackend):
 
 class LateSendingTier(RemoteTier[RemoteTierOptions]):
     backend_class = LateSendingBackend
-
-    @property
-    def backend(self) -> LateSendingBackend:
-        return cast(LateSendingBackend, super().backend)

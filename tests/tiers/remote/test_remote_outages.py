@@ -30,7 +30,7 @@ from tests.support.cache_tiers import backend_of
 from tests.support.needs import need_redis_server, need_s3_server
 from tests.support.servers import RedisServer, S3Server, free_port
 from tests.tiers.remote.outage import outage_harness
-from tests.tiers.remote.remote_doubles import LateSendingTier
+from tests.tiers.remote.remote_doubles import LateSendingBackend, LateSendingTier
 
 
 class Calls:
@@ -485,22 +485,23 @@ def test_a_value_sent_in_place_after_its_deadline_from_a_reused_slot_is_never_se
         "deadline_s": 0.2,
     }
     with outage_harness(entry, LateSendingTier, num_slots=4) as (harness, tier, clock):
+        backend = backend_of(tier, LateSendingBackend)
         try:
             [key] = harness.keys(1)
             harness.buffer.array[0] = 1
             assert not harness.store([key], [0]).success  # answered at its deadline, send held
             harness.buffer.array[0] = 2  # the slot's next chunk
-            tier.backend.gate.set()
-            wait_until(lambda: bool(tier.backend.values), what="the late send")
+            backend.gate.set()
+            wait_until(lambda: bool(backend.values), what="the late send")
             assert recover(tier, clock)
             assert harness.lookup(key) is Lookup.HIT
             harness.buffer.array[1] = 9
             assert not harness.load([key], [1]).success
             assert (harness.buffer.array[1] == 9).all()  # the slot never saw the bytes
             assert tier.stats.corrupt_chunks == 1
-            assert not tier.backend.values  # and the bad value is gone
+            assert not backend.values  # and the bad value is gone
         finally:
-            tier.backend.gate.set()
+            backend.gate.set()
 
 
 def test_an_object_store_refusing_writes_is_no_outage(s3_server: S3Server, s3_bucket: str) -> None:
